@@ -1,0 +1,1 @@
+"""Policies: the built-in tiny transformer (and, later, Hugging Face models)."""

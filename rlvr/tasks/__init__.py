@@ -1,0 +1,1 @@
+"""Task families: prompts, answers, rewards and the goal check, one file each."""

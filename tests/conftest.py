@@ -1,0 +1,4 @@
+import torch
+
+# Two cores on CI: keep intra-op threads predictable so timings and determinism hold.
+torch.set_num_threads(2)
