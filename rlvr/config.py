@@ -1,0 +1,422 @@
+"""Typed run configuration: dataclasses, TOML loading, command-line overrides, validation.
+
+Every field has a docstring (the string literal under it); `rlvr train --help` prints them.
+Defaults live here and nowhere else. Loading is strict: an unknown section or key, a value of the
+wrong type, or a value out of range is a `ConfigError` that names the key, and the file and line
+when the value came from a file, before any model is built or any file is written.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import math
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the key and where it came from in the message."""
+
+
+@dataclass
+class ModelConfig:
+    """The policy network (the built-in tiny transformer)."""
+
+    n_layer: int = 2
+    """Transformer blocks."""
+    n_head: int = 4
+    """Attention heads per block (must divide n_embd)."""
+    n_embd: int = 128
+    """Width of the residual stream."""
+    init: str = ""
+    """Directory of a saved rlvr checkpoint to start from; empty = random initialisation."""
+
+
+@dataclass
+class TaskConfig:
+    """What the policy is asked to do and how it is scored."""
+
+    path: str = "rlvr.tasks.sort:sort_task"
+    """Task as `package.module:NAME` or `path/to/file.py:NAME`; NAME is a Task or returns one."""
+    reward: str = "position"
+    """Which of the task's rewards the run optimises (the proxy), e.g. `position`."""
+    reward_weights: dict = field(default_factory=dict)
+    """Optional {reward name: weight}; when set, the optimised reward is this weighted sum
+    instead of `reward` alone."""
+    options: dict = field(default_factory=dict)
+    """Keyword arguments passed to the task factory, e.g. {n = 5}."""
+
+
+@dataclass
+class SamplingConfig:
+    """How responses are drawn; the same distribution enters the ratios (see rlvr.sampling)."""
+
+    temperature: float = 1.0
+    """Softmax temperature of the sampling distribution; logp is taken under it too."""
+    top_p: float = 1.0
+    """Nucleus sampling mass; logp is taken under the renormalised nucleus."""
+    max_new_tokens: int = 0
+    """Bound on response length in tokens; 0 = the task's own bound."""
+
+
+@dataclass
+class AlgorithmConfig:
+    """The estimator Δ·∇log π and the surrogate around it."""
+
+    scheme: Literal["raw", "baseline", "centered", "normalized", "loo", "batch_normalized"] = "normalized"
+    """Δ scheme on the (P, G) reward matrix (rlvr.advantages). `baseline` is not available in
+    training (it needs a per-prompt B(S) from the caller)."""
+    top_k: int = 0
+    """Keep Δ only for the top-k rewards of each group (seed 000's patch); 0 = off."""
+    clip_eps: float = 0.2
+    """Clip the ratio below at 1 - clip_eps (and above, unless clip_eps_high is set)."""
+    clip_eps_high: float = 0.0
+    """Upper clip 1 + clip_eps_high; 0 = same as clip_eps."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """Token ratios (PPO/GRPO) or one length-normalised ratio per sequence (GSPO)."""
+    agg: Literal["seq_sum_mean", "seq_mean_mean", "token_mean", "seq_sum_const"] = "token_mean"
+    """How per-token losses are reduced to a scalar (rlvr.losses.AGGREGATIONS)."""
+    kl_coef: float = 0.0
+    """Weight of the KL term to the reference policy; 0 = no reference model is held."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token KL estimator (rlvr.losses.KL_ESTIMATORS)."""
+    ref_refresh_every: int = 0
+    """Copy the policy into the reference every N steps; 0 = never (the reference stays the
+    initial policy)."""
+
+
+@dataclass
+class TrainConfig:
+    """The outer loop and the optimiser."""
+
+    steps: int = 200
+    """Training steps; each samples one batch of P prompts x G responses."""
+    prompts_per_step: int = 32
+    """P: prompts per step."""
+    samples_per_prompt: int = 8
+    """G: responses sampled per prompt (the group that forms the baseline)."""
+    epochs_per_batch: int = 1
+    """μ: passes over the same rollouts before resampling."""
+    minibatches: int = 1
+    """Optimizer steps per pass (the P*G rows are split into this many minibatches)."""
+    lr: float = 1e-3
+    """Peak learning rate of AdamW."""
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """Decay after warm-up: none, cosine to 10% of lr, or linear to 10% of lr."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from 0 to lr."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: list = field(default_factory=lambda: [0.9, 0.99])
+    """AdamW betas."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 = off."""
+    seed: int = 0
+    """One seed for everything: initialisation, prompt order, sampling."""
+    threads: int = 0
+    """torch intra-op threads; 0 = torch's default."""
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation of the real goal."""
+
+    every: int = 50
+    """Evaluate every N steps (and always at the end); 0 = only at the end."""
+    prompts: int = 0
+    """Held-out prompts evaluated; 0 = all of them."""
+    pass_k: int = 4
+    """k for pass@k (sampled at the training temperature); 0 = skip."""
+    pass_k_prompts: int = 200
+    """Held-out prompts used for pass@k."""
+    batch_size: int = 1000
+    """Prompts decoded together during evaluation."""
+
+
+@dataclass
+class LogConfig:
+    """What the run directory records."""
+
+    rollouts_per_step: int = 2
+    """Groups (prompts with all their responses) written to rollouts.jsonl each step."""
+    print_every: int = 10
+    """Print a progress line every N steps."""
+
+
+@dataclass
+class Config:
+    """A whole run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "task": TaskConfig,
+    "sampling": SamplingConfig,
+    "algorithm": AlgorithmConfig,
+    "train": TrainConfig,
+    "eval": EvalConfig,
+    "log": LogConfig,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# field docs (for --help) and types
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass, read from its source with `ast`."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def help_text() -> str:
+    """Every key, its type, default and docstring: the body of `rlvr train --help`."""
+    lines = []
+    for section, cls in SECTIONS.items():
+        lines.append(f"[{section}]  {cls.__doc__}")
+        docs = field_docs(cls)
+        types = _field_types(cls)
+        default = cls()
+        for f in dataclasses.fields(cls):
+            t = types[f.name]
+            tname = "|".join(map(repr, typing.get_args(t))) if typing.get_origin(t) is Literal else getattr(t, "__name__", str(t))
+            lines.append(f"  --{section}.{f.name}={getattr(default, f.name)!r}  ({tname})")
+            lines.append(f"      {docs.get(f.name, '')}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+
+
+def _where(source: str | None, line: int | None) -> str:
+    if source is None:
+        return "command line"
+    return f"{source}:{line}" if line else source
+
+
+def _line_of(text: str, section: str, key: str | None) -> int | None:
+    """1-based line of `key` in `[section]` of a TOML text (or of the section header)."""
+    current = ""
+    for i, raw in enumerate(text.splitlines(), start=1):
+        s = raw.strip()
+        if s.startswith("[") and not s.startswith("[["):
+            current = s.strip("[]").strip()
+            if key is None and current == section:
+                return i
+            continue
+        if current == section and key is not None:
+            name = s.split("=", 1)[0].strip().strip('"')
+            if "=" in s and name == key:
+                return i
+        if current == "" and key is not None and section == "" and s.split("=", 1)[0].strip() == key:
+            return i
+    return None
+
+
+def _coerce(value: Any, t: Any, key: str, where: str) -> Any:
+    """Check (TOML) or parse (command-line string) `value` as type `t`."""
+    from_cli = where == "command line" and isinstance(value, str)
+    origin = typing.get_origin(t)
+    if origin is Literal:
+        choices = typing.get_args(t)
+        if value not in choices:
+            raise ConfigError(f"{key} = {value!r} ({where}): must be one of {', '.join(map(repr, choices))}")
+        return value
+    if t is bool:
+        if from_cli:
+            if value.lower() in ("true", "1", "yes"):
+                return True
+            if value.lower() in ("false", "0", "no"):
+                return False
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key} = {value!r} ({where}): expected true or false")
+    if t is int:
+        if from_cli:
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        elif isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key} = {value!r} ({where}): expected an integer")
+    if t is float:
+        if from_cli:
+            try:
+                value = float(value)
+            except ValueError:
+                raise ConfigError(f"{key} = {value!r} ({where}): expected a number") from None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                raise ConfigError(f"{key} = {value!r} ({where}): must be finite")
+            return float(value)
+        raise ConfigError(f"{key} = {value!r} ({where}): expected a number")
+    if t is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key} = {value!r} ({where}): expected a string")
+    if t in (dict, list):
+        if from_cli:
+            try:
+                value = tomllib.loads(f"v = {value}")["v"]
+            except tomllib.TOMLDecodeError as e:
+                raise ConfigError(f"{key} = {value!r} ({where}): not a TOML {t.__name__}: {e}") from None
+        if isinstance(value, t):
+            return value
+        raise ConfigError(f"{key} = {value!r} ({where}): expected a {'table' if t is dict else 'list'}")
+    raise ConfigError(f"{key}: unsupported field type {t}")  # pragma: no cover
+
+
+def _set(cfg: Config, section: str, key: str, value: Any, where: str) -> None:
+    if section not in SECTIONS:
+        raise ConfigError(f"unknown section [{section}] ({where}); known: {', '.join(SECTIONS)}")
+    cls = SECTIONS[section]
+    types = _field_types(cls)
+    if key not in types:
+        raise ConfigError(
+            f"unknown key {section}.{key} ({where}); [{section}] has: {', '.join(types)}"
+        )
+    setattr(getattr(cfg, section), key, _coerce(value, types[key], f"{section}.{key}", where))
+
+
+def load(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults, then the TOML file, then `--section.key=value` overrides; then `validate`."""
+    cfg = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        text = path.read_text()
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: not valid TOML: {e}") from None
+        for section, table in data.items():
+            if not isinstance(table, dict):
+                raise ConfigError(
+                    f"{section} = {table!r} ({_where(str(path), _line_of(text, '', section))}): "
+                    f"top-level keys must be sections like [train]"
+                )
+            for key, value in table.items():
+                _set(cfg, section, key, value, _where(str(path), _line_of(text, section, key)))
+    for item in overrides or []:
+        body = item[2:] if item.startswith("--") else item
+        if "=" not in body or "." not in body.split("=", 1)[0]:
+            raise ConfigError(f"override {item!r}: expected --section.key=value")
+        dotted, value = body.split("=", 1)
+        section, key = dotted.split(".", 1)
+        _set(cfg, section, key, value, "command line")
+    validate(cfg, source=str(path) if path else None)
+    return cfg
+
+
+def validate(cfg: Config, source: str | None = None) -> None:
+    """Range and consistency checks that the types alone do not express."""
+
+    def bad(key: str, msg: str) -> None:
+        raise ConfigError(f"{key}: {msg}" + (f" (in {source} or the command line)" if source else ""))
+
+    t, a, s = cfg.train, cfg.algorithm, cfg.sampling
+    for key, v in [("train.steps", t.steps), ("train.prompts_per_step", t.prompts_per_step),
+                   ("train.samples_per_prompt", t.samples_per_prompt),
+                   ("train.epochs_per_batch", t.epochs_per_batch), ("train.minibatches", t.minibatches),
+                   ("model.n_layer", cfg.model.n_layer), ("model.n_head", cfg.model.n_head),
+                   ("model.n_embd", cfg.model.n_embd), ("eval.batch_size", cfg.eval.batch_size)]:
+        if v < 1:
+            bad(key, f"must be >= 1, got {v}")
+    if cfg.model.n_embd % cfg.model.n_head:
+        bad("model.n_head", f"{cfg.model.n_head} does not divide model.n_embd = {cfg.model.n_embd}")
+    if t.minibatches > t.prompts_per_step * t.samples_per_prompt:
+        bad("train.minibatches", f"{t.minibatches} exceeds the {t.prompts_per_step * t.samples_per_prompt} rows of a batch")
+    if t.lr <= 0:
+        bad("train.lr", f"must be > 0, got {t.lr}")
+    if len(t.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in t.betas):
+        bad("train.betas", f"must be two numbers in [0, 1), got {t.betas}")
+    for key, v in [("train.warmup_steps", t.warmup_steps), ("train.weight_decay", t.weight_decay),
+                   ("train.grad_clip", t.grad_clip), ("train.seed", t.seed), ("train.threads", t.threads),
+                   ("sampling.max_new_tokens", s.max_new_tokens), ("algorithm.top_k", a.top_k),
+                   ("algorithm.kl_coef", a.kl_coef), ("algorithm.clip_eps_high", a.clip_eps_high),
+                   ("algorithm.ref_refresh_every", a.ref_refresh_every), ("eval.every", cfg.eval.every),
+                   ("eval.prompts", cfg.eval.prompts), ("eval.pass_k", cfg.eval.pass_k),
+                   ("eval.pass_k_prompts", cfg.eval.pass_k_prompts),
+                   ("log.rollouts_per_step", cfg.log.rollouts_per_step), ("log.print_every", cfg.log.print_every)]:
+        if v < 0:
+            bad(key, f"must be >= 0, got {v}")
+    if s.temperature <= 0:
+        bad("sampling.temperature", f"must be > 0 for training (greedy decoding has no usable logp), got {s.temperature}")
+    if not 0 < s.top_p <= 1:
+        bad("sampling.top_p", f"must be in (0, 1], got {s.top_p}")
+    if not 0 < a.clip_eps < 1:
+        bad("algorithm.clip_eps", f"must be in (0, 1), got {a.clip_eps}")
+    if a.scheme == "baseline":
+        bad("algorithm.scheme", "'baseline' needs a per-prompt B(S) that a training run does not have; "
+            "use centered, normalized or loo (the group is the baseline)")
+    if a.scheme == "loo" and t.samples_per_prompt < 2:
+        bad("algorithm.scheme", "'loo' needs train.samples_per_prompt >= 2")
+    if a.top_k > t.samples_per_prompt:
+        bad("algorithm.top_k", f"{a.top_k} exceeds train.samples_per_prompt = {t.samples_per_prompt}")
+    for name, w in cfg.task.reward_weights.items():
+        if not isinstance(w, (int, float)) or isinstance(w, bool) or not math.isfinite(w):
+            bad(f"task.reward_weights.{name}", f"must be a finite number, got {w!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# writing (the resolved config of a run)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    raise TypeError(f"cannot write {v!r} as TOML")
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML text that `load` reads back to an equal Config."""
+    out = []
+    for section in SECTIONS:
+        out.append(f"[{section}]")
+        for f in dataclasses.fields(getattr(cfg, section)):
+            out.append(f"{f.name} = {_toml_value(getattr(getattr(cfg, section), f.name))}")
+        out.append("")
+    return "\n".join(out)
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
