@@ -1,0 +1,174 @@
+"""Advantages: turn a (P, G) reward matrix into the weights Δ of the policy gradient.
+
+Every method in this library updates with  -Δ · ∇ log π(A|S)  (see losses.py); only Δ differs.
+Row p holds the G responses sampled for prompt p, so group statistics are reductions over dim 1
+(TRL's `rewards.view(-1, G)` idiom). With r the rewards of one group:
+
+    raw               Δ = r                                   (naive REINFORCE)
+    baseline          Δ = r - b(S)                            b is a (P,) baseline from the caller
+    centered          Δ = r - mean(r)                         group mean as baseline
+    normalized        Δ = (r - mean(r)) / (std(r) + EPS)      GRPO
+    loo               Δ = r - (sum(r) - r) / (G - 1)          leave-one-out (RLOO)
+    batch_normalized  Δ = (r - mean(r)) / (std(all centered values in the batch) + EPS)
+
+Choices that change the gradient:
+1. `std` is the unbiased sample std (divides by G - 1), as torch.std, TRL and verl compute it, so
+   GRPO numbers match theirs. `batch_normalized` uses the unbiased std over all P*G centered values.
+2. EPS = 1e-6 (verl's value) is added to the std, not under a square root. It bounds the scale
+   of Δ when a group's rewards barely differ; it makes `normalized` only approximately invariant
+   to rescaling the rewards.
+3. A group whose rewards are all exactly equal (max == min) gets Δ = 0 exactly under every scheme
+   except raw and baseline. Agreement is tested exactly, not with isclose(std, 0): equal
+   non-integer rewards such as 0.3 have a float std of ~1e-8, and dividing the ~1e-17 residue
+   of the centering by it would give nonsense (or NaN for G = 1 under the unbiased std).
+4. The inclusive mean (centered, normalized) scales the expected gradient by (G-1)/G, because
+   each sample's own reward sits in its baseline; loo is unbiased and equals G/(G-1) × centered.
+5. Dividing by a std (normalized, batch_normalized) is a random per-group weight: it stops the
+   update size from tracking the reward scale, and it up-weights groups with a small spread
+   (prompts almost always solved or almost never solved).
+6. `top_k` (applied after any scheme) keeps Δ only for the top_k highest-REWARD responses of each
+   group and zeros the rest. Ties are kept: every response whose reward is >= the k-th largest
+   reward of its group keeps its Δ, so more than k may survive. Sample order inside a group is
+   arbitrary, so breaking ties by index would favour whichever sample happened to come first.
+
+`compute` is the one entry point; it validates its inputs and raises ValueError naming the bad
+argument. The scheme functions in SCHEMES assume validated input.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+EPS = 1e-6  # added to the std in `normalized` and `batch_normalized`
+
+
+def agreeing_groups(rewards: Tensor) -> Tensor:
+    """(P,) bool: True where every reward of the group is exactly equal (that group teaches nothing)."""
+    rewards = torch.as_tensor(rewards)
+    return rewards.amax(dim=1) == rewards.amin(dim=1)  # (P,)
+
+
+def nonzero_fraction(delta: Tensor) -> float:
+    """Fraction of the entries of Δ that are nonzero: the share of samples that carry a gradient."""
+    delta = torch.as_tensor(delta)
+    if delta.numel() == 0:
+        return 0.0
+    return (delta != 0).float().mean().item()
+
+
+# --- schemes: (P, G) float rewards -> (P, G) delta -------------------------------------------
+
+
+def raw(rewards: Tensor) -> Tensor:
+    """Δ = R. With a 0/1 reward every wrong sample has Δ = 0 and moves nothing."""
+    return rewards.clone()
+
+
+def subtract_baseline(rewards: Tensor, baseline: Tensor) -> Tensor:
+    """Δ = R - b(S), with b a (P,) baseline per prompt chosen by the caller."""
+    return rewards - baseline[:, None]  # (P, G)
+
+
+def centered(rewards: Tensor) -> Tensor:
+    """Δ = R - mean of the group. Sums to 0 over each group."""
+    delta = rewards - rewards.mean(dim=1, keepdim=True)  # (P, G)
+    return _zero_agreeing(delta, rewards)
+
+
+def normalized(rewards: Tensor) -> Tensor:
+    """GRPO: Δ = (R - mean) / (unbiased std + EPS) per group; exactly 0 for an agreeing group."""
+    agree = agreeing_groups(rewards)[:, None]  # (P, 1)
+    mean = rewards.mean(dim=1, keepdim=True)  # (P, 1)
+    std = rewards.std(dim=1, keepdim=True) if rewards.shape[1] > 1 else torch.zeros_like(mean)
+    std = torch.where(agree, torch.ones_like(std), std)  # keep NaN out of the discarded branch
+    return torch.where(agree, torch.zeros_like(rewards), (rewards - mean) / (std + EPS))
+
+
+def leave_one_out(rewards: Tensor) -> Tensor:
+    """RLOO: Δ = R - (sum - R) / (G - 1), the mean of the other G - 1 rewards of the group."""
+    G = rewards.shape[1]
+    others_mean = (rewards.sum(dim=1, keepdim=True) - rewards) / (G - 1)  # (P, G)
+    return _zero_agreeing(rewards - others_mean, rewards)
+
+
+def batch_normalized(rewards: Tensor) -> Tensor:
+    """Δ = (R - group mean) / (unbiased std of all P*G centered values + EPS); 0 when all agree."""
+    delta = centered(rewards)  # (P, G)
+    if delta.numel() < 2 or not bool((delta != 0).any()):
+        return delta
+    return delta / (delta.std() + EPS)
+
+
+# name -> function of the (P, G) rewards; "baseline" also takes the (P,) baseline (see compute).
+SCHEMES = {
+    "raw": raw,
+    "baseline": subtract_baseline,
+    "centered": centered,
+    "normalized": normalized,
+    "loo": leave_one_out,
+    "batch_normalized": batch_normalized,
+}
+
+
+def compute(
+    rewards: Tensor | Sequence[Sequence[float]],
+    scheme: str,
+    *,
+    baseline: Tensor | Sequence[float] | None = None,
+    top_k: int | None = None,
+) -> Tensor:
+    """(P, G) rewards -> (P, G) float Δ under `scheme` (a key of SCHEMES), then the top_k filter.
+
+    `baseline` is a (P,) per-prompt baseline, required by the "baseline" scheme and rejected by
+    the others. `top_k` in 1..G keeps Δ of the responses whose reward is >= the k-th largest of
+    their group (ties kept) and zeros the rest. Integer or bool rewards become the default float
+    dtype; float rewards keep their dtype. Raises ValueError naming the argument at fault.
+    """
+    rewards = torch.as_tensor(rewards)
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be 2-D (P, G), got shape {tuple(rewards.shape)}")
+    if rewards.shape[0] < 1 or rewards.shape[1] < 1:
+        raise ValueError(f"rewards must have P >= 1 and G >= 1, got shape {tuple(rewards.shape)}")
+    if not rewards.is_floating_point():
+        rewards = rewards.to(torch.get_default_dtype())
+    if not bool(torch.isfinite(rewards).all()):
+        raise ValueError("rewards contain NaN or inf")
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown scheme {scheme!r}; known schemes: {', '.join(SCHEMES)}")
+    P, G = rewards.shape
+    if scheme == "loo" and G == 1:
+        raise ValueError("scheme 'loo' needs G >= 2 samples per prompt (rewards has G == 1)")
+
+    if scheme == "baseline":
+        if baseline is None:
+            raise ValueError("scheme 'baseline' needs a baseline: a (P,) tensor, one value per prompt")
+        baseline = torch.as_tensor(baseline, dtype=rewards.dtype)
+        if tuple(baseline.shape) != (P,):
+            raise ValueError(f"baseline must have shape (P,) = ({P},), got {tuple(baseline.shape)}")
+        if not bool(torch.isfinite(baseline).all()):
+            raise ValueError("baseline contains NaN or inf")
+        delta = subtract_baseline(rewards, baseline)
+    else:
+        if baseline is not None:
+            raise ValueError(f"baseline is only used by scheme 'baseline', not {scheme!r}")
+        delta = SCHEMES[scheme](rewards)
+
+    if top_k is not None:
+        try:
+            k = operator.index(top_k)
+        except TypeError:
+            raise ValueError(f"top_k must be an int in 1..G = 1..{G}, got {top_k!r}") from None
+        if isinstance(top_k, bool) or not 1 <= k <= G:
+            raise ValueError(f"top_k must be an int in 1..G = 1..{G}, got {top_k!r}")
+        kth = rewards.topk(k, dim=1).values[:, -1:]  # (P, 1) k-th largest reward of each group
+        delta = torch.where(rewards >= kth, delta, torch.zeros_like(delta))
+    return delta
+
+
+def _zero_agreeing(delta: Tensor, rewards: Tensor) -> Tensor:
+    """Set Δ to exactly 0 in groups whose rewards all agree (the mean of equal floats can be off by an ulp)."""
+    return torch.where(agreeing_groups(rewards)[:, None], torch.zeros_like(delta), delta)

@@ -1,0 +1,344 @@
+"""Losses: masked token log-probs, the clipped policy-gradient surrogate, KL to a reference.
+
+Shapes: B = P*G rows, T response tokens, V vocabulary; `mask (B, T)` is 1 on generated tokens
+only, so prompt and padding positions never enter a sum, a mean, a ratio or a statistic.
+
+The policy loss, per generated token t of row b (PPO / GRPO, seeds 000 and 001):
+
+    ratio[b,t]  = exp(logp[b,t] - logp_old[b,t])                      π / π_old
+    loss[b,t]   = -min(ratio * Δ, clip(ratio, 1 - eps_low, 1 + eps_high) * Δ)
+    loss        = aggregate(loss[b,t], mask, agg)                     see AGGREGATIONS
+
+Choices that change the gradient:
+1. `logp_old`, `logp_ref` and Δ are detached inside: they are constants of the update. Were
+   logp_old not detached, the ratio would be identically 1 with zero gradient ("the ratio
+   collapses to one"). With logp_old = logp.detach() (the first of μ passes) the ratio is 1, the
+   loss value is -mean(Δ) — 0 for centered Δ — and the gradient is -Δ ∇logp: it learns.
+2. Clipping zeroes the gradient of a token only where it is active: Δ > 0 and ratio > 1 + eps_high,
+   or Δ < 0 and ratio < 1 - eps_low. eps_high defaults to eps_low; a larger eps_high is DAPO's
+   "clip higher". There is no dual clip.
+3. level="sequence" is GSPO: one ratio per row, s_b = exp(mean over the row's generated tokens of
+   (logp - logp_old)) = (π(y|x) / π_old(y|x))^(1/|y|), clipped at the sequence level and used for
+   every token of the row. With agg="seq_mean_mean" this is exactly GSPO's per-sequence
+   objective; with token_mean the rows are weighted by their length.
+4. Δ may be (B,) (one outcome reward per response, the same weight on every token — credit by
+   association) or (B, T) (per-token Δ, e.g. process rewards).
+5. The aggregation mode (below) decides how tokens are weighted; it is not cosmetic.
+6. The KL term is a separate scalar (`kl_loss`); the caller adds kl_coef * kl_loss.
+   KL_ESTIMATORS documents which gradient each estimator really gives.
+
+Log-probs are computed in float32 (float64 stays float64); `token_logprobs(chunk_rows=...)`
+bounds the float32 (rows, V) working set for large vocabularies.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+# --- token log-probs ------------------------------------------------------------------------
+
+
+def token_logprobs(
+    logits: Tensor, ids: Tensor, *, temperature: float = 1.0, chunk_rows: int | None = None
+) -> Tensor:
+    """log softmax(logits / temperature) at ids: (B, T, V), (B, T) -> (B, T), float32 or wider.
+
+    logits[:, t] must already be the prediction for ids[:, t] (shift before calling). Use the
+    temperature the samples were drawn with, or the ratio compares different distributions.
+    With chunk_rows set, the B*T rows are processed chunk_rows at a time as
+    gathered_logit - logsumexp(row), each chunk upcast to float32 on its own, in the forward and
+    in the backward pass (a custom autograd function recomputes the softmax per chunk), so at most
+    one (chunk_rows, V) float32 block exists at once. Values and gradients match the plain path.
+    """
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be 3-D (B, T, V), got shape {tuple(logits.shape)}")
+    if tuple(ids.shape) != tuple(logits.shape[:2]):
+        raise ValueError(f"ids must have shape (B, T) = {tuple(logits.shape[:2])}, got {tuple(ids.shape)}")
+    if not temperature > 0 or not math.isfinite(temperature):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    ids = ids.long()
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    if chunk_rows is None:
+        logp_all = torch.log_softmax(logits.to(dtype) / temperature, dim=-1)  # (B, T, V)
+        return logp_all.gather(-1, ids[..., None]).squeeze(-1)  # (B, T)
+    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be a positive int or None, got {chunk_rows!r}")
+    B, T, V = logits.shape
+    flat = _ChunkedLogprob.apply(logits.reshape(B * T, V), ids.reshape(B * T), temperature, chunk_rows)
+    return flat.view(B, T)
+
+
+class _ChunkedLogprob(torch.autograd.Function):
+    """(N, V) logits, (N,) ids -> (N,) log-probs; backward recomputes the softmax chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, logits, ids, temperature, chunk_rows):
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        N = logits.shape[0]
+        out = torch.empty(N, dtype=dtype, device=logits.device)  # (N,)
+        lse = torch.empty(N, dtype=dtype, device=logits.device)  # (N,)
+        for s in range(0, N, chunk_rows):
+            x = logits[s : s + chunk_rows].to(dtype) / temperature  # (n, V) the one float32 block
+            lse[s : s + chunk_rows] = torch.logsumexp(x, dim=-1)
+            out[s : s + chunk_rows] = x.gather(1, ids[s : s + chunk_rows, None]).squeeze(1) - lse[s : s + chunk_rows]
+        ctx.save_for_backward(logits, ids, lse)
+        ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        logits, ids, lse = ctx.saved_tensors
+        temperature, chunk_rows = ctx.temperature, ctx.chunk_rows
+        grad = torch.empty_like(logits)  # (N, V) in the logits' dtype
+        for s in range(0, logits.shape[0], chunk_rows):
+            x = logits[s : s + chunk_rows].to(lse.dtype) / temperature  # (n, V)
+            g = grad_out[s : s + chunk_rows, None].to(lse.dtype)  # (n, 1)
+            # d(x_id - logsumexp x)/dx = onehot(id) - softmax(x); then the 1/temperature
+            gx = -torch.exp(x - lse[s : s + chunk_rows, None]) * g  # (n, V)
+            gx.scatter_add_(1, ids[s : s + chunk_rows, None], g)
+            grad[s : s + chunk_rows] = gx / temperature
+        return grad, None, None, None
+
+
+def sequence_logprob(logp: Tensor, mask: Tensor) -> Tensor:
+    """log π(response) = sum of the generated tokens' log-probs: (B, T), (B, T) -> (B,)."""
+    _check_same_shape("logp", logp, mask=mask)
+    return torch.where(mask.bool(), logp, torch.zeros_like(logp)).sum(dim=-1)  # (B,)
+
+
+# --- aggregation: (B, T) per-token values -> scalar -----------------------------------------
+# Rows with no generated token contribute 0 and still count in B (no NaN, no data-dependent B).
+
+
+def seq_sum_mean(values: Tensor, mask: Tensor, max_len: int | None = None) -> Tensor:
+    """Sum over each row's tokens, mean over the B rows: every token weighs 1/B.
+
+    With Δ this is REINFORCE on the sequence log-prob, log π(y|x) = Σ_t log π(y_t|...): the
+    unbiased gradient of the expected reward. The loss and gradient scale with response length,
+    so longer responses move the parameters more and the step size must shrink as T grows.
+    """
+    return _masked(values, mask).sum(dim=-1).mean()
+
+
+def seq_mean_mean(values: Tensor, mask: Tensor, max_len: int | None = None) -> Tensor:
+    """Mean over each row's tokens, mean over rows (GRPO paper): a token weighs 1/(B·|y_b|).
+
+    Every response counts once whatever its length, so a token of a long response counts less.
+    With negative Δ a long wrong answer is pushed down less per token than a short one — the
+    length bias that Dr. GRPO points out. Not the gradient of the expected reward.
+    """
+    count = mask.bool().sum(dim=-1).clamp(min=1).to(values.dtype)  # (B,)
+    return (_masked(values, mask).sum(dim=-1) / count).mean()
+
+
+def token_mean(values: Tensor, mask: Tensor, max_len: int | None = None) -> Tensor:
+    """Mean over all generated tokens of the batch (DAPO): a token weighs 1/Σ_b |y_b|.
+
+    Every token counts the same, so long responses get proportionally more say than under
+    seq_mean_mean; the weight still depends on the batch's total length (data-dependent scale).
+    """
+    count = mask.bool().sum().clamp(min=1).to(values.dtype)
+    return _masked(values, mask).sum() / count
+
+
+def seq_sum_const(values: Tensor, mask: Tensor, max_len: int | None = None) -> Tensor:
+    """Sum over each row's tokens / max_len, mean over rows (Dr. GRPO): a token weighs 1/(B·max_len).
+
+    A constant normalizer: the gradient is seq_sum_mean's (unbiased REINFORCE) divided by the
+    fixed max_len, so no length bias and a scale that does not depend on the batch.
+    """
+    if max_len is None or isinstance(max_len, bool) or not max_len > 0:
+        raise ValueError(f"max_len must be a number > 0 for agg 'seq_sum_const', got {max_len!r}")
+    return _masked(values, mask).sum(dim=-1).mean() / max_len
+
+
+AGGREGATIONS = {
+    "seq_sum_mean": seq_sum_mean,
+    "seq_mean_mean": seq_mean_mean,
+    "token_mean": token_mean,
+    "seq_sum_const": seq_sum_const,
+}
+
+
+def aggregate(values: Tensor, mask: Tensor, mode: str, *, max_len: int | None = None) -> Tensor:
+    """(B, T) per-token values -> scalar under `mode` (a key of AGGREGATIONS).
+
+    max_len is required by seq_sum_const and ignored by the other modes.
+    """
+    _check_same_shape("values", values, mask=mask)
+    if mode not in AGGREGATIONS:
+        raise ValueError(f"unknown agg mode {mode!r}; known modes: {', '.join(AGGREGATIONS)}")
+    return AGGREGATIONS[mode](values, mask, max_len)
+
+
+# --- the clipped policy-gradient loss -------------------------------------------------------
+
+
+def policy_loss(
+    logp: Tensor,
+    logp_old: Tensor,
+    delta: Tensor,
+    mask: Tensor,
+    *,
+    clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
+    level: str = "token",
+    agg: str = "token_mean",
+    max_len: int | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Clipped surrogate loss and its diagnostics: (loss scalar, stats of python floats).
+
+    logp, logp_old, mask: (B, T); delta: (B,) per response or (B, T) per token. logp_old and
+    delta are detached here (constants of the update). level "token" (PPO/GRPO) or "sequence"
+    (GSPO, module docstring item 3). Stats, over generated tokens, under no_grad:
+      clip_frac_low   Δ < 0 and ratio < 1 - clip_eps (clip active below, no gradient)
+      clip_frac_high  Δ > 0 and ratio > 1 + clip_eps_high (clip active above, no gradient)
+      clip_frac       their sum
+      approx_kl_old   mean of (ratio - 1) - log ratio over tokens: Schulman's k3 estimate of
+                      KL(π_old || π), unbiased and >= 0 since the tokens were sampled from π_old;
+                      always from the per-token ratio, also at level "sequence"
+      ratio_mean, ratio_min, ratio_max   of the ratio actually used, over generated tokens (at
+                      "sequence" each row's one ratio counts once per token of the row)
+    With no generated token the fractions and KL are 0.0 and the ratio stats 1.0.
+    """
+    _check_same_shape("logp", logp, logp_old=logp_old, mask=mask)
+    B, T = logp.shape
+    if tuple(delta.shape) not in ((B,), (B, T)):
+        raise ValueError(f"delta must have shape (B,) = ({B},) or (B, T) = ({B}, {T}), got {tuple(delta.shape)}")
+    if not 0 < clip_eps < 1:
+        raise ValueError(f"clip_eps must be in (0, 1), got {clip_eps!r}")
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    if not 0 < eps_high < math.inf:
+        raise ValueError(f"clip_eps_high must be a finite number > 0, got {clip_eps_high!r}")
+    if level not in ("token", "sequence"):
+        raise ValueError(f"unknown level {level!r}; known levels: token, sequence")
+    if agg not in AGGREGATIONS:
+        raise ValueError(f"unknown agg mode {agg!r}; known modes: {', '.join(AGGREGATIONS)}")
+
+    m = mask.bool()  # (B, T)
+    delta = delta.detach().to(logp.dtype)
+    delta = delta[:, None].expand(B, T) if delta.dim() == 1 else delta  # (B, T)
+    # zero outside the mask so padding (possibly -inf) never reaches exp or its gradient
+    log_ratio = torch.where(m, logp - logp_old.detach(), torch.zeros_like(logp))  # (B, T)
+    if level == "token":
+        ratio = torch.exp(log_ratio)  # (B, T)
+    else:
+        count = m.sum(dim=-1).clamp(min=1).to(logp.dtype)  # (B,)
+        ratio = torch.exp(log_ratio.sum(dim=-1) / count)[:, None].expand(B, T)  # (B, T) same per row
+    clipped = ratio.clamp(1 - clip_eps, 1 + eps_high)  # (B, T)
+    per_token = -torch.minimum(ratio * delta, clipped * delta)  # (B, T)
+    loss = AGGREGATIONS[agg](per_token, mask, max_len)
+
+    with torch.no_grad():
+        n = int(m.sum())
+        if n == 0:
+            stats = dict(clip_frac_low=0.0, clip_frac_high=0.0, clip_frac=0.0, approx_kl_old=0.0,
+                         ratio_mean=1.0, ratio_min=1.0, ratio_max=1.0)
+        else:
+            r, d, lr = ratio[m], delta[m], log_ratio[m]  # (n,) generated tokens only
+            low = ((d < 0) & (r < 1 - clip_eps)).float().mean().item()
+            high = ((d > 0) & (r > 1 + eps_high)).float().mean().item()
+            stats = dict(
+                clip_frac_low=low,
+                clip_frac_high=high,
+                clip_frac=low + high,
+                approx_kl_old=(torch.expm1(lr) - lr).mean().item(),
+                ratio_mean=r.mean().item(),
+                ratio_min=r.min().item(),
+                ratio_max=r.max().item(),
+            )
+    return loss, stats
+
+
+# --- KL to a reference policy ---------------------------------------------------------------
+# Tokens are sampled from π (the current policy). With log r = logp_ref - logp, the true
+# KL(π || π_ref) = E_π[-log r]. "Gradient as a loss" means autograd through logp only, samples
+# held fixed (no score-function term), in expectation over y ~ π, which is what a training loop
+# does. Verified by enumeration in tests/test_losses.py.
+
+
+def kl_k1(logp: Tensor, logp_ref: Tensor) -> Tensor:
+    """k1 = logp - logp_ref = -log r.
+
+    Value: unbiased for KL(π||π_ref), high variance, negative on some samples.
+    Gradient as a loss: ∇logp, whose expectation under π is 0 (score identity): in expectation
+    a k1 loss does not pull π toward π_ref at all; it only adds noise.
+    """
+    return logp - logp_ref
+
+
+def kl_k2(logp: Tensor, logp_ref: Tensor) -> Tensor:
+    """k2 = ½ (logp - logp_ref)² = ½ (log r)².
+
+    Value: biased (E_π[k2] = ½ E_π[(log r)²], not the KL; close to it only when π ≈ π_ref), >= 0,
+    low variance. Gradient as a loss: (logp - logp_ref) ∇logp, whose expectation under π is
+    exactly ∇ KL(π || π_ref): the on-policy k2 loss gives the true reverse-KL gradient.
+    """
+    return 0.5 * (logp - logp_ref) ** 2
+
+
+def kl_k3(logp: Tensor, logp_ref: Tensor) -> Tensor:
+    """k3 = exp(logp_ref - logp) - (logp_ref - logp) - 1 = (r - 1) - log r  (Schulman).
+
+    Value: unbiased for KL(π||π_ref) (E_π[r] = 1), >= 0 on every sample, low variance near
+    π_ref. Gradient as a loss: (1 - r) ∇logp, whose expectation under π is -E_{π_ref}[∇logp]
+    = ∇ KL(π_ref || π): the FORWARD KL's gradient, not the gradient of the KL it estimates.
+    """
+    log_r = logp_ref - logp
+    return torch.expm1(log_r) - log_r
+
+
+KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+
+
+def kl_estimate(logp: Tensor, logp_ref: Tensor, estimator: str) -> Tensor:
+    """Per-token estimate of KL(π || π_ref) from tokens sampled from π: (B, T) -> (B, T).
+
+    logp_ref is detached (the reference is frozen). See KL_ESTIMATORS for bias and gradient.
+    """
+    _check_same_shape("logp", logp, logp_ref=logp_ref)
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {estimator!r}; known estimators: {', '.join(KL_ESTIMATORS)}")
+    return KL_ESTIMATORS[estimator](logp, logp_ref.detach())
+
+
+def kl_loss(
+    logp: Tensor,
+    logp_ref: Tensor,
+    mask: Tensor,
+    estimator: str = "k3",
+    agg: str = "token_mean",
+    *,
+    max_len: int | None = None,
+) -> Tensor:
+    """Scalar KL penalty: per-token kl_estimate over generated tokens, aggregated by `agg`.
+
+    The default token_mean averages over the batch, samples and positions (seed 000).
+    """
+    _check_same_shape("logp", logp, logp_ref=logp_ref, mask=mask)
+    m = mask.bool()
+    # zero both sides outside the mask so padding cannot put inf/NaN into the value or gradient
+    zero = torch.zeros_like(logp)
+    per_token = kl_estimate(torch.where(m, logp, zero), torch.where(m, logp_ref, zero), estimator)
+    return aggregate(per_token, mask, agg, max_len=max_len)
+
+
+# --- helpers --------------------------------------------------------------------------------
+
+
+def _masked(values: Tensor, mask: Tensor) -> Tensor:
+    """values where mask is set, else exactly 0 (where, not multiply: 0 * inf would be NaN)."""
+    return torch.where(mask.bool(), values, torch.zeros_like(values))
+
+
+def _check_same_shape(name: str, x: Tensor, **others: Tensor) -> None:
+    """ValueError naming the argument unless x is 2-D (B, T) and every other has its shape."""
+    if x.dim() != 2:
+        raise ValueError(f"{name} must be 2-D (B, T), got shape {tuple(x.shape)}")
+    for other, t in others.items():
+        if tuple(t.shape) != tuple(x.shape):
+            raise ValueError(f"{other} must have the shape of {name} {tuple(x.shape)}, got {tuple(t.shape)}")

@@ -1,0 +1,455 @@
+"""Tests for rlvr.losses: worked examples, loop oracles, exact enumeration, errors."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlvr import advantages
+from rlvr.losses import (
+    AGGREGATIONS,
+    KL_ESTIMATORS,
+    aggregate,
+    kl_estimate,
+    kl_loss,
+    policy_loss,
+    sequence_logprob,
+    token_logprobs,
+)
+
+E = math.e
+
+
+def _one_token(logp, logp_old, delta, **kw):
+    """policy_loss on a single generated token (B = T = 1)."""
+    t = lambda x: torch.tensor([[x]], dtype=torch.float64)
+    logp = t(logp).requires_grad_()
+    loss, stats = policy_loss(logp, t(logp_old), torch.tensor([delta], dtype=torch.float64), torch.ones(1, 1), **kw)
+    (grad,) = torch.autograd.grad(loss, logp)
+    return loss.item(), grad.item(), stats
+
+
+# --- tier 1: worked examples (torchtune style) -----------------------------------------------
+
+
+def test_ratio_e_positive_delta_is_clipped_to_1_2():
+    loss, grad, stats = _one_token(1.0, 0.0, 1.0)  # ratio e > 1.2, Δ > 0: clip active
+    assert loss == pytest.approx(-1.2)
+    assert grad == 0.0
+    assert stats["ratio_mean"] == pytest.approx(E)
+    assert stats["clip_frac_high"] == 1.0 and stats["clip_frac_low"] == 0.0 and stats["clip_frac"] == 1.0
+
+
+def test_ratio_e_negative_delta_is_not_clipped():
+    loss, grad, stats = _one_token(1.0, 0.0, -1.0)  # min(-e, -1.2) = -e, so loss e, gradient flows
+    assert loss == pytest.approx(E)
+    assert grad == pytest.approx(E)  # d(e^x)/dx at x = 1
+    assert stats["clip_frac"] == 0.0
+
+
+def test_ratio_below_one_minus_eps():
+    # Δ < 0, ratio 1/e < 0.8: min(-1/e, -0.8) = -0.8, clip active below, no gradient
+    loss, grad, stats = _one_token(-1.0, 0.0, -1.0)
+    assert loss == pytest.approx(0.8) and grad == 0.0
+    assert stats["clip_frac_low"] == 1.0 and stats["clip_frac_high"] == 0.0
+    # Δ > 0, ratio 1/e: min(1/e, 0.8) = 1/e, unclipped, gradient -1/e
+    loss, grad, stats = _one_token(-1.0, 0.0, 1.0)
+    assert loss == pytest.approx(-1 / E) and grad == pytest.approx(-1 / E)
+    assert stats["clip_frac"] == 0.0
+
+
+def test_clip_eps_high_widens_only_the_upper_band():
+    loss, grad, _ = _one_token(math.log(1.25), 0.0, 1.0, clip_eps=0.2, clip_eps_high=0.28)
+    assert loss == pytest.approx(-1.25) and grad == pytest.approx(-1.25)  # inside [0.8, 1.28]
+    loss, _, _ = _one_token(1.0, 0.0, 1.0, clip_eps=0.2, clip_eps_high=0.28)
+    assert loss == pytest.approx(-1.28)
+    loss, _, _ = _one_token(-1.0, 0.0, -1.0, clip_eps=0.2, clip_eps_high=0.28)
+    assert loss == pytest.approx(0.8)  # the lower bound still uses clip_eps
+
+
+def test_stats_worked_example():
+    logp_old = torch.zeros(2, 3)
+    logp = torch.tensor([[1.0, 0.0, -1.0], [0.1, 5.0, 5.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    delta = torch.tensor([-1.0, 1.0])
+    _, s = policy_loss(logp, logp_old, delta, mask)
+    # generated tokens: ratios e, 1, 1/e (Δ=-1) and e^0.1 (Δ=+1); padding (ratio e^5) is ignored
+    r = [E, 1.0, 1 / E, math.exp(0.1)]
+    assert s["clip_frac_low"] == pytest.approx(0.25)  # 1/e with Δ < 0
+    assert s["clip_frac_high"] == 0.0  # e is above 1.2 but Δ < 0 there; e^0.1 is inside
+    assert s["clip_frac"] == pytest.approx(0.25)
+    assert s["ratio_max"] == pytest.approx(E) and s["ratio_min"] == pytest.approx(1 / E)
+    assert s["ratio_mean"] == pytest.approx(sum(r) / 4)
+    assert s["approx_kl_old"] == pytest.approx(sum(x - 1 - math.log(x) for x in r) / 4)
+    assert all(isinstance(v, float) for v in s.values())
+
+
+def test_aggregations_by_hand():
+    values = torch.tensor([[1.0, 2.0, 3.0], [4.0, 100.0, 100.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    assert aggregate(values, mask, "seq_sum_mean").item() == pytest.approx((6 + 4) / 2)
+    assert aggregate(values, mask, "seq_mean_mean").item() == pytest.approx((2 + 4) / 2)
+    assert aggregate(values, mask, "token_mean").item() == pytest.approx(10 / 4)
+    assert aggregate(values, mask, "seq_sum_const", max_len=5).item() == pytest.approx((6 + 4) / 2 / 5)
+
+
+def test_empty_rows_and_empty_batch_give_no_nan():
+    values = torch.tensor([[1.0, 2.0], [float("nan"), float("-inf")]], requires_grad=True)
+    mask = torch.tensor([[1, 1], [0, 0]])
+    for mode in AGGREGATIONS:
+        out = aggregate(values, mask, mode, max_len=4)
+        (grad,) = torch.autograd.grad(out, values)
+        assert torch.isfinite(out), mode
+        assert torch.isfinite(grad).all() and (grad[1] == 0).all(), mode
+    # the empty row counts as 0 in the mean over B rows
+    assert aggregate(values, mask, "seq_mean_mean").item() == pytest.approx(1.5 / 2)
+    none = torch.zeros(2, 2)
+    for mode in AGGREGATIONS:
+        assert aggregate(values, none, mode, max_len=4).item() == 0.0
+    loss, stats = policy_loss(torch.zeros(2, 2), torch.zeros(2, 2), torch.ones(2), none)
+    assert loss.item() == 0.0 and all(math.isfinite(v) for v in stats.values())
+
+
+def test_padding_with_inf_logprobs_does_not_poison_loss_or_gradient():
+    logp = torch.tensor([[-0.5, -float("inf")], [-1.0, -2.0]], requires_grad=True)
+    logp_old = torch.tensor([[-0.4, 0.0], [-1.0, -float("inf")]])
+    mask = torch.tensor([[1, 0], [1, 0]])
+    for level in ("token", "sequence"):
+        loss, stats = policy_loss(logp, logp_old, torch.tensor([1.0, -1.0]), mask, level=level)
+        (grad,) = torch.autograd.grad(loss, logp)
+        assert torch.isfinite(loss) and torch.isfinite(grad).all(), level
+        assert all(math.isfinite(v) for v in stats.values())
+    for est in KL_ESTIMATORS:
+        kl = kl_loss(logp, logp_old, mask, est)
+        (grad,) = torch.autograd.grad(kl, logp)
+        assert torch.isfinite(kl) and torch.isfinite(grad).all(), est
+
+
+def test_sequence_logprob_masks_prompt_and_padding():
+    logp = torch.tensor([[-1.0, -2.0, -float("inf")], [-0.5, -0.25, -4.0]])
+    mask = torch.tensor([[1, 1, 0], [0, 1, 1]])
+    assert torch.equal(sequence_logprob(logp, mask), torch.tensor([-3.0, -4.25]))
+
+
+def test_token_logprobs_by_hand():
+    logits = torch.tensor([[[0.0, 0.0, 0.0, 0.0], [math.log(3.0), 0.0, 0.0, 0.0]]])  # (1, 2, 4)
+    ids = torch.tensor([[2, 0]])
+    expected = torch.tensor([[math.log(1 / 4), math.log(3 / 6)]])
+    assert torch.allclose(token_logprobs(logits, ids), expected)
+    assert torch.allclose(token_logprobs(logits, ids, chunk_rows=1), expected)
+    # temperature 2 on logits [2 ln 3, 0, 0, 0] is the distribution (3, 1, 1, 1)/6
+    hot = torch.tensor([[[2 * math.log(3.0), 0.0, 0.0, 0.0]]])
+    assert torch.allclose(token_logprobs(hot, torch.tensor([[0]]), temperature=2.0), torch.tensor([[math.log(0.5)]]))
+
+
+def test_gspo_sequence_ratio_by_hand():
+    # row 0: token log-ratios 0.15 and 0.05 -> s = exp(0.1) (inside the band; padding 9.0 ignored);
+    # row 1: one token, log-ratio 1 -> s = e, clipped to 1.2
+    logp = torch.tensor([[0.15, 0.05, 9.0], [1.0, 0.0, 0.0]], requires_grad=True)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    delta = torch.tensor([1.0, 1.0])
+    loss, stats = policy_loss(logp, torch.zeros(2, 3), delta, mask, level="sequence", agg="seq_mean_mean")
+    s = math.exp(0.1)
+    assert loss.item() == pytest.approx(-(s + 1.2) / 2)
+    assert stats["ratio_max"] == pytest.approx(E) and stats["ratio_min"] == pytest.approx(s)
+    assert stats["clip_frac_high"] == pytest.approx(1 / 3)  # the one token of row 1, of 3 tokens
+    (grad,) = torch.autograd.grad(loss, logp)
+    # d/dlogp_t of -s/2 with s = exp(mean of the two log-ratios): -s/2 * 1/2 on each token
+    assert torch.allclose(grad, torch.tensor([[-s / 4, -s / 4, 0.0], [0.0, 0.0, 0.0]]))
+
+
+# --- tier 2: loop oracles --------------------------------------------------------------------
+
+
+def oracle_aggregate(values, mask, mode, max_len=None):
+    B, T = len(values), len(values[0])
+    sums = [sum(values[b][t] for t in range(T) if mask[b][t]) for b in range(B)]
+    counts = [sum(1 for t in range(T) if mask[b][t]) for b in range(B)]
+    if mode == "seq_sum_mean":
+        return sum(sums) / B
+    if mode == "seq_mean_mean":
+        return sum(s / c if c else 0.0 for s, c in zip(sums, counts)) / B
+    if mode == "token_mean":
+        return sum(sums) / sum(counts) if sum(counts) else 0.0
+    if mode == "seq_sum_const":
+        return sum(sums) / B / max_len
+
+
+def oracle_policy_per_token(logp, logp_old, delta, mask, eps_low, eps_high, level):
+    B, T = len(logp), len(logp[0])
+    per = [[0.0] * T for _ in range(B)]
+    for b in range(B):
+        toks = [t for t in range(T) if mask[b][t]]
+        if level == "sequence":
+            seq_ratio = math.exp(sum(logp[b][t] - logp_old[b][t] for t in toks) / len(toks)) if toks else 1.0
+        for t in toks:
+            ratio = seq_ratio if level == "sequence" else math.exp(logp[b][t] - logp_old[b][t])
+            d = delta[b][t] if isinstance(delta[b], list) else delta[b]
+            clipped = min(max(ratio, 1 - eps_low), 1 + eps_high)
+            per[b][t] = -min(ratio * d, clipped * d)
+    return per
+
+
+def _random_batch(g, B, T):
+    logp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    logp_old = logp + 0.4 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    mask = (torch.rand(B, T, generator=g) < 0.7).long()
+    mask[0] = 0  # always one empty row
+    return logp, logp_old, mask
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    B=st.integers(1, 5),
+    T=st.integers(1, 6),
+    seed=st.integers(0, 10_000),
+    mode=st.sampled_from(list(AGGREGATIONS)),
+    level=st.sampled_from(["token", "sequence"]),
+    per_token_delta=st.booleans(),
+    eps=st.sampled_from([(0.2, None), (0.1, 0.3), (0.25, 0.25)]),
+)
+def test_oracle_policy_loss_and_aggregations(B, T, seed, mode, level, per_token_delta, eps):
+    g = torch.Generator().manual_seed(seed)
+    logp, logp_old, mask = _random_batch(g, B, T)
+    delta = torch.randn((B, T) if per_token_delta else (B,), generator=g, dtype=torch.float64)
+    clip_eps, clip_eps_high = eps
+    max_len = T + 2
+    loss, stats = policy_loss(
+        logp, logp_old, delta, mask,
+        clip_eps=clip_eps, clip_eps_high=clip_eps_high, level=level, agg=mode, max_len=max_len,
+    )
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    per = oracle_policy_per_token(logp.tolist(), logp_old.tolist(), delta.tolist(), mask.tolist(), clip_eps, eps_high, level)
+    want = oracle_aggregate(per, mask.tolist(), mode, max_len)
+    assert loss.item() == pytest.approx(want, rel=1e-9, abs=1e-12)
+    # the aggregation alone against its oracle, on arbitrary values
+    values = torch.randn(B, T, generator=g, dtype=torch.float64)
+    got = aggregate(values, mask, mode, max_len=max_len).item()
+    assert got == pytest.approx(oracle_aggregate(values.tolist(), mask.tolist(), mode, max_len), rel=1e-9, abs=1e-12)
+    # token-level clip fractions against a loop
+    if level == "token" and mask.sum() > 0:
+        low = high = n = 0
+        for b in range(B):
+            for t in range(T):
+                if mask[b, t]:
+                    r = math.exp(logp[b, t] - logp_old[b, t])
+                    d = delta[b, t] if per_token_delta else delta[b]
+                    n += 1
+                    low += d < 0 and r < 1 - clip_eps
+                    high += d > 0 and r > 1 + eps_high
+        assert stats["clip_frac_low"] == pytest.approx(low / n)
+        assert stats["clip_frac_high"] == pytest.approx(high / n)
+
+
+@pytest.mark.parametrize("mode", list(AGGREGATIONS))
+@pytest.mark.parametrize("est", list(KL_ESTIMATORS))
+def test_oracle_kl_loss(mode, est):
+    g = torch.Generator().manual_seed(7)
+    logp, logp_ref, mask = _random_batch(g, 4, 5)
+    per = [[0.0] * 5 for _ in range(4)]
+    for b in range(4):
+        for t in range(5):
+            x = logp[b, t].item() - logp_ref[b, t].item()
+            per[b][t] = {"k1": x, "k2": 0.5 * x * x, "k3": math.exp(-x) + x - 1}[est]
+    want = oracle_aggregate(per, mask.tolist(), mode, 9)
+    assert kl_loss(logp, logp_ref, mask, est, mode, max_len=9).item() == pytest.approx(want, rel=1e-9)
+    assert torch.allclose(kl_estimate(logp, logp_ref, est), torch.tensor(per, dtype=torch.float64))
+
+
+# --- tier 3: properties ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("chunk_rows", [1, 4, 5, 7, 100])
+def test_chunked_logprobs_match_plain_values_and_gradients(dtype, chunk_rows):
+    g = torch.Generator().manual_seed(chunk_rows)
+    logits = (3 * torch.randn(3, 4, 11, generator=g)).to(dtype).requires_grad_()
+    ids = torch.randint(0, 11, (3, 4), generator=g)
+    weights = torch.randn(3, 4, generator=g).to(dtype)
+    for temperature in (1.0, 0.7):
+        plain = token_logprobs(logits, ids, temperature=temperature)
+        chunked = token_logprobs(logits, ids, temperature=temperature, chunk_rows=chunk_rows)
+        assert plain.dtype == chunked.dtype == dtype and chunked.shape == (3, 4)
+        tol = 1e-5 if dtype == torch.float32 else 1e-12
+        assert torch.allclose(plain, chunked, atol=tol)
+        (gp,) = torch.autograd.grad((plain * weights).sum(), logits)
+        (gc,) = torch.autograd.grad((chunked * weights).sum(), logits)
+        assert torch.allclose(gp, gc, atol=tol)
+
+
+def test_chunked_logprobs_gradcheck_and_bf16():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 3, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    ids = torch.randint(0, 5, (2, 3), generator=g)
+    assert torch.autograd.gradcheck(lambda x: token_logprobs(x, ids, temperature=0.8, chunk_rows=4), (logits,))
+    # bf16 logits: float32 log-probs, gradient back in bf16, same as the plain path
+    lo = torch.randn(2, 3, 50, generator=g).to(torch.bfloat16).requires_grad_()
+    ids = torch.randint(0, 50, (2, 3), generator=g)
+    a = token_logprobs(lo, ids)
+    b = token_logprobs(lo, ids, chunk_rows=2)
+    assert a.dtype == b.dtype == torch.float32 and torch.allclose(a, b, atol=1e-5)
+    (ga,) = torch.autograd.grad(a.sum(), lo)
+    (gb,) = torch.autograd.grad(b.sum(), lo)
+    assert gb.dtype == torch.bfloat16 and torch.allclose(ga.float(), gb.float(), atol=1e-2)
+
+
+def _categorical(seed, K=6):
+    g = torch.Generator().manual_seed(seed)
+    theta = torch.randn(K, generator=g, dtype=torch.float64, requires_grad=True)
+    phi = torch.randn(K, generator=g, dtype=torch.float64)  # the frozen reference's logits
+    return theta, phi
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_kl_estimators_values_by_enumeration(seed):
+    """Each outcome of a K-way categorical is one 'token'; E_π[k] = Σ_a π(a) k(a), exactly."""
+    theta, phi = _categorical(seed)
+    logp = torch.log_softmax(theta, 0)[None, :]  # (1, K): every outcome as a token
+    logp_ref = torch.log_softmax(phi, 0)[None, :]
+    pi = logp.exp()
+    kl = (pi * (logp - logp_ref)).sum()  # exact KL(π || π_ref)
+    mean = {est: (pi * kl_estimate(logp, logp_ref, est)).sum() for est in KL_ESTIMATORS}
+    assert torch.allclose(mean["k1"], kl, atol=1e-12)
+    assert torch.allclose(mean["k3"], kl, atol=1e-12)
+    assert torch.allclose(mean["k2"], 0.5 * (pi * (logp - logp_ref) ** 2).sum(), atol=1e-12)
+    assert mean["k2"] >= 0 and not torch.allclose(mean["k2"], kl, atol=1e-3)  # biased
+    assert (kl_estimate(logp, logp_ref, "k3") >= 0).all()  # k3 is >= 0 on every sample
+    assert (kl_estimate(logp, logp_ref, "k1") < 0).any()  # k1 is not
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_kl_estimators_gradients_by_enumeration(seed):
+    """Gradient of the loss as a training loop takes it (samples fixed, π(a) not differentiated),
+    in expectation: k1 -> 0, k2 -> ∇KL(π||π_ref), k3 -> ∇KL(π_ref||π)."""
+    theta, phi = _categorical(seed)
+    logp = torch.log_softmax(theta, 0)
+    logp_ref = torch.log_softmax(phi, 0)
+    pi, pi_ref = logp.exp(), logp_ref.exp()
+    (grad_reverse,) = torch.autograd.grad((pi * (logp - logp_ref)).sum(), theta, retain_graph=True)
+    (grad_forward,) = torch.autograd.grad((pi_ref * (logp_ref - logp)).sum(), theta, retain_graph=True)
+    expected_grad = {}
+    for est in KL_ESTIMATORS:
+        per_outcome = kl_estimate(logp[None, :], logp_ref[None, :], est)[0]  # (K,)
+        (expected_grad[est],) = torch.autograd.grad((pi.detach() * per_outcome).sum(), theta, retain_graph=True)
+    assert torch.allclose(expected_grad["k1"], torch.zeros_like(theta), atol=1e-12)
+    assert torch.allclose(expected_grad["k2"], grad_reverse, atol=1e-12)
+    assert torch.allclose(expected_grad["k3"], grad_forward, atol=1e-12)
+    assert not torch.allclose(grad_forward, grad_reverse, atol=1e-3)  # the distinction is real
+
+
+def test_kl_loss_does_not_differentiate_the_reference():
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    logp_ref = torch.tensor([[-1.5, -1.0]], requires_grad=True)
+    kl_loss(logp, logp_ref, torch.ones(1, 2)).backward()
+    assert logp.grad is not None and logp_ref.grad is None
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "seq_sum_mean", "seq_mean_mean", "seq_sum_const"])
+def test_loss_is_zero_but_it_learns(mode):
+    """μ = 1: logp_old = logp.detach(), so ratio = 1 and, with centered Δ over equal-length rows,
+    the loss is exactly -mean Δ = 0 — yet the gradient is -Δ ∇logp, not 0."""
+    P, G, T, V = 2, 4, 3, 7
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(P * G, T, V, generator=g, requires_grad=True)
+    ids = torch.randint(0, V, (P * G, T), generator=g)
+    mask = torch.ones(P * G, T)
+    delta = advantages.compute(torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 1.0]]), "centered").reshape(-1)
+    logp = token_logprobs(logits, ids)
+    loss, stats = policy_loss(logp, logp.detach(), delta, mask, agg=mode, max_len=T)
+    assert abs(loss.item()) < 1e-6
+    assert stats["ratio_mean"] == stats["ratio_min"] == stats["ratio_max"] == 1.0
+    assert stats["clip_frac"] == 0.0 and stats["approx_kl_old"] == 0.0
+    (grad,) = torch.autograd.grad(loss, logits, retain_graph=True)
+    # the REINFORCE loss -Σ Δ_b logp[b,t], scaled as the mode weights tokens
+    scale = {"token_mean": P * G * T, "seq_sum_mean": P * G, "seq_mean_mean": P * G * T, "seq_sum_const": P * G * T}[mode]
+    (want,) = torch.autograd.grad(-(delta[:, None] * logp).sum() / scale, logits)
+    assert grad.abs().max() > 1e-3
+    assert torch.allclose(grad, want, atol=1e-6)
+
+
+def test_logp_old_and_delta_are_constants():
+    logp = torch.tensor([[-1.0, -0.5]], requires_grad=True)
+    logp_old = torch.tensor([[-1.2, -0.4]], requires_grad=True)
+    delta = torch.tensor([0.7], requires_grad=True)
+    loss, _ = policy_loss(logp, logp_old, delta, torch.ones(1, 2))
+    loss.backward()
+    assert logp.grad is not None and logp_old.grad is None and delta.grad is None
+
+
+def test_sequence_level_is_gspo_objective():
+    """With agg seq_mean_mean, level='sequence' equals mean_b -min(s_b Δ_b, clip(s_b) Δ_b) with
+    s_b = (π(y_b)/π_old(y_b))^(1/|y_b|) built from sequence_logprob; gradients match too."""
+    g = torch.Generator().manual_seed(3)
+    logp, logp_old, mask = _random_batch(g, 5, 4)
+    logp.requires_grad_()
+    delta = torch.randn(5, generator=g, dtype=torch.float64)
+    loss, _ = policy_loss(logp, logp_old, delta, mask, level="sequence", agg="seq_mean_mean")
+    n = mask.sum(-1).clamp(min=1)
+    s = torch.exp((sequence_logprob(logp, mask) - sequence_logprob(logp_old, mask)) / n)
+    surr = -torch.minimum(s * delta, s.clamp(0.8, 1.2) * delta)
+    want = torch.where(mask.sum(-1) > 0, surr, torch.zeros_like(surr)).mean()
+    assert torch.allclose(loss, want)
+    (g1,) = torch.autograd.grad(loss, logp, retain_graph=True)
+    (g2,) = torch.autograd.grad(want, logp)
+    assert torch.allclose(g1, g2)
+
+
+def test_aggregation_weighting_differs_with_length():
+    """A long and a short response, both Δ = -1: seq_mean_mean pushes each token of the long one
+    less; token_mean and seq_sum_* weigh every token the same."""
+    logp = torch.zeros(2, 4, requires_grad=True)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0]])
+    delta = torch.tensor([-1.0, -1.0])
+    grads = {}
+    for mode in AGGREGATIONS:
+        loss, _ = policy_loss(logp, logp.detach(), delta, mask, agg=mode, max_len=4)
+        (grads[mode],) = torch.autograd.grad(loss, logp)
+    assert grads["seq_mean_mean"][0, 0] == pytest.approx(grads["seq_mean_mean"][1, 0] / 4)
+    for mode in ("token_mean", "seq_sum_mean", "seq_sum_const"):
+        assert grads[mode][0, 0] == pytest.approx(grads[mode][1, 0].item())
+    assert grads["seq_sum_const"][0, 0] == pytest.approx(grads["seq_sum_mean"][0, 0].item() / 4)
+
+
+# --- tier 4: errors name the argument --------------------------------------------------------
+
+
+def _pl(**over):
+    kw = dict(logp=torch.zeros(2, 3), logp_old=torch.zeros(2, 3), delta=torch.zeros(2), mask=torch.ones(2, 3))
+    kw.update(over)
+    return policy_loss(**kw)
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: _pl(delta=torch.zeros(3)), "delta"),
+        (lambda: _pl(delta=torch.zeros(2, 4)), "delta"),
+        (lambda: _pl(delta=torch.zeros(2, 3, 1)), "delta"),
+        (lambda: _pl(logp_old=torch.zeros(2, 4)), "logp_old"),
+        (lambda: _pl(mask=torch.ones(3, 3)), "mask"),
+        (lambda: _pl(logp=torch.zeros(6), logp_old=torch.zeros(6), mask=torch.ones(6)), "logp"),
+        (lambda: _pl(clip_eps=0.0), "clip_eps"),
+        (lambda: _pl(clip_eps=1.5), "clip_eps"),
+        (lambda: _pl(clip_eps_high=-0.1), "clip_eps_high"),
+        (lambda: _pl(level="tokens"), "level"),
+        (lambda: _pl(agg="mean"), "agg.*seq_sum_mean.*seq_mean_mean.*token_mean.*seq_sum_const"),
+        (lambda: _pl(agg="seq_sum_const"), "max_len"),
+        (lambda: _pl(agg="seq_sum_const", max_len=0), "max_len"),
+        (lambda: aggregate(torch.zeros(2, 3), torch.ones(2, 2), "token_mean"), "mask"),
+        (lambda: aggregate(torch.zeros(2, 3), torch.ones(2, 3), "sum"), "agg"),
+        (lambda: sequence_logprob(torch.zeros(2, 3), torch.ones(2, 4)), "mask"),
+        (lambda: kl_estimate(torch.zeros(2, 3), torch.zeros(2, 3), "k4"), "estimator.*k1.*k2.*k3"),
+        (lambda: kl_estimate(torch.zeros(2, 3), torch.zeros(3, 2), "k1"), "logp_ref"),
+        (lambda: kl_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 2)), "mask"),
+        (lambda: kl_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), "k3", "seq_sum_const"), "max_len"),
+        (lambda: token_logprobs(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long)), "logits"),
+        (lambda: token_logprobs(torch.zeros(2, 3, 4), torch.zeros(2, 2, dtype=torch.long)), "ids"),
+        (lambda: token_logprobs(torch.zeros(2, 3, 4), torch.zeros(2, 3, dtype=torch.long), temperature=0.0), "temperature"),
+        (lambda: token_logprobs(torch.zeros(2, 3, 4), torch.zeros(2, 3, dtype=torch.long), chunk_rows=0), "chunk_rows"),
+    ],
+)
+def test_errors_name_the_argument(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
