@@ -1,1 +1,310 @@
-"""Task families: prompts, answers, rewards and the goal check, one file each."""
+"""Task families: prompts, answers, rewards and the goal check, one file each.
+
+The task contract
+=================
+
+A task is a plain :class:`Task` value. Training reads ``train``; evaluation reads ``heldout``
+and ``goal``; the run optimizes one of ``rewards`` (or a weighted sum of several, chosen by
+the config's ``task.reward``).
+
+``name``
+    A short name used in logs and run directories.
+``train``
+    A sequence of :class:`Example` (``prompt``, ``answer``, ``meta``) the trainer samples
+    prompts from.
+``heldout``
+    Examples that never appear in a training batch: no held-out prompt may equal a training
+    prompt. Held-out accuracy on ``goal`` is the number a run is judged by.
+``rewards``
+    ``{name: Reward}``: the proxies a run may optimize. Each is a deterministic function
+    ``fn(prompt, response, answer) -> float`` that returns a number for *any* string, and
+    carries a :class:`~rlvr.rewards.RewardCard` saying what it pays for, what it ignores,
+    and a pattern that scores well without solving the task.
+``goal``
+    ``goal(prompt, response, answer) -> bool``: the real target. Evaluation only; never a
+    training signal, so a reward that drifts from it shows up as a gap between the two.
+``max_new_tokens``
+    The most tokens a response may have: bounds sampling and prices a run before it starts.
+``alphabet``
+    The characters the built-in character tokenizer knows, or None to derive them from the
+    prompts and answers. When given, every prompt character must be in it.
+``fixed_length``
+    True: every response is exactly ``max_new_tokens`` tokens and no end token is sampled
+    (the sort task). False (default): a response ends at an end-of-sequence token or at
+    ``max_new_tokens``, whichever comes first.
+
+Writing a task
+--------------
+
+Put a ``Task`` (or a function returning one) in a module or a file and point the run at it::
+
+    # my_task.py
+    from rlvr.rewards import Reward, RewardCard
+    from rlvr.tasks import Example, Task
+
+    def make(n_train=100):
+        ...
+        return Task(name="mine", train=..., heldout=..., rewards={"exact": Reward(...)},
+                    goal=..., max_new_tokens=8)
+
+    load_task("my_task.py:make", n_train=50)       # a file
+    load_task("rlvr.tasks.sort:TASK", n=6)         # an importable module
+    load_task("rlvr.tasks.sort")                   # NAME defaults to TASK
+
+:func:`load_task` imports the module (files by path through ``importlib``; nothing is
+``exec``'d from a string and nothing is unpickled), calls the object with the keyword
+arguments if it is a function, and checks the contract with :func:`validate_task`. Every
+error names the path and the field at fault.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from rlvr.rewards import Reward, RewardCard
+
+__all__ = ["Example", "Task", "TaskError", "load_task", "validate_task"]
+
+DEFAULT_NAME = "TASK"
+"""The name :func:`load_task` looks up when the path has no ``:NAME``."""
+
+
+@dataclass
+class Example:
+    """One prompt with the answer the rewards and the goal compare against."""
+
+    prompt: str
+    answer: Any
+    meta: dict = field(default_factory=dict)
+    """Anything else a task wants to keep beside the example (difficulty, source id...)."""
+
+
+@dataclass
+class Task:
+    """A training set, a disjoint held-out set, named rewards, and the real goal."""
+
+    name: str
+    train: Sequence[Example]
+    """Examples the trainer samples prompts from."""
+    heldout: Sequence[Example]
+    """Evaluation examples; their prompts never occur in ``train``."""
+    rewards: dict[str, Reward]
+    """The proxies a run may optimize; config ``task.reward`` picks one or weights several."""
+    goal: Callable[[str, str, Any], bool]
+    """``goal(prompt, response, answer)``: the real target, for evaluation only."""
+    max_new_tokens: int
+    """Bound on response length in tokens, for sampling and for pricing a run."""
+    alphabet: str | None = None
+    """Characters of the built-in char tokenizer; None derives them from the data."""
+    fixed_length: bool = False
+    """True: responses are exactly ``max_new_tokens`` tokens, no end token is sampled."""
+
+
+class TaskError(ValueError):
+    """A task path that does not load, or a task that breaks the contract."""
+
+
+def validate_task(task: Any) -> None:
+    """Raise TaskError naming the first field of ``task`` that breaks the contract.
+
+    Checks: it is a Task; ``name`` a non-empty str; ``train`` and ``heldout`` non-empty
+    sequences of Example with str prompts; no held-out prompt in ``train``; ``rewards`` a
+    non-empty dict of Reward keyed by their names, each with a callable ``fn`` and a complete
+    RewardCard; ``goal`` callable; ``max_new_tokens`` a positive int; ``alphabet`` None or a
+    non-empty str holding every prompt character; ``fixed_length`` a bool.
+    Cost: one pass over train and heldout.
+    """
+    if not isinstance(task, Task):
+        raise TaskError(f"is a {type(task).__name__}, not a rlvr.tasks.Task")
+    if not isinstance(task.name, str) or not task.name:
+        raise TaskError(f"name must be a non-empty str, got {task.name!r}")
+    prompts: dict[str, set[str]] = {}
+    for split in ("train", "heldout"):
+        examples = getattr(task, split)
+        if isinstance(examples, (str, bytes)) or not isinstance(examples, Sequence):
+            raise TaskError(
+                f"{split} must be a sequence of Example (a list or tuple), "
+                f"got {type(examples).__name__}"
+            )
+        if len(examples) == 0:
+            raise TaskError(f"{split} is empty")
+        for i, ex in enumerate(examples):
+            if not isinstance(ex, Example):
+                raise TaskError(f"{split}[{i}] is a {type(ex).__name__}, not an Example")
+            if not isinstance(ex.prompt, str):
+                raise TaskError(
+                    f"{split}[{i}].prompt is a {type(ex.prompt).__name__}, not a str"
+                )
+        prompts[split] = {ex.prompt for ex in examples}
+    overlap = prompts["train"] & prompts["heldout"]
+    if overlap:
+        sample = sorted(overlap)[:3]
+        raise TaskError(
+            f"heldout overlaps train: {len(overlap)} held-out prompt(s) also in train, "
+            f"e.g. {sample}"
+        )
+    if not isinstance(task.rewards, dict) or not task.rewards:
+        raise TaskError(
+            f"rewards must be a non-empty dict of name -> Reward, got {task.rewards!r:.80}"
+        )
+    for key, r in task.rewards.items():
+        if not isinstance(r, Reward):
+            raise TaskError(f"rewards[{key!r}] is a {type(r).__name__}, not a rlvr.rewards.Reward")
+        if r.name != key:
+            raise TaskError(f"rewards[{key!r}] is named {r.name!r}; the key must be its name")
+        if not callable(r.fn):
+            raise TaskError(f"rewards[{key!r}].fn is not callable: {r.fn!r:.80}")
+        if not isinstance(r.card, RewardCard):
+            raise TaskError(
+                f"rewards[{key!r}] has no RewardCard (card is {type(r.card).__name__}); "
+                "name what it pays for, ignores, and how it is exploited"
+            )
+        for part in ("pays_for", "ignores", "exploit"):
+            text = getattr(r.card, part)
+            if not isinstance(text, str) or not text.strip():
+                raise TaskError(f"rewards[{key!r}].card.{part} must be a non-empty str")
+        ex_fn = r.card.exploit_example
+        if ex_fn is not None and not callable(ex_fn):
+            raise TaskError(f"rewards[{key!r}].card.exploit_example is not callable or None")
+    if not callable(task.goal):
+        raise TaskError(f"goal is not callable: {task.goal!r:.80}")
+    m = task.max_new_tokens
+    if isinstance(m, bool) or not isinstance(m, int) or m <= 0:
+        raise TaskError(f"max_new_tokens must be a positive int, got {m!r}")
+    if task.alphabet is not None:
+        if not isinstance(task.alphabet, str) or not task.alphabet:
+            raise TaskError(f"alphabet must be None or a non-empty str, got {task.alphabet!r}")
+        used = set("".join(prompts["train"])) | set("".join(prompts["heldout"]))
+        missing = used - set(task.alphabet)
+        if missing:
+            raise TaskError(
+                f"alphabet {task.alphabet!r} lacks prompt characters {''.join(sorted(missing))!r}"
+            )
+    if not isinstance(task.fixed_length, bool):
+        raise TaskError(f"fixed_length must be a bool, got {task.fixed_length!r}")
+
+
+def _is_file(target: str) -> bool:
+    return target.endswith(".py") or "/" in target or os.sep in target
+
+
+def _import_file(target: str, path: str):
+    file = os.path.abspath(target)
+    if not os.path.isfile(file):
+        raise TaskError(f"{path}: file does not exist: {file}")
+    # A stable, unique module name per file, registered in sys.modules so that dataclasses
+    # and other code that looks up its own module work as in a normal import.
+    digest = hashlib.sha1(file.encode()).hexdigest()[:10]
+    stem = os.path.splitext(os.path.basename(file))[0]
+    mod_name = f"_rlvr_task_{''.join(c if c.isalnum() else '_' for c in stem)}_{digest}"
+    spec = importlib.util.spec_from_file_location(mod_name, file)
+    if spec is None or spec.loader is None:
+        raise TaskError(f"{path}: cannot import {file} as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException as e:
+        sys.modules.pop(mod_name, None)
+        if not isinstance(e, Exception):
+            raise
+        raise TaskError(f"{path}: {file} failed to import: {type(e).__name__}: {e}") from e
+    return module
+
+
+def _import_module(target: str, path: str):
+    try:
+        return importlib.import_module(target)
+    except ModuleNotFoundError as e:
+        if e.name is not None and (target == e.name or target.startswith(e.name + ".")):
+            raise TaskError(
+                f"{path}: no module named {target!r} (give 'package.module:NAME' for an "
+                "importable module or 'path/to/file.py:NAME' for a file)"
+            ) from e
+        raise TaskError(_import_failed(path, target, e)) from e
+    except Exception as e:
+        raise TaskError(_import_failed(path, target, e)) from e
+
+
+def _import_failed(path: str, target: str, e: Exception) -> str:
+    return f"{path}: module {target!r} failed to import: {type(e).__name__}: {e}"
+
+
+def _candidates(module) -> list[str]:
+    """Names in ``module`` that could be a task: Task values and functions defined there."""
+    out = []
+    for k, v in vars(module).items():
+        if k.startswith("_"):
+            continue
+        if isinstance(v, Task) or (
+            inspect.isfunction(v) and getattr(v, "__module__", None) == module.__name__
+        ):
+            out.append(k)
+    return sorted(out)
+
+
+def load_task(path: str, **kwargs: Any) -> Task:
+    """Load the task at ``path`` and check it against the contract.
+
+    ``path`` is ``package.module:NAME`` or ``path/to/file.py:NAME`` (NAME defaults to
+    ``TASK``). NAME may be a Task, or a callable returning one, which is called with
+    ``kwargs``. Raises TaskError, with ``path`` in the message, when the file does not exist,
+    the module does not import (the import error is shown), NAME is missing (the candidate
+    names are listed), the call fails, or the result breaks the contract
+    (see :func:`validate_task`).
+    """
+    if not isinstance(path, str) or not path.strip():
+        raise TaskError(f"task path must be 'package.module:NAME' or 'file.py:NAME', got {path!r}")
+    target, sep, name = path.rpartition(":")
+    if not sep or not target or _is_file(name):  # no ':NAME' (or a Windows drive colon)
+        target, name = path, DEFAULT_NAME
+    if not name.isidentifier():
+        raise TaskError(f"{path}: {name!r} is not a Python name")
+    module = _import_file(target, path) if _is_file(target) else _import_module(target, path)
+    if not hasattr(module, name):
+        found = _candidates(module)
+        listing = ", ".join(found) if found else "none (no Task values or functions)"
+        raise TaskError(f"{path}: {target} has no {name!r}; tasks or functions there: {listing}")
+    obj = getattr(module, name)
+    if isinstance(obj, Task):
+        if kwargs:
+            raise TaskError(
+                f"{path}: {name} is a Task value, so it takes no arguments, "
+                f"but got {sorted(kwargs)}; make {name} a function to parameterize it"
+            )
+        task = obj
+    elif callable(obj):
+        try:
+            task = obj(**kwargs)
+        except Exception as e:
+            raise TaskError(
+                f"{path}: calling {name}(**{kwargs!r}) failed: {type(e).__name__}: {e}"
+            ) from e
+        if not isinstance(task, Task):
+            raise TaskError(f"{path}: {name}(...) returned a {type(task).__name__}, not a Task")
+    else:
+        raise TaskError(
+            f"{path}: {name} is a {type(obj).__name__}, not a Task or a function returning one"
+        )
+    try:
+        validate_task(task)
+    except TaskError as e:
+        label = getattr(task, "name", name)
+        raise TaskError(f"{path}: task {label!r} breaks the contract: {e}") from e
+    return task
+
+
+def weighted_rewards(task: Task, weights: dict[str, float]) -> dict[str, tuple[Reward, float]]:
+    """{name: (reward, weight)} for `rlvr.rewards.score_batch`; unknown names are a TaskError."""
+    missing = [n for n in weights if n not in task.rewards]
+    if missing:
+        raise TaskError(f"task {task.name!r} has no reward {missing[0]!r}; it has {', '.join(task.rewards)}")
+    return {name: (task.rewards[name], float(w)) for name, w in weights.items()}

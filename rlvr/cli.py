@@ -1,0 +1,141 @@
+"""`rlvr` command line: parsing and printing only; the work happens in the modules it calls.
+
+    rlvr train CONFIG.toml [--section.key=value ...] [--out DIR] [--overwrite]
+    rlvr eval RUN_DIR [--prompts N]
+    rlvr price CONFIG.toml [--section.key=value ...] [--json]
+    rlvr lab                      # seed 001 / 002 figures, each with what produced it
+    rlvr lab bandit [--lr ...]    # seed 002's bandit and its lr exercise
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def _split_overrides(extra: list[str]) -> list[str]:
+    bad = [x for x in extra if not (x.startswith("--") and "=" in x and "." in x.split("=", 1)[0])]
+    if bad:
+        raise SystemExit(f"rlvr: unrecognised argument {bad[0]!r}; config overrides look like --train.steps=100")
+    return extra
+
+
+def _fail(msg: str) -> int:
+    print(f"rlvr: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
+    from rlvr import config, trainer
+    from rlvr.tasks import TaskError
+
+    try:
+        cfg = config.load(args.config, _split_overrides(extra))
+        out = Path(args.out) if args.out else Path("runs") / f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+        summary = trainer.train(cfg, out, overwrite=args.overwrite)
+    except (config.ConfigError, trainer.RunError, TaskError) as e:
+        return _fail(str(e))
+    print(f"run directory: {out}")
+    print(json.dumps({k: v for k, v in summary.items() if k != "price"}, indent=2))
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
+    from rlvr import config, trainer
+    from rlvr.evaluate import evaluate
+    from rlvr.tasks import TaskError, load_task
+
+    try:
+        cfg, model, tok = trainer.load_run(Path(args.run_dir))
+        task = load_task(cfg.task.path, **cfg.task.options)
+        weights = trainer.reward_weights(cfg, task)
+    except (config.ConfigError, trainer.RunError, TaskError) as e:
+        return _fail(str(e))
+    eos_id = tok.eos_id if not task.fixed_length else None
+    res = evaluate(model, tok, task, reward_weights=weights,
+                   max_new_tokens=cfg.sampling.max_new_tokens or task.max_new_tokens, eos_id=eos_id,
+                   prompts=args.prompts if args.prompts is not None else cfg.eval.prompts,
+                   batch_size=cfg.eval.batch_size, pass_k=cfg.eval.pass_k, pass_k_prompts=cfg.eval.pass_k_prompts,
+                   temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, seed=cfg.train.seed)
+    print(json.dumps({f"eval/{k}": v for k, v in res.items()}, indent=2))
+    return 0
+
+
+def cmd_price(args: argparse.Namespace, extra: list[str]) -> int:
+    from rlvr import config, trainer
+    from rlvr.tasks import TaskError
+
+    try:
+        cfg = config.load(args.config, _split_overrides(extra))
+        price = trainer.price_of(trainer.build(cfg))
+    except (config.ConfigError, trainer.RunError, TaskError, ValueError) as e:
+        return _fail(str(e))
+    if args.json:
+        print(json.dumps(price.to_dict(), indent=2))
+    else:
+        print("\n".join(price.lines()))
+    return 0
+
+
+def cmd_lab(args: argparse.Namespace, extra: list[str]) -> int:
+    from rlvr import lab
+
+    if extra:
+        raise SystemExit(f"rlvr lab: unrecognised argument {extra[0]!r}")
+    if args.lab_cmd is None:
+        print(lab.format_report())
+        return 0
+    res = lab.bandit_exercise(lrs=tuple(args.lr), seeds=args.seeds, group_size=args.group_size, steps=args.steps,
+                              scheme=args.scheme, rewards=tuple(args.rewards))
+    print(lab.format_exercise(res))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rlvr", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    from rlvr.config import help_text
+
+    t = sub.add_parser("train", help="train a policy from a TOML config", epilog="config keys (override any as --section.key=value):\n" + help_text(),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("config", help="TOML config file")
+    t.add_argument("--out", help="run directory (default runs/<config>-<time>)")
+    t.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
+    t.set_defaults(func=cmd_train)
+
+    e = sub.add_parser("eval", help="reload a run's checkpoint and evaluate it on held-out prompts")
+    e.add_argument("run_dir")
+    e.add_argument("--prompts", type=int, default=None, help="held-out prompts (default: the run's eval.prompts)")
+    e.set_defaults(func=cmd_eval)
+
+    pr = sub.add_parser("price", help="price a run before it starts (sampled tokens per gradient step)")
+    pr.add_argument("config")
+    pr.add_argument("--json", action="store_true")
+    pr.set_defaults(func=cmd_price)
+
+    lab = sub.add_parser("lab", help="the finite-policy lab: seed figures checked exactly")
+    lab_sub = lab.add_subparsers(dest="lab_cmd")
+    b = lab_sub.add_parser("bandit", help="seed 002's bandit over many seeds: how often it locks onto a wrong action")
+    b.add_argument("--lr", type=float, nargs="+", default=[5.0, 0.5], help="learning rates to compare")
+    b.add_argument("--group-size", type=int, default=8)
+    b.add_argument("--steps", type=int, default=200)
+    b.add_argument("--seeds", type=int, default=200, help="number of seeds (0..N-1)")
+    b.add_argument("--scheme", default="centered", help="Δ scheme (rlvr.advantages)")
+    b.add_argument("--rewards", type=float, nargs="+", default=[0.0, 0.0, 1.0],
+                   help="reward of each action (seed 002: 0 0 1); e.g. 0.5 0.5 1 with --scheme raw shows lock-in")
+    lab.set_defaults(func=cmd_lab)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    return args.func(args, extra)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""The reward contract, reward cards, and safe scoring with explicit statuses.
+
+A reward is a deterministic program ``fn(prompt, response, answer) -> float``. Every reward
+ships with a card that names the proxy before anyone trusts an improvement on it:
+
+* ``pays_for``: what the reward pays for;
+* ``ignores``: what it does not look at;
+* ``exploit``: a pattern that scores well without solving the task (and, when one can be
+  written down, ``exploit_example``, a function producing such a response for an example).
+
+Scoring never crashes the run and never hides a failure as a silent 0. :func:`score` returns
+a status next to the value: ``ok``, ``error`` (the reward raised), ``none`` (it returned
+None), ``nan`` (NaN or infinity) or ``bad_type`` (not a real number, e.g. a string). Any
+status but ``ok`` gives the value 0.0, and :func:`score_batch` counts each status so the
+trainer can log them every step.
+
+Stdlib only; never imports the trainer or the config.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Sequence, Union
+
+if TYPE_CHECKING:  # only for the annotation; rlvr.tasks imports this module
+    from rlvr.tasks import Example
+
+RewardFn = Callable[[str, str, Any], float]
+"""``fn(prompt, response, answer) -> float``: deterministic, and total on any string."""
+
+STATUSES = ("ok", "error", "none", "nan", "bad_type")
+"""Every status :func:`score` can return, in the order logs print them."""
+
+MAX_ERRORS_KEPT = 5
+"""How many distinct failure messages one :func:`score_batch` call keeps for the log."""
+
+
+@dataclass
+class RewardCard:
+    """Names the proxy: what it pays for, what it ignores, and how it is gamed."""
+
+    pays_for: str
+    """What a response must do to score."""
+    ignores: str
+    """What the reward does not look at (so training will not improve it)."""
+    exploit: str
+    """A pattern that scores well without solving the task, with its score."""
+    exploit_example: Callable[[Example], str] | None = None
+    """Builds such a response for an example; None when no exploit is known."""
+
+
+@dataclass
+class Reward:
+    """A named reward function and its card."""
+
+    name: str
+    fn: RewardFn
+    card: RewardCard
+
+    def __call__(self, prompt: str, response: str, answer: Any) -> float:
+        return self.fn(prompt, response, answer)
+
+
+class Score(NamedTuple):
+    """One scored response: ``value`` is 0.0 unless ``status == "ok"``."""
+
+    value: float
+    status: str
+    detail: str = ""
+    """Why the status is not ``ok``: the exception text, or the repr of the bad value."""
+
+
+def score(fn: RewardFn | Reward, prompt: str, response: str, answer: Any) -> Score:
+    """Run one reward on one response without letting it crash the caller.
+
+    ``value, status, detail = score(...)``. A reward that raises gives status ``error`` with
+    ``"ExceptionType: message"`` in ``detail``; None gives ``none``; NaN or ±inf gives
+    ``nan``; anything that is not a real number (a string, a list, a complex) gives
+    ``bad_type``. bools and ints count as numbers. Only ``Exception`` is caught:
+    KeyboardInterrupt and SystemExit still stop the run.
+    """
+    if isinstance(fn, Reward):
+        fn = fn.fn
+    try:
+        v = fn(prompt, response, answer)
+    except Exception as e:  # a reward must never take the run down
+        return Score(0.0, "error", f"{type(e).__name__}: {e}")
+    if type(v) is not float:  # fast path: the usual case is a plain float
+        if v is None:
+            return Score(0.0, "none", "returned None")
+        if isinstance(v, (str, bytes)):
+            return Score(0.0, "bad_type", f"returned {type(v).__name__} {v!r:.80}")
+        try:
+            v = float(v)  # int, bool, numpy scalar, 1-element tensor
+        except Exception:
+            return Score(0.0, "bad_type", f"returned {type(v).__name__} {v!r:.80}")
+    if not math.isfinite(v):
+        return Score(0.0, "nan", f"returned {v}")
+    return Score(v, "ok")
+
+
+WeightedRewards = Mapping[str, tuple[Union[RewardFn, Reward], float]]
+"""``{name: (fn_or_reward, weight)}``: the rewards a run optimizes and their weights."""
+
+
+@dataclass
+class BatchScores:
+    """Rewards for a batch of responses, total and per reward, with status counts."""
+
+    total: list[float]
+    """Per response: the weighted sum of the named rewards (failed ones count 0.0)."""
+    per_reward: dict[str, list[float]]
+    """Per reward name, per response: the unweighted value (0.0 where not ``ok``)."""
+    status_counts: dict[str, int]
+    """Over all rewards and responses: how many of each status (every status present)."""
+    status_by_reward: dict[str, dict[str, int]]
+    """The same counts, per reward name."""
+    errors: list[str] = field(default_factory=list)
+    """Up to MAX_ERRORS_KEPT distinct ``"name: detail"`` messages for the log."""
+
+    @property
+    def failed(self) -> int:
+        """How many (reward, response) scores were not ``ok``."""
+        return sum(c for s, c in self.status_counts.items() if s != "ok")
+
+
+def score_batch(
+    rewards: WeightedRewards,
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    answers: Sequence[Any],
+) -> BatchScores:
+    """Score every response with every named reward; total = the weighted sum.
+
+    ``prompts``, ``responses`` and ``answers`` are aligned, one row per response (repeat a
+    prompt and its answer G times for G samples). Raises ValueError if they differ in length
+    or ``rewards`` is empty; a reward that fails on a response never raises.
+    """
+    n = len(responses)
+    if len(prompts) != n or len(answers) != n:
+        raise ValueError(
+            f"score_batch: {len(prompts)} prompts, {len(responses)} responses and "
+            f"{len(answers)} answers; they must be aligned, one row per response"
+        )
+    if not rewards:
+        raise ValueError("score_batch: no rewards given")
+    total = [0.0] * n
+    per_reward: dict[str, list[float]] = {}
+    by_reward: dict[str, dict[str, int]] = {}
+    errors: list[str] = []
+    for name, (fn, weight) in rewards.items():
+        if isinstance(fn, Reward):
+            fn = fn.fn
+        weight = float(weight)
+        values = [0.0] * n
+        counts = dict.fromkeys(STATUSES, 0)
+        for i in range(n):
+            v, status, detail = score(fn, prompts[i], responses[i], answers[i])
+            counts[status] += 1
+            if status == "ok":
+                values[i] = v
+                total[i] += weight * v
+            elif len(errors) < MAX_ERRORS_KEPT:
+                msg = f"{name}: {detail}"
+                if msg not in errors:
+                    errors.append(msg)
+        per_reward[name] = values
+        by_reward[name] = counts
+    status_counts = {s: sum(c[s] for c in by_reward.values()) for s in STATUSES}
+    return BatchScores(total, per_reward, status_counts, by_reward, errors)

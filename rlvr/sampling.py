@@ -1,0 +1,258 @@
+"""Batched generation that returns a ``Rollout``, and the trainer's recomputation of its log-probs.
+
+How the sampling distribution enters ``logp`` (the same helper serves sampler and trainer):
+
+1. Temperature: ``z = logits / temperature`` (logits in float32).
+2. Top-p (nucleus): sort ``softmax(z)`` descending and keep the smallest prefix whose mass reaches
+   ``top_p`` (a token is kept when the mass strictly before it is < top_p, so the top token is
+   always kept; ties are broken by a stable sort). Tokens outside are set to -inf.
+3. ``logp = log_softmax(z_nucleus)``: the log of the *renormalized* nucleus probability, i.e. the
+   distribution ``torch.multinomial`` actually draws from.
+
+``Rollout.logp`` stores that value for each sampled token, so when the weights are unchanged (the
+first minibatch pass) ``sequence_token_logprobs`` recomputes it to float rounding and the PPO ratio
+starts at exactly 1 (the TRL/vLLM mismatch of USERS.md item 6 cannot happen here). On later passes
+the nucleus is recomputed from the *current* logits: the trainer's logp is the log-prob under the
+current policy's nucleus. A sampled token that has dropped out of the current nucleus has true
+log-prob -inf; it is reported as ``OUTSIDE_NUCLEUS_LOGP`` (-30, finite, no gradient) so the ratio is
+~0, the clipped objective gives it no gradient, and differences such as ``logp - logp_ref`` stay
+finite (no -inf - -inf = NaN).
+
+Greedy decoding is ``temperature == 0`` (top_p ignored): the argmax is taken and ``logp`` is the
+log-prob under the temperature-1 full softmax. That number is only for evaluation; a greedy
+rollout is not a sample and must not be trained on with a ratio.
+
+Rows: prompt ``p`` is repeated ``G`` times consecutively, so row ``b`` is prompt ``b // G``,
+sample ``b % G`` and ``rewards.view(P, G)`` groups correctly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from rlvr.losses import token_logprobs
+
+OUTSIDE_NUCLEUS_LOGP = -30.0
+"""Finite stand-in for log(0): the recomputed logp of a token outside the current nucleus."""
+
+
+@dataclass
+class Rollout:
+    """G responses per prompt, left-padded prompts first. B = P * G rows, T generated columns.
+
+    ``T`` is the number of decoding steps actually run: ``max_new_tokens``, or fewer when every
+    row produced eos early.
+    """
+
+    ids: torch.Tensor
+    """(B, Lp + T) long: left-padded prompt, then generated tokens; pad after each row's eos."""
+    attention_mask: torch.Tensor
+    """(B, Lp + T) long: 1 on real prompt tokens and on generated tokens up to and including eos."""
+    prompt_len: int
+    """Lp, the padded prompt width; response column t is ``ids[:, Lp + t]``."""
+    mask: torch.Tensor
+    """(B, T) float32: 1 on generated tokens up to and including the first eos, else 0."""
+    logp: torch.Tensor
+    """(B, T) float32: log-prob of each token under the distribution sampled from; 0 where mask is 0."""
+    truncated: torch.Tensor
+    """(B,) bool: the row hit ``max_new_tokens`` without eos (always False when eos_id is None)."""
+    temperature: float = 1.0
+    """Temperature used to sample (0 = greedy); ``sequence_token_logprobs`` defaults to it."""
+    top_p: float = 1.0
+    """Nucleus mass used to sample; ``sequence_token_logprobs`` defaults to it."""
+
+    def select(self, idx: torch.Tensor | slice) -> "Rollout":
+        """The rows ``idx`` (index tensor, bool mask or slice) as a new ``Rollout`` (minibatches).
+
+        Columns are kept, so ``prompt_len`` is unchanged and a subset may carry all-pad columns.
+        """
+        return Rollout(ids=self.ids[idx], attention_mask=self.attention_mask[idx], prompt_len=self.prompt_len,
+                       mask=self.mask[idx], logp=self.logp[idx], truncated=self.truncated[idx],
+                       temperature=self.temperature, top_p=self.top_p)
+
+    @property
+    def response_ids(self) -> torch.Tensor:
+        """(B, T) view of the generated tokens."""
+        return self.ids[:, self.prompt_len:]
+
+    @property
+    def prompt_ids(self) -> torch.Tensor:
+        """(B, Lp) view of the left-padded prompts."""
+        return self.ids[:, :self.prompt_len]
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        """(B,) long: generated tokens per row, eos included."""
+        return self.mask.sum(1).long()
+
+
+# ---------------------------------------------------------------------- the sampling distribution
+def nucleus_mask(z: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Bool mask (..., V), True on the nucleus of ``softmax(z)`` at mass ``top_p`` (no gradient)."""
+    with torch.no_grad():
+        probs = torch.softmax(z.float(), dim=-1)
+        sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
+        keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < top_p       # mass before each token < top_p
+        return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+
+
+def sampling_logprobs(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0) -> torch.Tensor:
+    """log-probs (..., V) of the distribution sampled from: log_softmax of the tempered nucleus.
+
+    -inf outside the nucleus. ``temperature == 0`` means greedy: the temperature-1 full softmax.
+    """
+    if temperature == 0:
+        return F.log_softmax(logits.float(), dim=-1)
+    z = logits.float() / temperature
+    if top_p < 1.0:
+        z = z.masked_fill(~nucleus_mask(z, top_p), float("-inf"))
+    return F.log_softmax(z, dim=-1)
+
+
+def _check_sampling_args(temperature: float, top_p: float) -> None:
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+# ---------------------------------------------------------------------- generation
+@torch.no_grad()
+def generate(model, prompts: list[list[int]], *, samples_per_prompt: int, max_new_tokens: int,
+             temperature: float = 1.0, top_p: float = 1.0, eos_id: int | None, pad_id: int,
+             generator: torch.Generator | None = None) -> Rollout:
+    """Sample ``samples_per_prompt`` responses per prompt; row b = prompt b // G, sample b % G.
+
+    One prefill forward over the P left-padded prompts, whose KV cache is then repeated G times,
+    then one forward per new token. Stops when every row has produced ``eos_id``; with
+    ``eos_id=None`` runs exactly ``max_new_tokens`` steps and nothing is truncated.
+
+    ``model(ids, attention_mask=, cache=, logits_to_keep=) -> logits`` is the policy surface. A
+    model with ``new_cache(batch_size, max_len)`` (returning an object with
+    ``repeat_interleave(G)``) decodes incrementally; one without is re-run on the whole sequence
+    each step (slow; for mocks and foreign models). Draws use ``torch.multinomial(generator=)``,
+    so a seeded generator reproduces the rollout (on the same device and thread count).
+    """
+    _check_sampling_args(temperature, top_p)
+    if samples_per_prompt < 1 or max_new_tokens < 1:
+        raise ValueError("samples_per_prompt and max_new_tokens must be >= 1")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("need at least one prompt, and every prompt needs at least one token")
+    block_size = getattr(getattr(model, "config", None), "block_size", None)
+    longest = max(len(p) for p in prompts)
+    if block_size is not None and longest + max_new_tokens > block_size:
+        raise ValueError(f"longest prompt ({longest}) + max_new_tokens ({max_new_tokens}) "
+                         f"exceeds the model's block_size ({block_size})")
+    first_param = next(iter(model.parameters()), None)
+    device = first_param.device if first_param is not None else torch.device("cpu")
+
+    G, T, P = samples_per_prompt, max_new_tokens, len(prompts)
+    B, Lp = P * G, longest
+    prompt_ids = torch.tensor([[pad_id] * (Lp - len(p)) + list(p) for p in prompts], device=device)  # (P, Lp)
+    prompt_am = torch.tensor([[0] * (Lp - len(p)) + [1] * len(p) for p in prompts], device=device)   # (P, Lp)
+
+    use_cache = hasattr(model, "new_cache")
+    if use_cache:
+        cache = model.new_cache(P, Lp + T)
+        logits = model(prompt_ids, attention_mask=prompt_am, cache=cache, logits_to_keep=1)[:, -1]  # (P, V)
+        if G > 1:
+            cache = cache.repeat_interleave(G)
+    else:
+        logits = model(prompt_ids, attention_mask=prompt_am)[:, -1]                                # (P, V)
+    prompt_ids = prompt_ids.repeat_interleave(G, dim=0)             # (B, Lp)
+    prompt_am = prompt_am.repeat_interleave(G, dim=0)               # (B, Lp)
+    logits = logits.repeat_interleave(G, dim=0)                     # (B, V)
+
+    out = torch.full((B, T), pad_id, dtype=torch.long, device=device)
+    alive_cols = torch.zeros((B, T), dtype=torch.bool, device=device)
+    logp = torch.zeros((B, T), dtype=torch.float32, device=device)
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    steps = 0
+    for t in range(T):
+        logprobs = sampling_logprobs(logits, temperature, top_p)   # (B, V)
+        if temperature == 0:
+            tok = logprobs.argmax(-1)                               # (B,)
+        else:
+            tok = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(1)  # (B,)
+        alive = ~finished                                           # this token is real
+        tok = tok.masked_fill(finished, pad_id)
+        out[:, t] = tok
+        alive_cols[:, t] = alive
+        logp[:, t] = logprobs.gather(1, tok.unsqueeze(1)).squeeze(1).masked_fill(finished, 0.0)
+        steps = t + 1
+        if eos_id is not None:
+            finished = finished | (tok == eos_id)
+            if bool(finished.all()):
+                break
+        if t == T - 1:
+            break
+        if use_cache:
+            logits = model(tok.unsqueeze(1), attention_mask=alive.long().unsqueeze(1), cache=cache)[:, -1]
+        else:
+            ids_so_far = torch.cat([prompt_ids, out[:, :t + 1]], dim=1)
+            am_so_far = torch.cat([prompt_am, alive_cols[:, :t + 1].long()], dim=1)
+            logits = model(ids_so_far, attention_mask=am_so_far)[:, -1]
+
+    resp_mask = alive_cols[:, :steps]
+    return Rollout(
+        ids=torch.cat([prompt_ids, out[:, :steps]], dim=1),
+        attention_mask=torch.cat([prompt_am, resp_mask.long()], dim=1),
+        prompt_len=Lp,
+        mask=resp_mask.float(),
+        logp=logp[:, :steps].contiguous(),
+        truncated=~finished if eos_id is not None else torch.zeros(B, dtype=torch.bool, device=device),
+        temperature=float(temperature),
+        top_p=float(top_p),
+    )
+
+
+# ---------------------------------------------------------------------- trainer side
+def _nucleus_token_logprobs(logits, ids, *, temperature, top_p, chunk_rows=None):
+    """``sampling_logprobs`` gathered at ids, -inf replaced by ``OUTSIDE_NUCLEUS_LOGP``; chunked over rows."""
+    B = logits.size(0)
+    step = B if not chunk_rows else chunk_rows
+    parts = []
+    for s in range(0, B, step):
+        lp = sampling_logprobs(logits[s:s + step], temperature, top_p)           # (b, T, V)
+        lp = lp.gather(-1, ids[s:s + step].unsqueeze(-1)).squeeze(-1)             # (b, T)
+        if top_p < 1.0:
+            lp = torch.where(torch.isfinite(lp), lp, torch.full_like(lp, OUTSIDE_NUCLEUS_LOGP))
+        parts.append(lp)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
+def sequence_token_logprobs(model, rollout: Rollout | tuple, *, temperature: float | None = None,
+                            top_p: float | None = None, chunk_rows: int | None = None) -> torch.Tensor:
+    """(B, T) log-probs of the generated tokens under the sampling distribution, WITH gradient.
+
+    ``rollout`` is a ``Rollout`` or a tuple ``(ids, attention_mask, prompt_len)``. One forward
+    over ``ids`` with ``attention_mask``; the logits at positions Lp-1 ... Lp+T-2 predict the T
+    response tokens. ``temperature`` / ``top_p`` default to the rollout's own (required with a
+    tuple); ``temperature == 0`` scores under the temperature-1 softmax as ``generate`` does. The
+    result is 0 where the response mask (``attention_mask[:, Lp:]``) is 0. ``chunk_rows`` bounds
+    the rows whose (rows, T, V) log-softmax is materialized at once (USERS.md item 4).
+    """
+    if isinstance(rollout, Rollout):
+        ids, am, Lp = rollout.ids, rollout.attention_mask, rollout.prompt_len
+        temperature = rollout.temperature if temperature is None else temperature
+        top_p = rollout.top_p if top_p is None else top_p
+    else:
+        ids, am, Lp = rollout
+        if temperature is None or top_p is None:
+            raise ValueError("pass temperature= and top_p= when giving (ids, attention_mask, prompt_len)")
+    _check_sampling_args(temperature, top_p)
+    T = ids.size(1) - Lp
+    if T < 1 or Lp < 1:
+        raise ValueError(f"need a prompt and at least one response column, got Lp={Lp}, T={T}")
+    logits = model(ids, attention_mask=am, logits_to_keep=T + 1)[:, :-1]      # (B, T, V)
+    targets = ids[:, Lp:]                                                     # (B, T)
+    if temperature == 0:
+        temperature, top_p = 1.0, 1.0
+    if top_p >= 1.0:
+        lp = token_logprobs(logits, targets, temperature=temperature, chunk_rows=chunk_rows)
+    else:
+        lp = _nucleus_token_logprobs(logits, targets, temperature=temperature, top_p=top_p, chunk_rows=chunk_rows)
+    return lp.float().masked_fill(am[:, Lp:] == 0, 0.0)

@@ -1,0 +1,102 @@
+"""A character-level tokenizer: one id per character of a fixed alphabet, plus three specials.
+
+Ids 0, 1, 2 are the specials ``<pad>``, ``<bos>``, ``<eos>``; the alphabet's characters follow in
+the order given, so ``CharTokenizer("0123456789,")`` maps "0" to 3 and "," to 13. Saved as JSON
+(``to_dict`` / ``save``), never pickled, so a checkpoint can be read without running code.
+
+``decode`` drops every special wherever it occurs and does not stop at eos: the sampler already
+pads everything after eos, and a reward that wants "text up to the first eos" should cut the ids
+itself (``decode(ids, stop_at_eos=True)`` does that).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
+SPECIALS = (PAD, BOS, EOS)
+
+
+class CharTokenizer:
+    """Character-level tokenizer over ``alphabet`` (distinct characters) with pad=0, bos=1, eos=2."""
+
+    def __init__(self, alphabet: str):
+        if not isinstance(alphabet, str) or not alphabet:
+            raise ValueError("alphabet must be a non-empty string of distinct characters")
+        dupes = sorted({c for c in alphabet if alphabet.count(c) > 1})
+        if dupes:
+            raise ValueError(f"alphabet has repeated characters: {dupes!r}")
+        self.alphabet = alphabet
+        self.pad_id, self.bos_id, self.eos_id = 0, 1, 2
+        self._char_to_id = {c: i + len(SPECIALS) for i, c in enumerate(alphabet)}
+        self._id_to_char = {i: c for c, i in self._char_to_id.items()}
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids: the three specials plus one per alphabet character."""
+        return len(SPECIALS) + len(self.alphabet)
+
+    @property
+    def special_ids(self) -> tuple[int, int, int]:
+        return (self.pad_id, self.bos_id, self.eos_id)
+
+    def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
+        """Ids of ``text``'s characters, optionally wrapped in bos / eos. Unknown chars raise."""
+        try:
+            ids = [self._char_to_id[c] for c in text]
+        except KeyError as e:
+            pos = next(i for i, c in enumerate(text) if c not in self._char_to_id)
+            raise ValueError(
+                f"character {e.args[0]!r} at position {pos} of {text!r} is not in the "
+                f"tokenizer alphabet {self.alphabet!r}"
+            ) from None
+        return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+
+    def decode(self, ids, *, stop_at_eos: bool = False) -> str:
+        """Text of ``ids`` (list or 1-D tensor) with all specials dropped.
+
+        With ``stop_at_eos`` everything from the first eos on is ignored. Ids outside the
+        vocabulary raise ``ValueError``.
+        """
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
+        out = []
+        for i in ids:
+            if i == self.eos_id and stop_at_eos:
+                break
+            if i in (self.pad_id, self.bos_id, self.eos_id):
+                continue
+            c = self._id_to_char.get(i)
+            if c is None:
+                raise ValueError(f"id {i} is outside the vocabulary (size {self.vocab_size})")
+            out.append(c)
+        return "".join(out)
+
+    def to_dict(self) -> dict:
+        return {"type": "CharTokenizer", "alphabet": self.alphabet, "specials": list(SPECIALS)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CharTokenizer":
+        if d.get("type") != "CharTokenizer":
+            raise ValueError(f"not a CharTokenizer dict: type={d.get('type')!r}")
+        if list(d.get("specials", SPECIALS)) != list(SPECIALS):
+            raise ValueError(f"unsupported specials {d.get('specials')!r}; expected {list(SPECIALS)}")
+        return cls(d["alphabet"])
+
+    def save(self, path: str | Path) -> None:
+        """Write ``to_dict()`` as JSON to ``path``."""
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CharTokenizer":
+        return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, CharTokenizer) and other.alphabet == self.alphabet
+
+    def __hash__(self) -> int:
+        return hash(self.alphabet)
+
+    def __repr__(self) -> str:
+        return f"CharTokenizer(alphabet={self.alphabet!r})"

@@ -1,0 +1,164 @@
+"""Safe scoring: every failure of a reward gets a named status, never a silent 0 (USERS.md 11)."""
+
+import math
+
+import pytest
+
+from rlvr.rewards import (
+    MAX_ERRORS_KEPT,
+    STATUSES,
+    BatchScores,
+    Reward,
+    RewardCard,
+    Score,
+    score,
+    score_batch,
+)
+
+
+def const(v):
+    return lambda prompt, response, answer: v
+
+
+def boom(prompt, response, answer):
+    raise ZeroDivisionError(f"cannot score {response!r}")
+
+
+def length(prompt, response, answer):
+    return float(len(response))
+
+
+def match(prompt, response, answer):
+    return 1.0 if response == answer else 0.0
+
+
+CARD = RewardCard(pays_for="x", ignores="y", exploit="z")
+
+
+# --- score: one status per way a reward can fail ------------------------------------------
+
+
+def test_ok_float():
+    assert score(const(0.25), "p", "r", "a") == Score(0.25, "ok", "")
+
+
+def test_ok_int_and_bool_are_numbers():
+    assert score(const(3), "p", "r", "a") == (3.0, "ok", "")
+    assert score(const(True), "p", "r", "a") == (1.0, "ok", "")
+    assert type(score(const(3), "p", "r", "a").value) is float
+
+
+def test_raises_gives_error_with_the_exception_text():
+    s = score(boom, "p", "12", "a")
+    assert (s.value, s.status) == (0.0, "error")
+    assert s.detail == "ZeroDivisionError: cannot score '12'"
+
+
+def test_none():
+    assert score(const(None), "p", "r", "a")[:2] == (0.0, "none")
+
+
+@pytest.mark.parametrize("v", [math.nan, math.inf, -math.inf])
+def test_nan_and_inf(v):
+    s = score(const(v), "p", "r", "a")
+    assert (s.value, s.status) == (0.0, "nan")
+
+
+@pytest.mark.parametrize("v", ["1.0", b"1", [1.0], {"r": 1}, 1j, object()])
+def test_bad_type(v):
+    s = score(const(v), "p", "r", "a")
+    assert (s.value, s.status) == (0.0, "bad_type")
+    assert type(v).__name__ in s.detail
+
+
+def test_numpy_and_tensor_scalars_are_numbers():
+    np = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch")
+    assert score(const(np.float32(0.5)), "p", "r", "a")[:2] == (0.5, "ok")
+    assert score(const(torch.tensor(0.5)), "p", "r", "a")[:2] == (0.5, "ok")
+    assert score(const(torch.tensor([0.5, 1.0])), "p", "r", "a").status == "bad_type"
+    assert score(const(np.float64("nan")), "p", "r", "a").status == "nan"
+
+
+def test_accepts_a_reward_object():
+    r = Reward("len", length, CARD)
+    assert score(r, "p", "abc", None) == (3.0, "ok", "")
+    assert r("p", "ab", None) == 2.0
+
+
+def test_keyboard_interrupt_is_not_swallowed():
+    def stop(prompt, response, answer):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        score(stop, "p", "r", "a")
+
+
+# --- score_batch: weighted sums, per-reward values, status counts -------------------------
+
+
+def test_weighted_sum_by_hand():
+    prompts = ["p"] * 3
+    responses = ["ab", "x", "abcd"]
+    answers = ["ab", "ab", "ab"]
+    b = score_batch({"match": (match, 2.0), "len": (length, 0.5)}, prompts, responses, answers)
+    assert isinstance(b, BatchScores)
+    assert b.per_reward == {"match": [1.0, 0.0, 0.0], "len": [2.0, 1.0, 4.0]}
+    # 2*1 + 0.5*2 = 3; 2*0 + 0.5*1 = 0.5; 2*0 + 0.5*4 = 2
+    assert b.total == [3.0, 0.5, 2.0]
+    assert b.status_counts == {"ok": 6, "error": 0, "none": 0, "nan": 0, "bad_type": 0}
+    assert b.failed == 0 and b.errors == []
+
+
+def test_failures_count_zero_and_are_counted():
+    table = {"a": 1.0, "b": None, "c": math.nan, "d": "1"}
+
+    def picky(prompt, response, answer):
+        if response not in table:
+            boom(prompt, response, answer)
+        return table[response]
+
+    responses = ["a", "b", "c", "d", "e", "a"]
+    b = score_batch(
+        {"picky": (Reward("picky", picky, CARD), 1.0), "len": (length, 1.0)},
+        ["p"] * 6,
+        responses,
+        [None] * 6,
+    )
+    assert b.per_reward["picky"] == [1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+    assert b.total == [2.0, 1.0, 1.0, 1.0, 1.0, 2.0]
+    assert b.status_by_reward["picky"] == {"ok": 2, "error": 1, "none": 1, "nan": 1, "bad_type": 1}
+    assert b.status_by_reward["len"] == {"ok": 6, "error": 0, "none": 0, "nan": 0, "bad_type": 0}
+    assert b.status_counts == {"ok": 8, "error": 1, "none": 1, "nan": 1, "bad_type": 1}
+    assert b.failed == 4
+    assert "picky: ZeroDivisionError: cannot score 'e'" in b.errors
+    assert "picky: returned None" in b.errors
+
+
+def test_errors_kept_are_distinct_and_capped():
+    b = score_batch({"boom": (boom, 1.0)}, ["p"] * 20, [str(i % 10) for i in range(20)], [0] * 20)
+    assert b.status_counts["error"] == 20
+    assert len(b.errors) == MAX_ERRORS_KEPT
+    assert len(set(b.errors)) == MAX_ERRORS_KEPT
+
+
+def test_every_status_is_a_key_even_when_zero():
+    b = score_batch({"m": (match, 1.0)}, ["p"], ["a"], ["a"])
+    assert list(b.status_counts) == list(STATUSES)
+
+
+def test_zero_weight_keeps_per_reward_values():
+    b = score_batch({"len": (length, 0.0)}, ["p"], ["abc"], [None])
+    assert b.total == [0.0] and b.per_reward["len"] == [3.0]
+
+
+def test_misaligned_or_empty_inputs_raise():
+    with pytest.raises(ValueError, match="aligned"):
+        score_batch({"m": (match, 1.0)}, ["p", "p"], ["a"], ["a"])
+    with pytest.raises(ValueError, match="no rewards"):
+        score_batch({}, ["p"], ["a"], ["a"])
+
+
+def test_empty_batch():
+    b = score_batch({"m": (match, 1.0)}, [], [], [])
+    assert b.total == [] and b.per_reward == {"m": []} and b.failed == 0

@@ -1,0 +1,265 @@
+"""Batched generation (eos, grouping, determinism, the sampled distribution) and logp recomputation.
+
+Mock models in the style of nanochat's tests/test_engine.py: logits are a table lookup on the
+input token, so they work with and without a KV cache and force eos at a known step.
+"""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from rlvr.models.tiny import TinyConfig, TinyTransformer
+from rlvr.sampling import (
+    OUTSIDE_NUCLEUS_LOGP,
+    Rollout,
+    generate,
+    nucleus_mask,
+    sampling_logprobs,
+    sequence_token_logprobs,
+)
+
+PAD, BOS, EOS = 0, 1, 2
+
+
+class MarkovMock(torch.nn.Module):
+    """Next-token logits depend only on the current token: ``logits[b, l] = table[ids[b, l]]``."""
+
+    def __init__(self, table: torch.Tensor, with_cache: bool = True):
+        super().__init__()
+        self.table = torch.nn.Parameter(table.float())
+        if with_cache:
+            self.new_cache = lambda batch_size, max_len: _NullCache()
+
+    def forward(self, ids, *, attention_mask=None, positions=None, cache=None, logits_to_keep=None):
+        logits = self.table[ids]                                  # (B, L, V)
+        return logits if logits_to_keep is None else logits[:, -logits_to_keep:]
+
+
+class _NullCache:
+    def repeat_interleave(self, repeats):
+        return self
+
+
+def forcing_table(V=8, big=50.0):
+    """3 -> 4 -> 5 -> eos, 6 -> eos, 7 -> 7 forever; everything else -> eos."""
+    nxt = {3: 4, 4: 5, 5: EOS, 6: EOS, 7: 7}
+    t = torch.zeros(V, V)
+    for a in range(V):
+        t[a, nxt.get(a, EOS)] = big
+    return t
+
+
+def tiny_model(seed=0, V=13):
+    torch.manual_seed(seed)
+    return TinyTransformer(TinyConfig(vocab_size=V, n_layer=2, n_head=2, n_embd=32, block_size=32)).eval()
+
+
+MODEL = tiny_model()
+PROMPTS = [[BOS, 5, 7, 3], [BOS, 9], [BOS, 4, 4, 8, 11, 6], [BOS, 10, 3]]
+
+
+def gen(model=MODEL, prompts=PROMPTS, seed=0, **kw):
+    args = dict(samples_per_prompt=3, max_new_tokens=8, temperature=1.0, top_p=1.0, eos_id=EOS, pad_id=PAD)
+    args.update(kw)
+    return generate(model, prompts, generator=torch.Generator().manual_seed(seed), **args)
+
+
+# ---------------------------------------------------------------------- eos, masks, shapes
+@pytest.mark.parametrize("with_cache", [True, False])
+def test_eos_mask_pad_and_truncated(with_cache):
+    m = MarkovMock(forcing_table(), with_cache=with_cache)
+    r = generate(m, [[BOS, 3], [BOS, 6], [1, 1, 7]], samples_per_prompt=1, max_new_tokens=5,
+                 eos_id=EOS, pad_id=PAD, generator=torch.Generator().manual_seed(0))
+    assert r.prompt_len == 3
+    assert r.response_ids.tolist() == [[4, 5, EOS, PAD, PAD], [EOS, PAD, PAD, PAD, PAD], [7, 7, 7, 7, 7]]
+    assert r.mask.tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]]
+    assert r.truncated.tolist() == [False, False, True]
+    assert r.response_lengths.tolist() == [3, 1, 5]
+    assert r.attention_mask.tolist() == [[0, 1, 1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 0, 0, 0, 0], [1] * 8]
+    assert r.mask.dtype == r.logp.dtype == torch.float32
+    assert (r.logp[r.mask == 0] == 0).all() and (r.logp[r.mask == 1].abs() < 1e-6).all()
+
+
+def test_stops_early_when_every_row_has_eos_and_fixed_length_without_eos():
+    m = MarkovMock(forcing_table())
+    r = generate(m, [[BOS, 3], [BOS, 6]], samples_per_prompt=2, max_new_tokens=10, eos_id=EOS, pad_id=PAD,
+                 generator=None)
+    assert r.response_ids.shape == (4, 3) and not r.truncated.any()     # T = steps actually run
+    r = generate(m, [[BOS, 3], [BOS, 6]], samples_per_prompt=2, max_new_tokens=6, eos_id=None, pad_id=PAD,
+                 generator=None)
+    assert r.response_ids.shape == (4, 6) and r.mask.all() and not r.truncated.any()
+    assert r.response_ids[0].tolist() == [4, 5, EOS, EOS, EOS, EOS]   # eos is just a token here
+
+
+def test_groups_stay_together():
+    m = MarkovMock(forcing_table())
+    prompts = [[BOS, 6], [BOS, 1, 1, 3], [7]]
+    r = generate(m, prompts, samples_per_prompt=4, max_new_tokens=4, eos_id=EOS, pad_id=PAD, generator=None)
+    first = {6: EOS, 3: 4, 7: 7}
+    for b in range(12):
+        p = prompts[b // 4]
+        assert r.prompt_ids[b, -len(p):].tolist() == p
+        assert r.response_ids[b, 0].item() == first[p[-1]]
+    r = gen(temperature=0)                                            # real model, greedy: G copies
+    assert (r.ids.view(4, 3, -1) == r.ids.view(4, 3, -1)[:, :1]).all()
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(ValueError, match="block_size"):
+        gen(max_new_tokens=30)
+    with pytest.raises(ValueError, match="at least one token"):
+        gen(prompts=[[BOS], []])
+    with pytest.raises(ValueError, match="temperature"):
+        gen(temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        gen(top_p=0.0)
+
+
+# ---------------------------------------------------------------------- determinism, cache, greedy
+def test_seeded_generator_is_deterministic():
+    a, b, c = gen(seed=7), gen(seed=7), gen(seed=8)
+    assert torch.equal(a.ids, b.ids) and torch.equal(a.logp, b.logp) and torch.equal(a.mask, b.mask)
+    assert not torch.equal(a.ids, c.ids)
+
+
+class NoCache(torch.nn.Module):
+    """The tiny model without ``new_cache``: generate must fall back to full recomputation."""
+
+    def __init__(self, m):
+        super().__init__()
+        self.m, self.config = m, m.config
+
+    def forward(self, ids, *, attention_mask=None, **_):
+        return self.m(ids, attention_mask=attention_mask)
+
+
+def test_cached_generation_equals_uncached():
+    a, b = gen(seed=3, top_p=0.9), gen(model=NoCache(MODEL), seed=3, top_p=0.9)
+    assert torch.equal(a.ids, b.ids) and torch.equal(a.attention_mask, b.attention_mask)
+    torch.testing.assert_close(a.logp, b.logp, atol=1e-5, rtol=1e-5)
+
+
+def test_logp_matches_per_row_unpadded_oracle():
+    """The obvious loop: each row alone, unpadded, scored by a full forward."""
+    r = gen(seed=1, temperature=1.0)
+    with torch.no_grad():
+        for b in range(r.ids.size(0)):
+            prompt = PROMPTS[b // 3]
+            n = int(r.response_lengths[b])
+            seq = torch.tensor([prompt + r.response_ids[b, :n].tolist()])
+            logits = MODEL(seq)[0, len(prompt) - 1:-1]                   # (n, V)
+            want = torch.log_softmax(logits, -1).gather(1, seq[0, len(prompt):, None]).squeeze(1)
+            torch.testing.assert_close(r.logp[b, :n], want, atol=1e-5, rtol=1e-5)
+
+
+def test_greedy_picks_argmax_and_scores_at_temperature_one():
+    r = gen(temperature=0.0, top_p=0.5)                              # top_p is ignored when greedy
+    with torch.no_grad():
+        logits = MODEL(r.ids, attention_mask=r.attention_mask)[:, r.prompt_len - 1:-1]   # (B, T, V)
+    real = r.mask.bool()
+    assert torch.equal(logits.argmax(-1)[real], r.response_ids[real])
+    want = torch.log_softmax(logits, -1).gather(-1, r.response_ids[..., None]).squeeze(-1)
+    torch.testing.assert_close(r.logp[real], want[real], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sequence_token_logprobs(MODEL, r), r.logp, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------- trainer recomputation
+@pytest.mark.parametrize("temperature,top_p", [(0.7, 0.9), (0.7, 1.0), (1.0, 1.0), (1.3, 0.6)])
+def test_recomputed_logp_equals_rollout_logp(temperature, top_p):
+    m = tiny_model(seed=4).train()                                   # no dropout: train == eval
+    r = gen(model=m, seed=2, temperature=temperature, top_p=top_p, max_new_tokens=10)
+    assert r.mask.sum() < r.mask.numel()                              # some rows did stop at eos
+    lp = sequence_token_logprobs(m, r)
+    assert lp.requires_grad
+    torch.testing.assert_close(lp, r.logp, atol=1e-5, rtol=1e-5)
+    assert (lp[r.mask == 0] == 0).all()
+    as_tuple = sequence_token_logprobs(m, (r.ids, r.attention_mask, r.prompt_len),
+                                       temperature=temperature, top_p=top_p, chunk_rows=5)
+    torch.testing.assert_close(as_tuple, lp, atol=1e-6, rtol=1e-6)
+    (lp * r.mask).sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in m.parameters())
+
+
+def test_select_rows_for_minibatches():
+    r = gen(seed=5, temperature=0.8, top_p=0.9)
+    idx = torch.tensor([7, 0, 11])
+    sub = r.select(idx)
+    assert torch.equal(sub.ids, r.ids[idx]) and torch.equal(sub.logp, r.logp[idx])
+    assert torch.equal(sub.truncated, r.truncated[idx]) and (sub.prompt_len, sub.top_p) == (r.prompt_len, 0.9)
+    torch.testing.assert_close(sequence_token_logprobs(MODEL, sub), r.logp[idx], atol=1e-5, rtol=1e-5)
+    assert r.select(slice(0, 3)).ids.shape[0] == 3
+
+
+def test_tuple_form_needs_the_sampling_settings():
+    r = gen()
+    with pytest.raises(ValueError, match="temperature"):
+        sequence_token_logprobs(MODEL, (r.ids, r.attention_mask, r.prompt_len))
+
+
+def test_token_outside_current_nucleus_gets_finite_floor_and_no_nan_grad():
+    logits = torch.tensor([0.0, 0.0, 0.0, 5.0, 4.0, -3.0])
+    m = MarkovMock(logits.expand(6, 6).clone())
+    ids = torch.tensor([[BOS, 3, 5], [BOS, 4, 3]])                     # token 5 is far outside p=0.9
+    am = torch.ones_like(ids)
+    lp = sequence_token_logprobs(m, (ids, am, 1), temperature=1.0, top_p=0.9)
+    assert lp[0, 1].item() == OUTSIDE_NUCLEUS_LOGP
+    nucleus = torch.softmax(logits, 0)[3:5]
+    torch.testing.assert_close(lp[1], (nucleus / nucleus.sum()).log().flip(0))
+    lp.sum().backward()
+    assert torch.isfinite(m.table.grad).all()
+
+
+# ---------------------------------------------------------------------- the sampled distribution
+@pytest.mark.parametrize("temperature,top_p", [(0.7, 0.9), (1.5, 1.0), (1.0, 0.5)])
+def test_sample_frequencies_match_tempered_nucleus(temperature, top_p):
+    logits = torch.tensor([-1.0, 0.5, 1.0, 2.0, 0.2, -0.4, 1.6])
+    V, N = logits.numel(), 6000
+    m = MarkovMock(logits.expand(V, V).clone())
+    r = generate(m, [[BOS]], samples_per_prompt=N, max_new_tokens=1, temperature=temperature, top_p=top_p,
+                 eos_id=None, pad_id=PAD, generator=torch.Generator().manual_seed(0))
+    # expected: softmax(logits / T), restricted to the nucleus by hand, renormalized
+    p = torch.softmax(logits / temperature, 0)
+    order = sorted(range(V), key=lambda i: -p[i].item())
+    keep, mass = [], 0.0
+    for i in order:
+        if mass >= top_p:
+            break
+        keep.append(i)
+        mass += p[i].item()
+    q = torch.zeros(V)
+    q[keep] = p[keep] / p[keep].sum()
+    assert nucleus_mask(logits / temperature, top_p).tolist() == [i in keep for i in range(V)]
+    counts = torch.bincount(r.response_ids[:, 0], minlength=V).float()
+    assert counts[q == 0].sum() == 0
+    exp = q[q > 0] * N
+    chi2 = ((counts[q > 0] - exp) ** 2 / exp).sum().item()
+    assert chi2 < 25.0, (chi2, counts, exp)                          # df <= 6; p(chi2 > 25) < 1e-3
+    torch.testing.assert_close(r.logp[:, 0], q.log()[r.response_ids[:, 0]])
+    torch.testing.assert_close(sampling_logprobs(logits, temperature, top_p).exp(), q)
+
+
+# ---------------------------------------------------------------------- random shapes (oracle)
+@settings(max_examples=12, deadline=None)
+@given(lengths=st.lists(st.integers(1, 6), min_size=1, max_size=4), G=st.integers(1, 3),
+       T=st.integers(1, 6), temperature=st.sampled_from([0.0, 0.5, 1.0]),
+       top_p=st.sampled_from([0.8, 1.0]), seed=st.integers(0, 10_000))
+def test_rollout_invariants_random_shapes(lengths, G, T, temperature, top_p, seed):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, 13, (n,), generator=g).tolist() for n in lengths]
+    r = generate(MODEL, prompts, samples_per_prompt=G, max_new_tokens=T, temperature=temperature, top_p=top_p,
+                 eos_id=EOS, pad_id=PAD, generator=g)
+    B, Lp, Tr = len(prompts) * G, max(lengths), r.mask.size(1)
+    assert isinstance(r, Rollout) and r.ids.shape == (B, Lp + Tr) and 1 <= Tr <= T
+    assert torch.equal(r.attention_mask[:, Lp:].float(), r.mask)
+    for b in range(B):                                                # the loop is the oracle
+        resp = r.response_ids[b].tolist()
+        n = resp.index(EOS) + 1 if EOS in resp else Tr
+        assert r.mask[b].tolist() == [1.0] * n + [0.0] * (Tr - n)
+        assert resp[n:] == [PAD] * (Tr - n)
+        assert bool(r.truncated[b]) == (EOS not in resp)
+        assert r.prompt_ids[b].tolist() == [PAD] * (Lp - len(prompts[b // G])) + prompts[b // G]
+    assert math.isclose(r.temperature, temperature) and math.isclose(r.top_p, top_p)
+    with torch.no_grad():
+        torch.testing.assert_close(sequence_token_logprobs(MODEL, r), r.logp, atol=1e-5, rtol=1e-5)
