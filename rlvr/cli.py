@@ -15,11 +15,13 @@ import sys
 import time
 from pathlib import Path
 
+from rlvr import config  # stdlib only; the heavy modules are imported by the command that needs them
+
 
 def _split_overrides(extra: list[str]) -> list[str]:
     bad = [x for x in extra if not (x.startswith("--") and "=" in x and "." in x.split("=", 1)[0])]
     if bad:
-        raise SystemExit(f"rlvr: unrecognised argument {bad[0]!r}; config overrides look like --train.steps=100")
+        raise config.ConfigError(f"unrecognised argument {bad[0]!r}; config overrides look like --train.steps=100")
     return extra
 
 
@@ -29,7 +31,7 @@ def _fail(msg: str) -> int:
 
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
-    from rlvr import config, trainer
+    from rlvr import trainer
     from rlvr.tasks import TaskError
 
     try:
@@ -44,7 +46,7 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
-    from rlvr import config, trainer
+    from rlvr import trainer
     from rlvr.evaluate import evaluate
     from rlvr.tasks import TaskError, load_task
 
@@ -65,7 +67,7 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_price(args: argparse.Namespace, extra: list[str]) -> int:
-    from rlvr import config, trainer
+    from rlvr import trainer
     from rlvr.tasks import TaskError
 
     try:
@@ -84,7 +86,7 @@ def cmd_lab(args: argparse.Namespace, extra: list[str]) -> int:
     from rlvr import lab
 
     if extra:
-        raise SystemExit(f"rlvr lab: unrecognised argument {extra[0]!r}")
+        return _fail(f"lab: unrecognised argument {extra[0]!r}")
     if args.lab_cmd is None:
         print(lab.format_report())
         return 0
@@ -95,31 +97,32 @@ def cmd_lab(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rlvr", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="rlvr", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
     sub = p.add_subparsers(dest="cmd", required=True)
 
     from rlvr.config import help_text
 
-    t = sub.add_parser("train", help="train a policy from a TOML config", epilog="config keys (override any as --section.key=value):\n" + help_text(),
+    t = sub.add_parser("train", allow_abbrev=False, help="train a policy from a TOML config", epilog="config keys (override any as --section.key=value):\n" + help_text(),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("config", help="TOML config file")
     t.add_argument("--out", help="run directory (default runs/<config>-<time>)")
     t.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
     t.set_defaults(func=cmd_train)
 
-    e = sub.add_parser("eval", help="reload a run's checkpoint and evaluate it on held-out prompts")
+    e = sub.add_parser("eval", allow_abbrev=False, help="reload a run's checkpoint and evaluate it on held-out prompts")
     e.add_argument("run_dir")
     e.add_argument("--prompts", type=int, default=None, help="held-out prompts (default: the run's eval.prompts)")
     e.set_defaults(func=cmd_eval)
 
-    pr = sub.add_parser("price", help="price a run before it starts (sampled tokens per gradient step)")
+    pr = sub.add_parser("price", allow_abbrev=False, help="price a run before it starts (sampled tokens per gradient step)")
     pr.add_argument("config")
     pr.add_argument("--json", action="store_true")
     pr.set_defaults(func=cmd_price)
 
-    lab = sub.add_parser("lab", help="the finite-policy lab: seed figures checked exactly")
+    lab = sub.add_parser("lab", allow_abbrev=False, help="the finite-policy lab: seed figures checked exactly")
     lab_sub = lab.add_subparsers(dest="lab_cmd")
-    b = lab_sub.add_parser("bandit", help="seed 002's bandit over many seeds: how often it locks onto a wrong action")
+    b = lab_sub.add_parser("bandit", allow_abbrev=False, help="seed 002's bandit over many seeds: how often it locks onto a wrong action")
     b.add_argument("--lr", type=float, nargs="+", default=[5.0, 0.5], help="learning rates to compare")
     b.add_argument("--group-size", type=int, default=8)
     b.add_argument("--steps", type=int, default=200)

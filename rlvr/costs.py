@@ -72,7 +72,8 @@ def price(
 ) -> Price:
     """Price a run from its shape; refuses when a number it needs is missing or unbounded."""
     for name, v in [("max_new_tokens", max_new_tokens), ("n_params", n_params),
-                    ("prompts_per_step", prompts_per_step), ("samples_per_prompt", samples_per_prompt)]:
+                    ("prompts_per_step", prompts_per_step), ("samples_per_prompt", samples_per_prompt),
+                    ("steps", steps), ("epochs_per_batch", epochs_per_batch), ("minibatches", minibatches)]:
         if not isinstance(v, int) or v <= 0:
             raise ValueError(f"cannot price the run: {name} must be a known positive number, got {v!r}")
     rows = prompts_per_step * samples_per_prompt

@@ -83,7 +83,7 @@ def build(cfg: config_mod.Config) -> Setup:
     else:
         alphabet = task.alphabet or "".join(sorted({c for ex in list(task.train) + list(task.heldout) for c in ex.prompt + str(ex.answer)}))
         tokenizer = CharTokenizer(alphabet)
-        longest = max(len(tokenizer.encode(ex.prompt)) for ex in list(task.heldout) + list(task.train[:1000]))
+        longest = max(len(tokenizer.encode(ex.prompt)) for ex in list(task.heldout) + list(task.train))
         torch.manual_seed(cfg.train.seed)
         model = TinyTransformer(TinyConfig(
             vocab_size=tokenizer.vocab_size, n_layer=cfg.model.n_layer, n_head=cfg.model.n_head,
@@ -100,7 +100,7 @@ def price_of(setup: Setup) -> costs.Price:
     return costs.price(
         prompts_per_step=cfg.train.prompts_per_step, samples_per_prompt=cfg.train.samples_per_prompt,
         max_new_tokens=setup.max_new_tokens,
-        prompt_tokens=max(len(setup.tokenizer.encode(ex.prompt)) for ex in setup.task.heldout),
+        prompt_tokens=max(len(setup.tokenizer.encode(ex.prompt)) for ex in list(setup.task.train) + list(setup.task.heldout)),
         steps=cfg.train.steps, epochs_per_batch=cfg.train.epochs_per_batch, minibatches=cfg.train.minibatches,
         n_params=setup.model.num_params(), has_reference=cfg.algorithm.kl_coef > 0,
     )
@@ -120,6 +120,8 @@ def lr_at(cfg: config_mod.TrainConfig, opt_step: int, total: int) -> float:
 
 def prepare_out_dir(out: Path, *, overwrite: bool) -> None:
     """Refuse to write into an existing run unless told; nothing is deleted otherwise."""
+    if out.exists() and not out.is_dir():
+        raise RunError(f"--out {out} is a file, not a directory; choose another path")
     if out.exists() and any(out.iterdir()):
         if not overwrite:
             raise RunError(f"--out {out} already holds files; pass --overwrite to replace them, or choose another directory")
@@ -208,7 +210,7 @@ def train(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, log=pri
         model.train()
         B = P * G
         stats_acc: dict[str, float] = {}
-        first_pass_ratio: list[float] = []  # with μ = 1 the ratio is 1: the sampler's logp is π_old's
+        first_ratio = 1.0
         n_mb = 0
         for epoch in range(tc.epochs_per_batch):
             perm = torch.randperm(B, generator=gen) if tc.minibatches > 1 else torch.arange(B)
@@ -224,18 +226,19 @@ def train(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, log=pri
                     kl = losses.kl_loss(logp, logp_ref[idx], sub.mask, estimator=ac.kl_estimator, agg=ac.agg,
                                         max_len=setup.max_new_tokens)
                     loss = loss + ac.kl_coef * kl
-                    stats["kl_ref"] = float(kl)
+                    stats["kl_ref"] = kl.item()
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip if tc.grad_clip > 0 else float("inf"))
                 opt.step()
+                lr_used = sched.get_last_lr()[0]
                 sched.step()
                 stats["loss"] = loss.item()
                 stats["grad_norm"] = float(gnorm)
                 for k, v in stats.items():
                     stats_acc[k] = stats_acc.get(k, 0.0) + v
-                if epoch == 0:
-                    first_pass_ratio.append(stats["ratio_mean"])
+                if n_mb == 0:  # the first optimizer step of a batch sees π = π_old: ratio 1
+                    first_ratio = stats["ratio_mean"]
                 n_mb += 1
 
         # 7. π_old is now the updated model; refresh π_ref when due
@@ -254,11 +257,11 @@ def train(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, log=pri
             "train/entropy": float(-(logp_old * mask).sum() / mask.sum().clamp(min=1)),
             "train/truncated_frac": float(rollout.truncated.float().mean()),
             "train/reward_failures": sum(v for k, v in scored.status_counts.items() if k != "ok"),
-            "train/lr": sched.get_last_lr()[0],
+            "train/lr": lr_used,
             "train/sampled_tokens": sampled_tokens,
             "time/sample_s": t_sample,
             "time/step_s": time.perf_counter() - t0,
-            "train/first_pass_ratio_mean": sum(first_pass_ratio) / len(first_pass_ratio),
+            "train/first_step_ratio_mean": first_ratio,
             **{f"train/{k}": v / n_mb for k, v in stats_acc.items()},
         }
         for name, vals in scored.per_reward.items():

@@ -1,0 +1,318 @@
+"""The `rlvr` command line: price, errors on bad input, lab, help, and the installed console command.
+
+Bad input must be a clear error (exit code 2, a message on stderr naming the key or path) before
+anything is written; these tests check the message and that the run directory was not created.
+Only two tests train (one step each: `--overwrite`, and an empty `--out`); the rest build at most a
+task and a tiny model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import shutil
+import subprocess
+import sys
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+
+import pytest
+
+from rlvr import config as config_mod, trainer
+from rlvr.cli import main
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sort.toml"
+TINY = [
+    "--model.init=", "--task.path=rlvr.tasks.sort:sort_task", "--task.reward=position", "--task.reward_weights={}",
+    "--sampling.max_new_tokens=0", "--algorithm.kl_coef=0", "--algorithm.top_k=0", "--train.threads=2",
+    "--model.n_embd=32", "--model.n_layer=1", "--model.n_head=2",
+    "--train.steps=1", "--train.prompts_per_step=4", "--train.samples_per_prompt=4",
+    "--train.epochs_per_batch=1", "--train.minibatches=1",
+    "--eval.every=0", "--eval.prompts=5", "--eval.pass_k=0",
+    "--task.options={n = 3, heldout = 50}",
+]
+# P=4, G=4, T=3 (3-digit sort), μ=2, minibatches=2, 5 steps
+PRICED = [*TINY, "--train.epochs_per_batch=2", "--train.minibatches=2", "--train.steps=5"]
+
+
+def cli(*argv) -> tuple[int, str, str]:
+    """`rlvr ARGV` in-process: (exit status as the shell would see it, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        try:
+            rc = main([str(a) for a in argv])
+        except SystemExit as e:  # argparse, or a message given to SystemExit (Python prints it, status 1)
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+                rc = 1
+            else:
+                rc = e.code or 0
+    return rc, out.getvalue(), err.getvalue()
+
+
+def n_params(*overrides: str) -> int:
+    return trainer.build(config_mod.load(EXAMPLE, list(overrides))).model.num_params()
+
+
+# --------------------------------------------------------------------------- price
+
+
+def test_price_json_arithmetic():
+    rc, out, err = cli("price", EXAMPLE, *PRICED, "--json")
+    assert rc == 0, err
+    p = json.loads(out)
+    n = n_params(*PRICED)
+    assert (p["prompts_per_step"], p["samples_per_prompt"], p["max_new_tokens"]) == (4, 4, 3)
+    assert p["grad_steps_per_batch"] == 4
+    assert p["sampled_tokens_per_batch"] == 48          # 4 * 4 * 3
+    assert p["sampled_tokens_per_grad_step"] == 12      # 48 / (2 * 2)
+    assert p["sampled_tokens_per_run"] == 5 * 48
+    assert p["prompt_tokens"] == 4                      # "123="
+    assert p["n_params"] == n > 0
+    assert p["policy_bytes"] == 4 * n
+    assert p["optimizer_bytes"] == 2 * 4 * n
+    assert p["logp_old_bytes"] == 48 * 4
+    assert p["has_reference"] is False and p["reference_bytes"] == 0
+
+
+def test_price_with_kl_holds_a_reference_copy():
+    rc, out, err = cli("price", EXAMPLE, *PRICED, "--algorithm.kl_coef=0.1", "--json")
+    assert rc == 0, err
+    p = json.loads(out)
+    assert p["has_reference"] is True
+    assert p["reference_bytes"] == p["policy_bytes"] == 4 * n_params(*PRICED)
+
+
+def test_price_text_lines():
+    rc, out, err = cli("price", EXAMPLE, *PRICED)
+    assert rc == 0, err
+    assert "sampled tokens per gradient step = 12 (P=4 x G=4 x T<=3 / 4 gradient steps per batch)" in out
+    assert "sampled tokens per batch = 48; per run (5 steps) = 240" in out
+    assert "no reference (kl_coef = 0)" in out
+
+
+def test_price_task_bound_follows_sampling_max_new_tokens():
+    rc, out, err = cli("price", EXAMPLE, *PRICED, "--sampling.max_new_tokens=5", "--json")
+    assert rc == 0, err
+    p = json.loads(out)
+    assert p["max_new_tokens"] == 5 and p["sampled_tokens_per_batch"] == 4 * 4 * 5
+
+
+def test_installed_console_command_prices_a_run():
+    exe = Path(sys.executable).with_name("rlvr")
+    exe = str(exe) if exe.exists() else shutil.which("rlvr")
+    assert exe, "the rlvr console script is not installed"
+    proc = subprocess.run([exe, "price", str(EXAMPLE), *PRICED, "--json"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == json.loads(cli("price", EXAMPLE, *PRICED, "--json")[1])
+
+
+# --------------------------------------------------------------------------- bad input
+
+BROKEN_TASKS = {
+    "max_new_tokens": '''
+from rlvr.rewards import Reward, RewardCard
+from rlvr.tasks import Example, Task
+r = Reward("exact", lambda p, s, a: 1.0, RewardCard(pays_for="x", ignores="y", exploit="z"))
+TASK = Task(name="broken", train=[Example("1=", "1")], heldout=[Example("2=", "2")], rewards={"exact": r},
+            goal=lambda p, s, a: True, max_new_tokens=0)
+''',
+    "heldout overlaps train": '''
+from rlvr.rewards import Reward, RewardCard
+from rlvr.tasks import Example, Task
+r = Reward("exact", lambda p, s, a: 1.0, RewardCard(pays_for="x", ignores="y", exploit="z"))
+TASK = Task(name="leaky", train=[Example("1=", "1")], heldout=[Example("1=", "1")], rewards={"exact": r},
+            goal=lambda p, s, a: True, max_new_tokens=2)
+''',
+    "RewardCard": '''
+from rlvr.rewards import Reward
+from rlvr.tasks import Example, Task
+r = Reward("exact", lambda p, s, a: 1.0, None)
+TASK = Task(name="uncarded", train=[Example("1=", "1")], heldout=[Example("2=", "2")], rewards={"exact": r},
+            goal=lambda p, s, a: True, max_new_tokens=2)
+''',
+}
+
+
+def assert_refused(rc: int, err: str, out_dir: Path, *needles: str) -> None:
+    assert rc == 2, err
+    assert err.startswith("rlvr: error: "), err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in err, (needle, err)
+    assert not out_dir.exists(), "an error must come before anything is written"
+
+
+def test_nonexistent_task_path(tmp_path):
+    out = tmp_path / "run"
+    rc, _, err = cli("train", EXAMPLE, *TINY, "--task.path=nope.py:X", "--out", out)
+    assert_refused(rc, err, out, "nope.py:X", "does not exist")
+
+
+def test_task_module_that_does_not_import(tmp_path):
+    out = tmp_path / "run"
+    rc, _, err = cli("train", EXAMPLE, *TINY, "--task.path=rlvr.tasks.nosuchmodule:TASK", "--out", out)
+    assert_refused(rc, err, out, "rlvr.tasks.nosuchmodule")
+
+
+def test_task_name_missing_in_module_lists_candidates(tmp_path):
+    out = tmp_path / "run"
+    rc, _, err = cli("train", EXAMPLE, *TINY, "--task.path=rlvr.tasks.sort:nope", "--out", out)
+    assert_refused(rc, err, out, "rlvr.tasks.sort:nope", "sort_task")
+
+
+@pytest.mark.parametrize("field", list(BROKEN_TASKS))
+def test_task_that_breaks_the_contract(tmp_path, field):
+    path = tmp_path / "broken.py"
+    path.write_text(BROKEN_TASKS[field])
+    out = tmp_path / "run"
+    rc, _, err = cli("train", EXAMPLE, *TINY, f"--task.path={path}:TASK", "--task.options={}",
+                     "--task.reward=exact", "--out", out)
+    assert_refused(rc, err, out, str(path), "breaks the contract", field)
+
+
+def test_bad_task_options_name_the_call(tmp_path):
+    out = tmp_path / "run"
+    rc, _, err = cli("train", EXAMPLE, *TINY, "--task.options={n = 3, bogus = 1}", "--out", out)
+    assert_refused(rc, err, out, "bogus")
+
+
+@pytest.mark.parametrize("override,needles", [
+    ("--train.stepz=3", ["train.stepz", "command line", "samples_per_prompt"]),
+    ("--trian.steps=3", ["[trian]", "known"]),
+    ("--train.steps=three", ["train.steps", "expected an integer"]),
+    ("--train.lr=fast", ["train.lr", "expected a number"]),
+    ("--algorithm.scheme=best", ["algorithm.scheme", "'normalized'"]),
+    ("--algorithm.scheme=baseline", ["algorithm.scheme", "baseline"]),
+    ("--train.samples_per_prompt=0", ["train.samples_per_prompt", ">= 1"]),
+    ("--model.n_head=3", ["model.n_head", "n_embd"]),
+    ("--task.options=[1, 2]", ["task.options", "table"]),
+])
+def test_bad_config_value_names_the_key(tmp_path, override, needles):
+    out = tmp_path / "run"
+    rc, _, err = cli("train", EXAMPLE, *TINY, override, "--out", out)
+    assert_refused(rc, err, out, *needles)
+
+
+def test_wrong_type_in_the_file_names_file_and_line(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[model]\nn_layer = 1\n\n[train]\nlr = 0.01\nsteps = "ten"\n')
+    out = tmp_path / "run"
+    rc, _, err = cli("train", bad, "--out", out)
+    assert_refused(rc, err, out, "train.steps", f"{bad}:6", "expected an integer")
+
+
+def test_missing_config_file(tmp_path):
+    out = tmp_path / "run"
+    rc, _, err = cli("train", tmp_path / "absent.toml", "--out", out)
+    assert_refused(rc, err, out, "absent.toml", "does not exist")
+
+
+def test_unknown_reward_names_the_available_ones(tmp_path):
+    out = tmp_path / "run"
+    rc, _, err = cli("train", EXAMPLE, *TINY, "--task.reward=nonexistent", "--out", out)
+    assert_refused(rc, err, out, "task.reward", "'nonexistent'", "exact", "position", "inclusion_adjacency")
+
+
+def test_unknown_reward_weight_names_the_key(tmp_path):
+    out = tmp_path / "run"
+    rc, _, err = cli("train", EXAMPLE, *TINY, "--task.reward_weights={exact = 1.0, speed = 0.5}", "--out", out)
+    assert_refused(rc, err, out, "task.reward_weights", "'speed'", "position")
+
+
+def test_price_refuses_bad_config_too(tmp_path):
+    rc, out, err = cli("price", EXAMPLE, *TINY, "--train.stepz=1", "--json")
+    assert rc == 2 and "train.stepz" in err and out == ""
+
+
+def test_existing_run_is_refused_then_overwritten(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    old_summary = b'{"eval/goal": 0.123, "note": "a run that must not be clobbered"}\n'
+    (run / "summary.json").write_bytes(old_summary)
+    (run / "metrics.jsonl").write_bytes(b'{"step": 1}\n')
+    rc, _, err = cli("train", EXAMPLE, *TINY, "--out", run)
+    assert rc == 2 and "--overwrite" in err and str(run) in err, err
+    assert (run / "summary.json").read_bytes() == old_summary
+    assert (run / "metrics.jsonl").read_bytes() == b'{"step": 1}\n'
+    assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl", "summary.json"]  # nothing added
+
+    rc, out, err = cli("train", EXAMPLE, *TINY, "--out", run, "--overwrite")
+    assert rc == 0, err
+    summary = json.loads((run / "summary.json").read_text())
+    assert "note" not in summary and summary["steps"] == 1 and "eval/goal" in summary
+    assert (run / "checkpoint" / "model.safetensors").is_file()
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2  # one step, one final eval
+
+
+def test_empty_existing_out_dir_is_fine(tmp_path):
+    run = tmp_path / "empty"
+    run.mkdir()
+    rc, _, err = cli("train", EXAMPLE, *TINY, "--out", run)
+    assert rc == 0, err
+    assert (run / "summary.json").is_file()
+
+
+def test_out_pointing_at_a_file_is_a_clear_error(tmp_path):
+    target = tmp_path / "afile"
+    target.write_text("keep me")
+    rc, _, err = cli("train", EXAMPLE, *TINY, "--out", target)
+    assert rc == 2 and str(target) in err
+    assert target.read_text() == "keep me"
+
+
+def test_unrecognised_argument_exits_2(tmp_path):
+    out = tmp_path / "run"
+    rc, _, err = cli("train", EXAMPLE, *TINY, "--steps=3", "--out", out)
+    assert "--steps=3" in err and "--train.steps" in err and not out.exists()
+    assert rc == 2
+
+
+def test_eval_refuses_a_directory_that_is_not_a_run(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    rc, out, err = cli("eval", tmp_path)
+    assert rc == 2 and out == ""
+    assert "not a finished run" in err and str(tmp_path / "config.toml") in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_eval_names_a_missing_checkpoint(tmp_path):
+    (tmp_path / "config.toml").write_text(config_mod.to_toml(config_mod.load(EXAMPLE, TINY)))
+    rc, _, err = cli("eval", tmp_path)
+    assert rc == 2 and "model.safetensors" in err, err
+
+
+# --------------------------------------------------------------------------- lab and help
+
+
+def test_lab_prints_the_seed_figures():
+    rc, out, err = cli("lab")
+    assert rc == 0, err
+    assert "gradient (0.16, -0.06, -0.08, -0.02)" in out
+    assert "bandit final probs [0.003, 0.003, 0.994]" in out
+    assert "seed 001" in out and "seed 002" in out
+
+
+def test_lab_bandit_prints_a_line_per_learning_rate():
+    rc, out, err = cli("lab", "bandit", "--seeds", "5")
+    assert rc == 0, err
+    lines = out.strip().splitlines()
+    assert [line.split(":")[0] for line in lines] == ["lr 5", "lr 0.5"]
+    assert all("(5 seeds" in line and "solved" in line and "locked_wrong" in line for line in lines)
+    rc, out, _ = cli("lab", "bandit", "--seeds", "2", "--steps", "20", "--lr", "1", "2", "3")
+    assert rc == 0 and [line.split(":")[0] for line in out.strip().splitlines()] == ["lr 1", "lr 2", "lr 3"]
+
+
+def test_train_help_lists_every_key_with_its_docstring():
+    rc, out, _ = cli("train", "--help")
+    assert rc == 0
+    assert "--train.samples_per_prompt=8" in out
+    assert "G: responses sampled per prompt (the group that forms the baseline)." in out
+    for section, cls in config_mod.SECTIONS.items():
+        docs = config_mod.field_docs(cls)
+        for f in dataclasses.fields(cls):
+            assert f"--{section}.{f.name}=" in out, f"{section}.{f.name} missing from --help"
+            assert docs.get(f.name), f"{section}.{f.name} has no docstring"
+            assert docs[f.name] in " ".join(out.split()), f"{section}.{f.name}: docstring missing from --help"

@@ -1,0 +1,106 @@
+"""rlvr.costs.price: the price of a run, by hand (exact tier) and against its own identities (oracle tier)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlvr import costs
+
+BASE = dict(prompts_per_step=4, samples_per_prompt=4, max_new_tokens=3, prompt_tokens=4, steps=10,
+            epochs_per_batch=2, minibatches=2, n_params=1000, has_reference=False)
+
+
+def test_price_by_hand():
+    p = costs.price(**BASE)
+    assert p.sampled_tokens_per_batch == 48            # P*G*T = 4*4*3
+    assert p.grad_steps_per_batch == 4                 # μ * minibatches = 2*2
+    assert p.sampled_tokens_per_grad_step == 12        # 48 / 4
+    assert p.sampled_tokens_per_run == 480             # steps * 48
+    assert p.policy_bytes == 4000                      # fp32 weights
+    assert p.optimizer_bytes == 8000                   # AdamW: two fp32 moments
+    assert p.reference_bytes == 0                      # no KL term, no reference copy
+    assert p.logp_old_bytes == 48 * 4                  # one fp32 logp per sampled token
+    assert (p.prompts_per_step, p.samples_per_prompt, p.max_new_tokens, p.prompt_tokens, p.steps,
+            p.n_params, p.has_reference) == (4, 4, 3, 4, 10, 1000, False)
+
+
+def test_price_by_hand_uneven_numbers():
+    p = costs.price(**{**BASE, "prompts_per_step": 3, "samples_per_prompt": 5, "max_new_tokens": 7,
+                       "epochs_per_batch": 3, "minibatches": 1, "steps": 2})
+    assert p.sampled_tokens_per_batch == 105
+    assert p.sampled_tokens_per_grad_step == pytest.approx(35.0)
+    assert p.sampled_tokens_per_run == 210
+    p = costs.price(**{**BASE, "epochs_per_batch": 1, "minibatches": 5, "max_new_tokens": 2})
+    assert p.sampled_tokens_per_grad_step == pytest.approx(32 / 5)  # not rounded
+
+
+def test_reference_costs_one_policy_copy():
+    p = costs.price(**{**BASE, "has_reference": True})
+    assert p.has_reference and p.reference_bytes == p.policy_bytes == 4000
+    half = costs.price(**{**BASE, "has_reference": True, "bytes_per_param": 2})
+    assert half.policy_bytes == half.reference_bytes == 2000
+
+
+def test_price_lines():
+    p = costs.price(**{**BASE, "n_params": 2**18, "has_reference": True})  # 1 MiB of fp32 weights
+    text = "\n".join(p.lines())
+    assert len(p.lines()) == 3
+    assert p.lines()[0].startswith("price: sampled tokens per gradient step = 12 ")
+    assert "(P=4 x G=4 x T<=3 / 4 gradient steps per batch)" in text
+    assert "sampled tokens per batch = 48; per run (10 steps) = 480" in text
+    assert "policy 1.00 MiB" in text and "AdamW state 2.00 MiB" in text and "reference 1.00 MiB" in text
+    assert "parameters 262,144" in text
+    assert "no reference" not in text
+    assert "no reference (kl_coef = 0)" in "\n".join(costs.price(**BASE).lines())
+
+
+def test_thousands_separators():
+    p = costs.price(**{**BASE, "prompts_per_step": 64, "samples_per_prompt": 8, "max_new_tokens": 5,
+                       "epochs_per_batch": 1, "minibatches": 1, "steps": 800})
+    assert "= 2,560 (P=64 x G=8 x T<=5 / 1 gradient steps per batch)" in p.lines()[0]
+    assert "per run (800 steps) = 2,048,000" in p.lines()[1]
+
+
+def test_to_dict_is_json_ready():
+    d = costs.price(**BASE).to_dict()
+    assert d["sampled_tokens_per_grad_step"] == 12 and d["reference_bytes"] == 0
+    assert all(isinstance(v, (int, float, bool)) for v in d.values())
+
+
+@pytest.mark.parametrize("value", [0, None, -3, 2.5])
+def test_refuses_an_unknown_response_bound(value):
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        costs.price(**{**BASE, "max_new_tokens": value})
+
+
+@pytest.mark.parametrize("name", ["n_params", "prompts_per_step", "samples_per_prompt"])
+@pytest.mark.parametrize("value", [0, None])
+def test_refuses_other_missing_numbers(name, value):
+    with pytest.raises(ValueError, match=name):
+        costs.price(**{**BASE, name: value})
+
+
+@pytest.mark.parametrize("name,value", [("epochs_per_batch", 0), ("minibatches", 0), ("steps", None)])
+def test_refuses_missing_loop_counts(name, value):
+    with pytest.raises(ValueError, match=name):
+        costs.price(**{**BASE, name: value})
+
+
+@settings(max_examples=60, deadline=None)
+@given(P=st.integers(1, 64), G=st.integers(1, 16), T=st.integers(1, 256), steps=st.integers(1, 1000),
+       mu=st.integers(1, 4), mb=st.integers(1, 8), n=st.integers(1, 10**8), ref=st.booleans())
+def test_price_identities(P, G, T, steps, mu, mb, n, ref):
+    p = costs.price(prompts_per_step=P, samples_per_prompt=G, max_new_tokens=T, prompt_tokens=1, steps=steps,
+                    epochs_per_batch=mu, minibatches=mb, n_params=n, has_reference=ref)
+    # a naive count: every row of every prompt samples at most T tokens
+    naive = 0
+    for _prompt in range(P):
+        for _sample in range(G):
+            naive += T
+    assert p.sampled_tokens_per_batch == naive
+    assert p.sampled_tokens_per_grad_step * mu * mb == pytest.approx(naive)
+    assert p.sampled_tokens_per_run == steps * naive
+    assert p.reference_bytes == (p.policy_bytes if ref else 0)
+    assert p.optimizer_bytes == 2 * p.policy_bytes
