@@ -96,6 +96,26 @@ def cmd_lab(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_probe(args: argparse.Namespace, extra: list[str]) -> int:
+    from rlvr import probe
+
+    return probe.command(args, _split_overrides(extra))
+
+
+def cmd_audit(args: argparse.Namespace, extra: list[str]) -> int:
+    from rlvr import audit
+
+    return audit.command(args, _split_overrides(extra))
+
+
+def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
+    from rlvr import report
+
+    if extra:
+        return _fail(f"report: unrecognised argument {extra[0]!r}")
+    return report.command(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlvr", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)
@@ -119,6 +139,29 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("config")
     pr.add_argument("--json", action="store_true")
     pr.set_defaults(func=cmd_price)
+
+    pb = sub.add_parser("probe", allow_abbrev=False, help="seed 000's builder test: K samples per prompt, how many Δ are usable")
+    pb.add_argument("config")
+    pb.add_argument("--checkpoint", help="a run directory whose checkpoint is probed (default: the config's initial model)")
+    pb.add_argument("--prompts", type=int, default=8, help="prompts to probe (N)")
+    pb.add_argument("--samples", type=int, default=8, help="responses per prompt (K >= 2)")
+    pb.add_argument("--scheme", nargs="*", default=[], help="Δ schemes to count besides raw and centered")
+    pb.add_argument("--split", choices=["train", "heldout"], default="train", help="which prompts to probe")
+    pb.add_argument("--json", action="store_true")
+    pb.set_defaults(func=cmd_probe)
+
+    au = sub.add_parser("audit", allow_abbrev=False, help="score strategies that do not solve the task; exit 1 if the reward pays them")
+    au.add_argument("config")
+    au.add_argument("--threshold", type=float, default=0.5,
+                    help="flag a strategy whose mean reward reaches this fraction of a solved response's while its goal is 0")
+    au.add_argument("--prompts", type=int, default=200, help="held-out prompts to score each strategy on")
+    au.add_argument("--json", action="store_true")
+    au.set_defaults(func=cmd_audit)
+
+    rp = sub.add_parser("report", allow_abbrev=False, help="plots and one HTML page for a run (finished, running or cut off)")
+    rp.add_argument("run_dir")
+    rp.add_argument("--out", help="directory for the PNGs and report.html (default RUN_DIR/report)")
+    rp.set_defaults(func=cmd_report)
 
     lab = sub.add_parser("lab", allow_abbrev=False, help="the finite-policy lab: seed figures checked exactly")
     lab_sub = lab.add_subparsers(dest="lab_cmd")
