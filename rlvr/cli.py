@@ -99,13 +99,21 @@ def cmd_lab(args: argparse.Namespace, extra: list[str]) -> int:
 def cmd_probe(args: argparse.Namespace, extra: list[str]) -> int:
     from rlvr import probe
 
-    return probe.command(args, _split_overrides(extra))
+    try:
+        overrides = _split_overrides(extra)
+    except config.ConfigError as e:
+        return _fail(str(e))
+    return probe.command(args, overrides)
 
 
 def cmd_audit(args: argparse.Namespace, extra: list[str]) -> int:
     from rlvr import audit
 
-    return audit.command(args, _split_overrides(extra))
+    try:
+        overrides = _split_overrides(extra)
+    except config.ConfigError as e:
+        return _fail(str(e))
+    return audit.command(args, overrides)
 
 
 def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:

@@ -90,6 +90,11 @@ class AlgorithmConfig:
     """Weight of the KL term to the reference policy; 0 = no reference model is held."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """Per-token KL estimator (rlvr.losses.KL_ESTIMATORS)."""
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards all agree and sample more prompts until the batch holds P groups
+    or dynamic_sampling_rounds is reached (DAPO); the price shows the worst case."""
+    dynamic_sampling_rounds: int = 3
+    """Most sampling rounds per step with dynamic sampling (1 = no refill)."""
     ref_refresh_every: int = 0
     """Copy the policy into the reference every N steps; 0 = never (the reference stays the
     initial policy)."""
@@ -350,7 +355,8 @@ def validate(cfg: Config, source: str | None = None) -> None:
                    ("train.samples_per_prompt", t.samples_per_prompt),
                    ("train.epochs_per_batch", t.epochs_per_batch), ("train.minibatches", t.minibatches),
                    ("model.n_layer", cfg.model.n_layer), ("model.n_head", cfg.model.n_head),
-                   ("model.n_embd", cfg.model.n_embd), ("eval.batch_size", cfg.eval.batch_size)]:
+                   ("model.n_embd", cfg.model.n_embd), ("eval.batch_size", cfg.eval.batch_size),
+                   ("algorithm.dynamic_sampling_rounds", a.dynamic_sampling_rounds)]:
         if v < 1:
             bad(key, f"must be >= 1, got {v}")
     if cfg.model.n_embd % cfg.model.n_head:

@@ -1,13 +1,20 @@
 """The price of a run, computed before it starts (seed 000: "Price this one in sampled tokens").
 
-Arithmetic on counters, nanoGPT `estimate_mfu` style; no sampling, no model forward.
+Arithmetic on counters, nanoGPT `estimate_mfu` style; no sampling, no model forward. With P prompts,
+G samples, T the response-length bound, Lp the longest prompt, μ passes, M minibatches:
 
-    sampled tokens per batch          = P * G * T_max            (T_max: response-length bound)
-    sampled tokens per gradient step  = P * G * T_max / (μ * minibatches)
-    sampled tokens per run            = steps * P * G * T_max
+    sampled tokens per batch          = P * G * T                (x rounds, worst case, with dynamic sampling)
+    sampled tokens per gradient step  = P * G * T / (μ * M)
+    sampled tokens per run            = steps * P * G * T
+    forward tokens, sampling          = P * Lp (prefill, once per prompt) + P * G * T (decode, KV cache)
+    forward tokens, logp_old          = 0: the sampler's own log-probs are stored (rlvr.trainer)
+    forward tokens, logp_ref          = P * G * (Lp + T) when the KL term is on
+    trained tokens (fwd + bwd)        = μ * P * G * (Lp + T)
 
-Model copies held: the policy, AdamW's two moments, a reference policy only when the KL term is on,
-and the stored old log-probs (P*G*T_max floats) that stand in for a π_old snapshot.
+FLOPs: forward tokens x (2N + attention), trained tokens x (6N + attention), with N the matmul
+parameters and the attention term of `TinyTransformer.flops_per_token`. Memory of the copies held:
+the policy, AdamW's two fp32 moments, a reference policy only when the KL term is on, and the stored
+old log-probs (P*G*T floats) that stand in for a π_old snapshot.
 """
 
 from __future__ import annotations
@@ -25,31 +32,54 @@ class Price:
     prompt_tokens: int
     steps: int
     grad_steps_per_batch: int
+    sampling_rounds: int
     n_params: int
     has_reference: bool
     sampled_tokens_per_batch: int
     sampled_tokens_per_grad_step: float
     sampled_tokens_per_run: int
+    sampled_tokens_per_run_worst: int
+    forward_tokens_sampling_per_batch: int
+    forward_tokens_logp_old_per_batch: int
+    forward_tokens_logp_ref_per_batch: int
+    trained_tokens_per_batch: int
+    forward_tokens_per_run: int
+    trained_tokens_per_run: int
+    flops_sampling_per_batch: float
+    flops_logp_ref_per_batch: float
+    flops_train_per_batch: float
+    flops_per_run: float
     policy_bytes: int
     optimizer_bytes: int
     reference_bytes: int
     logp_old_bytes: int
 
     def lines(self) -> list[str]:
-        """The price as printed before the first step."""
+        """The price as printed by `rlvr price` and before the first step of `rlvr train`."""
         mib = 1 / 2**20
+        worst = ""
+        if self.sampling_rounds > 1:
+            worst = (f"; worst case with dynamic sampling ({self.sampling_rounds} rounds) "
+                     f"{self.sampled_tokens_per_run_worst:,}")
         copies = [f"policy {self.policy_bytes * mib:.2f} MiB", f"AdamW state {self.optimizer_bytes * mib:.2f} MiB"]
         copies.append(f"reference {self.reference_bytes * mib:.2f} MiB" if self.has_reference else "no reference (kl_coef = 0)")
         copies.append(
             f"stored logp_old {self.logp_old_bytes * mib:.3f} MiB instead of a π_old copy "
-            f"({self.policy_bytes * mib:.2f} MiB)"
+            f"({self.policy_bytes * mib:.2f} MiB, saving {(self.policy_bytes - self.logp_old_bytes) * mib:.2f} MiB)"
         )
         return [
             f"price: sampled tokens per gradient step = {self.sampled_tokens_per_grad_step:,.0f} "
             f"(P={self.prompts_per_step} x G={self.samples_per_prompt} x T<={self.max_new_tokens} "
             f"/ {self.grad_steps_per_batch} gradient steps per batch)",
             f"price: sampled tokens per batch = {self.sampled_tokens_per_batch:,}; "
-            f"per run ({self.steps} steps) = {self.sampled_tokens_per_run:,}",
+            f"per run ({self.steps} steps) = {self.sampled_tokens_per_run:,}{worst}",
+            f"price: forward tokens per batch: sampling {self.forward_tokens_sampling_per_batch:,} "
+            f"({self.flops_sampling_per_batch:.3g} FLOP), logp_old {self.forward_tokens_logp_old_per_batch:,} "
+            f"(stored from the sampler), logp_ref {self.forward_tokens_logp_ref_per_batch:,} "
+            f"({self.flops_logp_ref_per_batch:.3g} FLOP); trained tokens {self.trained_tokens_per_batch:,} "
+            f"({self.flops_train_per_batch:.3g} FLOP)",
+            f"price: per run: {self.forward_tokens_per_run:,} forward + {self.trained_tokens_per_run:,} trained tokens, "
+            f"{self.flops_per_run:.3g} FLOP",
             f"price: model copies held: {'; '.join(copies)}; parameters {self.n_params:,}",
         ]
 
@@ -68,30 +98,57 @@ def price(
     minibatches: int,
     n_params: int,
     has_reference: bool,
+    flops_fwd_per_token: float = 0.0,
+    flops_train_per_token: float = 0.0,
+    sampling_rounds: int = 1,
     bytes_per_param: int = 4,
 ) -> Price:
-    """Price a run from its shape; refuses when a number it needs is missing or unbounded."""
+    """Price a run from its shape; refuses, naming the number, when one it needs is missing.
+
+    `flops_*_per_token` default to the 2N / 6N rule when not given (no attention term).
+    """
     for name, v in [("max_new_tokens", max_new_tokens), ("n_params", n_params),
                     ("prompts_per_step", prompts_per_step), ("samples_per_prompt", samples_per_prompt),
-                    ("steps", steps), ("epochs_per_batch", epochs_per_batch), ("minibatches", minibatches)]:
-        if not isinstance(v, int) or v <= 0:
+                    ("steps", steps), ("epochs_per_batch", epochs_per_batch), ("minibatches", minibatches),
+                    ("sampling_rounds", sampling_rounds)]:
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise ValueError(f"cannot price the run: {name} must be a known positive number, got {v!r}")
-    rows = prompts_per_step * samples_per_prompt
-    per_batch = rows * max_new_tokens
+    if not isinstance(prompt_tokens, int) or prompt_tokens < 0:
+        raise ValueError(f"cannot price the run: prompt_tokens must be a known number, got {prompt_tokens!r}")
+    fwd = flops_fwd_per_token or 2 * n_params
+    trn = flops_train_per_token or 6 * n_params
+    P, G, T, Lp = prompts_per_step, samples_per_prompt, max_new_tokens, prompt_tokens
+    rows = P * G
+    per_batch = rows * T
     grad_steps = epochs_per_batch * minibatches
+    sampling_fwd = P * Lp + rows * T
+    ref_fwd = rows * (Lp + T) if has_reference else 0
+    trained = epochs_per_batch * rows * (Lp + T)
     policy = n_params * bytes_per_param
     return Price(
-        prompts_per_step=prompts_per_step,
-        samples_per_prompt=samples_per_prompt,
-        max_new_tokens=max_new_tokens,
-        prompt_tokens=prompt_tokens,
+        prompts_per_step=P,
+        samples_per_prompt=G,
+        max_new_tokens=T,
+        prompt_tokens=Lp,
         steps=steps,
         grad_steps_per_batch=grad_steps,
+        sampling_rounds=sampling_rounds,
         n_params=n_params,
         has_reference=has_reference,
         sampled_tokens_per_batch=per_batch,
         sampled_tokens_per_grad_step=per_batch / grad_steps,
         sampled_tokens_per_run=per_batch * steps,
+        sampled_tokens_per_run_worst=per_batch * steps * sampling_rounds,
+        forward_tokens_sampling_per_batch=sampling_fwd,
+        forward_tokens_logp_old_per_batch=0,
+        forward_tokens_logp_ref_per_batch=ref_fwd,
+        trained_tokens_per_batch=trained,
+        forward_tokens_per_run=(sampling_fwd + ref_fwd) * steps,
+        trained_tokens_per_run=trained * steps,
+        flops_sampling_per_batch=float(sampling_fwd * fwd),
+        flops_logp_ref_per_batch=float(ref_fwd * fwd),
+        flops_train_per_batch=float(trained * trn),
+        flops_per_run=float(((sampling_fwd + ref_fwd) * fwd + trained * trn) * steps),
         policy_bytes=policy,
         optimizer_bytes=2 * n_params * 4,
         reference_bytes=policy if has_reference else 0,

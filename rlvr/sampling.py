@@ -89,6 +89,31 @@ class Rollout:
         return self.mask.sum(1).long()
 
 
+def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:
+    """Stack rollouts row-wise (dynamic sampling's refill rounds), in order, groups intact.
+
+    Prompts are left-padded to the widest ``prompt_len`` and responses right-padded to the longest
+    T; the added columns carry ``pad_id``, attention 0, mask 0 and logp 0, so every per-token
+    figure and the recomputed log-probs are unchanged (positions come from the attention mask).
+    """
+    if not rollouts:
+        raise ValueError("concat: no rollouts given")
+    if len({(r.temperature, r.top_p) for r in rollouts}) != 1:
+        raise ValueError("concat: rollouts were sampled from different distributions (temperature / top_p)")
+    Lp = max(r.prompt_len for r in rollouts)
+    T = max(r.mask.shape[1] for r in rollouts)
+    parts: dict[str, list[torch.Tensor]] = {"ids": [], "attention_mask": [], "mask": [], "logp": []}
+    for r in rollouts:
+        left, right = Lp - r.prompt_len, T - r.mask.shape[1]
+        parts["ids"].append(F.pad(r.ids, (left, right), value=pad_id))
+        parts["attention_mask"].append(F.pad(r.attention_mask, (left, right), value=0))
+        parts["mask"].append(F.pad(r.mask, (0, right), value=0.0))
+        parts["logp"].append(F.pad(r.logp, (0, right), value=0.0))
+    return Rollout(**{k: torch.cat(v) for k, v in parts.items()}, prompt_len=Lp,
+                   truncated=torch.cat([r.truncated for r in rollouts]),
+                   temperature=rollouts[0].temperature, top_p=rollouts[0].top_p)
+
+
 # ---------------------------------------------------------------------- the sampling distribution
 def nucleus_mask(z: torch.Tensor, top_p: float) -> torch.Tensor:
     """Bool mask (..., V), True on the nucleus of ``softmax(z)`` at mass ``top_p`` (no gradient)."""

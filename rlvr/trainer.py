@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from rlvr import advantages, config as config_mod, costs, losses, sampling
+from rlvr.diagnostics import Watch, length_by_outcome, pass_rate_histogram
 from rlvr.evaluate import evaluate
 from rlvr.models.tiny import TinyConfig, TinyTransformer
 from rlvr.rewards import score_batch
@@ -103,6 +104,9 @@ def price_of(setup: Setup) -> costs.Price:
         prompt_tokens=max(len(setup.tokenizer.encode(ex.prompt)) for ex in list(setup.task.train) + list(setup.task.heldout)),
         steps=cfg.train.steps, epochs_per_batch=cfg.train.epochs_per_batch, minibatches=cfg.train.minibatches,
         n_params=setup.model.num_params(), has_reference=cfg.algorithm.kl_coef > 0,
+        flops_fwd_per_token=setup.model.flops_per_token(training=False),
+        flops_train_per_token=setup.model.flops_per_token(training=True),
+        sampling_rounds=cfg.algorithm.dynamic_sampling_rounds if cfg.algorithm.dynamic_sampling else 1,
     )
 
 
@@ -129,14 +133,91 @@ def prepare_out_dir(out: Path, *, overwrite: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
+@dataclass
+class Groups:
+    """Scored groups of one step: P' prompts x G responses, rows grouped (row b is prompt b // G)."""
+
+    examples: list
+    rollout: sampling.Rollout
+    responses: list[str]
+    rewards: torch.Tensor            # (P', G) optimised reward
+    hits: torch.Tensor               # (P', G) bool, the goal (logged, never trained on)
+    per_reward: dict[str, list[float]]
+    failures: int
+    status_counts: dict[str, int]
+    errors: list[str]
+
+    def select(self, groups: torch.Tensor, G: int) -> "Groups":
+        """The groups at indices `groups` (a (k,) long tensor), rows kept together."""
+        rows = (groups[:, None] * G + torch.arange(G)).reshape(-1)
+        return Groups(
+            examples=[self.examples[i] for i in groups.tolist()], rollout=self.rollout.select(rows),
+            responses=[self.responses[i] for i in rows.tolist()], rewards=self.rewards[groups], hits=self.hits[groups],
+            per_reward={k: [v[i] for i in rows.tolist()] for k, v in self.per_reward.items()},
+            failures=self.failures, status_counts=self.status_counts, errors=self.errors,
+        )
+
+
+def sample_groups(setup: Setup, model, examples: list, G: int, gen: torch.Generator) -> Groups:
+    """Sample G responses per example from the current weights (no grad) and score them."""
+    task, tok, sc = setup.task, setup.tokenizer, setup.cfg.sampling
+    rollout = sampling.generate(
+        model, [tok.encode(ex.prompt) for ex in examples], samples_per_prompt=G,
+        max_new_tokens=setup.max_new_tokens, temperature=sc.temperature, top_p=sc.top_p,
+        eos_id=setup.eos_id, pad_id=tok.pad_id, generator=gen,
+    )
+    responses = [tok.decode(r) for r in rollout.response_ids.tolist()]
+    prompts = [ex.prompt for ex in examples for _ in range(G)]
+    answers = [ex.answer for ex in examples for _ in range(G)]
+    scored = score_batch(weighted_rewards(task, setup.reward_weights), prompts, responses, answers)
+    hits = torch.tensor([bool(task.goal(p, r, a)) for p, r, a in zip(prompts, responses, answers)])
+    return Groups(examples, rollout, responses, torch.tensor(scored.total, dtype=torch.float32).view(-1, G),
+                  hits.view(-1, G), scored.per_reward, scored.failed, dict(scored.status_counts), list(scored.errors))
+
+
+def merge(parts: list[Groups], pad_id: int) -> Groups:
+    """Concatenate the groups of several sampling rounds (dynamic sampling)."""
+    return Groups(
+        examples=[ex for p in parts for ex in p.examples],
+        rollout=sampling.concat([p.rollout for p in parts], pad_id),
+        responses=[r for p in parts for r in p.responses],
+        rewards=torch.cat([p.rewards for p in parts]), hits=torch.cat([p.hits for p in parts]),
+        per_reward={k: [v for p in parts for v in p.per_reward[k]] for k in parts[0].per_reward},
+        failures=sum(p.failures for p in parts),
+        status_counts={k: sum(p.status_counts.get(k, 0) for p in parts) for k in parts[0].status_counts},
+        errors=[e for p in parts for e in p.errors][:5],
+    )
+
+
+def dynamic_sample(setup: Setup, model, draw, P: int, G: int, rounds: int, gen: torch.Generator) -> tuple[Groups, list[Groups]]:
+    """DAPO's dynamic sampling: drop groups whose rewards all agree (their Δ is 0) and sample `draw()`
+    more prompts until P groups remain or `rounds` rounds were sampled. Returns the batch and every
+    round sampled (all of them are paid for). With no group left, the batch is the first round."""
+    parts = [sample_groups(setup, model, draw(), G, gen)]
+    kept = []
+    while True:
+        last = parts[-1]
+        useful = torch.nonzero(~advantages.agreeing_groups(last.rewards)).view(-1)
+        if len(useful):
+            kept.append(last.select(useful, G))
+        if sum(len(k.examples) for k in kept) >= P or len(parts) >= rounds:
+            break
+        parts.append(sample_groups(setup, model, draw(), G, gen))
+    if not kept:
+        return parts[0], parts
+    batch = merge(kept, setup.tokenizer.pad_id)
+    return batch.select(torch.arange(min(P, len(batch.examples))), G), parts
+
+
 def train(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, log=print) -> dict:
-    """Run the loop; write config.toml, metrics.jsonl, rollouts.jsonl, checkpoint/, summary.json."""
+    """Run the loop; write config.toml, price.json, metrics.jsonl, rollouts.jsonl, checkpoint/, summary.json."""
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     setup = build(cfg)
     price = price_of(setup)
     prepare_out_dir(out, overwrite=overwrite)
     (out / "config.toml").write_text(config_mod.to_toml(cfg))
+    (out / "price.json").write_text(json.dumps(price.to_dict(), indent=2))
     for line in price.lines():
         log(line)
 
@@ -148,6 +229,9 @@ def train(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, log=pri
     gen = torch.Generator().manual_seed(tc.seed)
     torch.manual_seed(tc.seed)
 
+    def draw() -> list:
+        return [task.train[i] for i in rng.sample(range(len(task.train)), P)]
+
     ref = None
     if ac.kl_coef > 0:
         ref = copy.deepcopy(model).requires_grad_(False).eval()
@@ -156,45 +240,51 @@ def train(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, log=pri
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(tc, s, total_opt_steps))
     metrics_f = open(out / "metrics.jsonl", "w")
     rollouts_f = open(out / "rollouts.jsonl", "w")
-    sampled_tokens = 0
+    fwd_flops, train_flops = model.flops_per_token(training=False), model.flops_per_token(training=True)
+    cost = {"sampled_tokens": 0, "forward_tokens": 0, "trained_tokens": 0, "flops": 0.0}
+    watch = Watch()
     last_eval: dict = {}
 
     def write_metrics(row: dict) -> None:
         metrics_f.write(json.dumps(row) + "\n")
         metrics_f.flush()
 
+    def warn(step: int, msg: str) -> None:
+        log(f"warning: step {step}: {msg}")
+        write_metrics({"step": step, "warning": msg})
+
     def run_eval(step: int) -> dict:
-        model.eval()
         res = evaluate(model, tok, task, reward_weights=setup.reward_weights, max_new_tokens=setup.max_new_tokens,
                        eos_id=setup.eos_id, prompts=cfg.eval.prompts, batch_size=cfg.eval.batch_size,
                        pass_k=cfg.eval.pass_k, pass_k_prompts=cfg.eval.pass_k_prompts,
                        temperature=sc.temperature, top_p=sc.top_p, seed=tc.seed)
         row = {"step": step, **{f"eval/{k}": v for k, v in res.items()}}
         write_metrics(row)
+        for msg in watch.after_eval(step, row["eval/goal"]):
+            warn(step, msg)
         return row
 
     for step in range(1, tc.steps + 1):
         t0 = time.perf_counter()
-        # 1. sample P prompts and G responses each from π_old (the current weights)
-        batch = [task.train[i] for i in rng.sample(range(len(task.train)), P)]
+        # 1./2. sample P prompts, G responses each from π_old (the current weights), and score them
         model.eval()
-        rollout = sampling.generate(
-            model, [tok.encode(ex.prompt) for ex in batch], samples_per_prompt=G,
-            max_new_tokens=setup.max_new_tokens, temperature=sc.temperature, top_p=sc.top_p,
-            eos_id=setup.eos_id, pad_id=tok.pad_id, generator=gen,
-        )
+        if ac.dynamic_sampling:
+            groups, parts = dynamic_sample(setup, model, draw, P, G, ac.dynamic_sampling_rounds, gen)
+        else:
+            groups = sample_groups(setup, model, draw(), G, gen)
+            parts = [groups]
         t_sample = time.perf_counter() - t0
-        mask = rollout.mask                                              # (B, T)
-        sampled_tokens += int(mask.sum())
-        responses = [tok.decode(r) for r in rollout.response_ids.tolist()]
-
-        # 2. score (rows are grouped: row b is prompt b // G)
-        scored = score_batch(weighted_rewards(task, setup.reward_weights), [ex.prompt for ex in batch for _ in range(G)],
-                             responses, [ex.answer for ex in batch for _ in range(G)])
-        rewards = torch.tensor(scored.total, dtype=torch.float32).view(P, G)     # (P, G)
+        for p in parts:  # every round is paid for, kept or not
+            cost["sampled_tokens"] += int(p.rollout.mask.sum())
+            n_fwd = len(p.examples) * p.rollout.prompt_len + p.rollout.mask.numel()
+            cost["forward_tokens"] += n_fwd
+            cost["flops"] += n_fwd * fwd_flops
+        rollout, rewards = groups.rollout, groups.rewards              # rewards (P', G)
+        mask = rollout.mask                                            # (B, T)
+        B = mask.shape[0]
 
         # 3. Δ from the reward matrix
-        delta = advantages.compute(rewards, ac.scheme, top_k=ac.top_k or None)  # (P, G)
+        delta = advantages.compute(rewards, ac.scheme, top_k=ac.top_k or None)  # (P', G)
         delta_rows = delta.reshape(-1)                                           # (B,)
 
         # 4./5. logp_old stored and detached; logp_ref under the frozen reference
@@ -205,10 +295,11 @@ def train(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, log=pri
                 # the reference is scored without a nucleus: a token outside π_ref's own nucleus would get the
                 # floor log-prob and a huge, meaningless KL (see rlvr.sampling.OUTSIDE_NUCLEUS_LOGP)
                 logp_ref = sampling.sequence_token_logprobs(ref, rollout, temperature=sc.temperature, top_p=1.0)
+            cost["forward_tokens"] += rollout.ids.numel()
+            cost["flops"] += rollout.ids.numel() * fwd_flops
 
         # 6. μ passes of minibatch gradient steps on the same rollouts
         model.train()
-        B = P * G
         stats_acc: dict[str, float] = {}
         first_ratio = 1.0
         n_mb = 0
@@ -233,6 +324,8 @@ def train(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, log=pri
                 opt.step()
                 lr_used = sched.get_last_lr()[0]
                 sched.step()
+                cost["trained_tokens"] += sub.ids.numel()
+                cost["flops"] += sub.ids.numel() * train_flops
                 stats["loss"] = loss.item()
                 stats["grad_norm"] = float(gnorm)
                 for k, v in stats.items():
@@ -245,36 +338,47 @@ def train(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, log=pri
         if ref is not None and ac.ref_refresh_every and step % ac.ref_refresh_every == 0:
             ref.load_state_dict(model.state_dict())
 
-        agree = advantages.agreeing_groups(rewards)
+        lengths = rollout.response_lengths
         row = {
             "step": step,
             "train/reward": float(rewards.mean()),
-            "train/goal": _goal_rate(task, batch, responses, G),
+            "train/goal": float(groups.hits.float().mean()),
             "train/nonzero_delta_frac": advantages.nonzero_fraction(delta),
-            "train/agreeing_groups_frac": float(agree.float().mean()),
-            "train/response_len": float(mask.sum(1).mean()),
+            # of the groups first sampled this step (before dynamic sampling dropped any)
+            "train/agreeing_groups_frac": float(advantages.agreeing_groups(parts[0].rewards).float().mean()),
+            "train/groups": len(groups.examples),
+            "train/sampling_rounds": len(parts),
+            "train/pass_rate_hist": pass_rate_histogram(groups.hits),
+            "train/response_len": float(lengths.float().mean()),
+            **{f"train/response_len_{k}": v for k, v in
+               length_by_outcome(lengths, groups.hits.view(-1), rollout.truncated).items()},
             # -logp of the sampled tokens is an unbiased estimate of the per-token sampling entropy
             "train/entropy": float(-(logp_old * mask).sum() / mask.sum().clamp(min=1)),
             "train/truncated_frac": float(rollout.truncated.float().mean()),
-            "train/reward_failures": sum(v for k, v in scored.status_counts.items() if k != "ok"),
+            "train/reward_failures": sum(p.failures for p in parts),
             "train/lr": lr_used,
-            "train/sampled_tokens": sampled_tokens,
+            "train/sampled_tokens": cost["sampled_tokens"],
             "time/sample_s": t_sample,
             "time/step_s": time.perf_counter() - t0,
             "train/first_step_ratio_mean": first_ratio,
             **{f"train/{k}": v / n_mb for k, v in stats_acc.items()},
         }
-        for name, vals in scored.per_reward.items():
+        for name, vals in groups.per_reward.items():
             row[f"train/reward_{name}"] = sum(vals) / len(vals)
         write_metrics(row)
         if row["train/reward_failures"]:
-            log(f"warning: step {step}: {row['train/reward_failures']} reward calls failed: {scored.status_counts}"
-                + (f"; first error: {scored.errors[0]}" if scored.errors else ""))
-        for g in range(min(cfg.log.rollouts_per_step, P)):
+            errors = [e for p in parts for e in p.errors]
+            statuses = {k: sum(p.status_counts.get(k, 0) for p in parts) for k in parts[0].status_counts}
+            warn(step, f"{row['train/reward_failures']} reward calls failed (scored 0, see train/reward_failures): "
+                 f"{ {k: v for k, v in statuses.items() if v} }"
+                 + (f"; first error: {errors[0]}" if errors else ""))
+        for msg in watch.after_step(step, row):
+            warn(step, msg)
+        for g in range(min(cfg.log.rollouts_per_step, len(groups.examples))):
             rows = range(g * G, (g + 1) * G)
             rollouts_f.write(json.dumps({
-                "step": step, "prompt": batch[g].prompt, "answer": str(batch[g].answer),
-                "responses": [responses[b] for b in rows], "rewards": rewards[g].tolist(),
+                "step": step, "prompt": groups.examples[g].prompt, "answer": str(groups.examples[g].answer),
+                "responses": [groups.responses[b] for b in rows], "rewards": rewards[g].tolist(),
                 "delta": delta[g].tolist(),
             }) + "\n")
         rollouts_f.flush()
@@ -284,8 +388,8 @@ def train(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, log=pri
         if step % max(1, cfg.log.print_every) == 0 or step == 1:
             ev = f" | eval/goal {last_eval['eval/goal']:.3f}" if last_eval else ""
             log(f"step {step:>5}/{tc.steps} | reward {row['train/reward']:.3f} | goal {row['train/goal']:.3f} "
-                f"| nonzero Δ {row['train/nonzero_delta_frac']:.2f} | agree {row['train/agreeing_groups_frac']:.2f} | H {row['train/entropy']:.2f}"
-                f"{ev} | {time.perf_counter() - t_start:.1f}s")
+                f"| nonzero Δ {row['train/nonzero_delta_frac']:.2f} | agree {row['train/agreeing_groups_frac']:.2f} "
+                f"| H {row['train/entropy']:.2f}{ev} | {time.perf_counter() - t_start:.1f}s")
 
     wall = time.perf_counter() - t_start
     last_eval = run_eval(tc.steps)
@@ -299,21 +403,19 @@ def train(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, log=pri
         "eval/reward": last_eval["eval/reward"],
         **{k: v for k, v in last_eval.items() if k.startswith("eval/") and k not in ("eval/goal", "eval/reward")},
         "steps": tc.steps,
-        "sampled_tokens": sampled_tokens,
+        "sampled_tokens": cost["sampled_tokens"],
         "wall_seconds": wall,
+        **{f"cost/{k}": v for k, v in cost.items()},
+        "cost/wall_seconds": wall,
         "price": price.to_dict(),
-        "sampled_tokens_vs_price": sampled_tokens / price.sampled_tokens_per_run,
+        "sampled_tokens_vs_price": cost["sampled_tokens"] / price.sampled_tokens_per_run,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    log(f"cost: sampled {cost['sampled_tokens']:,} tokens (price {price.sampled_tokens_per_run:,}), "
+        f"forward {cost['forward_tokens']:,} (price {price.forward_tokens_per_run:,}), "
+        f"trained {cost['trained_tokens']:,} (price {price.trained_tokens_per_run:,}), "
+        f"{cost['flops']:.3g} FLOP (price {price.flops_per_run:.3g}), {wall:.1f} s")
     return summary
-
-
-def _goal_rate(task: Task, batch, responses: list[str], G: int) -> float:
-    hits = 0
-    for b, resp in enumerate(responses):
-        ex = batch[b // G]
-        hits += bool(task.goal(ex.prompt, resp, ex.answer))
-    return hits / len(responses)
 
 
 def save_checkpoint(path: Path, model: TinyTransformer, tok: CharTokenizer) -> None:

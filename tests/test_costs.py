@@ -46,7 +46,9 @@ def test_reference_costs_one_policy_copy():
 def test_price_lines():
     p = costs.price(**{**BASE, "n_params": 2**18, "has_reference": True})  # 1 MiB of fp32 weights
     text = "\n".join(p.lines())
-    assert len(p.lines()) == 3
+    assert len(p.lines()) == 5
+    assert "forward tokens per batch: sampling 64 " in text       # P*Lp + P*G*T = 16 + 48
+    assert "logp_ref 112 " in text and "trained tokens 224 " in text
     assert p.lines()[0].startswith("price: sampled tokens per gradient step = 12 ")
     assert "(P=4 x G=4 x T<=3 / 4 gradient steps per batch)" in text
     assert "sampled tokens per batch = 48; per run (10 steps) = 480" in text
@@ -104,3 +106,27 @@ def test_price_identities(P, G, T, steps, mu, mb, n, ref):
     assert p.sampled_tokens_per_run == steps * naive
     assert p.reference_bytes == (p.policy_bytes if ref else 0)
     assert p.optimizer_bytes == 2 * p.policy_bytes
+
+
+def test_forward_trained_tokens_and_flops_by_hand():
+    p = costs.price(**{**BASE, "has_reference": True}, flops_fwd_per_token=10.0, flops_train_per_token=30.0)
+    assert p.forward_tokens_sampling_per_batch == 4 * 4 + 4 * 4 * 3       # prefill once per prompt + decode
+    assert p.forward_tokens_logp_old_per_batch == 0                      # stored from the sampler
+    assert p.forward_tokens_logp_ref_per_batch == 16 * (4 + 3)           # every row, prompt + response
+    assert p.trained_tokens_per_batch == 2 * 16 * (4 + 3)                # μ passes over every row
+    assert p.forward_tokens_per_run == 10 * (64 + 112)
+    assert p.trained_tokens_per_run == 10 * 224
+    assert p.flops_sampling_per_batch == 64 * 10.0 and p.flops_logp_ref_per_batch == 112 * 10.0
+    assert p.flops_train_per_batch == 224 * 30.0
+    assert p.flops_per_run == 10 * (64 * 10.0 + 112 * 10.0 + 224 * 30.0)
+    no_ref = costs.price(**BASE)
+    assert no_ref.forward_tokens_logp_ref_per_batch == 0
+    assert no_ref.flops_train_per_batch == 224 * 6 * 1000                # the 6N rule when no figure is given
+
+
+def test_dynamic_sampling_worst_case():
+    p = costs.price(**BASE, sampling_rounds=3)
+    assert p.sampled_tokens_per_run == 480 and p.sampled_tokens_per_run_worst == 3 * 480
+    assert "worst case with dynamic sampling (3 rounds) 1,440" in "\n".join(p.lines())
+    with pytest.raises(ValueError, match="sampling_rounds"):
+        costs.price(**BASE, sampling_rounds=0)

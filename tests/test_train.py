@@ -110,7 +110,7 @@ def same_seed_run(tmp_path_factory):
 def test_run_directory_holds_every_artifact(main_run):
     run, stdout = main_run
     assert sorted(p.name for p in run.iterdir()) == [
-        "checkpoint", "config.toml", "metrics.jsonl", "rollouts.jsonl", "summary.json"]
+        "checkpoint", "config.toml", "metrics.jsonl", "price.json", "rollouts.jsonl", "summary.json"]
     for name in ("model.safetensors", "config.json", "tokenizer.json"):
         assert (run / "checkpoint" / name).is_file(), name
     assert f"run directory: {run}" in stdout
@@ -227,7 +227,8 @@ def test_same_seed_same_run(main_run, same_seed_run):
     ta, tb = checkpoint(a), checkpoint(b)
     assert set(ta) == set(tb) and all(torch.equal(ta[k], tb[k]) for k in ta)
     sa, sb = (json.loads((d / "summary.json").read_text()) for d in (a, b))
-    sa.pop("wall_seconds"), sb.pop("wall_seconds")
+    for key in ("wall_seconds", "cost/wall_seconds"):
+        sa.pop(key), sb.pop(key)
     assert sa == sb
 
 
