@@ -37,7 +37,9 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     try:
         cfg = config.load(args.config, _split_overrides(extra))
         out = Path(args.out) if args.out else Path("runs") / f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-        summary = trainer.train(cfg, out, overwrite=args.overwrite)
+        if args.resume and not args.out:
+            raise trainer.RunError("--resume needs --out RUN_DIR (the run to continue)")
+        summary = trainer.train(cfg, out, overwrite=args.overwrite, resume=args.resume)
     except (config.ConfigError, trainer.RunError, TaskError) as e:
         return _fail(str(e))
     print(f"run directory: {out}")
@@ -136,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("config", help="TOML config file")
     t.add_argument("--out", help="run directory (default runs/<config>-<time>)")
     t.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
+    t.add_argument("--resume", action="store_true", help="continue the run in --out from its last saved state")
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("eval", allow_abbrev=False, help="reload a run's checkpoint and evaluate it on held-out prompts")

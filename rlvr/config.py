@@ -130,6 +130,8 @@ class TrainConfig:
     """One seed for everything: initialisation, prompt order, sampling."""
     threads: int = 0
     """torch intra-op threads; 0 = torch's default."""
+    save_every: int = 0
+    """Save resumable state (RUN_DIR/state) every N steps; 0 = at each evaluation and at the end."""
 
 
 @dataclass
@@ -369,6 +371,7 @@ def validate(cfg: Config, source: str | None = None) -> None:
         bad("train.betas", f"must be two numbers in [0, 1), got {t.betas}")
     for key, v in [("train.warmup_steps", t.warmup_steps), ("train.weight_decay", t.weight_decay),
                    ("train.grad_clip", t.grad_clip), ("train.seed", t.seed), ("train.threads", t.threads),
+                   ("train.save_every", t.save_every),
                    ("sampling.max_new_tokens", s.max_new_tokens), ("algorithm.top_k", a.top_k),
                    ("algorithm.kl_coef", a.kl_coef), ("algorithm.clip_eps_high", a.clip_eps_high),
                    ("algorithm.ref_refresh_every", a.ref_refresh_every), ("eval.every", cfg.eval.every),

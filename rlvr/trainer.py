@@ -39,6 +39,7 @@ from rlvr.diagnostics import Watch, length_by_outcome, pass_rate_histogram
 from rlvr.evaluate import evaluate
 from rlvr.models.tiny import TinyConfig, TinyTransformer
 from rlvr.rewards import score_batch
+from rlvr.state import STATE_DIR, load_state, save_state
 from rlvr.tasks import Task, load_task, weighted_rewards
 from rlvr.tokenizer import CharTokenizer
 
@@ -209,13 +210,55 @@ def dynamic_sample(setup: Setup, model, draw, P: int, G: int, rounds: int, gen: 
     return batch.select(torch.arange(min(P, len(batch.examples))), G), parts
 
 
-def train(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, log=print) -> dict:
-    """Run the loop; write config.toml, price.json, metrics.jsonl, rollouts.jsonl, checkpoint/, summary.json."""
+RESUMABLE_KEYS = {"train.steps", "train.threads", "train.save_every"}
+"""Keys a resumed run may change; sections [eval] and [log] may change too. Note that the
+learning-rate schedule is laid out over train.steps, so a longer resumed run decays later."""
+
+
+def resume_conflicts(saved: config_mod.Config, cfg: config_mod.Config) -> list[str]:
+    """Keys whose values differ between a run's saved config and the config it is resumed with."""
+    a, b = config_mod.to_dict(saved), config_mod.to_dict(cfg)
+    return [f"{sec}.{k}" for sec in a if sec not in ("eval", "log") for k in a[sec]
+            if a[sec][k] != b[sec][k] and f"{sec}.{k}" not in RESUMABLE_KEYS]
+
+
+def _truncate_jsonl(path: Path, last_step: int) -> None:
+    """Keep the rows of steps <= last_step (drops what a killed run wrote after its last state)."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a half-written last line
+        if row.get("step", 0) <= last_step:
+            keep.append(line)
+    path.write_text("".join(line + "\n" for line in keep))
+
+
+def train(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, resume: bool = False, log=print) -> dict:
+    """Run the loop; write config.toml, price.json, metrics.jsonl, rollouts.jsonl, state/, checkpoint/, summary.json.
+
+    `resume=True` continues a run from its last saved state (`state/`, written at every evaluation,
+    every `train.save_every` steps and at the end) with the same weights, optimizer, scheduler,
+    RNG streams and cost counters, so an interrupted run continues as if it had not stopped.
+    """
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
+    if resume:
+        if overwrite:
+            raise RunError("--resume and --overwrite contradict each other; choose one")
+        if not (out / STATE_DIR / "state.json").is_file() or not (out / "config.toml").is_file():
+            raise RunError(f"--resume: {out} holds no resumable state ({out / STATE_DIR} is missing)")
+        conflicts = resume_conflicts(config_mod.load(out / "config.toml"), cfg)
+        if conflicts:
+            raise RunError(f"--resume: the config differs from the run's {out / 'config.toml'} in "
+                           f"{', '.join(conflicts)}; only {', '.join(sorted(RESUMABLE_KEYS))}, [eval] and [log] may change")
     setup = build(cfg)
     price = price_of(setup)
-    prepare_out_dir(out, overwrite=overwrite)
+    if not resume:
+        prepare_out_dir(out, overwrite=overwrite)
     (out / "config.toml").write_text(config_mod.to_toml(cfg))
     (out / "price.json").write_text(json.dumps(price.to_dict(), indent=2))
     for line in price.lines():
@@ -238,10 +281,21 @@ def train(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, log=pri
     opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
     total_opt_steps = tc.steps * tc.epochs_per_batch * tc.minibatches
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(tc, s, total_opt_steps))
-    metrics_f = open(out / "metrics.jsonl", "w")
-    rollouts_f = open(out / "rollouts.jsonl", "w")
     fwd_flops, train_flops = model.flops_per_token(training=False), model.flops_per_token(training=True)
     cost = {"sampled_tokens": 0, "forward_tokens": 0, "trained_tokens": 0, "flops": 0.0}
+    start, wall_before = 1, 0.0
+    if resume:
+        restored = load_state(out, model=model, opt=opt, sched=sched, ref=ref, rng=rng, gen=gen)
+        start, cost, wall_before = restored["step"] + 1, restored["cost"], restored["wall"]
+        for name in ("metrics.jsonl", "rollouts.jsonl"):
+            _truncate_jsonl(out / name, restored["step"])
+        log(f"resumed {out} after step {restored['step']}")
+    metrics_f = open(out / "metrics.jsonl", "a" if resume else "w")
+    rollouts_f = open(out / "rollouts.jsonl", "a" if resume else "w")
+
+    def checkpoint_state(step: int) -> None:
+        save_state(out, step=step, model=model, opt=opt, sched=sched, ref=ref, rng=rng, gen=gen, cost=cost,
+                   wall=wall_before + time.perf_counter() - t_start)
     watch = Watch()
     last_eval: dict = {}
 
@@ -264,7 +318,7 @@ def train(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, log=pri
             warn(step, msg)
         return row
 
-    for step in range(1, tc.steps + 1):
+    for step in range(start, tc.steps + 1):
         t0 = time.perf_counter()
         # 1./2. sample P prompts, G responses each from π_old (the current weights), and score them
         model.eval()
@@ -385,13 +439,18 @@ def train(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, log=pri
 
         if cfg.eval.every and step % cfg.eval.every == 0 and step != tc.steps:
             last_eval = run_eval(step)
+        if step != tc.steps and ((tc.save_every and step % tc.save_every == 0)
+                                 or (not tc.save_every and cfg.eval.every and step % cfg.eval.every == 0)):
+            checkpoint_state(step)
         if step % max(1, cfg.log.print_every) == 0 or step == 1:
             ev = f" | eval/goal {last_eval['eval/goal']:.3f}" if last_eval else ""
-            log(f"step {step:>5}/{tc.steps} | reward {row['train/reward']:.3f} | goal {row['train/goal']:.3f} "
+            done = int(20 * step / tc.steps)
+            log(f"[{'#' * done}{'.' * (20 - done)}] step {step:>5}/{tc.steps} | reward {row['train/reward']:.3f} | goal {row['train/goal']:.3f} "
                 f"| nonzero Δ {row['train/nonzero_delta_frac']:.2f} | agree {row['train/agreeing_groups_frac']:.2f} "
                 f"| H {row['train/entropy']:.2f}{ev} | {time.perf_counter() - t_start:.1f}s")
 
-    wall = time.perf_counter() - t_start
+    wall = wall_before + time.perf_counter() - t_start
+    checkpoint_state(tc.steps)
     last_eval = run_eval(tc.steps)
     log(f"final eval: goal {last_eval['eval/goal']:.4f} reward {last_eval['eval/reward']:.4f} "
         f"on {last_eval['eval/prompts']} held-out prompts")

@@ -1,0 +1,509 @@
+"""Hugging Face causal LMs behind the policy surface of ``TinyTransformer`` (optional extra).
+
+``transformers`` / ``peft`` are imported inside the functions, so ``import rlvr.models.hf`` is
+cheap and the core library never needs them.
+
+Loading (everything local; nothing is downloaded)::
+
+    policy, tok = load_policy("path/to/model", dtype="bf16", lora=LoraSpec(r=8, alpha=16))
+    if policy.load_note: print(policy.load_note)        # e.g. "pad_token was unset: using eos ..."
+
+``HFPolicy`` has the surface ``rlvr.sampling`` uses: ``forward(ids, *, attention_mask,
+positions, cache, logits_to_keep) -> float32 logits``, ``new_cache(batch_size, max_len)``,
+``config.block_size``, ``num_params()``, ``flops_per_token()``, ``save_pretrained()``. So
+``sampling.generate`` and ``sampling.sequence_token_logprobs`` work unchanged, and the logp
+stored at sampling time equals the trainer's recomputation (to float rounding; tested at 1e-5).
+
+Conventions, the same as ``TinyTransformer``:
+
+- Prompts are LEFT-padded; ``attention_mask`` (B, L) is 1 on real tokens. ``position_ids`` are
+  ``cumsum(attention_mask) - 1`` clamped at 0 (offset by the cache's next positions when
+  decoding), so a padded prompt gives the logits of the unpadded prompt.
+- Every dropout of the wrapped model is set to 0 at load time (the rollout and the training
+  forward must compute the same function; ``model.train()`` would otherwise change logp). The
+  LoRA dropout of ``LoraSpec.dropout`` is kept as asked; anything > 0 makes the first-pass ratio
+  differ from 1 in train mode, so the default is 0.
+
+Reference policy with LoRA (USERS.md item 12): the base model with the adapter switched off, no
+second copy::
+
+    with torch.no_grad(), policy.adapter_disabled():
+        logp_ref = sampling.sequence_token_logprobs(policy, rollout, temperature=T, top_p=1.0)
+
+The reference is then always the *initial* model; a "refresh the reference" schedule has no
+meaning (``ref.load_state_dict(model.state_dict())`` must be skipped for LoRA policies).
+
+Export (USERS.md item 10): ``export_hf(policy, tok, out_dir)`` writes a plain HF directory
+(``model.safetensors``, ``config.json``, tokenizer files) that ``AutoModelForCausalLM`` /
+``AutoTokenizer.from_pretrained(out_dir)`` load without rlvr or peft. With LoRA the adapter is
+merged into a copy of the model (the live model keeps its adapter) and the adapter alone is also
+written to ``out_dir/adapter/`` (a PEFT directory whose ``base_model_name_or_path`` is the loaded
+base); ``load_policy(base, adapter=out_dir/"adapter")`` resumes training from it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
+"""Any one of these marks a directory as holding a tokenizer."""
+
+
+class HFLoadError(ValueError):
+    """A local Hugging Face directory that cannot be used; the message names the path and the fix."""
+
+
+@dataclass
+class LoraSpec:
+    """LoRA adapter settings (peft ``LoraConfig``): only the adapter weights are trained."""
+
+    r: int = 8
+    """Rank of the update B @ A."""
+    alpha: float = 16.0
+    """Scale: the update is (alpha / r) * B @ A."""
+    dropout: float = 0.0
+    """Dropout on the adapter input. Keep 0 for RL: > 0 makes train-mode logp differ from the rollout's."""
+    target_modules: list[str] | str | None = None
+    """Module names to adapt (e.g. ["q_proj", "v_proj"], or "all-linear"); None = peft's default for the model type."""
+
+    def __post_init__(self):
+        if not isinstance(self.r, int) or self.r < 1:
+            raise ValueError(f"LoraSpec.r must be a positive int, got {self.r!r}")
+        if not self.alpha > 0:
+            raise ValueError(f"LoraSpec.alpha must be > 0, got {self.alpha!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoraSpec.dropout must be in [0, 1), got {self.dropout!r}")
+
+
+# ---------------------------------------------------------------------- cache
+class HFCache:
+    """transformers' ``DynamicCache`` plus the running attention mask and each row's next position.
+
+    ``mask`` (B, length) long is the attention mask of every column seen so far (HF needs the full
+    mask on each call); ``next_pos`` (B,) is each row's count of real tokens; ``max_len`` is the
+    column budget (the DynamicCache grows, but a call past ``max_len`` raises like ``KVCache``).
+    """
+
+    def __init__(self, dynamic_cache, batch_size: int, max_len: int, device):
+        self.dc = dynamic_cache
+        self.max_len = max_len
+        self.mask = torch.zeros(batch_size, 0, dtype=torch.long, device=device)
+        self.next_pos = torch.zeros(batch_size, dtype=torch.long, device=device)
+
+    @property
+    def length(self) -> int:
+        return self.mask.size(1)
+
+    @property
+    def batch_size(self) -> int:
+        return self.mask.size(0)
+
+    def repeat_interleave(self, repeats: int) -> "HFCache":
+        """Row b becomes rows b*repeats ... b*repeats+repeats-1. IN PLACE (DynamicCache repeats in
+        place); returns ``self`` so it can be used like ``KVCache.repeat_interleave``."""
+        self.dc.batch_repeat_interleave(repeats)
+        self.mask = self.mask.repeat_interleave(repeats, dim=0)
+        self.next_pos = self.next_pos.repeat_interleave(repeats, dim=0)
+        return self
+
+
+class _BlockConfig:
+    """The bit of config ``rlvr.sampling`` reads (``block_size``), plus the HF config."""
+
+    def __init__(self, hf_config, block_size: int | None):
+        self.hf = hf_config
+        self.block_size = block_size
+        self.vocab_size = getattr(hf_config, "vocab_size", None)
+
+
+def _block_size(cfg) -> int | None:
+    for name in ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length"):
+        v = getattr(cfg, name, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+def _zero_dropout(model: nn.Module) -> None:
+    """p = 0 on every nn.Dropout and every float ``*dropout*`` attribute (e.g. Llama's attention_dropout)."""
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+        for name, v in list(vars(m).items()):
+            if "dropout" in name and isinstance(v, float) and not isinstance(v, bool):
+                setattr(m, name, 0.0)
+
+
+# ---------------------------------------------------------------------- policy
+class HFPolicy(nn.Module):
+    """A ``transformers`` causal LM (optionally a peft LoRA model) with the rlvr policy surface."""
+
+    def __init__(self, model: nn.Module, *, source: str | None = None, load_note: str = ""):
+        super().__init__()
+        self.model = model
+        self.source = source
+        self.load_note = load_note
+        hf_cfg = model.config
+        self.config = _BlockConfig(hf_cfg, _block_size(hf_cfg))
+        fwd = self._hf_model().forward
+        self._has_logits_to_keep = "logits_to_keep" in inspect.signature(fwd).parameters
+
+    # ------------------------------------------------------------------ structure
+    @property
+    def has_adapter(self) -> bool:
+        return hasattr(self.model, "disable_adapter") and hasattr(self.model, "peft_config")
+
+    def _hf_model(self) -> nn.Module:
+        """The transformers model (under the peft wrapper when there is one)."""
+        return self.model.get_base_model() if self.has_adapter else self.model
+
+    @property
+    def hf_config(self):
+        return self.model.config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None, cache: HFCache | None = None,
+                logits_to_keep: int | None = None) -> torch.Tensor:
+        """Float32 logits (B, L, V), or (B, logits_to_keep, V) for the last positions only.
+
+        ``attention_mask`` (B, L) marks real tokens (None = all real). With ``cache`` the mask
+        columns are appended to ``cache.mask`` and positions continue from ``cache.next_pos``.
+        ``positions`` (B, L) overrides the computed position ids.
+        """
+        B, L = ids.shape
+        am = (torch.ones_like(ids, dtype=torch.long) if attention_mask is None
+              else attention_mask.to(device=ids.device, dtype=torch.long))                  # (B, L)
+        if cache is not None:
+            if cache.length + L > cache.max_len:
+                raise ValueError(f"KV cache full: {cache.length} + {L} tokens > max_len {cache.max_len}")
+            full_am = torch.cat([cache.mask, am], dim=1)                                    # (B, S)
+        else:
+            full_am = am
+        if positions is None:
+            positions = (am.cumsum(1) - 1).clamp_min(0)                                     # (B, L)
+            if cache is not None:
+                positions = positions + cache.next_pos.unsqueeze(1)
+        bs = self.config.block_size
+        if bs is not None and L > 0 and int(positions.max()) >= bs:
+            raise ValueError(f"position {int(positions.max())} >= block_size {bs} (max_position_embeddings)")
+
+        kwargs = dict(input_ids=ids, attention_mask=full_am, position_ids=positions,
+                      use_cache=cache is not None, return_dict=True)
+        if cache is not None:
+            kwargs["past_key_values"] = cache.dc
+        if logits_to_keep is not None and self._has_logits_to_keep:
+            kwargs["logits_to_keep"] = int(logits_to_keep)
+        out = self.model(**kwargs)
+        logits = out.logits
+        if logits_to_keep is not None and logits.size(1) != logits_to_keep:
+            logits = logits[:, -logits_to_keep:]
+        if cache is not None:
+            cache.mask = full_am
+            cache.next_pos = cache.next_pos + am.sum(1)
+            if out.past_key_values is not None and out.past_key_values is not cache.dc:
+                cache.dc = out.past_key_values
+        return logits.float()
+
+    def new_cache(self, batch_size: int, max_len: int) -> HFCache:
+        """An empty ``HFCache`` (DynamicCache built from the model config) for ``batch_size`` rows."""
+        from transformers import DynamicCache
+
+        try:
+            dc = DynamicCache(config=self._hf_model().config)
+        except TypeError:  # older transformers
+            dc = DynamicCache()
+        return HFCache(dc, batch_size, max_len, next(self.model.parameters()).device)
+
+    # ------------------------------------------------------------------ LoRA reference
+    @contextlib.contextmanager
+    def adapter_disabled(self):
+        """Run the base model (adapter off) inside the block: the reference policy without a copy.
+
+        ``with torch.no_grad(), policy.adapter_disabled(): logp_ref = sequence_token_logprobs(policy, ...)``.
+        Raises ``ValueError`` for a policy without a LoRA adapter (deep-copy it for a reference).
+        """
+        if not self.has_adapter:
+            raise ValueError("adapter_disabled(): this policy has no LoRA adapter; use a frozen copy as reference")
+        with self.model.disable_adapter():
+            yield self
+
+    reference = adapter_disabled
+
+    # ------------------------------------------------------------------ accounting
+    def num_params(self) -> int:
+        """Distinct parameters (tied weights once; LoRA adapter weights included)."""
+        return sum(p.numel() for p in self.model.parameters())
+
+    def trainable_params(self) -> list[nn.Parameter]:
+        """The parameters with ``requires_grad`` (the adapter only under LoRA): give these to the optimizer."""
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def _matmul_params(self) -> tuple[int, int]:
+        """(all, trainable) weight elements of Linear / GPT-2 Conv1D layers, the output head included."""
+        n = n_train = 0
+        for m in self.model.modules():
+            w = getattr(m, "weight", None)
+            if isinstance(w, torch.Tensor) and (isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"):
+                n += w.numel()
+                n_train += w.numel() if w.requires_grad else 0
+        return n, n_train
+
+    def flops_per_token(self, seq_len: int | None = None, *, training: bool = True) -> int:
+        """FLOPs per token: forward ``2 N + 4 n_layer d seq_len``; training adds the backward.
+
+        N = weights of every Linear (and GPT-2 Conv1D), output head included, input embedding
+        excluded (a lookup); LoRA A/B matrices count as Linear layers. The backward costs 2 N for
+        input gradients plus 2 N_trainable for weight gradients, so training is
+        ``4 N + 2 N_trainable + 12 n_layer d seq_len`` — the usual 6 N for full fine-tuning,
+        nearer 4 N under LoRA. ``seq_len`` defaults to ``block_size``; as for ``TinyTransformer``
+        the attention term is an upper bound by about 2x for causal attention.
+        """
+        cfg = self._hf_model().config.get_text_config() if hasattr(self.hf_config, "get_text_config") else self.hf_config
+        n_layer = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer")
+        d = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd")
+        T = (self.config.block_size or 0) if seq_len is None else seq_len
+        n, n_train = self._matmul_params()
+        if training:
+            return int(4 * n + 2 * n_train + 12 * n_layer * d * T)
+        return int(2 * n + 4 * n_layer * d * T)
+
+    # ------------------------------------------------------------------ save
+    def merged_model(self) -> nn.Module:
+        """A plain transformers model with the adapter merged in (a copy; the live model is untouched).
+
+        Without an adapter, the wrapped model itself.
+        """
+        if not self.has_adapter:
+            return self.model
+        return copy.deepcopy(self.model).merge_and_unload()
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """HF format into ``directory``: ``model.safetensors`` (sharded when large) + ``config.json``.
+
+        With LoRA the weights are merged (on a copy) and the adapter alone goes to ``directory/adapter``.
+        Tokenizer files are written by ``HFTokenizer.save`` (``export_hf`` does both).
+        """
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        merged = self.merged_model()
+        merged.save_pretrained(str(d), safe_serialization=True)
+        if self.has_adapter:
+            self.model.save_pretrained(str(d / "adapter"), safe_serialization=True)
+
+
+# ---------------------------------------------------------------------- tokenizer
+class HFTokenizer:
+    """A transformers tokenizer with the ``CharTokenizer`` surface the trainer uses.
+
+    ``encode(text)`` never appends eos and adds no special tokens except a leading BOS when the
+    tokenizer adds one by default (Llama-style ``add_bos_token``); ``bos=True/False`` forces it.
+    """
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        with_sp = tokenizer.encode("a", add_special_tokens=True)
+        without = tokenizer.encode("a", add_special_tokens=False)
+        self.adds_bos = (tokenizer.bos_token_id is not None and len(with_sp) > len(without)
+                         and with_sp[0] == tokenizer.bos_token_id)
+
+    @property
+    def pad_id(self) -> int:
+        return self.tok.pad_token_id
+
+    @property
+    def eos_id(self) -> int | None:
+        return self.tok.eos_token_id
+
+    @property
+    def bos_id(self) -> int | None:
+        return self.tok.bos_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        """``len(tokenizer)``, added tokens included (the model's embedding may be larger)."""
+        return len(self.tok)
+
+    @property
+    def special_ids(self) -> tuple[int, ...]:
+        return tuple(self.tok.all_special_ids)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tok, "chat_template", None))
+
+    def encode(self, text: str, *, bos: bool | None = None, eos: bool = False) -> list[int]:
+        """Ids of ``text``: no specials, except BOS first when the tokenizer adds it by default
+        (or ``bos=True``), and eos last only with ``eos=True``."""
+        ids = list(self.tok.encode(text, add_special_tokens=False))
+        want_bos = self.adds_bos if bos is None else bos
+        if want_bos and self.bos_id is not None:
+            ids = [self.bos_id] + ids
+        if eos and self.eos_id is not None:
+            ids = ids + [self.eos_id]
+        return ids
+
+    def encode_prompt(self, prompt) -> list[int]:
+        """A plain string goes through ``encode``; a list of ``{"role", "content"}`` messages through
+        the chat template with ``add_generation_prompt=True`` (the template supplies BOS itself)."""
+        if isinstance(prompt, str):
+            return self.encode(prompt)
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                            for m in prompt):
+            raise ValueError("encode_prompt: expected a string or a list of {'role', 'content'} dicts, "
+                             f"got {type(prompt).__name__}")
+        if not self.has_chat_template:
+            raise ValueError("encode_prompt: the task gives chat messages but the tokenizer has no chat_template")
+        ids = self.tok.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True, return_dict=False)
+        if hasattr(ids, "keys"):  # a BatchEncoding on some versions
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def decode(self, ids, *, stop_at_eos: bool = True) -> str:
+        """Text of ``ids`` (list or 1-D tensor), special tokens skipped; stops at the first eos by default."""
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
+        ids = list(ids)
+        if stop_at_eos and self.eos_id is not None and self.eos_id in ids:
+            ids = ids[:ids.index(self.eos_id)]
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def save(self, path: str | Path) -> None:
+        """``save_pretrained`` into the directory ``path``; a path ending in ``.json`` (as the trainer
+        passes ``ckpt/"tokenizer.json"``) means its parent directory (where HF writes tokenizer.json)."""
+        p = Path(path)
+        if p.suffix == ".json":
+            p = p.parent
+        p.mkdir(parents=True, exist_ok=True)
+        self.tok.save_pretrained(str(p))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "HFTokenizer":
+        from transformers import AutoTokenizer
+
+        p = Path(path)
+        return cls(AutoTokenizer.from_pretrained(str(p.parent if p.suffix == ".json" else p), local_files_only=True))
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({type(self.tok).__name__}, vocab={self.vocab_size}, pad={self.pad_id}, eos={self.eos_id})"
+
+
+# ---------------------------------------------------------------------- loading
+def _check_dir(path: Path) -> None:
+    """Refuse before any compute, naming the path and the fix."""
+    if not path.exists():
+        raise HFLoadError(f"{path}: no such directory (models are loaded from a local directory only)")
+    if not path.is_dir():
+        raise HFLoadError(f"{path}: not a directory; give the directory holding config.json and the weights")
+    if not (path / "config.json").is_file():
+        if (path / "adapter_config.json").is_file():
+            raise HFLoadError(f"{path}: this is a PEFT adapter directory; load its base model and pass adapter={str(path)!r}")
+        raise HFLoadError(f"{path}: no config.json; not a Hugging Face model directory")
+    has_st = any(path.glob("*.safetensors"))
+    if not has_st:
+        if (path / "pytorch_model.bin").is_file() or any(path.glob("pytorch_model*.bin")):
+            raise HFLoadError(f"{path}: only pytorch_model*.bin (pickle) weights; rlvr loads safetensors only. "
+                              "Convert once: AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir) "
+                              "writes model.safetensors")
+        raise HFLoadError(f"{path}: no weights (expected model.safetensors or model-*.safetensors shards)")
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise HFLoadError(f"{path}: no tokenizer files (expected one of {', '.join(TOKENIZER_FILES)}); "
+                          "save the tokenizer into the model directory (tokenizer.save_pretrained(dir))")
+
+
+def load_policy(path: str | Path, *, dtype: str | torch.dtype = "fp32", lora: LoraSpec | None = None,
+                adapter: str | Path | None = None, device: str | torch.device = "cpu",
+                attn_implementation: str | None = "sdpa") -> tuple[HFPolicy, HFTokenizer]:
+    """Load ``AutoModelForCausalLM`` + ``AutoTokenizer`` from the local directory ``path``.
+
+    ``dtype`` "fp32" or "bf16" (the weights; logits are always returned as float32). ``lora``
+    wraps the model in a fresh peft LoRA adapter (only its weights are trainable); ``adapter``
+    instead loads a saved trainable adapter directory (``out_dir/adapter`` of ``export_hf``),
+    to resume. Without either, every weight is trainable.
+
+    A tokenizer without a pad token gets pad = eos (or a new ``<pad>`` token, embeddings resized,
+    when there is no eos either); what was done is in ``policy.load_note`` (empty if nothing) for
+    the caller to print. Raises ``HFLoadError`` (a ``ValueError``) naming the path when the
+    directory, its safetensors weights, or its tokenizer files are missing.
+    """
+    p = Path(path)
+    _check_dir(p)
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        torch_dtype = DTYPES[dtype]
+    else:
+        torch_dtype = dtype
+    if lora is not None and adapter is not None:
+        raise ValueError("give lora= (a new adapter) or adapter= (a saved one), not both")
+    if adapter is not None and not (Path(adapter) / "adapter_config.json").is_file():
+        raise HFLoadError(f"{adapter}: no adapter_config.json; not a PEFT adapter directory")
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        hf_tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - re-raised with the path
+        raise HFLoadError(f"{p}: cannot load the tokenizer: {type(e).__name__}: {e}") from e
+    kw = dict(dtype=torch_dtype, local_files_only=True, use_safetensors=True)
+    if attn_implementation:
+        kw["attn_implementation"] = attn_implementation
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(p), **kw)
+    except Exception as e:  # noqa: BLE001
+        raise HFLoadError(f"{p}: cannot load the model: {type(e).__name__}: {e}") from e
+
+    notes = []
+    if hf_tok.pad_token is None:
+        if hf_tok.eos_token is not None:
+            hf_tok.pad_token = hf_tok.eos_token
+            notes.append(f"{p}: tokenizer has no pad token; using eos {hf_tok.eos_token!r} "
+                         f"(id {hf_tok.eos_token_id}) as pad (pads are masked out, so this is safe)")
+        else:
+            hf_tok.add_special_tokens({"pad_token": "<pad>"})
+            model.resize_token_embeddings(len(hf_tok))
+            notes.append(f"{p}: tokenizer has neither pad nor eos; added a '<pad>' token "
+                         f"(id {hf_tok.pad_token_id}) and resized the embeddings to {len(hf_tok)}")
+    if hf_tok.eos_token_id is None:
+        notes.append(f"{p}: tokenizer has no eos token; responses always run to max_new_tokens")
+    n_emb = model.get_input_embeddings().weight.shape[0]
+    if len(hf_tok) > n_emb:
+        raise HFLoadError(f"{p}: tokenizer has {len(hf_tok)} tokens but the model embeds only {n_emb}")
+    if model.generation_config is not None and getattr(model.generation_config, "pad_token_id", None) is None:
+        model.generation_config.pad_token_id = hf_tok.pad_token_id
+
+    _zero_dropout(model)
+    if lora is not None or adapter is not None:
+        import peft
+
+        if lora is not None:
+            cfg = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                  target_modules=lora.target_modules, bias="none", task_type="CAUSAL_LM")
+            model = peft.get_peft_model(model, cfg)
+        else:
+            model = peft.PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
+    model = model.to(device)
+    model.eval()
+    return HFPolicy(model, source=str(p), load_note="\n".join(notes)), HFTokenizer(hf_tok)
+
+
+def export_hf(policy: HFPolicy, tokenizer: HFTokenizer, out_dir: str | Path) -> Path:
+    """A plain HF directory at ``out_dir``: merged safetensors weights, config.json, tokenizer files
+    (+ ``adapter/`` under LoRA). Loads with ``AutoModelForCausalLM``/``AutoTokenizer.from_pretrained``."""
+    d = Path(out_dir)
+    policy.save_pretrained(d)
+    tokenizer.save(d)
+    return d

@@ -1,0 +1,58 @@
+"""Resume: an interrupted run continues as if it had not stopped; nothing is lost or duplicated."""
+
+import json
+
+import pytest
+from safetensors.torch import load_file
+
+from rlvr import cli
+
+TINY = ["--model.n_embd=32", "--model.n_layer=1", "--model.n_head=2", "--train.prompts_per_step=4",
+        "--train.samples_per_prompt=4", "--task.options={n = 3, heldout = 50}", "--eval.prompts=20",
+        "--eval.pass_k=0", "--eval.every=0", "--train.lr=0.01", "--train.lr_schedule=constant"]
+
+
+def train_rows(run):
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows if "train/reward" in r]
+
+
+def test_resumed_run_equals_the_uninterrupted_one(tmp_path):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert cli.main(["train", "examples/sort.toml", "--out", str(straight), *TINY, "--train.steps=4"]) == 0
+    assert cli.main(["train", "examples/sort.toml", "--out", str(split), *TINY, "--train.steps=2"]) == 0
+    assert (split / "state" / "state.json").is_file()
+    assert cli.main(["train", "examples/sort.toml", "--out", str(split), *TINY, "--train.steps=4", "--resume"]) == 0
+    assert train_rows(split) == train_rows(straight)
+    assert [r["step"] for r in train_rows(split)] == [1, 2, 3, 4]
+    a = load_file(str(straight / "checkpoint" / "model.safetensors"))
+    b = load_file(str(split / "checkpoint" / "model.safetensors"))
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+    sa, sb = (json.loads((d / "summary.json").read_text()) for d in (straight, split))
+    assert sa["eval/goal"] == sb["eval/goal"] and sa["cost/sampled_tokens"] == sb["cost/sampled_tokens"]
+    rollout_steps = [json.loads(line)["step"] for line in (split / "rollouts.jsonl").read_text().splitlines()]
+    assert rollout_steps == sorted(rollout_steps) and rollout_steps.count(3) == 2   # no duplicates
+
+
+def test_rows_written_after_the_last_state_are_dropped(tmp_path):
+    run = tmp_path / "run"
+    assert cli.main(["train", "examples/sort.toml", "--out", str(run), *TINY, "--train.steps=2"]) == 0
+    with open(run / "metrics.jsonl", "a") as f:       # what a run killed after step 2's state might leave
+        f.write(json.dumps({"step": 3, "train/reward": 0.5}) + "\n" + '{"step": 4, "train/rew')
+    assert cli.main(["train", "examples/sort.toml", "--out", str(run), *TINY, "--train.steps=3", "--resume"]) == 0
+    steps = [r["step"] for r in train_rows(run)]
+    assert steps == [1, 2, 3]
+
+
+def test_resume_refuses_a_changed_config_and_a_run_without_state(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert cli.main(["train", "examples/sort.toml", "--out", str(run), *TINY, "--train.steps=1"]) == 0
+    before = (run / "metrics.jsonl").read_bytes()
+    rc = cli.main(["train", "examples/sort.toml", "--out", str(run), *TINY, "--train.steps=2", "--train.lr=0.02",
+                   "--resume"])
+    assert rc == 2 and "train.lr" in capsys.readouterr().err
+    assert (run / "metrics.jsonl").read_bytes() == before
+    rc = cli.main(["train", "examples/sort.toml", "--out", str(tmp_path / "nothing"), *TINY, "--resume"])
+    assert rc == 2 and "no resumable state" in capsys.readouterr().err
+    rc = cli.main(["train", "examples/sort.toml", *TINY, "--resume"])
+    assert rc == 2 and "--out" in capsys.readouterr().err
