@@ -110,7 +110,7 @@ def same_seed_run(tmp_path_factory):
 def test_run_directory_holds_every_artifact(main_run):
     run, stdout = main_run
     assert sorted(p.name for p in run.iterdir()) == [
-        "checkpoint", "config.toml", "metrics.jsonl", "price.json", "rollouts.jsonl", "summary.json"]
+        "checkpoint", "config.toml", "metrics.jsonl", "price.json", "rollouts.jsonl", "state", "summary.json"]
     for name in ("model.safetensors", "config.json", "tokenizer.json"):
         assert (run / "checkpoint" / name).is_file(), name
     assert f"run directory: {run}" in stdout
@@ -209,7 +209,7 @@ def test_eval_command_prompts_option(main_run):
 def test_price_is_printed_before_step_one(main_run):
     _, stdout = main_run
     lines = stdout.splitlines()
-    first_step = next(i for i, line in enumerate(lines) if line.startswith("step "))
+    first_step = next(i for i, line in enumerate(lines) if "step " in line and "|" in line)
     before = "\n".join(lines[:first_step])
     assert "sampled tokens per gradient step = 48" in before
     assert "(P=4 x G=4 x T<=3 / 1 gradient steps per batch)" in before

@@ -155,7 +155,10 @@ class HFPolicy(nn.Module):
         hf_cfg = model.config
         self.config = _BlockConfig(hf_cfg, _block_size(hf_cfg))
         fwd = self._hf_model().forward
-        self._has_logits_to_keep = "logits_to_keep" in inspect.signature(fwd).parameters
+        params = inspect.signature(fwd).parameters
+        self._has_logits_to_keep = "logits_to_keep" in params
+        # transformers >= 5.2x renamed past_key_values -> cache (the old name warns)
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
     # ------------------------------------------------------------------ structure
     @property
@@ -204,7 +207,7 @@ class HFPolicy(nn.Module):
         kwargs = dict(input_ids=ids, attention_mask=full_am, position_ids=positions,
                       use_cache=cache is not None, return_dict=True)
         if cache is not None:
-            kwargs["past_key_values"] = cache.dc
+            kwargs[self._cache_kw] = cache.dc
         if logits_to_keep is not None and self._has_logits_to_keep:
             kwargs["logits_to_keep"] = int(logits_to_keep)
         out = self.model(**kwargs)
@@ -214,8 +217,9 @@ class HFPolicy(nn.Module):
         if cache is not None:
             cache.mask = full_am
             cache.next_pos = cache.next_pos + am.sum(1)
-            if out.past_key_values is not None and out.past_key_values is not cache.dc:
-                cache.dc = out.past_key_values
+            new_dc = out.get("cache") if "cache" in out else out.get("past_key_values")
+            if new_dc is not None and new_dc is not cache.dc:
+                cache.dc = new_dc
         return logits.float()
 
     def new_cache(self, batch_size: int, max_len: int) -> HFCache:
