@@ -40,6 +40,21 @@ class ModelConfig:
     """Width of the residual stream."""
     init: str = ""
     """Directory of a saved rlvr checkpoint to start from; empty = random initialisation."""
+    path: str = ""
+    """Local directory of a Hugging Face causal LM with its tokenizer (safetensors); empty = the
+    built-in tiny transformer (n_layer, n_head, n_embd above)."""
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    """Weights dtype of a Hugging Face model (logits are always float32)."""
+    lora_r: int = 0
+    """LoRA rank (peft); 0 = train every weight. With LoRA the reference is the adapter disabled."""
+    lora_alpha: float = 16.0
+    """LoRA scaling alpha."""
+    lora_dropout: float = 0.0
+    """LoRA dropout (keep 0: dropout makes training log-probs differ from the sampler's)."""
+    lora_target_modules: list = field(default_factory=list)
+    """Module names LoRA wraps, e.g. ["q_proj", "v_proj"]; empty = peft's default for the model."""
+    logprob_chunk_rows: int = 0
+    """Compute log-softmax over this many rows at a time (large vocabularies); 0 = all at once."""
 
 
 @dataclass
@@ -361,6 +376,18 @@ def validate(cfg: Config, source: str | None = None) -> None:
                    ("algorithm.dynamic_sampling_rounds", a.dynamic_sampling_rounds)]:
         if v < 1:
             bad(key, f"must be >= 1, got {v}")
+    m = cfg.model
+    if m.path and m.init:
+        bad("model.init", "model.init (an rlvr checkpoint) and model.path (a Hugging Face model) exclude each other")
+    if m.lora_r and not m.path:
+        bad("model.lora_r", "LoRA needs a Hugging Face model (model.path)")
+    if m.lora_r and a.kl_coef > 0 and a.ref_refresh_every:
+        bad("algorithm.ref_refresh_every", "with LoRA the reference is the adapter disabled (the initial model); "
+            "it cannot be refreshed")
+    for key, v in [("model.lora_r", m.lora_r), ("model.lora_alpha", m.lora_alpha), ("model.lora_dropout", m.lora_dropout),
+                   ("model.logprob_chunk_rows", m.logprob_chunk_rows)]:
+        if v < 0:
+            bad(key, f"must be >= 0, got {v}")
     if cfg.model.n_embd % cfg.model.n_head:
         bad("model.n_head", f"{cfg.model.n_head} does not divide model.n_embd = {cfg.model.n_embd}")
     if t.minibatches > t.prompts_per_step * t.samples_per_prompt:

@@ -35,6 +35,7 @@ class Price:
     sampling_rounds: int
     n_params: int
     has_reference: bool
+    reference_is_adapter_off: bool
     sampled_tokens_per_batch: int
     sampled_tokens_per_grad_step: float
     sampled_tokens_per_run: int
@@ -62,7 +63,12 @@ class Price:
             worst = (f"; worst case with dynamic sampling ({self.sampling_rounds} rounds) "
                      f"{self.sampled_tokens_per_run_worst:,}")
         copies = [f"policy {self.policy_bytes * mib:.2f} MiB", f"AdamW state {self.optimizer_bytes * mib:.2f} MiB"]
-        copies.append(f"reference {self.reference_bytes * mib:.2f} MiB" if self.has_reference else "no reference (kl_coef = 0)")
+        if not self.has_reference:
+            copies.append("no reference (kl_coef = 0)")
+        elif self.reference_is_adapter_off:
+            copies.append("reference = the policy with its LoRA adapter disabled (no copy)")
+        else:
+            copies.append(f"reference {self.reference_bytes * mib:.2f} MiB")
         copies.append(
             f"stored logp_old {self.logp_old_bytes * mib:.3f} MiB instead of a π_old copy "
             f"({self.policy_bytes * mib:.2f} MiB, saving {(self.policy_bytes - self.logp_old_bytes) * mib:.2f} MiB)"
@@ -102,10 +108,14 @@ def price(
     flops_train_per_token: float = 0.0,
     sampling_rounds: int = 1,
     bytes_per_param: int = 4,
+    trainable_params: int | None = None,
+    reference_is_adapter_off: bool = False,
 ) -> Price:
     """Price a run from its shape; refuses, naming the number, when one it needs is missing.
 
     `flops_*_per_token` default to the 2N / 6N rule when not given (no attention term).
+    `trainable_params` (LoRA: the adapter) sizes the AdamW state; `reference_is_adapter_off` means
+    the reference is the policy with its adapter disabled, so it holds no copy.
     """
     for name, v in [("max_new_tokens", max_new_tokens), ("n_params", n_params),
                     ("prompts_per_step", prompts_per_step), ("samples_per_prompt", samples_per_prompt),
@@ -135,6 +145,7 @@ def price(
         sampling_rounds=sampling_rounds,
         n_params=n_params,
         has_reference=has_reference,
+        reference_is_adapter_off=reference_is_adapter_off,
         sampled_tokens_per_batch=per_batch,
         sampled_tokens_per_grad_step=per_batch / grad_steps,
         sampled_tokens_per_run=per_batch * steps,
@@ -150,7 +161,7 @@ def price(
         flops_train_per_batch=float(trained * trn),
         flops_per_run=float(((sampling_fwd + ref_fwd) * fwd + trained * trn) * steps),
         policy_bytes=policy,
-        optimizer_bytes=2 * n_params * 4,
-        reference_bytes=policy if has_reference else 0,
+        optimizer_bytes=2 * (n_params if trainable_params is None else trainable_params) * 4,
+        reference_bytes=policy if has_reference and not reference_is_adapter_off else 0,
         logp_old_bytes=per_batch * 4,
     )

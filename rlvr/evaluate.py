@@ -14,16 +14,17 @@ import torch
 from rlvr import sampling
 from rlvr.rewards import score_batch
 from rlvr.tasks import Task, weighted_rewards
+from rlvr.tokenizer import encode_example
 
 
 @torch.no_grad()
-def _responses(model, tok, prompts: list[str], *, k: int, max_new_tokens: int, eos_id, temperature: float,
+def _responses(model, tok, prompts: list, *, k: int, max_new_tokens: int, eos_id, temperature: float,
                top_p: float, batch_size: int, generator) -> list[str]:
     out: list[str] = []
     per_batch = max(1, batch_size // k)
     for i in range(0, len(prompts), per_batch):
         chunk = prompts[i:i + per_batch]
-        roll = sampling.generate(model, [tok.encode(p) for p in chunk], samples_per_prompt=k,
+        roll = sampling.generate(model, [encode_example(tok, ex) for ex in chunk], samples_per_prompt=k,
                                  max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                  eos_id=eos_id, pad_id=tok.pad_id, generator=generator)
         out.extend(tok.decode(r) for r in roll.response_ids.tolist())
@@ -39,7 +40,7 @@ def evaluate(model, tok, task: Task, *, reward_weights: dict[str, float], max_ne
     examples = list(task.heldout[:prompts] if prompts else task.heldout)
     texts = [ex.prompt for ex in examples]
     gen = torch.Generator().manual_seed(seed + 12345)
-    greedy = _responses(model, tok, texts, k=1, max_new_tokens=max_new_tokens, eos_id=eos_id,
+    greedy = _responses(model, tok, examples, k=1, max_new_tokens=max_new_tokens, eos_id=eos_id,
                         temperature=0.0, top_p=1.0, batch_size=batch_size, generator=gen)
     goal = [bool(task.goal(ex.prompt, r, ex.answer)) for ex, r in zip(examples, greedy)]
     scored = score_batch(weighted_rewards(task, reward_weights), texts, greedy, [ex.answer for ex in examples])
@@ -51,7 +52,7 @@ def evaluate(model, tok, task: Task, *, reward_weights: dict[str, float], max_ne
     }
     if pass_k:
         sub = examples[:pass_k_prompts]
-        sampled = _responses(model, tok, [ex.prompt for ex in sub], k=pass_k, max_new_tokens=max_new_tokens,
+        sampled = _responses(model, tok, sub, k=pass_k, max_new_tokens=max_new_tokens,
                              eos_id=eos_id, temperature=temperature, top_p=top_p, batch_size=batch_size,
                              generator=gen)
         hits = [bool(task.goal(ex.prompt, sampled[i * pass_k + j], ex.answer))

@@ -100,3 +100,12 @@ class CharTokenizer:
 
     def __repr__(self) -> str:
         return f"CharTokenizer(alphabet={self.alphabet!r})"
+
+
+def encode_example(tok, example) -> list[int]:
+    """Prompt token ids of a task example: the chat template over `example.meta["messages"]` when
+    the task gives messages and the tokenizer has a template (Hugging Face), else the prompt text."""
+    if hasattr(tok, "encode_prompt"):
+        messages = example.meta.get("messages") if isinstance(example.meta, dict) else None
+        return tok.encode_prompt(messages or example.prompt)
+    return tok.encode(example.prompt)

@@ -22,6 +22,7 @@ Departures from the GRPO paper, each a config field:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -41,7 +42,7 @@ from rlvr.models.tiny import TinyConfig, TinyTransformer
 from rlvr.rewards import score_batch
 from rlvr.state import STATE_DIR, load_state, save_state
 from rlvr.tasks import Task, load_task, weighted_rewards
-from rlvr.tokenizer import CharTokenizer
+from rlvr.tokenizer import CharTokenizer, encode_example
 
 
 class RunError(RuntimeError):
@@ -71,12 +72,31 @@ def reward_weights(cfg: config_mod.Config, task: Task) -> dict[str, float]:
     return {k: float(v) for k, v in weights.items()}
 
 
-def build(cfg: config_mod.Config) -> Setup:
+def build(cfg: config_mod.Config, log=print) -> Setup:
     """Load the task, build tokenizer and model; every error here comes before any compute."""
     task = load_task(cfg.task.path, **cfg.task.options)
     weights = reward_weights(cfg, task)
     max_new = cfg.sampling.max_new_tokens or task.max_new_tokens
-    if cfg.model.init:
+    if cfg.model.path:
+        from rlvr.models.hf import LoraSpec, load_policy
+
+        mc = cfg.model
+        lora = LoraSpec(r=mc.lora_r, alpha=mc.lora_alpha, dropout=mc.lora_dropout,
+                        target_modules=list(mc.lora_target_modules) or None) if mc.lora_r else None
+        try:
+            model, tokenizer = load_policy(mc.path, dtype=mc.dtype, lora=lora)
+        except ValueError as e:
+            raise RunError(f"model.path = {mc.path!r}: {e}") from None
+        if model.load_note:
+            log(f"note: {model.load_note}")
+        block = model.config.block_size
+        if block:
+            longest = max(((len(encode_example(tokenizer, ex)), ex.prompt) for ex in list(task.heldout) + list(task.train)),
+                          key=lambda t: t[0])
+            if longest[0] + max_new > block:
+                raise RunError(f"task prompt {longest[1][:60]!r} has {longest[0]} tokens; with max_new_tokens = {max_new} "
+                               f"that exceeds the model's context of {block} tokens ({mc.path}/config.json)")
+    elif cfg.model.init:
         init = Path(cfg.model.init)
         if not (init / "model.safetensors").is_file() or not (init / "tokenizer.json").is_file():
             raise RunError(f"model.init = {cfg.model.init!r}: expected model.safetensors and tokenizer.json there")
@@ -92,7 +112,7 @@ def build(cfg: config_mod.Config) -> Setup:
             n_embd=cfg.model.n_embd, block_size=longest + max_new + 1,
         ))
     for ex in task.heldout[:1]:
-        tokenizer.encode(ex.prompt)  # an alphabet that misses prompt characters fails here
+        encode_example(tokenizer, ex)  # an alphabet that misses prompt characters fails here
     eos_id = tokenizer.eos_id if not task.fixed_length else None
     return Setup(cfg, task, tokenizer, model, weights, max_new, eos_id)
 
@@ -102,9 +122,12 @@ def price_of(setup: Setup) -> costs.Price:
     return costs.price(
         prompts_per_step=cfg.train.prompts_per_step, samples_per_prompt=cfg.train.samples_per_prompt,
         max_new_tokens=setup.max_new_tokens,
-        prompt_tokens=max(len(setup.tokenizer.encode(ex.prompt)) for ex in list(setup.task.train) + list(setup.task.heldout)),
+        prompt_tokens=max(len(encode_example(setup.tokenizer, ex)) for ex in list(setup.task.train) + list(setup.task.heldout)),
         steps=cfg.train.steps, epochs_per_batch=cfg.train.epochs_per_batch, minibatches=cfg.train.minibatches,
         n_params=setup.model.num_params(), has_reference=cfg.algorithm.kl_coef > 0,
+        trainable_params=sum(p.numel() for p in trainable(setup.model)),
+        reference_is_adapter_off=getattr(setup.model, "has_adapter", False),
+        bytes_per_param=2 if cfg.model.path and cfg.model.dtype == "bf16" else 4,
         flops_fwd_per_token=setup.model.flops_per_token(training=False),
         flops_train_per_token=setup.model.flops_per_token(training=True),
         sampling_rounds=cfg.algorithm.dynamic_sampling_rounds if cfg.algorithm.dynamic_sampling else 1,
@@ -163,7 +186,7 @@ def sample_groups(setup: Setup, model, examples: list, G: int, gen: torch.Genera
     """Sample G responses per example from the current weights (no grad) and score them."""
     task, tok, sc = setup.task, setup.tokenizer, setup.cfg.sampling
     rollout = sampling.generate(
-        model, [tok.encode(ex.prompt) for ex in examples], samples_per_prompt=G,
+        model, [encode_example(tok, ex) for ex in examples], samples_per_prompt=G,
         max_new_tokens=setup.max_new_tokens, temperature=sc.temperature, top_p=sc.top_p,
         eos_id=setup.eos_id, pad_id=tok.pad_id, generator=gen,
     )
@@ -275,10 +298,12 @@ def train(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, resume:
     def draw() -> list:
         return [task.train[i] for i in rng.sample(range(len(task.train)), P)]
 
+    # π_ref: a frozen copy, or (LoRA) the same model with its adapter disabled, so no copy is held
     ref = None
-    if ac.kl_coef > 0:
+    adapter_ref = ac.kl_coef > 0 and getattr(model, "has_adapter", False)
+    if ac.kl_coef > 0 and not adapter_ref:
         ref = copy.deepcopy(model).requires_grad_(False).eval()
-    opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
+    opt = torch.optim.AdamW(trainable(model), lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
     total_opt_steps = tc.steps * tc.epochs_per_batch * tc.minibatches
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(tc, s, total_opt_steps))
     fwd_flops, train_flops = model.flops_per_token(training=False), model.flops_per_token(training=True)
@@ -344,11 +369,13 @@ def train(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, resume:
         # 4./5. logp_old stored and detached; logp_ref under the frozen reference
         logp_old = rollout.logp.detach()                                         # (B, T)
         logp_ref = None
-        if ref is not None:
-            with torch.no_grad():
-                # the reference is scored without a nucleus: a token outside π_ref's own nucleus would get the
-                # floor log-prob and a huge, meaningless KL (see rlvr.sampling.OUTSIDE_NUCLEUS_LOGP)
-                logp_ref = sampling.sequence_token_logprobs(ref, rollout, temperature=sc.temperature, top_p=1.0)
+        if ref is not None or adapter_ref:
+            # the reference is scored without a nucleus: a token outside π_ref's own nucleus would get the
+            # floor log-prob and a huge, meaningless KL (see rlvr.sampling.OUTSIDE_NUCLEUS_LOGP)
+            with torch.no_grad(), (model.adapter_disabled() if adapter_ref else contextlib.nullcontext()):
+                logp_ref = sampling.sequence_token_logprobs(ref if ref is not None else model, rollout,
+                                                            temperature=sc.temperature, top_p=1.0,
+                                                            chunk_rows=cfg.model.logprob_chunk_rows or None)
             cost["forward_tokens"] += rollout.ids.numel()
             cost["flops"] += rollout.ids.numel() * fwd_flops
 
@@ -361,7 +388,8 @@ def train(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, resume:
             perm = torch.randperm(B, generator=gen) if tc.minibatches > 1 else torch.arange(B)
             for idx in perm.chunk(tc.minibatches):
                 sub = rollout.select(idx)
-                logp = sampling.sequence_token_logprobs(model, sub, temperature=sc.temperature, top_p=sc.top_p)
+                logp = sampling.sequence_token_logprobs(model, sub, temperature=sc.temperature, top_p=sc.top_p,
+                                                        chunk_rows=cfg.model.logprob_chunk_rows or None)
                 loss, stats = losses.policy_loss(
                     logp, logp_old[idx], delta_rows[idx], sub.mask, clip_eps=ac.clip_eps,
                     clip_eps_high=ac.clip_eps_high or None, level=ac.ratio_level, agg=ac.agg,
@@ -374,7 +402,7 @@ def train(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, resume:
                     stats["kl_ref"] = kl.item()
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
-                gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip if tc.grad_clip > 0 else float("inf"))
+                gnorm = torch.nn.utils.clip_grad_norm_(trainable(model), tc.grad_clip if tc.grad_clip > 0 else float("inf"))
                 opt.step()
                 lr_used = sched.get_last_lr()[0]
                 sched.step()
@@ -454,7 +482,7 @@ def train(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, resume:
     last_eval = run_eval(tc.steps)
     log(f"final eval: goal {last_eval['eval/goal']:.4f} reward {last_eval['eval/reward']:.4f} "
         f"on {last_eval['eval/prompts']} held-out prompts")
-    save_checkpoint(out / "checkpoint", model, tok)
+    save_checkpoint(out, model, tok)
     metrics_f.close()
     rollouts_f.close()
     summary = {
@@ -477,19 +505,42 @@ def train(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, resume:
     return summary
 
 
-def save_checkpoint(path: Path, model: TinyTransformer, tok: CharTokenizer) -> None:
-    model.save_pretrained(path)
-    tok.save(path / "tokenizer.json")
+def trainable(model) -> list:
+    """The parameters the optimizer updates (LoRA: the adapter only)."""
+    if hasattr(model, "trainable_params"):
+        return list(model.trainable_params())
+    return [p for p in model.parameters() if p.requires_grad]
 
 
-def load_run(run_dir: Path) -> tuple[config_mod.Config, TinyTransformer, CharTokenizer]:
-    """Reload a finished run: its resolved config, checkpoint and tokenizer."""
+def save_checkpoint(run_dir: Path, model, tok) -> None:
+    """Built-in model: RUN_DIR/checkpoint (safetensors, config, tokenizer JSON). Hugging Face model:
+    RUN_DIR/hf, a plain transformers directory (LoRA merged in; the adapter also in hf/adapter)."""
+    if isinstance(model, TinyTransformer):
+        model.save_pretrained(run_dir / "checkpoint")
+        tok.save(run_dir / "checkpoint" / "tokenizer.json")
+    else:
+        from rlvr.models.hf import export_hf
+
+        export_hf(model, tok, run_dir / "hf")
+
+
+def load_run(run_dir: Path):
+    """Reload a finished run: (resolved config, model, tokenizer) from checkpoint/ or hf/."""
     run_dir = Path(run_dir)
+    if not (run_dir / "config.toml").is_file():
+        raise RunError(f"{run_dir} is not a finished run: {run_dir / 'config.toml'} is missing")
+    cfg = config_mod.load(run_dir / "config.toml")
+    if cfg.model.path:
+        from rlvr.models.hf import load_policy
+
+        if not (run_dir / "hf" / "config.json").is_file():
+            raise RunError(f"{run_dir} is not a finished run: {run_dir / 'hf'} is missing")
+        model, tok = load_policy(run_dir / "hf", dtype=cfg.model.dtype)
+        return cfg, model, tok
     ckpt = run_dir / "checkpoint"
-    for need in (run_dir / "config.toml", ckpt / "model.safetensors", ckpt / "tokenizer.json"):
+    for need in (ckpt / "model.safetensors", ckpt / "tokenizer.json"):
         if not need.is_file():
             raise RunError(f"{run_dir} is not a finished run: {need} is missing")
-    cfg = config_mod.load(run_dir / "config.toml")
     return cfg, TinyTransformer.from_pretrained(ckpt), CharTokenizer.load(ckpt / "tokenizer.json")
 
 

@@ -101,8 +101,8 @@ def _probe(ds, entries: list[dict], extract: str) -> list[tuple]:
                 vals.append(float(ds.score_answer(extract_answer(resp, extract), e)))
             except Exception:
                 failed += 1
-        if vals:
-            out.append((label, sum(vals) / len(vals), make, failed))
+        if vals or failed:
+            out.append((label, sum(vals) / len(vals) if vals else None, make, failed))
     return out
 
 
@@ -184,9 +184,10 @@ def rgym_task(
 
     default_scorer = type(ds).score_answer is ProceduralDataset.score_answer
     measured = _probe(ds, [unwrap(ex.answer)[1] for ex in train_ex[:probe]], extract) if probe else []
-    best = max(measured, key=lambda m: m[1], default=None)
+    best = max((m for m in measured if m[1] is not None), key=lambda m: m[1], default=None)
     numbers = "; ".join(
-        f"{label} scores {mean:.2f} on average" + (f" ({failed} raised)" if failed else "")
+        (f"{label} scores {mean:.2f} on average" + (f" ({failed} raised)" if failed else "")
+         if mean is not None else f"{label}: the scorer raised on all {failed}")
         for label, mean, _, failed in measured
     )
     exploit = (

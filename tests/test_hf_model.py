@@ -1,0 +1,229 @@
+"""HFPolicy / HFTokenizer / LoRA / export on tiny locally built Llama and GPT-2 models (no hub access)."""
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+pytest.importorskip("tokenizers")
+
+import torch  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
+
+from rlvr import sampling  # noqa: E402
+from rlvr.models.hf import HFLoadError, HFPolicy, LoraSpec, export_hf, load_policy  # noqa: E402
+
+from hf_models import CHARS, SPECIALS, make_model_dir, make_tokenizer  # noqa: E402,F401
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("llama"), chat=True)
+
+
+@pytest.fixture(scope="module")
+def llama(llama_dir):
+    return load_policy(llama_dir)
+
+
+def left_pad(prompts, pad_id):
+    Lp = max(map(len, prompts))
+    ids = torch.tensor([[pad_id] * (Lp - len(p)) + p for p in prompts])
+    am = torch.tensor([[0] * (Lp - len(p)) + [1] * len(p) for p in prompts])
+    return ids, am
+
+
+PROMPTS = ["ab 12", "x", "hello, wor", "9,8"]
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_left_padded_and_cached_decoding_match_full_forward(kind, tmp_path, llama):
+    policy, tok = llama if kind == "llama" else load_policy(make_model_dir(tmp_path, "gpt2"))
+    prompts = [tok.encode(s) for s in PROMPTS]
+    ids, am = left_pad(prompts, tok.pad_id)
+    P, Lp = ids.shape
+    with torch.no_grad():
+        full = policy(ids, attention_mask=am)                                  # (P, Lp, V)
+        assert full.dtype == torch.float32 and torch.isfinite(full).all()
+        for i, p in enumerate(prompts):                                        # padding changes nothing
+            alone = policy(torch.tensor([p]))
+            torch.testing.assert_close(full[i, Lp - len(p):], alone[0], atol=1e-5, rtol=0)
+        cache = policy.new_cache(P, Lp + 4)
+        parts = [policy(ids[:, :3], attention_mask=am[:, :3], cache=cache, logits_to_keep=3)]
+        for t in range(3, Lp):                                                 # then token by token
+            parts.append(policy(ids[:, t:t + 1], attention_mask=am[:, t:t + 1], cache=cache))
+        stepped = torch.cat(parts, dim=1)
+        real = am.bool()
+        torch.testing.assert_close(stepped[real], full[real], atol=1e-5, rtol=0)
+        assert cache.length == Lp and cache.next_pos.tolist() == [len(p) for p in prompts]
+        # logits_to_keep keeps the last positions
+        torch.testing.assert_close(policy(ids, attention_mask=am, logits_to_keep=2), full[:, -2:])
+        with pytest.raises(ValueError, match="cache full"):
+            policy(ids, attention_mask=am, cache=cache)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_generate_logp_equals_recomputed(llama, temperature, top_p):
+    policy, tok = llama
+    prompts = [tok.encode(s) for s in PROMPTS]
+    g = torch.Generator().manual_seed(0)
+    r = sampling.generate(policy, prompts, samples_per_prompt=3, max_new_tokens=6, temperature=temperature,
+                          top_p=top_p, eos_id=tok.eos_id, pad_id=tok.pad_id, generator=g)
+    assert r.ids.shape[0] == 12 and r.mask.sum() > 0
+    with torch.no_grad():
+        lp = sampling.sequence_token_logprobs(policy, r)
+        lp_chunked = sampling.sequence_token_logprobs(policy, r, chunk_rows=5)
+    torch.testing.assert_close(lp, r.logp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(lp_chunked, r.logp, atol=1e-5, rtol=0)
+    # the chunked path also carries gradient
+    policy.zero_grad()
+    sampling.sequence_token_logprobs(policy, r, chunk_rows=5).sum().backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.parameters())
+    policy.zero_grad()
+    assert isinstance(tok.decode(r.response_ids[0]), str)
+
+
+def test_gpt2_dropout_zeroed_train_mode_is_deterministic(tmp_path):
+    policy, tok = load_policy(make_model_dir(tmp_path, "gpt2"))
+    ids = torch.tensor([tok.encode("abc 123")])
+    policy.train()
+    with torch.no_grad():
+        torch.testing.assert_close(policy(ids), policy(ids), atol=0, rtol=0)
+    assert policy.config.block_size == 64
+
+
+def test_lora_trains_adapter_only_and_reference_is_base(llama_dir, llama):
+    base, tok = llama
+    policy, _ = load_policy(llama_dir, lora=LoraSpec(r=4, alpha=8, target_modules=["q_proj", "v_proj"]))
+    trainable = dict((n, p) for n, p in policy.named_parameters() if p.requires_grad)
+    assert trainable and all("lora_" in n for n in trainable)
+    assert {id(p) for p in policy.trainable_params()} == {id(p) for p in trainable.values()}
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+
+    prompts = [tok.encode(s) for s in PROMPTS]
+    r = sampling.generate(policy, prompts, samples_per_prompt=2, max_new_tokens=5, eos_id=tok.eos_id,
+                          pad_id=tok.pad_id, generator=torch.Generator().manual_seed(1))
+    policy.train()
+    opt = torch.optim.AdamW(policy.trainable_params(), lr=1e-2)
+    (-(sampling.sequence_token_logprobs(policy, r) * r.mask).sum()).backward()
+    opt.step()
+    policy.eval()
+    changed = {n for n, p in policy.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and changed <= set(trainable)
+
+    ids, am = r.ids, r.attention_mask
+    with torch.no_grad():
+        live = policy(ids, attention_mask=am)
+        with policy.adapter_disabled():
+            ref = policy(ids, attention_mask=am)
+            lp_ref = sampling.sequence_token_logprobs(policy, r, top_p=1.0)
+        base_logits = base(ids, attention_mask=am)
+        assert not torch.allclose(live, base_logits, atol=1e-4)
+        torch.testing.assert_close(ref[am.bool()], base_logits[am.bool()], atol=1e-5, rtol=0)
+        torch.testing.assert_close(lp_ref, sampling.sequence_token_logprobs(base, r, top_p=1.0), atol=1e-5, rtol=0)
+        torch.testing.assert_close(policy(ids, attention_mask=am), live)   # adapter is back on
+    with pytest.raises(ValueError, match="no LoRA adapter"):
+        with base.adapter_disabled():
+            pass
+    assert policy.flops_per_token(training=True) < 6 * policy._matmul_params()[0] + 12 * 2 * 64 * 64
+    assert base.flops_per_token(training=True) == 3 * base.flops_per_token(training=False)
+
+
+def test_export_hf_merges_lora_and_loads_with_plain_transformers(llama_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    policy, tok = load_policy(llama_dir, lora=LoraSpec(r=4, alpha=8))
+    with torch.no_grad():                       # a non-zero adapter (B starts at 0)
+        for n, p in policy.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    ids, am = left_pad([tok.encode(s) for s in PROMPTS], tok.pad_id)
+    with torch.no_grad():
+        live = policy(ids, attention_mask=am)
+    out = export_hf(policy, tok, tmp_path / "export")
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+    assert (out / "tokenizer.json").is_file() and (out / "adapter" / "adapter_config.json").is_file()
+    plain = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    assert not any("lora" in n for n, _ in plain.named_parameters())
+    hf_tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    assert hf_tok.encode("ab 12", add_special_tokens=False) == tok.encode("ab 12")
+    pos = (am.cumsum(1) - 1).clamp_min(0)
+    with torch.no_grad():
+        exported = plain(input_ids=ids, attention_mask=am, position_ids=pos).logits
+        torch.testing.assert_close(exported[am.bool()], live[am.bool()], atol=1e-5, rtol=0)
+        torch.testing.assert_close(policy(ids, attention_mask=am), live)    # live model still has its adapter
+    assert policy.has_adapter and policy.trainable_params()
+    resumed, _ = load_policy(llama_dir, adapter=out / "adapter")              # base + saved adapter
+    with torch.no_grad():
+        torch.testing.assert_close(resumed(ids, attention_mask=am)[am.bool()], live[am.bool()], atol=1e-5, rtol=0)
+    assert resumed.trainable_params()
+
+
+def test_load_errors_name_the_path(tmp_path):
+    with pytest.raises(HFLoadError, match="no such directory"):
+        load_policy(tmp_path / "missing")
+    no_w = make_model_dir(tmp_path / "no_weights", weights=False)
+    with pytest.raises(HFLoadError, match=r"no_weights.*no weights"):
+        load_policy(no_w)
+    only_bin = make_model_dir(tmp_path / "bin", weights=False)
+    (only_bin / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(HFLoadError, match="safetensors only"):
+        load_policy(only_bin)
+    no_tok = make_model_dir(tmp_path / "no_tok", tokenizer=False)
+    with pytest.raises(HFLoadError, match=r"no_tok.*no tokenizer files"):
+        load_policy(no_tok)
+    (tmp_path / "adapter_only").mkdir()
+    (tmp_path / "adapter_only" / "adapter_config.json").write_text("{}")
+    with pytest.raises(HFLoadError, match="PEFT adapter"):
+        load_policy(tmp_path / "adapter_only")
+    with pytest.raises(ValueError, match="dtype"):
+        load_policy(no_tok, dtype="fp8")
+    assert issubclass(HFLoadError, ValueError)
+
+
+def test_pad_note_and_bf16(tmp_path):
+    d = make_model_dir(tmp_path, pad=False)
+    policy, tok = load_policy(d, dtype="bf16")
+    assert "no pad token" in policy.load_note and tok.pad_id == tok.eos_id == 2
+    assert isinstance(policy, HFPolicy) and policy.dtype == torch.bfloat16
+    ids, am = left_pad([tok.encode(s) for s in PROMPTS], tok.pad_id)
+    with torch.no_grad():
+        logits = policy(ids, attention_mask=am)
+    assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
+    r = sampling.generate(policy, [tok.encode("ab")], samples_per_prompt=2, max_new_tokens=3,
+                          eos_id=tok.eos_id, pad_id=tok.pad_id, generator=torch.Generator().manual_seed(0))
+    assert r.ids.shape[0] == 2
+
+
+def test_tokenizer_surface(llama, tmp_path):
+    _, tok = llama
+    assert tok.vocab_size == len(SPECIALS) + len(CHARS)
+    ids = tok.encode("ab 12")
+    assert ids == [3 + CHARS.index(c) for c in "ab 12"] and not tok.adds_bos
+    assert tok.encode("ab", bos=True, eos=True) == [tok.bos_id, *tok.encode("ab"), tok.eos_id]
+    assert tok.decode(ids + [tok.eos_id] + tok.encode("zz")) == "ab 12"
+    assert tok.decode(torch.tensor([tok.pad_id, *ids, tok.pad_id])) == "ab 12"
+    assert tok.decode(ids + [tok.eos_id, 4], stop_at_eos=False) == "ab 121"
+    chat = tok.encode_prompt([{"role": "user", "content": "sort 3,1"}])
+    assert chat[0] == tok.bos_id and tok.decode(chat) == "user: sort 3,1 assistant:"
+    assert tok.encode_prompt("ab") == tok.encode("ab")
+    with pytest.raises(ValueError, match="expected a string"):
+        tok.encode_prompt(42)
+    tok.save(tmp_path / "ckpt" / "tokenizer.json")                             # the trainer's call shape
+    from rlvr.models.hf import HFTokenizer
+
+    again = HFTokenizer.load(tmp_path / "ckpt")
+    assert again.encode("ab 12") == ids and again.pad_id == tok.pad_id
+
+
+def test_import_is_lazy():
+    """transformers / peft are imported inside functions only (the core must not need them)."""
+    import ast
+    import inspect
+
+    import rlvr.models.hf as hf
+
+    top = [n for n in ast.parse(inspect.getsource(hf)).body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    names = {a.name.split(".")[0] for n in top for a in n.names} | {
+        (n.module or "").split(".")[0] for n in top if isinstance(n, ast.ImportFrom)}
+    assert not names & {"transformers", "peft", "tokenizers", "safetensors"}, names

@@ -1,0 +1,90 @@
+"""`rlvr train` on a Hugging Face model saved locally: full fine-tuning, LoRA, the hf/ output."""
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+import torch  # noqa: E402
+from hf_models import make_model_dir  # noqa: E402
+
+from rlvr import cli  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
+
+BASE = ["--train.prompts_per_step=4", "--train.samples_per_prompt=4", "--task.options={n = 3, heldout = 30}",
+        "--eval.prompts=10", "--eval.pass_k=0", "--eval.every=0", "--train.steps=2", "--train.lr=0.01"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_model_dir(tmp_path_factory.mktemp("llama"))
+
+
+def train(out, *extra):
+    return cli.main(["train", "examples/sort.toml", "--out", str(out), *BASE, *extra])
+
+
+def weights(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_trains_and_writes_a_plain_hf_model(tmp_path, model_dir, lora, capsys):
+    out = tmp_path / "run"
+    extra = [f"--model.path={model_dir}", "--algorithm.kl_coef=0.05"]
+    if lora:
+        extra += ["--model.lora_r=4", "--model.lora_target_modules=[\"q_proj\", \"v_proj\"]"]
+    assert train(out, *extra) == 0
+    stdout = capsys.readouterr().out
+    if lora:
+        assert "reference = the policy with its LoRA adapter disabled (no copy)" in stdout
+        assert (out / "hf" / "adapter" / "adapter_config.json").is_file()
+    else:
+        assert "reference 0." in stdout
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(out / "hf")
+    tok = AutoTokenizer.from_pretrained(out / "hf")
+    assert tok("12=")["input_ids"]
+    before, after = weights(model_dir), weights(out / "hf")
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert changed, "training changed no weight"
+    if lora:  # merged LoRA only touches the wrapped projections
+        assert all("q_proj" in k or "v_proj" in k for k in changed)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if "train/reward" in r]
+    assert train_rows[0]["train/kl_ref"] == pytest.approx(0.0, abs=1e-6)   # π = π_ref at the first step
+    assert abs(train_rows[0]["train/first_step_ratio_mean"] - 1) < 1e-4
+    assert model.config.num_hidden_layers == 2
+    summary = json.loads((out / "summary.json").read_text())
+    assert cli.main(["eval", str(out)]) == 0
+    assert json.loads(capsys.readouterr().out)["eval/goal"] == summary["eval/goal"]
+
+
+def test_bad_model_dir_fails_before_any_compute(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert train(tmp_path / "run", f"--model.path={empty}") == 2
+    err = capsys.readouterr().err
+    assert "model.path" in err and str(empty) in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_prompt_longer_than_the_context_is_refused(tmp_path, model_dir, capsys):
+    # the tiny Llama has 64 positions; 40 digits + 40 new tokens do not fit
+    rc = cli.main(["train", "examples/sort.toml", "--out", str(tmp_path / "run"), f"--model.path={model_dir}",
+                   "--task.options={n = 40, heldout = 5, train = 20}", "--train.prompts_per_step=2"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "exceeds the model's context of 64 tokens" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_lora_without_hf_model_is_a_config_error(tmp_path, capsys):
+    assert train(tmp_path / "run", "--model.lora_r=4") == 2
+    assert "model.lora_r" in capsys.readouterr().err
