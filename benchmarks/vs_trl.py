@@ -343,12 +343,15 @@ def rlvr_steps(model_dir: Path, n_steps: int, *, threads: int = 2, seed: int = 0
     mc = {f.name for f in dataclasses.fields(config_mod.ModelConfig)}
     if "dtype" in mc:
         overrides.append("--model.dtype=fp32")
+    if "lora_r" in mc:
+        overrides.append("--model.lora_r=0")  # full fine-tuning, like TRL here
     cfg = config_mod.load(None, overrides)
     with tempfile.TemporaryDirectory(prefix="vs_trl_rlvr_") as out:
         out = Path(out) / "run"
         train(cfg, out, overwrite=True, log=lambda *a, **k: None)
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
         resolved = config_mod.load(out / "config.toml")
+        price = json.loads((out / "price.json").read_text())
     steps = [r for r in rows if "time/step_s" in r]
     _require(len(steps) == n_steps, f"rlvr wrote {len(steps)} step rows, asked {n_steps}")
     _require(torch.get_num_threads() == threads, f"torch threads after rlvr: {torch.get_num_threads()}")
@@ -360,7 +363,14 @@ def rlvr_steps(model_dir: Path, n_steps: int, *, threads: int = 2, seed: int = 0
         "dtype": getattr(resolved.model, "dtype", "fp32 (default)"),
         "mean_completion_len": statistics.fmean(r.get("train/response_len", float("nan")) for r in steps),
         "kl_logged": [r.get("train/kl_ref") for r in steps][:3],
+        "lora_r": getattr(resolved.model, "lora_r", 0),
+        "n_params_priced": price.get("n_params"),
     }
+    if rlvr_has_hf():  # the run trained the HF model from model_dir, not the built-in tiny transformer
+        want = model_stats(Path(model_dir))["n_params"]
+        _require(facts["n_params_priced"] == want,
+                 f"rlvr priced {facts['n_params_priced']} parameters; the HF model at {model_dir} has {want}")
+        _require(facts["lora_r"] == 0, "rlvr ran with LoRA")
     _require(not rlvr_has_hf() or facts["model.path"] == str(model_dir),
              f"rlvr model.path {facts['model.path']!r} is not {str(model_dir)!r}")
     _require(facts["epochs_per_batch"] == 1 and facts["minibatches"] == 1, "rlvr mu != 1")

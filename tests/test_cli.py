@@ -316,3 +316,12 @@ def test_train_help_lists_every_key_with_its_docstring():
             assert f"--{section}.{f.name}=" in out, f"{section}.{f.name} missing from --help"
             assert docs.get(f.name), f"{section}.{f.name} has no docstring"
             assert docs[f.name] in " ".join(out.split()), f"{section}.{f.name}: docstring missing from --help"
+
+
+def test_price_refuses_a_task_without_a_response_bound(tmp_path, capsys):
+    task = tmp_path / "nobound.py"
+    task.write_text("from rlvr.tasks.sort import sort_task\n\n"
+                    "def make():\n    t = sort_task(n=3, heldout=10)\n    t.max_new_tokens = None\n    return t\n")
+    rc = main(["price", "examples/sort.toml", f"--task.path={task}:make", "--task.options={}"])
+    assert rc == 2
+    assert "max_new_tokens must be a positive int, got None" in capsys.readouterr().err
