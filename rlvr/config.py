@@ -53,6 +53,9 @@ class ModelConfig:
     """LoRA dropout (keep 0: dropout makes training log-probs differ from the sampler's)."""
     lora_target_modules: list = field(default_factory=list)
     """Module names LoRA wraps, e.g. ["q_proj", "v_proj"]; empty = peft's default for the model."""
+    share_prompt_forward: bool = True
+    """Hugging Face models: run each prompt once per group in the training and reference forwards
+    and let its G responses attend to the shared keys/values (same logits and gradients, less work)."""
     logprob_chunk_rows: int = 0
     """Compute log-softmax over this many rows at a time (large vocabularies); 0 = all at once."""
 
@@ -390,8 +393,9 @@ def validate(cfg: Config, source: str | None = None) -> None:
             bad(key, f"must be >= 0, got {v}")
     if cfg.model.n_embd % cfg.model.n_head:
         bad("model.n_head", f"{cfg.model.n_head} does not divide model.n_embd = {cfg.model.n_embd}")
-    if t.minibatches > t.prompts_per_step * t.samples_per_prompt:
-        bad("train.minibatches", f"{t.minibatches} exceeds the {t.prompts_per_step * t.samples_per_prompt} rows of a batch")
+    if t.minibatches > t.prompts_per_step:
+        bad("train.minibatches", f"{t.minibatches} exceeds the {t.prompts_per_step} groups of a batch "
+            "(minibatches are made of whole groups)")
     if t.lr <= 0:
         bad("train.lr", f"must be > 0, got {t.lr}")
     if len(t.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in t.betas):

@@ -10,6 +10,7 @@ G samples, T the response-length bound, Lp the longest prompt, μ passes, M mini
     forward tokens, logp_old          = 0: the sampler's own log-probs are stored (rlvr.trainer)
     forward tokens, logp_ref          = P * G * (Lp + T) when the KL term is on
     trained tokens (fwd + bwd)        = μ * P * G * (Lp + T)
+    (with the prompt shared by its group, P * G * (Lp + T) becomes P * Lp + P * G * T)
 
 FLOPs: forward tokens x (2N + attention), trained tokens x (6N + attention), with N the matmul
 parameters and the attention term of `TinyTransformer.flops_per_token`. Memory of the copies held:
@@ -110,12 +111,14 @@ def price(
     bytes_per_param: int = 4,
     trainable_params: int | None = None,
     reference_is_adapter_off: bool = False,
+    shared_prompt: bool = False,
 ) -> Price:
     """Price a run from its shape; refuses, naming the number, when one it needs is missing.
 
     `flops_*_per_token` default to the 2N / 6N rule when not given (no attention term).
     `trainable_params` (LoRA: the adapter) sizes the AdamW state; `reference_is_adapter_off` means
-    the reference is the policy with its adapter disabled, so it holds no copy.
+    the reference is the policy with its adapter disabled, so it holds no copy. `shared_prompt`:
+    the reference and training forwards run each prompt once per group (P * Lp + P * G * T tokens).
     """
     for name, v in [("max_new_tokens", max_new_tokens), ("n_params", n_params),
                     ("prompts_per_step", prompts_per_step), ("samples_per_prompt", samples_per_prompt),
@@ -132,8 +135,9 @@ def price(
     per_batch = rows * T
     grad_steps = epochs_per_batch * minibatches
     sampling_fwd = P * Lp + rows * T
-    ref_fwd = rows * (Lp + T) if has_reference else 0
-    trained = epochs_per_batch * rows * (Lp + T)
+    per_forward = P * Lp + rows * T if shared_prompt else rows * (Lp + T)
+    ref_fwd = per_forward if has_reference else 0
+    trained = epochs_per_batch * per_forward
     policy = n_params * bytes_per_param
     return Price(
         prompts_per_step=P,

@@ -250,7 +250,8 @@ def _nucleus_token_logprobs(logits, ids, *, temperature, top_p, chunk_rows=None)
 
 
 def sequence_token_logprobs(model, rollout: Rollout | tuple, *, temperature: float | None = None,
-                            top_p: float | None = None, chunk_rows: int | None = None) -> torch.Tensor:
+                            top_p: float | None = None, chunk_rows: int | None = None,
+                            group_size: int | None = None) -> torch.Tensor:
     """(B, T) log-probs of the generated tokens under the sampling distribution, WITH gradient.
 
     ``rollout`` is a ``Rollout`` or a tuple ``(ids, attention_mask, prompt_len)``. One forward
@@ -259,6 +260,12 @@ def sequence_token_logprobs(model, rollout: Rollout | tuple, *, temperature: flo
     tuple); ``temperature == 0`` scores under the temperature-1 softmax as ``generate`` does. The
     result is 0 where the response mask (``attention_mask[:, Lp:]``) is 0. ``chunk_rows`` bounds
     the rows whose (rows, T, V) log-softmax is materialized at once (USERS.md item 4).
+
+    ``group_size=G`` (rows grouped by prompt: row b = prompt b // G, the G rows of a group carry
+    the same prompt) on a model whose KV cache is differentiable (``model.differentiable_cache``,
+    Hugging Face models) runs each prompt ONCE and lets its G responses attend to the shared keys
+    and values: the same logits and gradients as the full forward (tested), with the prompt's
+    (G - 1) / G share of the work removed. Other models take the full forward.
     """
     if isinstance(rollout, Rollout):
         ids, am, Lp = rollout.ids, rollout.attention_mask, rollout.prompt_len
@@ -272,7 +279,20 @@ def sequence_token_logprobs(model, rollout: Rollout | tuple, *, temperature: flo
     T = ids.size(1) - Lp
     if T < 1 or Lp < 1:
         raise ValueError(f"need a prompt and at least one response column, got Lp={Lp}, T={T}")
-    logits = model(ids, attention_mask=am, logits_to_keep=T + 1)[:, :-1]      # (B, T, V)
+    G = group_size or 1
+    if G > 1 and getattr(model, "differentiable_cache", False):
+        B = ids.size(0)
+        if B % G:
+            raise ValueError(f"group_size {G} does not divide the {B} rows")
+        cache = model.new_cache(B // G, Lp + T)
+        first = model(ids[::G, :Lp], attention_mask=am[::G, :Lp], cache=cache, logits_to_keep=1)  # (P, 1, V)
+        cache.repeat_interleave(G)
+        parts = [first.repeat_interleave(G, dim=0)]                                                 # (B, 1, V)
+        if T > 1:
+            parts.append(model(ids[:, Lp:-1], attention_mask=am[:, Lp:-1], cache=cache))            # (B, T-1, V)
+        logits = torch.cat(parts, dim=1)                                                            # (B, T, V)
+    else:
+        logits = model(ids, attention_mask=am, logits_to_keep=T + 1)[:, :-1]                        # (B, T, V)
     targets = ids[:, Lp:]                                                     # (B, T)
     if temperature == 0:
         temperature, top_p = 1.0, 1.0

@@ -7,7 +7,9 @@ One step:
   4. Store logp_old: the per-token log-probs the sampler computed under the distribution it
      actually sampled from (temperature, top-p). Detached; no second model copy is kept.
   5. With the KL term on, compute logp_ref under the frozen reference policy.
-  6. μ passes over the same rollouts, each split into minibatches: recompute logp, form the ratio
+  6. μ passes over the same rollouts, each split into minibatches of whole groups (a prompt's
+     rows stay together; with `model.share_prompt_forward` a Hugging Face model runs each prompt
+     once and its G responses attend to the shared keys and values): recompute logp, form the ratio
      against logp_old, clip, add β·KL, backprop, clip the gradient norm, AdamW step.
   7. π_old becomes the new weights (the next step samples from them); π_ref is refreshed every
      `algorithm.ref_refresh_every` steps (0 = never).
@@ -60,6 +62,8 @@ class Setup:
     reward_weights: dict[str, float]
     max_new_tokens: int
     eos_id: int | None
+    prompt_tokens: int
+    """Tokens of the longest prompt, train and held-out (computed once: pricing and context checks)."""
 
 
 def reward_weights(cfg: config_mod.Config, task: Task) -> dict[str, float]:
@@ -89,32 +93,30 @@ def build(cfg: config_mod.Config, log=print) -> Setup:
             raise RunError(f"model.path = {mc.path!r}: {e}") from None
         if model.load_note:
             log(f"note: {model.load_note}")
-        block = model.config.block_size
-        if block:
-            longest = max(((len(encode_example(tokenizer, ex)), ex.prompt) for ex in list(task.heldout) + list(task.train)),
-                          key=lambda t: t[0])
-            if longest[0] + max_new > block:
-                raise RunError(f"task prompt {longest[1][:60]!r} has {longest[0]} tokens; with max_new_tokens = {max_new} "
-                               f"that exceeds the model's context of {block} tokens ({mc.path}/config.json)")
+        n = max(len(encode_example(tokenizer, ex)) for ex in list(task.heldout) + list(task.train))
     elif cfg.model.init:
         init = Path(cfg.model.init)
         if not (init / "model.safetensors").is_file() or not (init / "tokenizer.json").is_file():
             raise RunError(f"model.init = {cfg.model.init!r}: expected model.safetensors and tokenizer.json there")
         tokenizer = CharTokenizer.load(init / "tokenizer.json")
         model = TinyTransformer.from_pretrained(init)
+        n = max(len(encode_example(tokenizer, ex)) for ex in list(task.heldout) + list(task.train))
     else:
         alphabet = task.alphabet or "".join(sorted({c for ex in list(task.train) + list(task.heldout) for c in ex.prompt + str(ex.answer)}))
         tokenizer = CharTokenizer(alphabet)
-        longest = max(len(tokenizer.encode(ex.prompt)) for ex in list(task.heldout) + list(task.train))
+        n = max(len(tokenizer.encode(ex.prompt)) for ex in list(task.heldout) + list(task.train))
         torch.manual_seed(cfg.train.seed)
         model = TinyTransformer(TinyConfig(
             vocab_size=tokenizer.vocab_size, n_layer=cfg.model.n_layer, n_head=cfg.model.n_head,
-            n_embd=cfg.model.n_embd, block_size=longest + max_new + 1,
+            n_embd=cfg.model.n_embd, block_size=n + max_new + 1,
         ))
-    for ex in task.heldout[:1]:
-        encode_example(tokenizer, ex)  # an alphabet that misses prompt characters fails here
+    block = getattr(model.config, "block_size", None)
+    if block and n + max_new > block:
+        longest = max((ex for ex in list(task.heldout) + list(task.train)), key=lambda ex: len(encode_example(tokenizer, ex)))
+        raise RunError(f"task prompt {longest.prompt[:60]!r} has {n} tokens; with max_new_tokens = {max_new} that "
+                       f"exceeds the model's context of {block} tokens ({cfg.model.path or cfg.model.init})")
     eos_id = tokenizer.eos_id if not task.fixed_length else None
-    return Setup(cfg, task, tokenizer, model, weights, max_new, eos_id)
+    return Setup(cfg, task, tokenizer, model, weights, max_new, eos_id, n)
 
 
 def price_of(setup: Setup) -> costs.Price:
@@ -122,11 +124,12 @@ def price_of(setup: Setup) -> costs.Price:
     return costs.price(
         prompts_per_step=cfg.train.prompts_per_step, samples_per_prompt=cfg.train.samples_per_prompt,
         max_new_tokens=setup.max_new_tokens,
-        prompt_tokens=max(len(encode_example(setup.tokenizer, ex)) for ex in list(setup.task.train) + list(setup.task.heldout)),
+        prompt_tokens=setup.prompt_tokens,
         steps=cfg.train.steps, epochs_per_batch=cfg.train.epochs_per_batch, minibatches=cfg.train.minibatches,
         n_params=setup.model.num_params(), has_reference=cfg.algorithm.kl_coef > 0,
         trainable_params=sum(p.numel() for p in trainable(setup.model)),
         reference_is_adapter_off=getattr(setup.model, "has_adapter", False),
+        shared_prompt=cfg.model.share_prompt_forward and getattr(setup.model, "differentiable_cache", False),
         bytes_per_param=2 if cfg.model.path and cfg.model.dtype == "bf16" else 4,
         flops_fwd_per_token=setup.model.flops_per_token(training=False),
         flops_train_per_token=setup.model.flops_per_token(training=True),
@@ -375,21 +378,27 @@ def train(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, resume:
             with torch.no_grad(), (model.adapter_disabled() if adapter_ref else contextlib.nullcontext()):
                 logp_ref = sampling.sequence_token_logprobs(ref if ref is not None else model, rollout,
                                                             temperature=sc.temperature, top_p=1.0,
-                                                            chunk_rows=cfg.model.logprob_chunk_rows or None)
-            cost["forward_tokens"] += rollout.ids.numel()
-            cost["flops"] += rollout.ids.numel() * fwd_flops
+                                                            chunk_rows=cfg.model.logprob_chunk_rows or None,
+                                                            group_size=G if cfg.model.share_prompt_forward else None)
+            n_tok = computed_tokens(model, rollout, G if cfg.model.share_prompt_forward else 1)
+            cost["forward_tokens"] += n_tok
+            cost["flops"] += n_tok * fwd_flops
 
         # 6. μ passes of minibatch gradient steps on the same rollouts
         model.train()
         stats_acc: dict[str, float] = {}
         first_ratio = 1.0
         n_mb = 0
+        n_groups = B // G
         for epoch in range(tc.epochs_per_batch):
-            perm = torch.randperm(B, generator=gen) if tc.minibatches > 1 else torch.arange(B)
-            for idx in perm.chunk(tc.minibatches):
+            # minibatches are made of whole groups (rows of one prompt stay together)
+            order = torch.randperm(n_groups, generator=gen) if tc.minibatches > 1 else torch.arange(n_groups)
+            for groups_mb in order.chunk(tc.minibatches):
+                idx = (groups_mb[:, None] * G + torch.arange(G)).reshape(-1)                 # (rows,)
                 sub = rollout.select(idx)
                 logp = sampling.sequence_token_logprobs(model, sub, temperature=sc.temperature, top_p=sc.top_p,
-                                                        chunk_rows=cfg.model.logprob_chunk_rows or None)
+                                                        chunk_rows=cfg.model.logprob_chunk_rows or None,
+                                                        group_size=G if cfg.model.share_prompt_forward else None)
                 loss, stats = losses.policy_loss(
                     logp, logp_old[idx], delta_rows[idx], sub.mask, clip_eps=ac.clip_eps,
                     clip_eps_high=ac.clip_eps_high or None, level=ac.ratio_level, agg=ac.agg,
@@ -406,8 +415,9 @@ def train(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, resume:
                 opt.step()
                 lr_used = sched.get_last_lr()[0]
                 sched.step()
-                cost["trained_tokens"] += sub.ids.numel()
-                cost["flops"] += sub.ids.numel() * train_flops
+                n_tok = computed_tokens(model, sub, G if cfg.model.share_prompt_forward else 1)
+                cost["trained_tokens"] += n_tok
+                cost["flops"] += n_tok * train_flops
                 stats["loss"] = loss.item()
                 stats["grad_norm"] = float(gnorm)
                 for k, v in stats.items():
@@ -503,6 +513,15 @@ def train(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, resume:
         f"trained {cost['trained_tokens']:,} (price {price.trained_tokens_per_run:,}), "
         f"{cost['flops']:.3g} FLOP (price {price.flops_per_run:.3g}), {wall:.1f} s")
     return summary
+
+
+def computed_tokens(model, rollout: sampling.Rollout, G: int) -> int:
+    """Token positions one log-prob forward computes: every row's prompt and response, or, when
+    the prompt is shared (group_size G on a model with a differentiable cache), each prompt once."""
+    B, L = rollout.ids.shape
+    if G > 1 and getattr(model, "differentiable_cache", False):
+        return B // G * rollout.prompt_len + B * (L - rollout.prompt_len)
+    return B * L
 
 
 def trainable(model) -> list:

@@ -130,3 +130,9 @@ def test_dynamic_sampling_worst_case():
     assert "worst case with dynamic sampling (3 rounds) 1,440" in "\n".join(p.lines())
     with pytest.raises(ValueError, match="sampling_rounds"):
         costs.price(**BASE, sampling_rounds=0)
+
+
+def test_shared_prompt_forward_counts_each_prompt_once():
+    p = costs.price(**{**BASE, "has_reference": True}, shared_prompt=True)
+    assert p.forward_tokens_logp_ref_per_batch == 4 * 4 + 16 * 3          # P*Lp + P*G*T
+    assert p.trained_tokens_per_batch == 2 * (4 * 4 + 16 * 3)             # μ passes

@@ -227,3 +227,23 @@ def test_import_is_lazy():
     names = {a.name.split(".")[0] for n in top for a in n.names} | {
         (n.module or "").split(".")[0] for n in top if isinstance(n, ast.ImportFrom)}
     assert not names & {"transformers", "peft", "tokenizers", "safetensors"}, names
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_shared_prompt_forward_equals_full_forward(llama, temperature, top_p):
+    """group_size=G runs each prompt once; logits, log-probs and gradients equal the full forward."""
+    policy, tok = llama
+    prompts = [tok.encode("ab"), tok.encode("hello"), tok.encode("xyz q")]
+    g = torch.Generator().manual_seed(0)
+    roll = sampling.generate(policy, prompts, samples_per_prompt=3, max_new_tokens=5, temperature=temperature,
+                             top_p=top_p, eos_id=tok.eos_id, pad_id=tok.pad_id, generator=g)
+    grads = []
+    for G in (None, 3):
+        policy.zero_grad()
+        lp = sampling.sequence_token_logprobs(policy, roll, group_size=G)
+        (lp * torch.linspace(-1, 1, lp.numel()).view_as(lp)).sum().backward()
+        grads.append((lp.detach(), [p.grad.clone() for p in policy.parameters() if p.grad is not None]))
+    (full, gf), (shared, gs) = grads
+    assert torch.allclose(full, shared, atol=1e-5)
+    assert torch.allclose(shared, roll.logp, atol=1e-5)
+    assert len(gf) == len(gs) > 0 and all(torch.allclose(a, b, atol=1e-5) for a, b in zip(gf, gs))

@@ -166,6 +166,10 @@ def _zero_dropout(model: nn.Module) -> None:
 class HFPolicy(nn.Module):
     """A ``transformers`` causal LM (optionally a peft LoRA model) with the rlvr policy surface."""
 
+    differentiable_cache = True
+    """Its KV cache (DynamicCache, grown with torch.cat) carries gradients, so the trainer may run a
+    group's shared prompt once (``rlvr.sampling.sequence_token_logprobs(group_size=G)``)."""
+
     def __init__(self, model: nn.Module, *, source: str | None = None, load_note: str = ""):
         super().__init__()
         self.model = model
@@ -344,17 +348,10 @@ class HFTokenizer:
         self.adds_bos = (tokenizer.bos_token_id is not None and len(with_sp) > len(without)
                          and with_sp[0] == tokenizer.bos_token_id)
 
-    @property
-    def pad_id(self) -> int:
-        return self.tok.pad_token_id
-
-    @property
-    def eos_id(self) -> int | None:
-        return self.tok.eos_token_id
-
-    @property
-    def bos_id(self) -> int | None:
-        return self.tok.bos_token_id
+        # read once: transformers' token-id properties cost microseconds of Python each
+        self.pad_id: int = tokenizer.pad_token_id
+        self.eos_id: int | None = tokenizer.eos_token_id
+        self.bos_id: int | None = tokenizer.bos_token_id
 
     @property
     def vocab_size(self) -> int:
@@ -372,13 +369,20 @@ class HFTokenizer:
     def encode(self, text: str, *, bos: bool | None = None, eos: bool = False) -> list[int]:
         """Ids of ``text``: no specials, except BOS first when the tokenizer adds it by default
         (or ``bos=True``), and eos last only with ``eos=True``."""
-        ids = list(self.tok.encode(text, add_special_tokens=False))
+        ids = self._ids(text)
         want_bos = self.adds_bos if bos is None else bos
         if want_bos and self.bos_id is not None:
             ids = [self.bos_id] + ids
         if eos and self.eos_id is not None:
             ids = ids + [self.eos_id]
         return ids
+
+    def _ids(self, text: str) -> list[int]:
+        # the Rust backend directly: transformers' own encode costs ~100 µs of Python per call
+        backend = getattr(self.tok, "backend_tokenizer", None)
+        if backend is not None:
+            return backend.encode(text, add_special_tokens=False).ids
+        return list(self.tok.encode(text, add_special_tokens=False))
 
     def encode_prompt(self, prompt) -> list[int]:
         """A plain string goes through ``encode``; a list of ``{"role", "content"}`` messages through
