@@ -30,7 +30,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    """The policy network (the built-in tiny transformer)."""
+    """The policy network: the built-in tiny transformer, or a local Hugging Face model (path)."""
 
     n_layer: int = 2
     """Transformer blocks."""

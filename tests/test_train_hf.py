@@ -112,3 +112,25 @@ def test_readme_hf_example_runs_end_to_end(tmp_path, capsys):
     assert (out / "hf" / "model.safetensors").is_file() and (out / "hf" / "adapter").is_dir()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 1 and "eval/goal" in summary
+
+
+def test_chat_template_applies_when_the_task_gives_messages(tmp_path, capsys):
+    """A JSONL `messages` column reaches Example.meta; the tokenizer's chat template encodes it."""
+    model = make_model_dir(tmp_path / "chat-llama", chat=True)
+    rows = [{"prompt": f"say {c}", "answer": c, "messages": [{"role": "user", "content": f"say {c}"}]}
+            for c in "abcdefghij"]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    rc = cli.main(["train", "examples/sort.toml", "--out", str(out), f"--model.path={model}",
+                   "--task.path=rlvr.tasks.dataset:jsonl_task", f'--task.options={{train = "{data}", max_new_tokens = 3}}',
+                   "--task.reward=exact_match", "--train.steps=1", "--train.prompts_per_step=2",
+                   "--train.samples_per_prompt=2", "--eval.prompts=2", "--eval.pass_k=0"])
+    assert rc == 0, capsys.readouterr().err
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    templated = tok.apply_chat_template(rows[0]["messages"], add_generation_prompt=True, tokenize=True, return_dict=False)
+    plain = tok("say a", add_special_tokens=False)["input_ids"]
+    price = json.loads((out / "price.json").read_text())
+    assert price["prompt_tokens"] == len(templated) > len(plain) + 1
