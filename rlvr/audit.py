@@ -66,7 +66,7 @@ from typing import Any, Callable, Optional
 
 from rlvr import config as config_mod
 from rlvr.rewards import score_batch
-from rlvr.tasks import Example, Task, TaskError, load_task, weighted_rewards
+from rlvr.tasks import Example, Task, TaskError, load_task, resolve_weights, weighted_rewards
 
 PAD_CANDIDATES = 3
 """How many other frequent training answers ``pad_candidates`` appends after the gold."""
@@ -435,16 +435,6 @@ def format_audit(result: AuditResult) -> str:
     return "\n".join(out)
 
 
-def _weights(cfg: config_mod.Config, task: Task) -> dict[str, float]:
-    """{reward name: weight} as the trainer optimises them (rlvr.trainer.reward_weights, without torch)."""
-    weights = dict(cfg.task.reward_weights) or {cfg.task.reward: 1.0}
-    for name in weights:
-        if name not in task.rewards:
-            key = "task.reward_weights" if cfg.task.reward_weights else "task.reward"
-            raise TaskError(f"{key}: task {task.name!r} has no reward {name!r}; it has {', '.join(task.rewards)}")
-    return {k: float(v) for k, v in weights.items()}
-
-
 def command(args, overrides: list[str]) -> int:
     """`rlvr audit`: 0 clean, 1 flagged, 2 bad input (message on stderr)."""
 
@@ -459,7 +449,7 @@ def command(args, overrides: list[str]) -> int:
     try:
         cfg = config_mod.load(args.config, overrides)
         task = load_task(cfg.task.path, **cfg.task.options)
-        weights = _weights(cfg, task)
+        weights = resolve_weights(task, cfg.task.reward, cfg.task.reward_weights)
         result = run_audit(task, weights, prompts=args.prompts, threshold=args.threshold, seed=cfg.train.seed,
                            max_new_tokens=cfg.sampling.max_new_tokens or None)
     except (config_mod.ConfigError, TaskError, ValueError) as e:

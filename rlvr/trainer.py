@@ -43,7 +43,7 @@ from rlvr.evaluate import evaluate
 from rlvr.models.tiny import TinyConfig, TinyTransformer
 from rlvr.rewards import score_batch
 from rlvr.state import STATE_DIR, load_state, save_state
-from rlvr.tasks import Task, load_task, weighted_rewards
+from rlvr.tasks import Task, load_task, resolve_weights, weighted_rewards
 from rlvr.tokenizer import CharTokenizer, encode_example
 
 
@@ -68,12 +68,7 @@ class Setup:
 
 def reward_weights(cfg: config_mod.Config, task: Task) -> dict[str, float]:
     """{reward name: weight} the run optimises; names checked against the task."""
-    weights = dict(cfg.task.reward_weights) or {cfg.task.reward: 1.0}
-    for name in weights:
-        if name not in task.rewards:
-            key = "task.reward_weights" if cfg.task.reward_weights else "task.reward"
-            raise RunError(f"{key}: task {task.name!r} has no reward {name!r}; it has {', '.join(task.rewards)}")
-    return {k: float(v) for k, v in weights.items()}
+    return resolve_weights(task, cfg.task.reward, cfg.task.reward_weights)
 
 
 def build(cfg: config_mod.Config, log=print) -> Setup:

@@ -308,3 +308,16 @@ def weighted_rewards(task: Task, weights: dict[str, float]) -> dict[str, tuple[R
     if missing:
         raise TaskError(f"task {task.name!r} has no reward {missing[0]!r}; it has {', '.join(task.rewards)}")
     return {name: (task.rewards[name], float(w)) for name, w in weights.items()}
+
+
+def resolve_weights(task: Task, reward: str, reward_weights: dict) -> dict[str, float]:
+    """{reward name: weight} a run optimises: `reward_weights` when given, else {reward: 1}.
+
+    The config keys `task.reward` / `task.reward_weights` are named in the error for a reward the
+    task does not have."""
+    weights = dict(reward_weights) or {reward: 1.0}
+    for name in weights:
+        if name not in task.rewards:
+            key = "task.reward_weights" if reward_weights else "task.reward"
+            raise TaskError(f"{key}: task {task.name!r} has no reward {name!r}; it has {', '.join(task.rewards)}")
+    return {k: float(v) for k, v in weights.items()}
