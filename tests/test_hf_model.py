@@ -1,5 +1,7 @@
 """HFPolicy / HFTokenizer / LoRA / export on tiny locally built Llama and GPT-2 models (no hub access)."""
 
+import contextlib
+
 import pytest
 
 pytest.importorskip("transformers")
@@ -247,3 +249,208 @@ def test_shared_prompt_forward_equals_full_forward(llama, temperature, top_p):
     assert torch.allclose(full, shared, atol=1e-5)
     assert torch.allclose(shared, roll.logp, atol=1e-5)
     assert len(gf) == len(gs) > 0 and all(torch.allclose(a, b, atol=1e-5) for a, b in zip(gf, gs))
+
+
+# ---------------------------------------------------------------------- lean Llama forward vs transformers
+FAST_VARIANTS = {
+    "plain": ({}, None),
+    "gqa": ({"num_key_value_heads": 2}, None),
+    "tied": ({"tie_word_embeddings": True}, None),
+    "lora": ({"num_key_value_heads": 2}, LoraSpec(r=4, alpha=8, target_modules="all-linear")),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAST_VARIANTS))
+def fast_variant(request, tmp_path_factory):
+    llama_kw, lora = FAST_VARIANTS[request.param]
+    d = make_model_dir(tmp_path_factory.mktemp(f"fast_{request.param}"), seed=3, **llama_kw)
+    policy, tok = load_policy(d, lora=lora)
+    if lora is not None:                        # a non-zero adapter (B starts at 0)
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for n, p in policy.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.05)
+    assert policy.fast_unsupported is None and policy.uses_fast_path, policy.fast_unsupported
+    if llama_kw.get("tie_word_embeddings"):
+        hf = policy._hf_model()
+        assert hf.lm_head.weight is hf.model.embed_tokens.weight
+    return request.param, policy, tok
+
+
+@contextlib.contextmanager
+def transformers_path(policy):
+    """Force the transformers forward (the reference the lean forward must match)."""
+    was = policy.fast_path
+    policy.fast_path = False
+    try:
+        yield policy
+    finally:
+        policy.fast_path = was
+
+
+def _both(policy, fn):
+    """fn() on the lean path, then on the transformers path."""
+    fast = fn()
+    with transformers_path(policy):
+        slow = fn()
+    return fast, slow
+
+
+@pytest.fixture(params=["matmul_attention", "sdpa_attention"])
+def attention_kind(request, monkeypatch):
+    """The lean path's two attention kernels: explicit matmuls for small score matrices, SDPA above."""
+    import rlvr.models.hf as hf
+
+    if request.param == "sdpa_attention":
+        monkeypatch.setattr(hf, "_SMALL_ATTENTION", 0)
+    return request.param
+
+
+def test_fast_forward_left_padding_and_logits_to_keep(fast_variant, attention_kind):
+    _, policy, tok = fast_variant
+    ids, am = left_pad([tok.encode(s) for s in PROMPTS], tok.pad_id)
+    real = am.bool()
+    with torch.no_grad():
+        fast, slow = _both(policy, lambda: policy(ids, attention_mask=am))
+        assert torch.isfinite(fast).all()                                     # pad queries too
+        torch.testing.assert_close(fast[real], slow[real], atol=1e-5, rtol=0)
+        k3, _ = _both(policy, lambda: policy(ids, attention_mask=am, logits_to_keep=3))
+        torch.testing.assert_close(k3, fast[:, -3:], atol=1e-6, rtol=0)
+        nomask, slow_nomask = _both(policy, lambda: policy(ids[:1]))            # no mask: plain causal
+        torch.testing.assert_close(nomask, slow_nomask, atol=1e-5, rtol=0)
+        pos = (am.cumsum(1) - 1).clamp_min(0) + 2                              # explicit positions
+        fp, sp = _both(policy, lambda: policy(ids, attention_mask=am, positions=pos))
+        torch.testing.assert_close(fp[real], sp[real], atol=1e-5, rtol=0)
+
+
+def test_fast_cached_decoding_matches_transformers(fast_variant, attention_kind):
+    """Prefill, repeat_interleave, then token-by-token decode with a pad column in the middle (a
+    finished row): the lean cache gives the transformers logits of the whole sequence."""
+    _, policy, tok = fast_variant
+    prompts = [tok.encode(s) for s in PROMPTS]
+    pids, pam = left_pad(prompts, tok.pad_id)
+    G, T = 2, 4
+    g = torch.Generator().manual_seed(0)
+    steps = torch.randint(3, 40, (pids.size(0) * G, T), generator=g)
+    step_am = torch.ones_like(steps)
+    step_am[1, 1:] = 0                                                      # row 1 "finished" after 1 token
+    step_am[4, 2] = 0
+    ids = torch.cat([pids.repeat_interleave(G, 0), steps], 1)
+    am = torch.cat([pam.repeat_interleave(G, 0), step_am], 1)
+    real = am.bool()
+    with torch.no_grad():
+        cache = policy.new_cache(pids.size(0), ids.size(1))
+        assert type(cache).__name__ == "LeanCache"
+        parts = [policy(pids, attention_mask=pam, cache=cache, logits_to_keep=1).repeat_interleave(G, 0)]
+        cache.repeat_interleave(G)
+        for t in range(T - 1):
+            parts.append(policy(steps[:, t:t + 1], attention_mask=step_am[:, t:t + 1], cache=cache))
+        stepped = torch.cat(parts, 1)                                         # (B, T, V): logits at Lp-1 ...
+        assert torch.isfinite(stepped).all()
+        with transformers_path(policy):
+            full = policy(ids, attention_mask=am)
+            hf_cache = policy.new_cache(pids.size(0), ids.size(1))
+            assert type(hf_cache).__name__ == "HFCache"
+        Lp = pids.size(1)
+        want = full[:, Lp - 1:-1]
+        keep = real[:, Lp - 1:-1]
+        torch.testing.assert_close(stepped[keep], want[keep], atol=1e-5, rtol=0)
+        assert cache.length == ids.size(1) - 1
+        assert cache.next_pos.tolist() == am[:, :-1].sum(1).tolist()
+        # a multi-token chunk on a non-empty cache (causal inside the chunk + padded cache)
+        cache2 = policy.new_cache(ids.size(0), ids.size(1))
+        a = policy(ids[:, :Lp], attention_mask=am[:, :Lp], cache=cache2)
+        b = policy(ids[:, Lp:], attention_mask=am[:, Lp:], cache=cache2)
+        torch.testing.assert_close(torch.cat([a, b], 1)[real], full[real], atol=1e-5, rtol=0)
+        with pytest.raises(ValueError, match="cache full"):
+            policy(ids[:, :1], attention_mask=am[:, :1], cache=cache2)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_fast_generate_and_shared_prompt_grads_match_transformers(fast_variant, attention_kind, temperature,
+                                                                 top_p):
+    """generate's logp on the lean path equals the transformers recomputation; the shared-prompt
+    training forward (group_size=G) gives the transformers full forward's log-probs and gradients."""
+    _, policy, tok = fast_variant
+    prompts = [tok.encode("ab"), tok.encode("hello"), tok.encode("xyz q")]
+    G = 3
+    roll = sampling.generate(policy, prompts, samples_per_prompt=G, max_new_tokens=5, temperature=temperature,
+                             top_p=top_p, eos_id=tok.eos_id, pad_id=tok.pad_id,
+                             generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), transformers_path(policy):
+        lp_slow = sampling.sequence_token_logprobs(policy, roll)
+    torch.testing.assert_close(roll.logp, lp_slow, atol=1e-5, rtol=0)
+
+    params = [p for p in policy.parameters() if p.requires_grad]
+    weights = torch.linspace(-1, 1, roll.logp.numel()).view_as(roll.logp)
+    results = []
+    for fast, group in ((True, G), (True, None), (False, None)):
+        policy.fast_path = fast
+        policy.zero_grad()
+        try:
+            lp = sampling.sequence_token_logprobs(policy, roll, group_size=group)
+        finally:
+            policy.fast_path = True
+        (lp * weights).sum().backward()
+        results.append((lp.detach(), [p.grad.clone() for p in params]))
+    policy.zero_grad()
+    (lp_ref, g_ref) = results[-1]
+    for lp, grads in results[:-1]:
+        torch.testing.assert_close(lp, lp_ref, atol=1e-5, rtol=0)
+        assert all(torch.isfinite(g).all() for g in grads)
+        for a, b in zip(grads, g_ref):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_fast_lora_adapter_disabled_matches_transformers_base(tmp_path):
+    d = make_model_dir(tmp_path, seed=5, num_key_value_heads=2)
+    base, tok = load_policy(d, fast=False)
+    assert not base.uses_fast_path and base.fast_path is False
+    policy, _ = load_policy(d, lora=LoraSpec(r=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    with torch.no_grad():
+        for n, p in policy.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    assert policy.uses_fast_path
+    ids, am = left_pad([tok.encode(s) for s in PROMPTS], tok.pad_id)
+    real = am.bool()
+    with torch.no_grad():
+        live, live_slow = _both(policy, lambda: policy(ids, attention_mask=am))
+        torch.testing.assert_close(live[real], live_slow[real], atol=1e-5, rtol=0)
+        with policy.adapter_disabled():
+            ref = policy(ids, attention_mask=am)
+        want = base(ids, attention_mask=am)
+        assert not torch.allclose(live[real], want[real], atol=1e-3)
+        torch.testing.assert_close(ref[real], want[real], atol=1e-5, rtol=0)
+        torch.testing.assert_close(policy(ids, attention_mask=am), live)      # adapter back on
+
+
+def test_fast_path_falls_back_for_other_configs(tmp_path):
+    scaled, _ = load_policy(make_model_dir(tmp_path / "linear", rope_parameters={
+        "rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}))
+    assert scaled.fast_unsupported and "rope_type" in scaled.fast_unsupported
+    assert not scaled.uses_fast_path and type(scaled.new_cache(1, 4)).__name__ == "HFCache"
+    gpt2, tok = load_policy(make_model_dir(tmp_path / "gpt2", "gpt2"))
+    assert "not LlamaForCausalLM" in gpt2.fast_unsupported and not gpt2.uses_fast_path
+    ids, am = left_pad([tok.encode(s) for s in PROMPTS], tok.pad_id)
+    with torch.no_grad():                                                     # still works (transformers path)
+        assert torch.isfinite(scaled(ids, attention_mask=am)).all()
+    # a cache keeps the path it was made for, whatever fast_path says later
+    fast, _ = load_policy(make_model_dir(tmp_path / "llama"))
+    cache = fast.new_cache(ids.size(0), ids.size(1))
+    fast.fast_path = False
+    with torch.no_grad():
+        a = fast(ids, attention_mask=am, cache=cache)
+        b = fast(ids, attention_mask=am)
+    torch.testing.assert_close(a[am.bool()], b[am.bool()], atol=1e-5, rtol=0)
+
+
+def test_fast_bf16_close_to_transformers(tmp_path):
+    policy, tok = load_policy(make_model_dir(tmp_path, num_key_value_heads=2), dtype="bf16")
+    assert policy.uses_fast_path
+    ids, am = left_pad([tok.encode(s) for s in PROMPTS], tok.pad_id)
+    with torch.no_grad():
+        fast, slow = _both(policy, lambda: policy(ids, attention_mask=am))
+    assert fast.dtype == torch.float32 and torch.isfinite(fast).all()
+    torch.testing.assert_close(fast[am.bool()], slow[am.bool()], atol=2e-2, rtol=0)
