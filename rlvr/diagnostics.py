@@ -40,7 +40,8 @@ class Watch:
 
     - agreeing groups above `agree_max` (mean of the last `window` steps): the batch teaches little.
     - entropy fell by more than `entropy_drop` since the previous evaluation while the held-out
-      goal rose by less than `flat_goal`: collapse without progress.
+      goal rose by less than `flat_goal` and is below `saturated`: collapse without progress.
+      (Groups that agree because they are all solved get their own message: the prompts are too easy.)
     - training reward rose while the held-out goal fell by more than `goal_drop`: the proxy is
       being gamed.
     Each rule warns at most once every `cooldown` steps.
@@ -50,9 +51,11 @@ class Watch:
     entropy_drop: float = 0.5
     flat_goal: float = 0.01
     goal_drop: float = 0.02
+    saturated: float = 0.95
     window: int = 10
     cooldown: int = 100
     _agree: list = field(default_factory=list)
+    _solved: list = field(default_factory=list)
     _entropy: list = field(default_factory=list)
     _reward: list = field(default_factory=list)
     _last_eval: dict | None = None
@@ -67,12 +70,18 @@ class Watch:
 
     def after_step(self, step: int, row: dict) -> list[str]:
         self._agree.append(row["train/agreeing_groups_frac"])
+        hist = row.get("train/pass_rate_hist")
+        self._solved.append(hist[-1] / max(1, sum(hist)) if hist else 0.0)
         self._entropy.append(row["train/entropy"])
         self._reward.append(row["train/reward"])
         recent = self._agree[-self.window:]
         if len(recent) == self.window and sum(recent) / len(recent) > self.agree_max and self._due("agree", step):
-            return [f"{100 * sum(recent) / len(recent):.0f}% of groups agree over the last {self.window} steps and "
-                    f"teach nothing: use easier prompts, more samples per prompt (train.samples_per_prompt) or "
+            solved = sum(self._solved[-self.window:]) / self.window
+            head = f"{100 * sum(recent) / len(recent):.0f}% of groups agree over the last {self.window} steps and teach nothing"
+            if solved >= 0.5 * sum(recent) / len(recent):
+                return [f"{head}; most are fully solved: the training prompts are now too easy (use harder prompts, "
+                        f"or stop if eval/goal has reached its target)"]
+            return [f"{head}: use easier prompts, more samples per prompt (train.samples_per_prompt) or "
                     f"algorithm.dynamic_sampling = true"]
         return []
 
@@ -85,7 +94,7 @@ class Watch:
         if prev is None or now["entropy"] is None or prev["entropy"] is None:
             return msgs
         if (now["entropy"] < (1 - self.entropy_drop) * prev["entropy"] and now["goal"] - prev["goal"] < self.flat_goal
-                and self._due("entropy", step)):
+                and now["goal"] < self.saturated and self._due("entropy", step)):
             msgs.append(f"sampling entropy fell from {prev['entropy']:.3f} to {now['entropy']:.3f} while the held-out "
                         f"goal stayed at {now['goal']:.3f}: lower train.lr or add a KL term (algorithm.kl_coef)")
         if now["reward"] > prev["reward"] and now["goal"] < prev["goal"] - self.goal_drop and self._due("gamed", step):

@@ -66,3 +66,25 @@ def test_reward_up_goal_down_means_gamed():
         w.after_step(s, row(reward=0.8))
     msgs = w.after_eval(4, goal=0.3)
     assert len(msgs) == 1 and "rlvr audit" in msgs[0] and "gamed" in msgs[0]
+
+
+def test_agreeing_because_solved_says_so():
+    w = Watch(window=2)
+    solved = {**row(0.9), "train/pass_rate_hist": [0, 0, 0, 0, 1, 9]}
+    w.after_step(1, solved)
+    msgs = w.after_step(2, solved)
+    assert len(msgs) == 1 and "fully solved" in msgs[0] and "too easy" in msgs[0]
+    w2 = Watch(window=2)
+    failed = {**row(0.9), "train/pass_rate_hist": [9, 1, 0, 0, 0, 0]}
+    w2.after_step(1, failed)
+    assert "dynamic_sampling" in w2.after_step(2, failed)[0]
+
+
+def test_no_entropy_warning_once_the_goal_is_reached():
+    w = Watch(window=2)
+    for s in range(1, 3):
+        w.after_step(s, row(entropy=0.05))
+    w.after_eval(2, goal=0.994)
+    for s in range(3, 5):
+        w.after_step(s, row(entropy=0.02))
+    assert w.after_eval(4, goal=0.994) == []
