@@ -166,6 +166,8 @@ class EvalConfig:
     """Held-out prompts used for pass@k."""
     batch_size: int = 1000
     """Prompts decoded together during evaluation."""
+    keep_best: bool = True
+    """Keep the checkpoint with the highest held-out goal in RUN_DIR/best (`rlvr eval RUN_DIR/best`)."""
 
 
 @dataclass

@@ -321,6 +321,7 @@ def train(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, resume:
                    wall=wall_before + time.perf_counter() - t_start)
     watch = Watch()
     last_eval: dict = {}
+    best: dict = json.loads((out / "best" / "best.json").read_text()) if resume and (out / "best" / "best.json").is_file() else {}
 
     def write_metrics(row: dict) -> None:
         metrics_f.write(json.dumps(row) + "\n")
@@ -339,6 +340,9 @@ def train(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, resume:
         write_metrics(row)
         for msg in watch.after_eval(step, row["eval/goal"]):
             warn(step, msg)
+        if cfg.eval.keep_best and row["eval/goal"] > best.get("eval/goal", -1.0):
+            best.update({"step": step, "eval/goal": row["eval/goal"], "eval/reward": row["eval/reward"]})
+            save_best(out, model, tok, cfg, best)
         return row
 
     for step in range(start, tc.steps + 1):
@@ -499,6 +503,7 @@ def train(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, resume:
         "wall_seconds": wall,
         **{f"cost/{k}": v for k, v in cost.items()},
         "cost/wall_seconds": wall,
+        **({"best/step": best["step"], "best/eval_goal": best["eval/goal"]} if best else {}),
         "price": price.to_dict(),
         "sampled_tokens_vs_price": cost["sampled_tokens"] / price.sampled_tokens_per_run,
     }
@@ -546,6 +551,20 @@ def save_checkpoint(run_dir: Path, model, tok) -> None:
         from rlvr.models.hf import export_hf
 
         export_hf(model, tok, run_dir / "hf")
+
+
+def save_best(run_dir: Path, model, tok, cfg: config_mod.Config, best: dict) -> None:
+    """RUN_DIR/best: the checkpoint with the highest held-out goal so far, a run directory of its own
+    (config.toml, checkpoint/ or hf/, best.json) that `rlvr eval RUN_DIR/best` reloads. Written
+    beside and renamed into place, so an interrupted save keeps the previous best."""
+    tmp, final = run_dir / "best.tmp", run_dir / "best"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_checkpoint(tmp, model, tok)
+    (tmp / "config.toml").write_text(config_mod.to_toml(cfg))
+    (tmp / "best.json").write_text(json.dumps(best, indent=2))
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
 
 
 def load_run(run_dir: Path):

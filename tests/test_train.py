@@ -110,7 +110,7 @@ def same_seed_run(tmp_path_factory):
 def test_run_directory_holds_every_artifact(main_run):
     run, stdout = main_run
     assert sorted(p.name for p in run.iterdir()) == [
-        "checkpoint", "config.toml", "metrics.jsonl", "price.json", "rollouts.jsonl", "state", "summary.json"]
+        "best", "checkpoint", "config.toml", "metrics.jsonl", "price.json", "rollouts.jsonl", "state", "summary.json"]
     for name in ("model.safetensors", "config.json", "tokenizer.json"):
         assert (run / "checkpoint" / name).is_file(), name
     assert f"run directory: {run}" in stdout
@@ -551,3 +551,20 @@ def test_training_prompts_beyond_the_first_thousand_fit_the_model(tmp_path):
     assert rc == 0 or (rc == 2 and not out.exists()), stderr
     if rc == 0:
         assert len(train_rows(out)) == 5
+
+
+def test_best_checkpoint_is_kept_and_reloadable(tmp_path, capsys):
+    out = tmp_path / "run"
+    rc, _, stderr = train_run(out, *ONE_STEP, "--train.steps=4", "--eval.every=1", "--train.lr=0.02")
+    assert rc == 0, stderr
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval/goal" in r]
+    best = json.loads((out / "best" / "best.json").read_text())
+    top = max(e["eval/goal"] for e in evals)
+    first_top = next(e for e in evals if e["eval/goal"] == top)      # ties keep the earliest
+    assert best["eval/goal"] == top and best["step"] == first_top["step"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["best/step"] == best["step"] and summary["best/eval_goal"] == top
+    rc, stdout, stderr = cli("eval", out / "best")
+    assert rc == 0, stderr
+    assert json.loads(stdout)["eval/goal"] == top
