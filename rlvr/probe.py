@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from rlvr import advantages, config
+from rlvr.tokenizer import encode_example
 
 DEFAULT_SCHEMES = ("raw", "centered")
 """Always counted; `--scheme` adds to these."""
@@ -284,7 +285,7 @@ def run_probe(cfg: config.Config, *, prompts: int, samples: int, schemes: Sequen
     examples = _pick(task.train if split == "train" else task.heldout, prompts, split, seed)
     why = f" ({notes[0]})" if notes else ""
     try:
-        encoded = [tok.encode(ex.prompt) for ex in examples]
+        encoded = [encode_example(tok, ex) for ex in examples]
     except ValueError as e:
         raise ProbeError(f"the model's tokenizer cannot encode the {split} prompts: {e}{why}") from e
     block = getattr(getattr(model, "config", None), "block_size", None)
