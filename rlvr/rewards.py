@@ -57,6 +57,10 @@ class Reward:
     name: str
     fn: RewardFn
     card: RewardCard
+    batch_fn: Callable[[Sequence[str], Sequence[str], Sequence[Any]], Sequence[Any]] | None = None
+    """Optional: scores many (prompts, responses, answers) in one call (a reward model's batched
+    forward). `score_batch` uses it when set; if it raises or returns the wrong count, every
+    response is scored one by one with `fn`, so each failure gets its own status."""
 
     def __call__(self, prompt: str, response: str, answer: Any) -> float:
         return self.fn(prompt, response, answer)
@@ -86,6 +90,11 @@ def score(fn: RewardFn | Reward, prompt: str, response: str, answer: Any) -> Sco
         v = fn(prompt, response, answer)
     except Exception as e:  # a reward must never take the run down
         return Score(0.0, "error", f"{type(e).__name__}: {e}")
+    return check_value(v)
+
+
+def check_value(v: Any) -> Score:
+    """The status of one value a reward returned (see `score`)."""
     if type(v) is not float:  # fast path: the usual case is a plain float
         if v is None:
             return Score(0.0, "none", "returned None")
@@ -150,13 +159,15 @@ def score_batch(
     by_reward: dict[str, dict[str, int]] = {}
     errors: list[str] = []
     for name, (fn, weight) in rewards.items():
+        batched = _try_batch(fn, prompts, responses, answers)
         if isinstance(fn, Reward):
             fn = fn.fn
         weight = float(weight)
         values = [0.0] * n
         counts = dict.fromkeys(STATUSES, 0)
         for i in range(n):
-            v, status, detail = score(fn, prompts[i], responses[i], answers[i])
+            v, status, detail = (check_value(batched[i]) if batched is not None
+                                 else score(fn, prompts[i], responses[i], answers[i]))
             counts[status] += 1
             if status == "ok":
                 values[i] = v
@@ -169,3 +180,15 @@ def score_batch(
         by_reward[name] = counts
     status_counts = {s: sum(c[s] for c in by_reward.values()) for s in STATUSES}
     return BatchScores(total, per_reward, status_counts, by_reward, errors)
+
+
+def _try_batch(reward, prompts, responses, answers) -> list | None:
+    """The reward's `batch_fn` output, or None (no batch_fn, it raised, or the count is wrong)."""
+    batch_fn = getattr(reward, "batch_fn", None)
+    if batch_fn is None:
+        return None
+    try:
+        out = list(batch_fn(list(prompts), list(responses), list(answers)))
+    except Exception:
+        return None
+    return out if len(out) == len(responses) else None

@@ -77,3 +77,21 @@ def test_load_errors(tmp_path):
         RewardModelReward(tmp_path / "nope")
     with pytest.raises(TaskError, match="num_labels=2"):
         RewardModelReward(build_rm(tmp_path / "two", num_labels=2))
+
+
+def test_score_batch_uses_one_batched_call(rm, monkeypatch):
+    from rlvr.rewards import score_batch
+
+    reward = rm.reward()
+    single = [rm("q", r) for r in ("a", "bb", "ccc")]
+    calls = []
+    real = rm.score_batch
+
+    def spy(prompts, responses):
+        calls.append(len(responses))
+        return real(prompts, responses)
+
+    monkeypatch.setattr(rm, "score_batch", spy)
+    out = score_batch({reward.name: (reward, 1.0)}, ["q"] * 3, ["a", "bb", "ccc"], [None] * 3)
+    assert calls == [3]
+    assert out.per_reward[reward.name] == pytest.approx(single, abs=1e-5)

@@ -162,3 +162,39 @@ def test_misaligned_or_empty_inputs_raise():
 def test_empty_batch():
     b = score_batch({"m": (match, 1.0)}, [], [], [])
     assert b.total == [] and b.per_reward == {"m": []} and b.failed == 0
+
+
+def test_batch_fn_scores_all_responses_in_one_call_with_statuses():
+    from rlvr.rewards import Reward, RewardCard, score_batch
+
+    calls = []
+
+    def batch(prompts, responses, answers):
+        calls.append(len(responses))
+        return [1.0, None, float("nan"), 0.5]
+
+    card = RewardCard("x", "y", "z")
+    r = Reward("b", lambda p, s, a: 9.0, card, batch_fn=batch)
+    out = score_batch({"b": (r, 2.0)}, ["p"] * 4, ["r1", "r2", "r3", "r4"], ["a"] * 4)
+    assert calls == [4]
+    assert out.per_reward["b"] == [1.0, 0.0, 0.0, 0.5] and out.total == [2.0, 0.0, 0.0, 1.0]
+    assert out.status_counts["ok"] == 2 and out.status_counts["none"] == 1 and out.status_counts["nan"] == 1
+
+
+def test_failing_batch_fn_falls_back_to_one_by_one():
+    from rlvr.rewards import Reward, RewardCard, score_batch
+
+    def boom(prompts, responses, answers):
+        raise RuntimeError("batch down")
+
+    def item(p, s, a):
+        if s == "bad":
+            raise ValueError("this one")
+        return 1.0
+
+    card = RewardCard("x", "y", "z")
+    for batch_fn in (boom, lambda p, s, a: [1.0]):     # raises; wrong count
+        r = Reward("b", item, card, batch_fn=batch_fn)
+        out = score_batch({"b": (r, 1.0)}, ["p"] * 3, ["ok", "bad", "ok"], ["a"] * 3)
+        assert out.per_reward["b"] == [1.0, 0.0, 1.0]
+        assert out.status_counts["error"] == 1 and "this one" in out.errors[0]

@@ -109,7 +109,8 @@ class RewardModelReward:
 
     def reward(self) -> Reward:
         """This model as a :class:`~rlvr.rewards.Reward` named ``self.name``."""
-        return Reward(self.name, self, self.card)
+        return Reward(self.name, self, self.card,
+                      batch_fn=lambda prompts, responses, answers: self.score_batch(prompts, responses))
 
 
 def add_reward_model(task: Task, rm: RewardModelReward | str, **kwargs: Any) -> Task:
