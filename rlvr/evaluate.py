@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from rlvr import sampling
-from rlvr.rewards import score_batch
+from rlvr.rewards import goal_hits, score_batch
 from rlvr.tasks import Task, weighted_rewards
 from rlvr.tokenizer import encode_example
 
@@ -42,21 +42,22 @@ def evaluate(model, tok, task: Task, *, reward_weights: dict[str, float], max_ne
     gen = torch.Generator().manual_seed(seed + 12345)
     greedy = _responses(model, tok, examples, k=1, max_new_tokens=max_new_tokens, eos_id=eos_id,
                         temperature=0.0, top_p=1.0, batch_size=batch_size, generator=gen)
-    goal = [bool(task.goal(ex.prompt, r, ex.answer)) for ex, r in zip(examples, greedy)]
+    goal, goal_failures, _ = goal_hits(task.goal, texts, greedy, [ex.answer for ex in examples])
     scored = score_batch(weighted_rewards(task, reward_weights), texts, greedy, [ex.answer for ex in examples])
     res = {
         "goal": sum(goal) / len(goal),
         "reward": sum(scored.total) / len(scored.total),
         "prompts": len(examples),
         "reward_failures": sum(v for k, v in scored.status_counts.items() if k != "ok"),
+        "goal_failures": goal_failures,
     }
     if pass_k:
         sub = examples[:pass_k_prompts]
         sampled = _responses(model, tok, sub, k=pass_k, max_new_tokens=max_new_tokens,
                              eos_id=eos_id, temperature=temperature, top_p=top_p, batch_size=batch_size,
                              generator=gen)
-        hits = [bool(task.goal(ex.prompt, sampled[i * pass_k + j], ex.answer))
-                for i, ex in enumerate(sub) for j in range(pass_k)]
+        hits, _, _ = goal_hits(task.goal, [ex.prompt for ex in sub for _ in range(pass_k)], sampled,
+                               [ex.answer for ex in sub for _ in range(pass_k)])
         per_prompt = [any(hits[i * pass_k:(i + 1) * pass_k]) for i in range(len(sub))]
         res[f"pass@{pass_k}"] = sum(per_prompt) / len(per_prompt)
         res[f"mean@{pass_k}"] = sum(hits) / len(hits)

@@ -192,3 +192,19 @@ def _try_batch(reward, prompts, responses, answers) -> list | None:
     except Exception:
         return None
     return out if len(out) == len(responses) else None
+
+
+def goal_hits(goal: Callable[[str, str, Any], Any], prompts: Sequence[str], responses: Sequence[str],
+              answers: Sequence[Any]) -> tuple[list[bool], int, list[str]]:
+    """The task's goal on every response: (hits, failures, first messages). A goal check that raises
+    counts as a miss and as a failure (reported, never silent), like a reward's `error` status."""
+    hits, failures, errors = [], 0, []
+    for p, r, a in zip(prompts, responses, answers):
+        try:
+            hits.append(bool(goal(p, r, a)))
+        except Exception as e:  # the goal must not take the run down either
+            hits.append(False)
+            failures += 1
+            if len(errors) < MAX_ERRORS_KEPT:
+                errors.append(f"goal: {type(e).__name__}: {e}")
+    return hits, failures, errors

@@ -41,7 +41,7 @@ from rlvr import advantages, config as config_mod, costs, losses, sampling
 from rlvr.diagnostics import Watch, length_by_outcome, pass_rate_histogram
 from rlvr.evaluate import evaluate
 from rlvr.models.tiny import TinyConfig, TinyTransformer
-from rlvr.rewards import score_batch
+from rlvr.rewards import goal_hits, score_batch
 from rlvr.state import STATE_DIR, load_state, save_state
 from rlvr.tasks import Task, load_task, resolve_weights, weighted_rewards
 from rlvr.tokenizer import CharTokenizer, encode_example
@@ -192,9 +192,10 @@ def sample_groups(setup: Setup, model, examples: list, G: int, gen: torch.Genera
     prompts = [ex.prompt for ex in examples for _ in range(G)]
     answers = [ex.answer for ex in examples for _ in range(G)]
     scored = score_batch(weighted_rewards(task, setup.reward_weights), prompts, responses, answers)
-    hits = torch.tensor([bool(task.goal(p, r, a)) for p, r, a in zip(prompts, responses, answers)])
+    hits, goal_failures, goal_errors = goal_hits(task.goal, prompts, responses, answers)
     return Groups(examples, rollout, responses, torch.tensor(scored.total, dtype=torch.float32).view(-1, G),
-                  hits.view(-1, G), scored.per_reward, scored.failed, dict(scored.status_counts), list(scored.errors))
+                  torch.tensor(hits).view(-1, G), scored.per_reward, scored.failed + goal_failures,
+                  {**scored.status_counts, "goal_error": goal_failures}, list(scored.errors) + goal_errors)
 
 
 def merge(parts: list[Groups], pad_id: int) -> Groups:
@@ -460,7 +461,8 @@ def train(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, resume:
         if row["train/reward_failures"]:
             errors = [e for p in parts for e in p.errors]
             statuses = {k: sum(p.status_counts.get(k, 0) for p in parts) for k in parts[0].status_counts}
-            warn(step, f"{row['train/reward_failures']} reward calls failed (scored 0, see train/reward_failures): "
+            what = "reward or goal" if statuses.get("goal_error") else "reward"
+            warn(step, f"{row['train/reward_failures']} {what} calls failed (scored 0, see train/reward_failures): "
                  f"{ {k: v for k, v in statuses.items() if v} }"
                  + (f"; first error: {errors[0]}" if errors else ""))
         for msg in watch.after_step(step, row):

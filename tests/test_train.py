@@ -568,3 +568,34 @@ def test_best_checkpoint_is_kept_and_reloadable(tmp_path, capsys):
     rc, stdout, stderr = cli("eval", out / "best")
     assert rc == 0, stderr
     assert json.loads(stdout)["eval/goal"] == top
+
+
+GOAL_RAISES_TASK = """
+from rlvr.tasks.sort import sort_task
+
+
+def make(**kwargs):
+    task = sort_task(**kwargs)
+    inner = task.goal
+
+    def goal(prompt, response, answer):
+        if int(prompt[0]) % 2 == 0:
+            raise KeyError("goal exploded")
+        return inner(prompt, response, answer)
+
+    task.goal = goal
+    return task
+"""
+
+
+def test_a_goal_that_raises_is_counted_not_fatal(tmp_path):
+    path = tmp_path / "goal_raises.py"
+    path.write_text(GOAL_RAISES_TASK)
+    out = tmp_path / "run"
+    rc, stdout, stderr = train_run(out, *ONE_STEP, "--train.steps=2", f"--task.path={path}:make")
+    assert rc == 0, stderr
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("train/reward_failures", 0) > 0 for r in rows)
+    assert "reward or goal calls failed" in stdout and "goal exploded" in stdout
+    evals = [r for r in rows if "eval/goal_failures" in r]
+    assert evals and evals[-1]["eval/goal_failures"] > 0
