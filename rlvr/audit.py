@@ -65,7 +65,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
 from rlvr import config as config_mod
-from rlvr.rewards import score_batch
+from rlvr.rewards import goal_hits, score_batch
 from rlvr.tasks import Example, Task, TaskError, load_task, resolve_weights, weighted_rewards
 
 PAD_CANDIDATES = 3
@@ -255,13 +255,7 @@ def _context(task: Task, max_new_tokens: int) -> Context:
 
 def _goal_hits(task: Task, prompts: list[str], responses: list[str], answers: list[Any]) -> tuple[list[bool], int]:
     """goal() per response; a goal that raises counts as not met (and is counted)."""
-    hits, errors = [], 0
-    for p, r, a in zip(prompts, responses, answers):
-        try:
-            hits.append(bool(task.goal(p, r, a)))
-        except Exception:
-            hits.append(False)
-            errors += 1
+    hits, errors, _ = goal_hits(task.goal, prompts, responses, answers)
     return hits, errors
 
 

@@ -258,7 +258,7 @@ def run_probe(cfg: config.Config, *, prompts: int, samples: int, schemes: Sequen
     """Sample K responses for N prompts of `split` and count usable Δ. Raises ProbeError,
     config.ConfigError, trainer.RunError or TaskError on bad input, all before sampling."""
     from rlvr import sampling, trainer
-    from rlvr.rewards import score_batch
+    from rlvr.rewards import goal_hits, score_batch
     from rlvr.tasks import load_task, weighted_rewards
 
     check_sizes(prompts, samples)
@@ -312,8 +312,10 @@ def run_probe(cfg: config.Config, *, prompts: int, samples: int, schemes: Sequen
     flat_answers = [ex.answer for ex in examples for _ in range(K)]
     scored = score_batch(weighted_rewards(task, weights), flat_prompts, responses, flat_answers)
     rewards = torch.tensor(scored.total, dtype=torch.float32).view(len(examples), K)  # the trainer's dtype
-    goals = torch.tensor([bool(task.goal(p, r, a)) for p, r, a in zip(flat_prompts, responses, flat_answers)]).view(
-        len(examples), K)
+    hits, goal_failures, _ = goal_hits(task.goal, flat_prompts, responses, flat_answers)
+    goals = torch.tensor(hits).view(len(examples), K)
+    if goal_failures:
+        notes.append(f"{goal_failures} goal checks raised and count as not met")
     groups = probe_counts(rewards, schemes, goals)
     failures = {s: c for s, c in scored.status_counts.items() if s != "ok" and c}
     if failures:
