@@ -148,6 +148,9 @@ class TrainConfig:
     """One seed for everything: initialisation, prompt order, sampling."""
     threads: int = 0
     """torch intra-op threads; 0 = torch's default."""
+    device: str = "cpu"
+    """Where the policy runs: cpu, cuda, cuda:N, mps, or auto (cuda when available). The seed gives
+    the same run twice on the CPU; GPU kernels may not be bitwise deterministic."""
     save_every: int = 0
     """Save resumable state (RUN_DIR/state) every N steps; 0 = at each evaluation and at the end."""
 

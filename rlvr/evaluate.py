@@ -39,7 +39,8 @@ def evaluate(model, tok, task: Task, *, reward_weights: dict[str, float], max_ne
     model.eval()
     examples = list(task.heldout[:prompts] if prompts else task.heldout)
     texts = [ex.prompt for ex in examples]
-    gen = torch.Generator().manual_seed(seed + 12345)
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed + 12345)
     greedy = _responses(model, tok, examples, k=1, max_new_tokens=max_new_tokens, eos_id=eos_id,
                         temperature=0.0, top_p=1.0, batch_size=batch_size, generator=gen)
     goal, goal_failures, _ = goal_hits(task.goal, texts, greedy, [ex.answer for ex in examples])

@@ -296,7 +296,7 @@ def run_probe(cfg: config.Config, *, prompts: int, samples: int, schemes: Sequen
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     model.eval()
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     K = samples
     per_call = max(1, cfg.eval.batch_size // K)
     responses: list[str] = []

@@ -64,6 +64,8 @@ class Setup:
     eos_id: int | None
     prompt_tokens: int
     """Tokens of the longest prompt, train and held-out (computed once: pricing and context checks)."""
+    device: torch.device
+    """Where the policy (and the reference) run."""
 
 
 def reward_weights(cfg: config_mod.Config, task: Task) -> dict[str, float]:
@@ -71,8 +73,24 @@ def reward_weights(cfg: config_mod.Config, task: Task) -> dict[str, float]:
     return resolve_weights(task, cfg.task.reward, cfg.task.reward_weights)
 
 
+def resolve_device(name: str) -> torch.device:
+    """`train.device`: cpu, cuda, cuda:N, mps, or auto (cuda when available, else cpu)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise RunError(f"train.device = {name!r}: {e}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RunError(f"train.device = {name!r}, but this torch sees no CUDA device (use cpu or auto)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise RunError(f"train.device = {name!r}, but MPS is not available here")
+    return device
+
+
 def build(cfg: config_mod.Config, log=print) -> Setup:
     """Load the task, build tokenizer and model; every error here comes before any compute."""
+    device = resolve_device(cfg.train.device)
     task = load_task(cfg.task.path, **cfg.task.options)
     weights = reward_weights(cfg, task)
     max_new = cfg.sampling.max_new_tokens or task.max_new_tokens
@@ -83,7 +101,7 @@ def build(cfg: config_mod.Config, log=print) -> Setup:
         lora = LoraSpec(r=mc.lora_r, alpha=mc.lora_alpha, dropout=mc.lora_dropout,
                         target_modules=list(mc.lora_target_modules) or None) if mc.lora_r else None
         try:
-            model, tokenizer = load_policy(mc.path, dtype=mc.dtype, lora=lora)
+            model, tokenizer = load_policy(mc.path, dtype=mc.dtype, lora=lora, device=device)
         except ValueError as e:
             raise RunError(f"model.path = {mc.path!r}: {e}") from None
         if model.load_note:
@@ -111,7 +129,7 @@ def build(cfg: config_mod.Config, log=print) -> Setup:
         raise RunError(f"task prompt {longest.prompt[:60]!r} has {n} tokens; with max_new_tokens = {max_new} that "
                        f"exceeds the model's context of {block} tokens ({cfg.model.path or cfg.model.init})")
     eos_id = tokenizer.eos_id if not task.fixed_length else None
-    return Setup(cfg, task, tokenizer, model, weights, max_new, eos_id, n)
+    return Setup(cfg, task, tokenizer, model.to(device), weights, max_new, eos_id, n, device)
 
 
 def price_of(setup: Setup) -> costs.Price:
@@ -291,7 +309,7 @@ def train(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, resume:
     tc, ac, sc = cfg.train, cfg.algorithm, cfg.sampling
     P, G = tc.prompts_per_step, tc.samples_per_prompt
     rng = random.Random(tc.seed)
-    gen = torch.Generator().manual_seed(tc.seed)
+    gen = torch.Generator(device=setup.device).manual_seed(tc.seed)       # sampling draws on the model's device
     torch.manual_seed(tc.seed)
 
     def draw() -> list:
@@ -367,7 +385,7 @@ def train(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, resume:
 
         # 3. Δ from the reward matrix
         delta = advantages.compute(rewards, ac.scheme, top_k=ac.top_k or None)  # (P', G)
-        delta_rows = delta.reshape(-1)                                           # (B,)
+        delta_rows = delta.reshape(-1).to(rollout.mask.device)                   # (B,)
 
         # 4./5. logp_old stored and detached; logp_ref under the frozen reference
         logp_old = rollout.logp.detach()                                         # (B, T)
@@ -392,9 +410,10 @@ def train(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, resume:
         n_groups = B // G
         for epoch in range(tc.epochs_per_batch):
             # minibatches are made of whole groups (rows of one prompt stay together)
-            order = torch.randperm(n_groups, generator=gen) if tc.minibatches > 1 else torch.arange(n_groups)
+            order = (torch.randperm(n_groups, generator=gen, device=gen.device) if tc.minibatches > 1
+                     else torch.arange(n_groups, device=gen.device))
             for groups_mb in order.chunk(tc.minibatches):
-                idx = (groups_mb[:, None] * G + torch.arange(G)).reshape(-1)                 # (rows,)
+                idx = (groups_mb[:, None] * G + torch.arange(G, device=gen.device)).reshape(-1)  # (rows,)
                 sub = rollout.select(idx)
                 logp = sampling.sequence_token_logprobs(model, sub, temperature=sc.temperature, top_p=sc.top_p,
                                                         chunk_rows=cfg.model.logprob_chunk_rows or None,
@@ -430,7 +449,7 @@ def train(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, resume:
         if ref is not None and ac.ref_refresh_every and step % ac.ref_refresh_every == 0:
             ref.load_state_dict(model.state_dict())
 
-        lengths = rollout.response_lengths
+        lengths = rollout.response_lengths.cpu()
         row = {
             "step": step,
             "train/reward": float(rewards.mean()),
@@ -443,7 +462,7 @@ def train(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, resume:
             "train/pass_rate_hist": pass_rate_histogram(groups.hits),
             "train/response_len": float(lengths.float().mean()),
             **{f"train/response_len_{k}": v for k, v in
-               length_by_outcome(lengths, groups.hits.view(-1), rollout.truncated).items()},
+               length_by_outcome(lengths, groups.hits.view(-1), rollout.truncated.cpu()).items()},
             # -logp of the sampled tokens is an unbiased estimate of the per-token sampling entropy
             "train/entropy": float(-(logp_old * mask).sum() / mask.sum().clamp(min=1)),
             "train/truncated_frac": float(rollout.truncated.float().mean()),

@@ -325,3 +325,17 @@ def test_price_refuses_a_task_without_a_response_bound(tmp_path, capsys):
     rc = main(["price", "examples/sort.toml", f"--task.path={task}:make", "--task.options={}"])
     assert rc == 2
     assert "max_new_tokens must be a positive int, got None" in capsys.readouterr().err
+
+
+def test_device_choice_is_checked_before_any_compute(tmp_path, capsys):
+    import torch
+
+    out = tmp_path / "run"
+    if not torch.cuda.is_available():
+        rc = main(["train", "examples/sort.toml", "--out", str(out), *TINY, "--train.device=cuda"])
+        assert rc == 2 and "train.device = 'cuda'" in capsys.readouterr().err and not out.exists()
+    rc = main(["train", "examples/sort.toml", "--out", str(out), *TINY, "--train.device=bogus"])
+    assert rc == 2 and "train.device = 'bogus'" in capsys.readouterr().err
+    rc = main(["train", "examples/sort.toml", "--out", str(out), *TINY, "--train.device=auto", "--train.steps=1",
+               "--eval.prompts=5", "--eval.pass_k=0"])
+    assert rc == 0
