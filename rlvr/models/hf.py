@@ -107,26 +107,30 @@ class HFCache:
     """
 
     def __init__(self, dynamic_cache, batch_size: int, max_len: int, device):
+        _init_rows(self, batch_size, max_len, device)
         self.dc = dynamic_cache
-        self.max_len = max_len
-        self.mask = torch.zeros(batch_size, 0, dtype=torch.long, device=device)
-        self.next_pos = torch.zeros(batch_size, dtype=torch.long, device=device)
 
-    @property
-    def length(self) -> int:
-        return self.mask.size(1)
-
-    @property
-    def batch_size(self) -> int:
-        return self.mask.size(0)
+    length = property(lambda self: self.mask.size(1))
+    batch_size = property(lambda self: self.mask.size(0))
 
     def repeat_interleave(self, repeats: int) -> "HFCache":
         """Row b becomes rows b*repeats ... b*repeats+repeats-1. IN PLACE (DynamicCache repeats in
         place); returns ``self`` so it can be used like ``KVCache.repeat_interleave``."""
         self.dc.batch_repeat_interleave(repeats)
-        self.mask = self.mask.repeat_interleave(repeats, dim=0)
-        self.next_pos = self.next_pos.repeat_interleave(repeats, dim=0)
+        _repeat_rows(self, repeats)
         return self
+
+
+def _init_rows(cache, batch_size: int, max_len: int, device) -> None:
+    """The bookkeeping both caches share: column budget, running attention mask (B, S), next positions (B,)."""
+    cache.max_len = max_len
+    cache.mask = torch.zeros(batch_size, 0, dtype=torch.long, device=device)
+    cache.next_pos = torch.zeros(batch_size, dtype=torch.long, device=device)
+
+
+def _repeat_rows(cache, repeats: int) -> None:
+    cache.mask = cache.mask.repeat_interleave(repeats, dim=0)
+    cache.next_pos = cache.next_pos.repeat_interleave(repeats, dim=0)
 
 
 _SMALL_ATTENTION = 16384
@@ -140,27 +144,19 @@ class LeanCache:
     running attention mask and each row's next position (the same fields as ``HFCache``)."""
 
     def __init__(self, n_layers: int, batch_size: int, max_len: int, device):
+        _init_rows(self, batch_size, max_len, device)
         self.k: list[torch.Tensor | None] = [None] * n_layers
         self.v: list[torch.Tensor | None] = [None] * n_layers
-        self.max_len = max_len
-        self.mask = torch.zeros(batch_size, 0, dtype=torch.long, device=device)
-        self.next_pos = torch.zeros(batch_size, dtype=torch.long, device=device)
 
-    @property
-    def length(self) -> int:
-        return self.mask.size(1)
-
-    @property
-    def batch_size(self) -> int:
-        return self.mask.size(0)
+    length = property(lambda self: self.mask.size(1))
+    batch_size = property(lambda self: self.mask.size(0))
 
     def repeat_interleave(self, repeats: int) -> "LeanCache":
         """Row b becomes rows b*repeats ... b*repeats+repeats-1 (out of place per tensor, so the
         autograd graph is kept); returns ``self`` like ``HFCache.repeat_interleave``."""
         self.k = [None if t is None else t.repeat_interleave(repeats, dim=0) for t in self.k]
         self.v = [None if t is None else t.repeat_interleave(repeats, dim=0) for t in self.v]
-        self.mask = self.mask.repeat_interleave(repeats, dim=0)
-        self.next_pos = self.next_pos.repeat_interleave(repeats, dim=0)
+        _repeat_rows(self, repeats)
         return self
 
 
