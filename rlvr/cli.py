@@ -98,24 +98,25 @@ def cmd_lab(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
-def cmd_probe(args: argparse.Namespace, extra: list[str]) -> int:
-    from rlvr import probe
-
+def _with_overrides(command, args: argparse.Namespace, extra: list[str]) -> int:
+    """Run `command(args, overrides)` (probe, audit) after checking the --section.key=value overrides."""
     try:
         overrides = _split_overrides(extra)
     except config.ConfigError as e:
         return _fail(str(e))
-    return probe.command(args, overrides)
+    return command(args, overrides)
+
+
+def cmd_probe(args: argparse.Namespace, extra: list[str]) -> int:
+    from rlvr import probe
+
+    return _with_overrides(probe.command, args, extra)
 
 
 def cmd_audit(args: argparse.Namespace, extra: list[str]) -> int:
     from rlvr import audit
 
-    try:
-        overrides = _split_overrides(extra)
-    except config.ConfigError as e:
-        return _fail(str(e))
-    return audit.command(args, overrides)
+    return _with_overrides(audit.command, args, extra)
 
 
 def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:

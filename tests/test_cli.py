@@ -339,3 +339,9 @@ def test_device_choice_is_checked_before_any_compute(tmp_path, capsys):
     rc = main(["train", "examples/sort.toml", "--out", str(out), *TINY, "--train.device=auto", "--train.steps=1",
                "--eval.prompts=5", "--eval.pass_k=0"])
     assert rc == 0
+
+
+@pytest.mark.parametrize("command", ["probe", "audit", "price", "train"])
+def test_stray_argument_is_a_clear_error(command, capsys):
+    assert main([command, "examples/sort.toml", "--bogus"]) == 2
+    assert "unrecognised argument '--bogus'" in capsys.readouterr().err
