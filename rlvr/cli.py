@@ -32,15 +32,16 @@ def _fail(msg: str) -> int:
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     from rlvr import trainer
+    from rlvr.run import RunError
     from rlvr.tasks import TaskError
 
     try:
         cfg = config.load(args.config, _split_overrides(extra))
         out = Path(args.out) if args.out else Path("runs") / f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
         if args.resume and not args.out:
-            raise trainer.RunError("--resume needs --out RUN_DIR (the run to continue)")
+            raise RunError("--resume needs --out RUN_DIR (the run to continue)")
         summary = trainer.train(cfg, out, overwrite=args.overwrite, resume=args.resume)
-    except (config.ConfigError, trainer.RunError, TaskError) as e:
+    except (config.ConfigError, RunError, TaskError) as e:
         return _fail(str(e))
     print(f"run directory: {out}")
     print(json.dumps({k: v for k, v in summary.items() if k != "price"}, indent=2))
@@ -48,19 +49,18 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
-    from rlvr import trainer
+    from rlvr import run
     from rlvr.evaluate import evaluate
     from rlvr.tasks import TaskError, load_task
 
     try:
-        cfg, model, tok = trainer.load_run(Path(args.run_dir))
+        cfg, model, tok = run.load_run(Path(args.run_dir))
         task = load_task(cfg.task.path, **cfg.task.options)
-        weights = trainer.reward_weights(cfg, task)
-    except (config.ConfigError, trainer.RunError, TaskError) as e:
+        weights = run.reward_weights(cfg, task)
+        limits = run.limits(cfg, task, tok, model)
+    except (config.ConfigError, run.RunError, TaskError) as e:
         return _fail(str(e))
-    eos_id = tok.eos_id if not task.fixed_length else None
-    res = evaluate(model, tok, task, reward_weights=weights,
-                   max_new_tokens=cfg.sampling.max_new_tokens or task.max_new_tokens, eos_id=eos_id,
+    res = evaluate(model, tok, task, reward_weights=weights, limits=limits,
                    prompts=args.prompts if args.prompts is not None else cfg.eval.prompts,
                    batch_size=cfg.eval.batch_size, pass_k=cfg.eval.pass_k, pass_k_prompts=cfg.eval.pass_k_prompts,
                    temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, seed=cfg.train.seed)
@@ -69,13 +69,13 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_price(args: argparse.Namespace, extra: list[str]) -> int:
-    from rlvr import trainer
+    from rlvr import run
     from rlvr.tasks import TaskError
 
     try:
         cfg = config.load(args.config, _split_overrides(extra))
-        price = trainer.price_of(trainer.build(cfg))
-    except (config.ConfigError, trainer.RunError, TaskError, ValueError) as e:
+        price = run.price_of(run.build(cfg))
+    except (config.ConfigError, run.RunError, TaskError, ValueError) as e:
         return _fail(str(e))
     if args.json:
         print(json.dumps(price.to_dict(), indent=2))

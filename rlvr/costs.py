@@ -94,6 +94,22 @@ class Price:
         return asdict(self)
 
 
+def sampling_forward_tokens(prompts: int, prompt_len: int, response_slots: int) -> int:
+    """Token positions one sampling pass computes: each prompt once (prefill; its KV cache is then
+    shared by the group), then every response slot (decode, one position per step)."""
+    return prompts * prompt_len + response_slots
+
+
+def logp_forward_tokens(rows: int, group_size: int, prompt_len: int, response_len: int, *,
+                        shared_prompt: bool) -> int:
+    """Token positions one log-prob forward (reference or training) computes over `rows` rows:
+    every row's prompt and response, or, with the prompt shared by its group of `group_size`, each
+    prompt once."""
+    if shared_prompt:
+        return rows // group_size * prompt_len + rows * response_len
+    return rows * (prompt_len + response_len)
+
+
 def price(
     *,
     prompts_per_step: int,
@@ -134,8 +150,8 @@ def price(
     rows = P * G
     per_batch = rows * T
     grad_steps = epochs_per_batch * minibatches
-    sampling_fwd = P * Lp + rows * T
-    per_forward = P * Lp + rows * T if shared_prompt else rows * (Lp + T)
+    sampling_fwd = sampling_forward_tokens(P, Lp, rows * T)
+    per_forward = logp_forward_tokens(rows, G, Lp, T, shared_prompt=shared_prompt)
     ref_fwd = per_forward if has_reference else 0
     trained = epochs_per_batch * per_forward
     policy = n_params * bytes_per_param

@@ -1,4 +1,5 @@
-"""Held-out evaluation of the real goal (seed 000: read the reward on held-out prompts).
+"""Held-out evaluation of the real goal: the training loss says little in RL, so read the goal on
+prompts the policy never trained on.
 
 - `goal`: fraction of held-out prompts whose greedy response meets the task's goal check.
 - `reward`: mean optimised reward of those greedy responses (the proxy, for comparison).
@@ -11,56 +12,39 @@ from __future__ import annotations
 
 import torch
 
-from rlvr import sampling
-from rlvr.rewards import goal_hits, score_batch
-from rlvr.tasks import Task, weighted_rewards
-from rlvr.tokenizer import encode_example
+from rlvr.policy import Policy, Tokenizer
+from rlvr.rollout import sample_and_score
+from rlvr.run import Limits
+from rlvr.tasks import Task
 
 
-@torch.no_grad()
-def _responses(model, tok, prompts: list, *, k: int, max_new_tokens: int, eos_id, temperature: float,
-               top_p: float, batch_size: int, generator) -> list[str]:
-    out: list[str] = []
-    per_batch = max(1, batch_size // k)
-    for i in range(0, len(prompts), per_batch):
-        chunk = prompts[i:i + per_batch]
-        roll = sampling.generate(model, [encode_example(tok, ex) for ex in chunk], samples_per_prompt=k,
-                                 max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                 eos_id=eos_id, pad_id=tok.pad_id, generator=generator)
-        out.extend(tok.decode(r) for r in roll.response_ids.tolist())
-    return out
-
-
-def evaluate(model, tok, task: Task, *, reward_weights: dict[str, float], max_new_tokens: int, eos_id,
+def evaluate(model: Policy, tok: Tokenizer, task: Task, *, reward_weights: dict[str, float], limits: Limits,
              prompts: int = 0, batch_size: int = 1000, pass_k: int = 0, pass_k_prompts: int = 200,
              temperature: float = 1.0, top_p: float = 1.0, seed: int = 0) -> dict:
     """Goal and reward of greedy responses on held-out prompts, plus pass@k when asked."""
     was_training = model.training
     model.eval()
     examples = list(task.heldout[:prompts] if prompts else task.heldout)
-    texts = [ex.prompt for ex in examples]
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed + 12345)
-    greedy = _responses(model, tok, examples, k=1, max_new_tokens=max_new_tokens, eos_id=eos_id,
-                        temperature=0.0, top_p=1.0, batch_size=batch_size, generator=gen)
-    goal, goal_failures, _ = goal_hits(task.goal, texts, greedy, [ex.answer for ex in examples])
-    scored = score_batch(weighted_rewards(task, reward_weights), texts, greedy, [ex.answer for ex in examples])
+    greedy = sample_and_score(model, tok, task, examples, G=1, limits=limits, weights=reward_weights,
+                              temperature=0.0, top_p=1.0, generator=gen, chunk_prompts=max(1, batch_size))
     res = {
-        "goal": sum(goal) / len(goal),
-        "reward": sum(scored.total) / len(scored.total),
+        "goal": _mean(greedy.hits.view(-1).tolist()),
+        "reward": _mean(greedy.totals),
         "prompts": len(examples),
-        "reward_failures": sum(v for k, v in scored.status_counts.items() if k != "ok"),
-        "goal_failures": goal_failures,
+        "reward_failures": greedy.reward_failures,
+        "goal_failures": greedy.goal_failures,
     }
     if pass_k:
-        sub = examples[:pass_k_prompts]
-        sampled = _responses(model, tok, sub, k=pass_k, max_new_tokens=max_new_tokens,
-                             eos_id=eos_id, temperature=temperature, top_p=top_p, batch_size=batch_size,
-                             generator=gen)
-        hits, _, _ = goal_hits(task.goal, [ex.prompt for ex in sub for _ in range(pass_k)], sampled,
-                               [ex.answer for ex in sub for _ in range(pass_k)])
-        per_prompt = [any(hits[i * pass_k:(i + 1) * pass_k]) for i in range(len(sub))]
-        res[f"pass@{pass_k}"] = sum(per_prompt) / len(per_prompt)
-        res[f"mean@{pass_k}"] = sum(hits) / len(hits)
+        sampled = sample_and_score(model, tok, task, examples[:pass_k_prompts], G=pass_k, limits=limits,
+                                   weights=reward_weights, temperature=temperature, top_p=top_p, generator=gen,
+                                   chunk_prompts=max(1, batch_size // pass_k))
+        res[f"pass@{pass_k}"] = _mean(sampled.hits.any(dim=1).tolist())
+        res[f"mean@{pass_k}"] = _mean(sampled.hits.view(-1).tolist())
     model.train(was_training)
     return res
+
+
+def _mean(xs: list) -> float:
+    return sum(xs) / len(xs)

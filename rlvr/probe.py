@@ -40,7 +40,6 @@ import torch
 from torch import Tensor
 
 from rlvr import advantages, config
-from rlvr.tokenizer import encode_example
 
 DEFAULT_SCHEMES = ("raw", "centered")
 """Always counted; `--scheme` adds to these."""
@@ -256,10 +255,10 @@ def _pick(examples: Sequence, n: int, split: str, seed: int) -> list:
 def run_probe(cfg: config.Config, *, prompts: int, samples: int, schemes: Sequence[str] = (),
               split: str = "train", checkpoint: str | Path | None = None) -> ProbeResult:
     """Sample K responses for N prompts of `split` and count usable Δ. Raises ProbeError,
-    config.ConfigError, trainer.RunError or TaskError on bad input, all before sampling."""
-    from rlvr import sampling, trainer
-    from rlvr.rewards import goal_hits, score_batch
-    from rlvr.tasks import load_task, weighted_rewards
+    config.ConfigError, rlvr.run.RunError or TaskError on bad input, all before sampling."""
+    from rlvr import run
+    from rlvr.rollout import sample_and_score
+    from rlvr.tasks import load_task
 
     check_sizes(prompts, samples)
     schemes = check_schemes(schemes)
@@ -267,57 +266,40 @@ def run_probe(cfg: config.Config, *, prompts: int, samples: int, schemes: Sequen
         raise ProbeError(f"--split must be train or heldout, got {split!r}")
     notes: list[str] = []
     if checkpoint is not None:
-        run_cfg, model, tok = trainer.load_run(Path(checkpoint))
+        run_cfg, model, tok = run.load_run(Path(checkpoint))
         task = load_task(cfg.task.path, **cfg.task.options)
-        weights = trainer.reward_weights(cfg, task)
+        weights = run.reward_weights(cfg, task)
         if run_cfg.task != cfg.task:
             notes.append(f"the run was trained with task {run_cfg.task.path} options {run_cfg.task.options} "
                          f"reward {run_cfg.task.reward_weights or run_cfg.task.reward}; probing with the config's "
                          f"{cfg.task.path} options {cfg.task.options} reward {cfg.task.reward_weights or cfg.task.reward}")
         source = f"checkpoint {checkpoint}"
     else:
-        setup = trainer.build(cfg)
+        setup = run.build(cfg)
         task, model, tok, weights = setup.task, setup.model, setup.tokenizer, setup.reward_weights
         source = "initial model" + (f" ({cfg.model.init})" if cfg.model.init else f" (random init, seed {cfg.train.seed})")
-    max_new = cfg.sampling.max_new_tokens or task.max_new_tokens
-    eos_id = tok.eos_id if not task.fixed_length else None
     seed = cfg.train.seed
     examples = _pick(task.train if split == "train" else task.heldout, prompts, split, seed)
     why = f" ({notes[0]})" if notes else ""
     try:
-        encoded = [encode_example(tok, ex) for ex in examples]
-    except ValueError as e:
-        raise ProbeError(f"the model's tokenizer cannot encode the {split} prompts: {e}{why}") from e
-    block = getattr(getattr(model, "config", None), "block_size", None)
-    if block is not None and max(map(len, encoded)) + max_new > block:
-        raise ProbeError(f"longest prompt ({max(map(len, encoded))} tokens) + max_new_tokens ({max_new}) exceeds the "
-                         f"model's block_size ({block}){why}")
+        limits = run.limits(cfg, task, tok, model, examples)
+    except run.RunError as e:
+        raise ProbeError(f"{split} prompts: {e}{why}") from e
 
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     model.eval()
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     K = samples
-    per_call = max(1, cfg.eval.batch_size // K)
-    responses: list[str] = []
-    sampled_tokens = 0
-    for i in range(0, len(encoded), per_call):
-        roll = sampling.generate(model, encoded[i:i + per_call], samples_per_prompt=K, max_new_tokens=max_new,
-                                 temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, eos_id=eos_id,
-                                 pad_id=tok.pad_id, generator=gen)
-        sampled_tokens += int(roll.mask.sum())
-        responses.extend(tok.decode(r) for r in roll.response_ids.tolist())  # as the trainer decodes
-
-    flat_prompts = [ex.prompt for ex in examples for _ in range(K)]
-    flat_answers = [ex.answer for ex in examples for _ in range(K)]
-    scored = score_batch(weighted_rewards(task, weights), flat_prompts, responses, flat_answers)
-    rewards = torch.tensor(scored.total, dtype=torch.float32).view(len(examples), K)  # the trainer's dtype
-    hits, goal_failures, _ = goal_hits(task.goal, flat_prompts, responses, flat_answers)
-    goals = torch.tensor(hits).view(len(examples), K)
-    if goal_failures:
-        notes.append(f"{goal_failures} goal checks raised and count as not met")
+    scored = sample_and_score(model, tok, task, examples, G=K, limits=limits, weights=weights,
+                              temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, generator=gen,
+                              chunk_prompts=max(1, cfg.eval.batch_size // K))
+    responses, rewards, goals = scored.responses, scored.rewards, scored.hits
+    sampled_tokens = int(scored.rollout.mask.sum())
+    if scored.goal_failures:
+        notes.append(f"{scored.goal_failures} goal checks raised and count as not met")
     groups = probe_counts(rewards, schemes, goals)
-    failures = {s: c for s, c in scored.status_counts.items() if s != "ok" and c}
+    failures = {s: c for s, c in scored.status_counts.items() if s not in ("ok", "goal_error") and c}
     if failures:
         notes.append(f"{sum(failures.values())} reward calls failed and scored 0: {failures}"
                      + (f"; first error: {scored.errors[0]}" if scored.errors else ""))
@@ -372,7 +354,7 @@ def format_lines(res: ProbeResult) -> list[str]:
 
 def command(args: argparse.Namespace, overrides: list[str]) -> int:
     """`rlvr probe`: 0 on success; 2 with `rlvr: error: ...` on stderr for bad input."""
-    from rlvr import trainer
+    from rlvr.run import RunError
     from rlvr.tasks import TaskError
 
     try:
@@ -383,7 +365,7 @@ def command(args: argparse.Namespace, overrides: list[str]) -> int:
         cfg = config.load(args.config, overrides)
         res = run_probe(cfg, prompts=args.prompts, samples=args.samples, schemes=schemes[len(DEFAULT_SCHEMES):],
                         split=args.split, checkpoint=args.checkpoint)
-    except (ProbeError, config.ConfigError, trainer.RunError, TaskError) as e:
+    except (ProbeError, config.ConfigError, RunError, TaskError) as e:
         print(f"rlvr: error: {e}", file=sys.stderr)
         return 2
     for note in res.notes:

@@ -20,7 +20,10 @@ STATE_DIR = "state"
 
 
 def save_state(run_dir: Path, *, step: int, model, opt: torch.optim.Optimizer, sched, ref, rng: random.Random,
-               gen: torch.Generator, cost: dict, wall: float) -> None:
+               gen: torch.Generator, cost: dict, wall: float, learn_gen: torch.Generator | None = None,
+               extra: dict | None = None) -> None:
+    """Write everything a resumed run needs; `extra` is any further JSON state (policy version,
+    warning-rule history)."""
     tensors: dict[str, torch.Tensor] = {}
     for k, v in model.state_dict().items():
         tensors[f"model.{k}"] = v.detach().contiguous().cpu()
@@ -32,6 +35,8 @@ def save_state(run_dir: Path, *, step: int, model, opt: torch.optim.Optimizer, s
         for name, v in st.items():
             tensors[f"opt.{idx}.{name}"] = torch.as_tensor(v).detach().contiguous().cpu()
     tensors["generator"] = gen.get_state()
+    if learn_gen is not None:
+        tensors["learn_generator"] = learn_gen.get_state()
     meta = {
         "step": step,
         "param_groups": opt_sd["param_groups"],
@@ -39,6 +44,7 @@ def save_state(run_dir: Path, *, step: int, model, opt: torch.optim.Optimizer, s
         "rng": _jsonable(rng.getstate()),
         "cost": cost,
         "wall": wall,
+        "extra": extra or {},
     }
     final = Path(run_dir) / STATE_DIR
     tmp = Path(run_dir) / (STATE_DIR + ".tmp")
@@ -51,8 +57,8 @@ def save_state(run_dir: Path, *, step: int, model, opt: torch.optim.Optimizer, s
 
 
 def load_state(run_dir: Path, *, model, opt: torch.optim.Optimizer, sched, ref, rng: random.Random,
-               gen: torch.Generator) -> dict:
-    """Restore everything `save_state` wrote; returns {"step", "cost", "wall"}."""
+               gen: torch.Generator, learn_gen: torch.Generator | None = None) -> dict:
+    """Restore everything `save_state` wrote; returns {"step", "cost", "wall", "extra"}."""
     d = Path(run_dir) / STATE_DIR
     tensors = load_file(str(d / "tensors.safetensors"))
     meta = json.loads((d / "state.json").read_text())
@@ -68,7 +74,9 @@ def load_state(run_dir: Path, *, model, opt: torch.optim.Optimizer, sched, ref, 
     sched.load_state_dict({**meta["sched"], "lr_lambdas": [None] * len(opt.param_groups)})
     rng.setstate(_tuples(meta["rng"]))
     gen.set_state(tensors["generator"])
-    return {"step": meta["step"], "cost": meta["cost"], "wall": meta["wall"]}
+    if learn_gen is not None and "learn_generator" in tensors:
+        learn_gen.set_state(tensors["learn_generator"])
+    return {"step": meta["step"], "cost": meta["cost"], "wall": meta["wall"], "extra": meta.get("extra", {})}
 
 
 def _jsonable(x):

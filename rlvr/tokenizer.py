@@ -32,6 +32,9 @@ class CharTokenizer:
         self._char_to_id = {c: i + len(SPECIALS) for i, c in enumerate(alphabet)}
         self._id_to_char = {i: c for c, i in self._char_to_id.items()}
 
+    has_chat_template = False
+    """Prompts are plain text; chat messages are not templated (``encode_example`` uses the prompt)."""
+
     @property
     def vocab_size(self) -> int:
         """Number of ids: the three specials plus one per alphabet character."""
@@ -52,6 +55,12 @@ class CharTokenizer:
                 f"tokenizer alphabet {self.alphabet!r}"
             ) from None
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        """Prompt ids: the text's characters (no specials)."""
+        if not isinstance(prompt, str):
+            raise ValueError(f"CharTokenizer.encode_prompt: expected a string, got {type(prompt).__name__}")
+        return self.encode(prompt)
 
     def decode(self, ids, *, stop_at_eos: bool = False) -> str:
         """Text of ``ids`` (list or 1-D tensor) with all specials dropped.
@@ -105,7 +114,5 @@ class CharTokenizer:
 def encode_example(tok, example) -> list[int]:
     """Prompt token ids of a task example: the chat template over `example.meta["messages"]` when
     the task gives messages and the tokenizer has a template (Hugging Face), else the prompt text."""
-    if hasattr(tok, "encode_prompt"):
-        messages = example.meta.get("messages") if isinstance(example.meta, dict) else None
-        return tok.encode_prompt(messages or example.prompt)
-    return tok.encode(example.prompt)
+    messages = example.meta.get("messages") if isinstance(example.meta, dict) else None
+    return tok.encode_prompt(messages if messages and tok.has_chat_template else example.prompt)

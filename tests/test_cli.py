@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from rlvr import config as config_mod, trainer
+from rlvr import config as config_mod, run
 from rlvr.cli import main
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sort.toml"
@@ -52,7 +52,7 @@ def cli(*argv) -> tuple[int, str, str]:
 
 
 def n_params(*overrides: str) -> int:
-    return trainer.build(config_mod.load(EXAMPLE, list(overrides))).model.num_params()
+    return run.build(config_mod.load(EXAMPLE, list(overrides))).model.num_params()
 
 
 # --------------------------------------------------------------------------- price

@@ -6,13 +6,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlvr import cli, sampling, trainer
+from rlvr import cli, rollout, sampling
 from rlvr.tasks import Example
 
 G = 2
 
 
-def fake_groups(rewards: list[list[float]], tag: str, prompt_len: int = 3, T: int = 2) -> trainer.Groups:
+def fake_groups(rewards: list[list[float]], tag: str, prompt_len: int = 3, T: int = 2) -> rollout.Groups:
     """Groups whose rollout rows are recognisable: ids hold the group number, the prompt is `tag`."""
     P = len(rewards)
     B = P * G
@@ -20,7 +20,7 @@ def fake_groups(rewards: list[list[float]], tag: str, prompt_len: int = 3, T: in
     roll = sampling.Rollout(ids=ids, attention_mask=torch.ones_like(ids), prompt_len=prompt_len,
                             mask=torch.ones(B, T), logp=-torch.ones(B, T), truncated=torch.zeros(B, dtype=torch.bool))
     r = torch.tensor(rewards)
-    return trainer.Groups(
+    return rollout.Groups(
         examples=[Example(f"{tag}{i}", "a") for i in range(P)], rollout=roll,
         responses=[f"{tag}{b // G}" for b in range(B)], rewards=r, hits=r == 1,
         per_reward={"x": r.reshape(-1).tolist()}, failures=0, status_counts={"ok": B}, errors=[],
@@ -28,30 +28,28 @@ def fake_groups(rewards: list[list[float]], tag: str, prompt_len: int = 3, T: in
 
 
 @pytest.fixture
-def scripted(monkeypatch):
+def scripted():
     """Replace the sampler-and-scorer with scripted rounds; record how many rounds were drawn."""
     def install(rounds):
         it = iter(rounds)
         calls = []
 
-        def fake_sample(setup, model, examples, G_, gen):
+        def fake_sample(examples):
             calls.append(examples)
             return next(it)
-        monkeypatch.setattr(trainer, "sample_groups", fake_sample)
-        return calls
+        return fake_sample, calls
     return install
 
 
-SETUP = SimpleNamespace(tokenizer=SimpleNamespace(pad_id=0))
 
 
 def test_refills_until_the_batch_is_full(scripted):
-    calls = scripted([
+    sample, calls = scripted([
         fake_groups([[1, 1], [0, 1], [0, 0]], "a"),         # one useful group (a1)
         fake_groups([[0, 0], [1, 0], [0.5, 0.5]], "b"),     # one useful (b1); 0.5/0.5 agrees too
         fake_groups([[1, 0], [0, 1], [1, 0]], "c"),         # three useful, one needed
     ])
-    batch, parts = trainer.dynamic_sample(SETUP, None, lambda: ["p"] * 3, P=3, G=G, rounds=5, gen=None)
+    batch, parts = rollout.dynamic_sample(sample, lambda: ["p"] * 3, P=3, G=G, rounds=5, pad_id=0)
     assert len(calls) == 3 and len(parts) == 3
     assert [ex.prompt for ex in batch.examples] == ["a1", "b1", "c0"]
     assert batch.rewards.tolist() == [[0, 1], [1, 0], [1, 0]]
@@ -62,16 +60,16 @@ def test_refills_until_the_batch_is_full(scripted):
 
 
 def test_stops_at_the_round_limit_with_a_smaller_batch(scripted):
-    scripted([fake_groups([[1, 1], [0, 1]], "a"), fake_groups([[0, 0], [0, 0]], "b")])
-    batch, parts = trainer.dynamic_sample(SETUP, None, lambda: ["p"] * 2, P=2, G=G, rounds=2, gen=None)
+    sample, _ = scripted([fake_groups([[1, 1], [0, 1]], "a"), fake_groups([[0, 0], [0, 0]], "b")])
+    batch, parts = rollout.dynamic_sample(sample, lambda: ["p"] * 2, P=2, G=G, rounds=2, pad_id=0)
     assert len(parts) == 2
     assert [ex.prompt for ex in batch.examples] == ["a1"]
 
 
 def test_all_rounds_agree_falls_back_to_the_first(scripted):
     first = fake_groups([[1, 1], [0, 0]], "a")
-    scripted([first, fake_groups([[1, 1], [1, 1]], "b"), fake_groups([[0, 0], [0, 0]], "c")])
-    batch, parts = trainer.dynamic_sample(SETUP, None, lambda: ["p"] * 2, P=2, G=G, rounds=3, gen=None)
+    sample, _ = scripted([first, fake_groups([[1, 1], [1, 1]], "b"), fake_groups([[0, 0], [0, 0]], "c")])
+    batch, parts = rollout.dynamic_sample(sample, lambda: ["p"] * 2, P=2, G=G, rounds=3, pad_id=0)
     assert batch is first and len(parts) == 3
 
 

@@ -142,7 +142,7 @@ def test_probe_a_trained_checkpoint(capsys, tmp_path):
     rc, out, err = run(capsys, "probe", EXAMPLE, "--checkpoint", out_dir, "--prompts", "2", "--samples", "2",
                        "--task.options={n = 4, heldout = 50}")
     assert rc == 2 and out == "" and err.startswith("rlvr: error: ")
-    assert "block_size (8)" in err and "the run was trained with task" in err
+    assert "context of 8 tokens" in err and "the run was trained with task" in err
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -163,7 +163,13 @@ class Block(nn.Module):
 
 
 class TinyTransformer(nn.Module):
-    """Decoder-only transformer: ``forward(ids) -> logits``; see the module docstring."""
+    """Decoder-only transformer: ``forward(ids) -> logits``; see the module docstring.
+
+    Meets ``rlvr.policy.Policy``: its KV cache is written in place (not differentiable), it has no
+    adapter (a KL reference is a frozen copy), and every parameter is trained."""
+
+    differentiable_cache = False
+    has_adapter = False
 
     def __init__(self, config: TinyConfig):
         super().__init__()
@@ -240,6 +246,14 @@ class TinyTransformer(nn.Module):
         w = self.wte.weight
         return KVCache(c.n_layer, batch_size, c.n_head, max_len, c.n_embd // c.n_head,
                        device=w.device, dtype=w.dtype)
+
+    def adapter_disabled(self):
+        """No adapter to disable: a reference for this model is a frozen copy (see ``has_adapter``)."""
+        raise ValueError("adapter_disabled(): the built-in model has no adapter; use a frozen copy as reference")
+
+    def trainable_params(self) -> list[nn.Parameter]:
+        """The parameters with ``requires_grad``: give these to the optimizer."""
+        return [p for p in self.parameters() if p.requires_grad]
 
     # ------------------------------------------------------------------ accounting
     def num_params(self) -> int:

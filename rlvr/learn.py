@@ -1,0 +1,127 @@
+"""The learn stage: μ passes of minibatch updates on one rollout batch (steps 6-7 of a step).
+
+`learn(...)` is pure given its inputs: the policy and its optimizer and scheduler are updated,
+nothing else is read or written. The minibatch order comes from its own generator, so where and
+how the batch was sampled cannot change the learner's random stream.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from rlvr import config as config_mod, losses, sampling
+from rlvr.policy import Policy
+from rlvr.rollout import Batch, forward_tokens
+
+
+def lr_at(cfg: config_mod.TrainConfig, opt_step: int, total: int) -> float:
+    """Learning-rate multiplier at optimizer step `opt_step` (0-based) of `total`.
+
+    Linear warm-up over `warmup_steps` ((s + 1) / warmup), then `constant` (1), `cosine`
+    (0.1 + 0.9 · ½(1 + cos(π f))) or `linear` (1 − 0.9 f), f = (s − warmup) / (total − warmup):
+    both decays end at 10% of `train.lr`."""
+    if cfg.warmup_steps and opt_step < cfg.warmup_steps:
+        return (opt_step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return 1.0
+    frac = (opt_step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
+    if cfg.lr_schedule == "cosine":
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
+    return 1.0 - 0.9 * min(1.0, frac)
+
+
+def make_optimizer(params: list, tc: config_mod.TrainConfig) -> torch.optim.Optimizer:
+    """AdamW; its fused kernel when this torch has one for the device (same update, one kernel per
+    step instead of a loop over tensors: 0.4 ms against 3.3 ms on a 0.5M-parameter model on CPU)."""
+    kw = dict(lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
+    try:
+        return torch.optim.AdamW(params, fused=True, **kw)
+    except (RuntimeError, TypeError, ValueError):
+        return torch.optim.AdamW(params, **kw)
+
+
+def make_scheduler(opt: torch.optim.Optimizer, tc: config_mod.TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    """`lr_at` laid out over every optimizer step of the run (steps × μ × minibatches)."""
+    total = tc.steps * tc.epochs_per_batch * tc.minibatches
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(tc, s, total))
+
+
+@dataclass
+class Learner:
+    """What the learn stage updates and reads: the policy, its optimizer and schedule, the config,
+    and the generator that orders minibatches."""
+
+    policy: Policy
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LambdaLR
+    cfg: config_mod.Config
+    generator: torch.Generator
+    max_len: int
+    """The response bound (`seq_sum_const` divides by it)."""
+
+
+def minibatch_rows(learner: Learner, n_groups: int, G: int) -> list[torch.Tensor]:
+    """Row indices of each minibatch of one epoch: whole groups (a prompt's G rows stay together),
+    shuffled by the learner's generator when there is more than one minibatch."""
+    tc, gen = learner.cfg.train, learner.generator
+    order = (torch.randperm(n_groups, generator=gen, device=gen.device) if tc.minibatches > 1
+             else torch.arange(n_groups, device=gen.device))
+    return [(g[:, None] * G + torch.arange(G, device=gen.device)).reshape(-1) for g in order.chunk(tc.minibatches)]
+
+
+def minibatch_loss(learner: Learner, batch: Batch, idx: torch.Tensor, delta_rows: torch.Tensor
+                   ) -> tuple[torch.Tensor, dict]:
+    """Step 6 on the rows `idx`: recompute logp, ratio against logp_old, clip, apply Δ, add β·KL."""
+    cfg = learner.cfg
+    ac, sc, G = cfg.algorithm, cfg.sampling, cfg.train.samples_per_prompt
+    sub = batch.rollout.select(idx)
+    logp = sampling.sequence_token_logprobs(learner.policy, sub, temperature=sc.temperature, top_p=sc.top_p,
+                                            chunk_rows=cfg.model.logprob_chunk_rows or None,
+                                            group_size=G if cfg.model.share_prompt_forward else None)
+    loss, stats = losses.policy_loss(
+        logp, batch.logp_old[idx], delta_rows[idx], sub.mask, clip_eps=ac.clip_eps,
+        clip_eps_high=ac.clip_eps_high or None, level=ac.ratio_level, agg=ac.agg, max_len=learner.max_len,
+    )
+    if batch.logp_ref is not None:
+        kl = losses.kl_loss(logp, batch.logp_ref[idx], sub.mask, estimator=ac.kl_estimator, agg=ac.agg,
+                            max_len=learner.max_len)
+        loss = loss + ac.kl_coef * kl
+        stats["kl_ref"] = kl.item()
+    return loss, stats
+
+
+def learn(learner: Learner, batch: Batch) -> dict:
+    """μ passes over the batch, each split into minibatches of whole groups; one clipped AdamW step
+    per minibatch. Returns the mean of each statistic over the minibatches, the first minibatch's
+    ratio (π = π_old there: 1 up to rounding), the last learning rate and the tokens and FLOPs computed."""
+    cfg, policy = learner.cfg, learner.policy
+    tc, G = cfg.train, cfg.train.samples_per_prompt
+    shared = cfg.model.share_prompt_forward and policy.differentiable_cache
+    delta_rows = batch.delta.reshape(-1).to(batch.rollout.mask.device)                  # (B,)
+    train_flops = policy.flops_per_token(training=True)
+    params = policy.trainable_params()
+    policy.train()
+    acc: dict[str, float] = {}
+    first_ratio, lr_used, n_mb, trained = 1.0, 0.0, 0, 0
+    for _epoch in range(tc.epochs_per_batch):
+        for idx in minibatch_rows(learner, len(batch.groups.examples), G):
+            loss, stats = minibatch_loss(learner, batch, idx, delta_rows)
+            learner.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            gnorm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
+            learner.opt.step()
+            lr_used = learner.sched.get_last_lr()[0]
+            learner.sched.step()
+            trained += forward_tokens(batch.rollout.select(idx), G, shared)
+            stats["loss"] = loss.item()
+            stats["grad_norm"] = float(gnorm)
+            for k, v in stats.items():
+                acc[k] = acc.get(k, 0.0) + v
+            if n_mb == 0:  # the first optimizer step of a batch sees π = π_old: ratio 1
+                first_ratio = stats["ratio_mean"]
+            n_mb += 1
+    return {**{k: v / n_mb for k, v in acc.items()}, "first_step_ratio_mean": first_ratio, "lr": lr_used,
+            "optimizer_steps": n_mb, "trained_tokens": trained, "flops": trained * train_flops}

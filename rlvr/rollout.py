@@ -1,0 +1,220 @@
+"""The rollout stage: sample, score, Δ, logp_old, logp_ref. No gradient anywhere here.
+
+`sample_and_score` is the one path from prompts to scored responses; training, evaluation and
+the probe all call it, so responses are decoded and scored the same way everywhere.
+`rollout(...)` is steps 1-5 of a training step and returns a `Batch` that carries everything the
+learn stage needs, plus the version of the policy that sampled it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from rlvr import advantages, costs, sampling
+from rlvr.policy import Policy, Tokenizer
+from rlvr.rewards import goal_hits, score_batch
+from rlvr.run import Limits
+from rlvr.tasks import Task, weighted_rewards
+from rlvr.tokenizer import encode_example
+
+
+@dataclass
+class Groups:
+    """Scored groups: P' prompts x G responses, rows grouped (row b is prompt b // G)."""
+
+    examples: list
+    rollout: sampling.Rollout
+    responses: list[str]
+    rewards: torch.Tensor            # (P', G) optimised reward
+    hits: torch.Tensor               # (P', G) bool, the goal (logged, never trained on)
+    per_reward: dict[str, list[float]]
+    failures: int
+    """Reward and goal calls that did not return a usable value (scored 0 / counted as a miss)."""
+    status_counts: dict[str, int]
+    """Reward statuses over all calls, plus `goal_error` for goal checks that raised."""
+    errors: list[str]
+    totals: list[float] = field(default_factory=list)
+    """Per row, the weighted reward as scored (Python floats; `rewards` holds them in float32)."""
+
+    @property
+    def goal_failures(self) -> int:
+        return self.status_counts.get("goal_error", 0)
+
+    @property
+    def reward_failures(self) -> int:
+        return sum(v for k, v in self.status_counts.items() if k not in ("ok", "goal_error"))
+
+    def select(self, groups: torch.Tensor, G: int) -> "Groups":
+        """The groups at indices `groups` (a (k,) long tensor), rows kept together."""
+        rows = (groups[:, None] * G + torch.arange(G)).reshape(-1)
+        return Groups(
+            examples=[self.examples[i] for i in groups.tolist()], rollout=self.rollout.select(rows),
+            responses=[self.responses[i] for i in rows.tolist()], rewards=self.rewards[groups], hits=self.hits[groups],
+            per_reward={k: [v[i] for i in rows.tolist()] for k, v in self.per_reward.items()},
+            failures=self.failures, status_counts=self.status_counts, errors=self.errors,
+            totals=[self.totals[i] for i in rows.tolist()] if self.totals else [],
+        )
+
+
+def merge(parts: list[Groups], pad_id: int) -> Groups:
+    """Concatenate the groups of several sampling calls (dynamic sampling's rounds, evaluation chunks)."""
+    return Groups(
+        examples=[ex for p in parts for ex in p.examples],
+        rollout=sampling.concat([p.rollout for p in parts], pad_id),
+        responses=[r for p in parts for r in p.responses],
+        rewards=torch.cat([p.rewards for p in parts]), hits=torch.cat([p.hits for p in parts]),
+        per_reward={k: [v for p in parts for v in p.per_reward[k]] for k in parts[0].per_reward},
+        failures=sum(p.failures for p in parts),
+        status_counts={k: sum(p.status_counts.get(k, 0) for p in parts) for k in parts[0].status_counts},
+        errors=[e for p in parts for e in p.errors][:5],
+        totals=[t for p in parts for t in p.totals],
+    )
+
+
+def score_groups(task: Task, weights: dict[str, float], examples: list, responses: list[str], G: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, dict, int, dict, list, list]:
+    """Rewards (P, G), goal hits (P, G) and the bookkeeping of scoring `responses` (G per example),
+    in the order of `Groups`' fields."""
+    prompts = [ex.prompt for ex in examples for _ in range(G)]
+    answers = [ex.answer for ex in examples for _ in range(G)]
+    scored = score_batch(weighted_rewards(task, weights), prompts, responses, answers)
+    hits, goal_failures, goal_errors = goal_hits(task.goal, prompts, responses, answers)
+    return (torch.tensor(scored.total, dtype=torch.float32).view(-1, G), torch.tensor(hits).view(-1, G),
+            scored.per_reward, scored.failed + goal_failures, {**scored.status_counts, "goal_error": goal_failures},
+            list(scored.errors) + goal_errors, scored.total)
+
+
+@torch.no_grad()
+def sample_and_score(policy: Policy, tok: Tokenizer, task: Task, examples: list, *, G: int, limits: Limits,
+                     weights: dict[str, float], temperature: float, top_p: float,
+                     generator: torch.Generator | None, chunk_prompts: int = 0) -> Groups:
+    """Sample G responses per example (temperature 0 = greedy), decode them and score them.
+
+    A response is decoded up to its end token when the task has one (`limits.eos_id`), and in full
+    on fixed-length tasks. `chunk_prompts` > 0 samples that many prompts per generate call (memory);
+    the draws come from `generator` in order, so chunking does not change them."""
+    step = chunk_prompts or len(examples)
+    rollouts = []
+    for i in range(0, len(examples), step):
+        rollouts.append(sampling.generate(
+            policy, [encode_example(tok, ex) for ex in examples[i:i + step]], samples_per_prompt=G,
+            max_new_tokens=limits.max_new_tokens, temperature=temperature, top_p=top_p,
+            eos_id=limits.eos_id, pad_id=tok.pad_id, generator=generator))
+    rollout = rollouts[0] if len(rollouts) == 1 else sampling.concat(rollouts, tok.pad_id)
+    stop = limits.eos_id is not None
+    responses = [tok.decode(r, stop_at_eos=stop) for r in rollout.response_ids.tolist()]
+    return Groups(examples, rollout, responses, *score_groups(task, weights, examples, responses, G))
+
+
+@dataclass
+class Batch:
+    """One step's rollouts, scored, with everything the learn stage needs (all detached)."""
+
+    groups: Groups
+    """The groups trained on (after dynamic sampling dropped agreeing ones)."""
+    parts: list[Groups]
+    """Every sampling round of the step, kept or not (all are paid for)."""
+    delta: torch.Tensor                # (P', G)
+    logp_old: torch.Tensor             # (B, T) under the distribution sampled from
+    logp_ref: torch.Tensor | None      # (B, T) under the reference, when the KL term is on
+    version: int
+    """Policy version that sampled these rows (number of updates applied before sampling)."""
+    sample_s: float = 0.0
+    cost: dict = field(default_factory=dict)
+    """Tokens and FLOPs this stage computed: sampled_tokens, forward_tokens, flops."""
+
+    @property
+    def rollout(self) -> sampling.Rollout:
+        return self.groups.rollout
+
+
+def dynamic_sample(sample, draw, P: int, G: int, rounds: int, pad_id: int) -> tuple[Groups, list[Groups]]:
+    """DAPO's dynamic sampling: drop groups whose rewards all agree (their Δ is 0) and sample
+    `sample(draw())` again until P groups remain or `rounds` rounds were sampled. Returns the batch
+    and every round sampled (all of them are paid for). With no group left, the batch is the first round."""
+    parts = [sample(draw())]
+    kept = []
+    while True:
+        last = parts[-1]
+        useful = torch.nonzero(~advantages.agreeing_groups(last.rewards)).view(-1)
+        if len(useful):
+            kept.append(last.select(useful, G))
+        if sum(len(k.examples) for k in kept) >= P or len(parts) >= rounds:
+            break
+        parts.append(sample(draw()))
+    if not kept:
+        return parts[0], parts
+    batch = merge(kept, pad_id)
+    return batch.select(torch.arange(min(P, len(batch.examples))), G), parts
+
+
+def reference_logprobs(policy: Policy, reference: Policy | None, rollout: sampling.Rollout, *, temperature: float,
+                       chunk_rows: int | None, group_size: int | None) -> torch.Tensor:
+    """(B, T) logp_ref: a frozen copy `reference`, or (None) the policy with its adapter disabled.
+
+    Scored without a nucleus: a token outside π_ref's own nucleus would get the floor log-prob and
+    a huge, meaningless KL (see rlvr.sampling.OUTSIDE_NUCLEUS_LOGP)."""
+    with torch.no_grad(), (policy.adapter_disabled() if reference is None else contextlib.nullcontext()):
+        return sampling.sequence_token_logprobs(reference if reference is not None else policy, rollout,
+                                                temperature=temperature, top_p=1.0, chunk_rows=chunk_rows,
+                                                group_size=group_size)
+
+
+def rollout(setup, policy: Policy, reference: Policy | None, examples_fn, *, version: int,
+            generator: torch.Generator) -> Batch:
+    """Steps 1-5 of a training step, no gradient:
+
+    1. sample P prompts (`examples_fn()`), G responses each from π_old (the current weights);
+    2. score them (failures counted, never fatal);
+    3. Δ from the (P, G) reward matrix with `algorithm.scheme`;
+    4. logp_old: the sampler's own log-probs, detached (no second forward, no copy of π_old);
+    5. logp_ref under the reference when the KL term is on (`reference`, or the adapter-off policy).
+    """
+    cfg, tok = setup.cfg, setup.tokenizer
+    sc, ac, tc = cfg.sampling, cfg.algorithm, cfg.train
+    G = tc.samples_per_prompt
+    t0 = time.perf_counter()
+    policy.eval()
+
+    def sample(examples: list) -> Groups:
+        return sample_and_score(policy, tok, setup.task, examples, G=G, limits=setup.limits,
+                                weights=setup.reward_weights, temperature=sc.temperature, top_p=sc.top_p,
+                                generator=generator)
+
+    if ac.dynamic_sampling:
+        groups, parts = dynamic_sample(sample, examples_fn, tc.prompts_per_step, G, ac.dynamic_sampling_rounds,
+                                       tok.pad_id)
+    else:
+        groups = sample(examples_fn())
+        parts = [groups]
+    sample_s = time.perf_counter() - t0
+    cost = {"sampled_tokens": 0, "forward_tokens": 0, "flops": 0.0}
+    fwd_flops = policy.flops_per_token(training=False)
+    for p in parts:  # every round is paid for, kept or not
+        n_fwd = costs.sampling_forward_tokens(len(p.examples), p.rollout.prompt_len, p.rollout.mask.numel())
+        cost["sampled_tokens"] += int(p.rollout.mask.sum())
+        cost["forward_tokens"] += n_fwd
+        cost["flops"] += n_fwd * fwd_flops
+
+    delta = advantages.compute(groups.rewards, ac.scheme, top_k=ac.top_k or None)   # (P', G)
+    logp_old = groups.rollout.logp.detach()                                           # (B, T)
+    logp_ref = None
+    if ac.kl_coef > 0:
+        shared = cfg.model.share_prompt_forward and policy.differentiable_cache
+        logp_ref = reference_logprobs(policy, reference, groups.rollout, temperature=sc.temperature,
+                                      chunk_rows=cfg.model.logprob_chunk_rows or None,
+                                      group_size=G if cfg.model.share_prompt_forward else None)
+        n_tok = forward_tokens(groups.rollout, G, shared)
+        cost["forward_tokens"] += n_tok
+        cost["flops"] += n_tok * fwd_flops
+    return Batch(groups, parts, delta, logp_old, logp_ref, version, sample_s, cost)
+
+
+def forward_tokens(rollout: sampling.Rollout, G: int, shared_prompt: bool) -> int:
+    """Token positions a log-prob forward over `rollout` computes (rlvr.costs.logp_forward_tokens)."""
+    B, L = rollout.ids.shape
+    return costs.logp_forward_tokens(B, G, rollout.prompt_len, L - rollout.prompt_len, shared_prompt=shared_prompt)

@@ -1,0 +1,193 @@
+"""Building a run before any compute, and reloading a finished one.
+
+`build(cfg)` loads the task, the tokenizer and the policy, derives the generation limits (the
+response bound, the end token, the longest prompt) and checks them against the model's context,
+all before a single token is sampled; `load_run(run_dir)` reloads a finished run's checkpoint for
+`rlvr eval` and `rlvr probe`. Training (rlvr.trainer), evaluation and the probe share these, so
+each rule lives in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rlvr import config as config_mod, costs
+from rlvr.models.tiny import TinyConfig, TinyTransformer
+from rlvr.policy import Policy, Tokenizer
+from rlvr.tasks import Task, load_task, resolve_weights
+from rlvr.tokenizer import CharTokenizer, encode_example
+
+
+class RunError(RuntimeError):
+    """A run that cannot start or continue, with the reason."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """How long a response may be and where it ends, for one task on one tokenizer."""
+
+    max_new_tokens: int
+    """Response bound: `sampling.max_new_tokens`, or the task's own bound when that is 0."""
+    eos_id: int | None
+    """The end token; None on fixed-length tasks (exactly max_new_tokens tokens, no end token)."""
+    prompt_tokens: int
+    """Tokens of the longest prompt, train and held-out (pricing and the context check)."""
+
+
+@dataclass
+class Setup:
+    """Everything a run needs, built and checked before any compute."""
+
+    cfg: config_mod.Config
+    task: Task
+    tokenizer: Tokenizer
+    model: Policy
+    reward_weights: dict[str, float]
+    limits: Limits
+    device: torch.device
+    """Where the policy (and the reference) run."""
+
+
+def reward_weights(cfg: config_mod.Config, task: Task) -> dict[str, float]:
+    """{reward name: weight} the run optimises; names checked against the task."""
+    return resolve_weights(task, cfg.task.reward, cfg.task.reward_weights)
+
+
+def resolve_device(name: str) -> torch.device:
+    """`train.device`: cpu, cuda, cuda:N, mps, or auto (cuda when available, else cpu)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise RunError(f"train.device = {name!r}: {e}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RunError(f"train.device = {name!r}, but this torch sees no CUDA device (use cpu or auto)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise RunError(f"train.device = {name!r}, but MPS is not available here")
+    return device
+
+
+def limits(cfg: config_mod.Config, task: Task, tok: Tokenizer, model: Policy | None = None,
+           examples: list | None = None) -> Limits:
+    """The generation limits of `task` on `tok`, checked against `model`'s context when given.
+
+    `examples` (default: every train and held-out example) are the prompts measured. Raises
+    RunError naming the longest prompt when prompt + response cannot fit the model."""
+    examples = list(task.heldout) + list(task.train) if examples is None else examples
+    max_new = cfg.sampling.max_new_tokens or task.max_new_tokens
+    try:
+        lengths = [len(encode_example(tok, ex)) for ex in examples]
+    except ValueError as e:
+        raise RunError(f"the model's tokenizer cannot encode the task's prompts: {e}") from None
+    n = max(lengths)
+    block = model.config.block_size if model is not None else None
+    if block and n + max_new > block:
+        longest = examples[lengths.index(n)]
+        raise RunError(f"task prompt {longest.prompt[:60]!r} has {n} tokens; with max_new_tokens = {max_new} that "
+                       f"exceeds the model's context of {block} tokens ({cfg.model.path or cfg.model.init or 'built-in'})")
+    return Limits(max_new, None if task.fixed_length else tok.eos_id, n)
+
+
+def _hf_policy(cfg: config_mod.Config, device: torch.device, log) -> tuple[Policy, Tokenizer]:
+    from rlvr.models.hf import LoraSpec, load_policy
+
+    mc = cfg.model
+    lora = LoraSpec(r=mc.lora_r, alpha=mc.lora_alpha, dropout=mc.lora_dropout,
+                    target_modules=list(mc.lora_target_modules) or None) if mc.lora_r else None
+    try:
+        model, tokenizer = load_policy(mc.path, dtype=mc.dtype, lora=lora, device=device)
+    except ValueError as e:
+        raise RunError(f"model.path = {mc.path!r}: {e}") from None
+    if model.load_note:
+        log(f"note: {model.load_note}")
+    return model, tokenizer
+
+
+def _built_in(cfg: config_mod.Config, task: Task) -> tuple[Policy, Tokenizer]:
+    """The built-in model: from `model.init`, or random with a block sized to the task."""
+    if cfg.model.init:
+        init = Path(cfg.model.init)
+        if not (init / "model.safetensors").is_file() or not (init / "tokenizer.json").is_file():
+            raise RunError(f"model.init = {cfg.model.init!r}: expected model.safetensors and tokenizer.json there")
+        return TinyTransformer.from_pretrained(init), CharTokenizer.load(init / "tokenizer.json")
+    examples = list(task.train) + list(task.heldout)
+    alphabet = task.alphabet or "".join(sorted({c for ex in examples for c in ex.prompt + str(ex.answer)}))
+    tokenizer = CharTokenizer(alphabet)
+    n = max(len(tokenizer.encode(ex.prompt)) for ex in examples)
+    torch.manual_seed(cfg.train.seed)
+    model = TinyTransformer(TinyConfig(
+        vocab_size=tokenizer.vocab_size, n_layer=cfg.model.n_layer, n_head=cfg.model.n_head,
+        n_embd=cfg.model.n_embd, block_size=n + (cfg.sampling.max_new_tokens or task.max_new_tokens) + 1,
+    ))
+    return model, tokenizer
+
+
+def build(cfg: config_mod.Config, log=print) -> Setup:
+    """Load the task, build tokenizer and model; every error here comes before any compute."""
+    device = resolve_device(cfg.train.device)
+    task = load_task(cfg.task.path, **cfg.task.options)
+    weights = reward_weights(cfg, task)
+    model, tokenizer = _hf_policy(cfg, device, log) if cfg.model.path else _built_in(cfg, task)
+    lim = limits(cfg, task, tokenizer, model)
+    return Setup(cfg, task, tokenizer, model.to(device), weights, lim, device)
+
+
+def price_of(setup: Setup) -> costs.Price:
+    """The price of the run `setup` describes (rlvr.costs), before it starts."""
+    cfg, model = setup.cfg, setup.model
+    return costs.price(
+        prompts_per_step=cfg.train.prompts_per_step, samples_per_prompt=cfg.train.samples_per_prompt,
+        max_new_tokens=setup.limits.max_new_tokens,
+        prompt_tokens=setup.limits.prompt_tokens,
+        steps=cfg.train.steps, epochs_per_batch=cfg.train.epochs_per_batch, minibatches=cfg.train.minibatches,
+        n_params=model.num_params(), has_reference=cfg.algorithm.kl_coef > 0,
+        trainable_params=sum(p.numel() for p in model.trainable_params()),
+        reference_is_adapter_off=model.has_adapter,
+        shared_prompt=shares_prompt(cfg, model),
+        bytes_per_param=2 if cfg.model.path and cfg.model.dtype == "bf16" else 4,
+        flops_fwd_per_token=model.flops_per_token(training=False),
+        flops_train_per_token=model.flops_per_token(training=True),
+        sampling_rounds=cfg.algorithm.dynamic_sampling_rounds if cfg.algorithm.dynamic_sampling else 1,
+    )
+
+
+def shares_prompt(cfg: config_mod.Config, model: Policy) -> bool:
+    """True when log-prob forwards run each prompt once per group (`model.share_prompt_forward` on a
+    model whose cache is differentiable)."""
+    return cfg.model.share_prompt_forward and model.differentiable_cache
+
+
+def save_checkpoint(run_dir: Path, model: Policy, tok: Tokenizer) -> None:
+    """Built-in model: RUN_DIR/checkpoint (safetensors, config, tokenizer JSON). Hugging Face model:
+    RUN_DIR/hf, a plain transformers directory (LoRA merged in; the adapter also in hf/adapter)."""
+    if isinstance(model, TinyTransformer):
+        model.save_pretrained(run_dir / "checkpoint")
+        tok.save(run_dir / "checkpoint" / "tokenizer.json")
+    else:
+        from rlvr.models.hf import export_hf
+
+        export_hf(model, tok, run_dir / "hf")
+
+
+def load_run(run_dir: Path) -> tuple[config_mod.Config, Policy, Tokenizer]:
+    """Reload a finished run: (resolved config, model, tokenizer) from checkpoint/ or hf/."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.toml").is_file():
+        raise RunError(f"{run_dir} is not a finished run: {run_dir / 'config.toml'} is missing")
+    cfg = config_mod.load(run_dir / "config.toml")
+    if cfg.model.path:
+        from rlvr.models.hf import load_policy
+
+        if not (run_dir / "hf" / "config.json").is_file():
+            raise RunError(f"{run_dir} is not a finished run: {run_dir / 'hf'} is missing")
+        model, tok = load_policy(run_dir / "hf", dtype=cfg.model.dtype)
+        return cfg, model, tok
+    ckpt = run_dir / "checkpoint"
+    for need in (ckpt / "model.safetensors", ckpt / "tokenizer.json"):
+        if not need.is_file():
+            raise RunError(f"{run_dir} is not a finished run: {need} is missing")
+    return cfg, TinyTransformer.from_pretrained(ckpt), CharTokenizer.load(ckpt / "tokenizer.json")

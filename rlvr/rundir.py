@@ -1,0 +1,144 @@
+"""A run directory and everything written into it.
+
+    RUN_DIR/config.toml      the resolved config (reload with `rlvr eval RUN_DIR`)
+    RUN_DIR/price.json       the price computed before the run started
+    RUN_DIR/metrics.jsonl    one row per step, per evaluation and per warning
+    RUN_DIR/rollouts.jsonl   a few groups per step: prompt, answer, responses, rewards, Δ
+    RUN_DIR/state/           everything `--resume` needs (rlvr.state)
+    RUN_DIR/best/            the checkpoint with the best held-out goal so far (a run dir of its own)
+    RUN_DIR/checkpoint/ or hf/   the final policy
+    RUN_DIR/summary.json     final evaluation, counted cost against the price
+
+`RunDir` owns these files: the loop hands it rows and models and never opens a file itself.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from rlvr import config as config_mod
+from rlvr.run import RunError, save_checkpoint
+from rlvr.state import STATE_DIR
+
+RESUMABLE_KEYS = {"train.steps", "train.threads", "train.save_every"}
+"""Keys a resumed run may change; sections [eval] and [log] may change too. Note that the
+learning-rate schedule is laid out over train.steps, so a longer resumed run decays later."""
+
+
+def resume_conflicts(saved: config_mod.Config, cfg: config_mod.Config) -> list[str]:
+    """Keys whose values differ between a run's saved config and the config it is resumed with."""
+    a, b = config_mod.to_dict(saved), config_mod.to_dict(cfg)
+    return [f"{sec}.{k}" for sec in a if sec not in ("eval", "log") for k in a[sec]
+            if a[sec][k] != b[sec][k] and f"{sec}.{k}" not in RESUMABLE_KEYS]
+
+
+def truncate_jsonl(path: Path, last_step: int) -> None:
+    """Keep the rows of steps <= last_step (drops what a killed run wrote after its last state)."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a half-written last line
+        if row.get("step", 0) <= last_step:
+            keep.append(line)
+    path.write_text("".join(line + "\n" for line in keep))
+
+
+class RunDir:
+    """The files of one run; see the module docstring."""
+
+    def __init__(self, path: Path, log=print):
+        self.path = Path(path)
+        self.log = log
+        self._metrics = None
+        self._rollouts = None
+
+    # ------------------------------------------------------------------ before the run
+    def check_resumable(self, cfg: config_mod.Config) -> None:
+        """Refuse --resume on a directory without state, or with a config that changed a key that matters."""
+        out = self.path
+        if not (out / STATE_DIR / "state.json").is_file() or not (out / "config.toml").is_file():
+            raise RunError(f"--resume: {out} holds no resumable state ({out / STATE_DIR} is missing)")
+        conflicts = resume_conflicts(config_mod.load(out / "config.toml"), cfg)
+        if conflicts:
+            raise RunError(f"--resume: the config differs from the run's {out / 'config.toml'} in "
+                           f"{', '.join(conflicts)}; only {', '.join(sorted(RESUMABLE_KEYS))}, [eval] and [log] may change")
+
+    def prepare(self, *, overwrite: bool) -> None:
+        """Refuse to write into an existing run unless told; nothing is deleted otherwise."""
+        out = self.path
+        if out.exists() and not out.is_dir():
+            raise RunError(f"--out {out} is a file, not a directory; choose another path")
+        if out.exists() and any(out.iterdir()):
+            if not overwrite:
+                raise RunError(f"--out {out} already holds files; pass --overwrite to replace them, --resume to "
+                               f"continue the run, or choose another directory")
+            shutil.rmtree(out)
+        out.mkdir(parents=True, exist_ok=True)
+
+    def write_start(self, cfg: config_mod.Config, price) -> None:
+        (self.path / "config.toml").write_text(config_mod.to_toml(cfg))
+        (self.path / "price.json").write_text(json.dumps(price.to_dict(), indent=2))
+
+    def open_logs(self, *, resume_after: int | None) -> None:
+        """Open metrics.jsonl and rollouts.jsonl; on resume, drop rows written after the saved step."""
+        mode = "w"
+        if resume_after is not None:
+            for name in ("metrics.jsonl", "rollouts.jsonl"):
+                truncate_jsonl(self.path / name, resume_after)
+            mode = "a"
+        self._metrics = open(self.path / "metrics.jsonl", mode)
+        self._rollouts = open(self.path / "rollouts.jsonl", mode)
+
+    # ------------------------------------------------------------------ during the run
+    def metrics(self, row: dict) -> None:
+        self._metrics.write(json.dumps(row) + "\n")
+        self._metrics.flush()
+
+    def warn(self, step: int, msg: str) -> None:
+        self.log(f"warning: step {step}: {msg}")
+        self.metrics({"step": step, "warning": msg})
+
+    def rollouts(self, step: int, groups, delta, n: int) -> None:
+        """The first `n` groups of the step: prompt, answer, responses, rewards and Δ."""
+        G = groups.rewards.shape[1]
+        for g in range(min(n, len(groups.examples))):
+            self._rollouts.write(json.dumps({
+                "step": step, "prompt": groups.examples[g].prompt, "answer": str(groups.examples[g].answer),
+                "responses": groups.responses[g * G:(g + 1) * G], "rewards": groups.rewards[g].tolist(),
+                "delta": delta[g].tolist(),
+            }) + "\n")
+        self._rollouts.flush()
+
+    def load_best(self) -> dict:
+        f = self.path / "best" / "best.json"
+        return json.loads(f.read_text()) if f.is_file() else {}
+
+    def save_best(self, model, tok, cfg: config_mod.Config, best: dict) -> None:
+        """RUN_DIR/best: the checkpoint with the highest held-out goal so far, a run directory of its own
+        (config.toml, checkpoint/ or hf/, best.json) that `rlvr eval RUN_DIR/best` reloads. Written
+        beside and renamed into place, so an interrupted save keeps the previous best."""
+        tmp, final = self.path / "best.tmp", self.path / "best"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        save_checkpoint(tmp, model, tok)
+        (tmp / "config.toml").write_text(config_mod.to_toml(cfg))
+        (tmp / "best.json").write_text(json.dumps(best, indent=2))
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+
+    # ------------------------------------------------------------------ at the end
+    def finish(self, model, tok, summary: dict) -> None:
+        save_checkpoint(self.path, model, tok)
+        self.close()
+        (self.path / "summary.json").write_text(json.dumps(summary, indent=2))
+
+    def close(self) -> None:
+        for f in (self._metrics, self._rollouts):
+            if f is not None:
+                f.close()
