@@ -33,6 +33,19 @@ Choices that change the gradient:
 
 `compute` is the one entry point; it validates its inputs and raises ValueError naming the bad
 argument. The scheme functions in SCHEMES assume validated input.
+
+Beyond the (P, G) schemes:
+- learned   Δ = R - V(S) with V a critic trained on the observed rewards (`rlvr.value`); the
+            caller passes its detached estimate as the "baseline" scheme's b. Works with G = 1.
+- `overlong_penalty` (DAPO) is added to the rewards before any scheme.
+- `kl_reward_delta` folds β·k1 into Δ per token (KL in the reward, REINFORCE++ style): Δ becomes
+            (B, T). REINFORCE++'s baseline is scheme "batch_normalized" followed by it:
+                Δ[b,t] = (R_b - mean_group R) / (std over the batch + EPS) - β Σ_{t'>=t} k1[b,t']
+            verl's reinforce_plus_plus_baseline differs in two documented ways: it subtracts the
+            whole-sequence KL from R BEFORE centring and whitening (so the KL is rescaled with
+            the rewards, and each token is charged the KL of earlier tokens too), and it whitens
+            over generated tokens (a length-weighted mean and std with N_tokens - 1 in the Bessel
+            correction) rather than over responses.
 """
 
 from __future__ import annotations
@@ -167,6 +180,93 @@ def compute(
         kth = rewards.topk(k, dim=1).values[:, -1:]  # (P, 1) k-th largest reward of each group
         delta = torch.where(rewards >= kth, delta, torch.zeros_like(delta))
     return delta
+
+
+# --- reward shaping on (P, G) rewards -------------------------------------------------------
+
+
+def overlong_penalty(lengths: Tensor, max_len: int, buffer: int, penalty: float = 1.0) -> Tensor:
+    """DAPO's soft overlong punishment, to ADD to the rewards before the scheme: same shape as lengths.
+
+    With L a response's length in tokens and L_max = max_len:
+
+        0                                           L <= L_max - buffer
+        -penalty * (L - (L_max - buffer)) / buffer  L_max - buffer < L <= L_max   (linear ramp)
+        -penalty                                    L > L_max
+
+    so a response that reaches max_len (truncated, usually unfinished) scores `penalty` less than
+    the same response `buffer` tokens shorter, and the ramp tells the policy which direction is
+    shorter without the cliff of a hard truncation penalty. Use it on tasks whose responses end at
+    an end token and often run into max_new_tokens; on fixed-length tasks every response has the
+    same length, so every group is shifted alike and centred Δ does not change. verl's reward
+    manager computes min(-(L - (L_max - buffer)) / buffer * penalty, 0), the same on L <= L_max.
+    """
+    lengths = torch.as_tensor(lengths)
+    for name, v in (("max_len", max_len), ("buffer", buffer)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"{name} must be an int, got {v!r}")
+    if not 1 <= buffer <= max_len:
+        raise ValueError(f"buffer must be in 1..max_len = 1..{max_len}, got {buffer}")
+    if not 0 < penalty < float("inf"):
+        raise ValueError(f"penalty must be a finite number > 0, got {penalty!r}")
+    if lengths.is_floating_point() or bool((lengths < 0).any()):
+        raise ValueError("lengths must be non-negative integers (tokens per response)")
+    exceed = (lengths - (max_len - buffer)).to(torch.get_default_dtype())  # tokens into the buffer
+    return -(exceed / buffer).clamp(0.0, 1.0) * penalty
+
+
+# --- per-token Δ: KL folded into the reward --------------------------------------------------
+
+
+def kl_reward_delta(
+    delta: Tensor,
+    logp_old: Tensor,
+    logp_ref: Tensor,
+    mask: Tensor,
+    kl_coef: float,
+    *,
+    return_to_go: bool = True,
+) -> Tensor:
+    """Fold a k1 KL penalty into the reward, REINFORCE++ style: (B,) or (B, T) Δ -> (B, T) Δ.
+
+    With k1[b,t] = logp_old[b,t] - logp_ref[b,t] on generated tokens (0 elsewhere), β = kl_coef:
+
+        return_to_go=True   Δ[b,t] = Δ[b] - β · Σ_{t' >= t} k1[b,t']       (default)
+        return_to_go=False  Δ[b,t] = Δ[b] - β · k1[b,t]
+
+    Why k1 and why the return to go: the KL-regularised objective is E_π[R - β log(π/π_ref)],
+    whose score-function gradient is E[(R - β Σ_t k1_t) ∇log π(y)] (the extra E[∇log π] is 0). By
+    causality token t can only change the KL of itself and the tokens after it, so the terms before
+    t drop out in expectation: the return to go is an unbiased estimate of the exact reverse-KL
+    gradient with less variance than the whole-sequence sum. (A k1 term in the LOSS has gradient 0
+    in expectation; `losses.kl_k1`.) return_to_go=False charges each token only its own k1: lower
+    variance, but it ignores how a token shifts the later tokens' distributions, so it is biased
+    (tested by enumeration). The KL is in reward units and is not normalised with Δ.
+
+    Use kl_in = "reward" to keep π near π_ref with an unbiased gradient and a single β (verl's
+    use_kl_in_reward, REINFORCE++); kl_in = "loss" (`losses.kl_loss`, k3 by default) to keep the
+    Δ a function of the rewards alone. logp_old and logp_ref must be scored under the same
+    distribution (same temperature, no nucleus on one side only), or k1 is not the log-ratio of π
+    to π_ref. Outside the mask Δ is 0. The REINFORCE++ baseline is scheme "batch_normalized" then
+    this function (module docstring).
+    """
+    if logp_old.dim() != 2:
+        raise ValueError(f"logp_old must be 2-D (B, T), got shape {tuple(logp_old.shape)}")
+    B, T = logp_old.shape
+    for name, x in (("logp_ref", logp_ref), ("mask", mask)):
+        if tuple(x.shape) != (B, T):
+            raise ValueError(f"{name} must have the shape of logp_old {(B, T)}, got {tuple(x.shape)}")
+    if tuple(delta.shape) not in ((B,), (B, T)):
+        raise ValueError(f"delta must have shape (B,) = ({B},) or (B, T) = ({B}, {T}), got {tuple(delta.shape)}")
+    if not 0 <= kl_coef < float("inf"):
+        raise ValueError(f"kl_coef must be a finite number >= 0, got {kl_coef!r}")
+    m = mask.bool()
+    k1 = torch.where(m, logp_old.detach() - logp_ref.detach(), torch.zeros_like(logp_old))  # (B, T)
+    if return_to_go:
+        k1 = k1.flip(-1).cumsum(-1).flip(-1)  # (B, T) Σ_{t' >= t}
+    delta = delta.detach().to(k1.dtype)
+    delta = delta[:, None].expand(B, T) if delta.dim() == 1 else delta  # (B, T)
+    return torch.where(m, delta - kl_coef * k1, torch.zeros_like(k1))
 
 
 def _zero_agreeing(delta: Tensor, rewards: Tensor) -> Tensor:
