@@ -96,6 +96,11 @@ class AlgorithmConfig:
     training (it needs a per-prompt B(S) from the caller)."""
     top_k: int = 0
     """Keep Δ only for the top-k rewards of each group (seed 000's patch); 0 = off."""
+    process_delta: Literal["per_step_centered", "return_to_go"] = "per_step_centered"
+    """For a process reward (it returns one score per step, e.g. sort's `position_per_token`): each
+    token's Δ is its step's score centred across the group at that step (`per_step_centered`), or
+    the sum of the remaining steps' scores centred likewise (`return_to_go`); replaces `scheme`
+    (rlvr.advantages.PROCESS_DELTAS). Needs samples_per_prompt >= 2."""
     clip_eps: float = 0.2
     """Clip the ratio below at 1 - clip_eps (and above, unless clip_eps_high is set)."""
     clip_eps_high: float = 0.0

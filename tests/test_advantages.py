@@ -15,6 +15,12 @@ from rlvr.advantages import (
     kl_reward_delta,
     nonzero_fraction,
     overlong_penalty,
+    pad_steps,
+    per_step_centered,
+    process_delta,
+    return_to_go,
+    step_mismatch,
+    token_steps,
 )
 
 NO_BASELINE = [s for s in SCHEMES if s != "baseline"]
@@ -460,3 +466,115 @@ def test_kl_in_reward_gives_the_reverse_kl_gradient_by_enumeration(seed):
         est = torch.autograd.grad(surrogate, (th1, th2))
         same = all(torch.allclose(e, x, atol=1e-12) for e, x in zip(est, exact))
         assert same == rtg, rtg
+
+
+# --- process rewards: per-step scores -> per-token Δ ------------------------------------------
+
+
+def test_token_steps_per_character_and_by_delimiter():
+    # per character: token t is step t; a special token (no text) belongs to no step
+    assert token_steps([["1", "2", "3"], ["1", "", "3"]], "", 4).tolist() == [[0, 1, 2, -1], [0, -1, 1, -1]]
+    # a multi-character token takes the step of its first character
+    assert token_steps([["12", "3"]], "", 2).tolist() == [[0, 2]]
+    # delimiter: the token that ends a step stays in it; "a\nb\n" is two steps
+    assert token_steps([["a", "\n", "b", "\n"]], "\n", 5).tolist() == [[0, 0, 1, 1, -1]]
+    # a two-character delimiter split over tokens, and a token that holds one whole step and more
+    texts = [["x", ";", ";", "y", "z;;w"]]
+    assert token_steps(texts, ";;", 5).tolist() == [[0, 0, 0, 1, 1]]
+    with pytest.raises(ValueError, match="token_texts"):
+        token_steps([["a", "b", "c"]], "", 2)
+
+
+def test_pad_steps_by_hand():
+    scores, m = pad_steps([[1.0, 0.0], [1.0], [], [0.5, 0.5]], 2)
+    assert scores.shape == (2, 2, 2)
+    assert scores.tolist() == [[[1.0, 0.0], [1.0, 0.0]], [[0.0, 0.0], [0.5, 0.5]]]
+    assert m.tolist() == [[[True, True], [True, False]], [[False, False], [True, True]]]
+    with pytest.raises(ValueError, match="group_size"):
+        pad_steps([[1.0]] * 3, 2)
+
+
+def test_per_step_centered_and_return_to_go_by_hand():
+    # one prompt, G = 2, three one-token steps: x = [1, 0, 0] and [0, 1, 0]
+    scores = torch.tensor([[[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]]])
+    m = torch.ones(1, 2, 3, dtype=torch.bool)
+    steps = torch.tensor([[0, 1, 2], [0, 1, 2]])
+    # per step: step means 0.5, 0.5, 0 -> [0.5, -0.5, 0] and [-0.5, 0.5, 0]
+    assert per_step_centered(scores, m, steps).tolist() == [[0.5, -0.5, 0.0], [-0.5, 0.5, 0.0]]
+    # return to go: [1, 0, 0] and [1, 1, 0]; means 1, 0.5, 0 -> [0, -0.5, 0] and [0, 0.5, 0]:
+    # the first token of each is worth the same total, so neither is pushed
+    assert return_to_go(scores, m, steps).tolist() == [[0.0, -0.5, 0.0], [0.0, 0.5, 0.0]]
+
+
+def test_process_delta_broadcasts_over_steps_and_handles_missing_steps():
+    # G = 3; step 1 only in responses 0 and 1; response 2's reward failed (no steps)
+    scores, m = pad_steps([[1.0, 1.0], [0.0, 0.0], []], 3)
+    # tokens: row 0 = steps 0 0 1 (pad), row 1 = steps 0 1 1 1, row 2 = steps 0 0 0 0
+    steps = torch.tensor([[0, 0, 1, -1], [0, 1, 1, 1], [0, 0, 0, 0]])
+    got = process_delta(scores, m, steps, "per_step_centered")
+    # step 0: mean of 1 and 0 = 0.5; step 1: mean 0.5; row 2 has no scored step -> 0
+    assert got.tolist() == [[0.5, 0.5, 0.5, 0.0], [-0.5, -0.5, -0.5, -0.5], [0.0, 0.0, 0.0, 0.0]]
+    got = process_delta(scores, m, steps, "return_to_go")  # to go: [2, 1] and [0, 0]; means 1, 0.5
+    assert got.tolist() == [[1.0, 1.0, 0.5, 0.0], [-1.0, -0.5, -0.5, -0.5], [0.0, 0.0, 0.0, 0.0]]
+    assert step_mismatch(m, steps).tolist() == [False, False, True]
+    # a token of a step beyond the scores gets 0 and flags the row
+    steps2 = torch.tensor([[0, 1, 2, 2], [0, 1, 1, 1], [-1, -1, -1, -1]])
+    got = process_delta(scores, m, steps2, "per_step_centered")
+    assert got[0].tolist() == [0.5, 0.5, 0.0, 0.0]
+    assert step_mismatch(m, steps2).tolist() == [True, False, False]
+
+
+def test_process_delta_agreeing_steps_and_group_of_one_give_exact_zero():
+    scores, m = pad_steps([[0.3, 1.0], [0.3, 0.0]], 2)
+    got = process_delta(scores, m, torch.tensor([[0, 1], [0, 1]]), "per_step_centered")
+    assert got[:, 0].tolist() == [0.0, 0.0] and got[:, 1].tolist() == [0.5, -0.5]
+    scores, m = pad_steps([[1.0, 0.0]], 1)
+    for mode in ("per_step_centered", "return_to_go"):
+        assert torch.equal(process_delta(scores, m, torch.tensor([[0, 1]]), mode), torch.zeros(1, 2))
+
+
+def _loop_process_delta(steps, G, token_step, mode):
+    """Plain-Python oracle: per step index, centre over the group's responses that have the step."""
+    B = len(steps)
+    vals = [list(s) for s in steps]
+    if mode == "return_to_go":
+        vals = [[sum(s[i:]) for i in range(len(s))] for s in steps]
+    out = [[0.0] * len(token_step[0]) for _ in range(B)]
+    for b in range(B):
+        group = range(b // G * G, b // G * G + G)
+        for t, s in enumerate(token_step[b]):
+            if s < 0 or s >= len(vals[b]):
+                continue
+            have = [vals[o][s] for o in group if s < len(vals[o])]
+            if max(have) != min(have):
+                out[b][t] = vals[b][s] - sum(have) / len(have)
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), P=st.integers(1, 3), G=st.integers(1, 4), mode=st.sampled_from(["per_step_centered", "return_to_go"]))
+def test_process_delta_matches_a_loop(data, P, G, mode):
+    steps = [data.draw(st.lists(st.sampled_from([0.0, 0.5, 1.0, 2.0]), max_size=4)) for _ in range(P * G)]
+    T = 5
+    token_step = [data.draw(st.lists(st.integers(-1, 4), min_size=T, max_size=T)) for _ in range(P * G)]
+    scores, m = pad_steps(steps, G)
+    got = process_delta(scores, m, torch.tensor(token_step), mode)
+    want = _loop_process_delta(steps, G, token_step, mode)
+    assert torch.allclose(got, torch.tensor(want, dtype=got.dtype), atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: process_delta(torch.zeros(1, 2, 3), torch.ones(1, 2, 3, dtype=torch.bool), torch.zeros(2, 3, dtype=torch.long), "sum"), "process_delta.*per_step_centered.*return_to_go"),
+        (lambda: process_delta(torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool), torch.zeros(2, 3, dtype=torch.long), "return_to_go"), "step_scores"),
+        (lambda: process_delta(torch.zeros(1, 2, 3), torch.ones(1, 2, 3), torch.zeros(2, 3, dtype=torch.long), "return_to_go"), "step_mask"),
+        (lambda: process_delta(torch.zeros(1, 2, 3), torch.ones(1, 2, 3, dtype=torch.bool), torch.zeros(3, 3, dtype=torch.long), "return_to_go"), "token_step"),
+        (lambda: process_delta(torch.zeros(1, 2, 3), torch.ones(1, 2, 3, dtype=torch.bool), torch.zeros(2, 3), "return_to_go"), "token_step"),
+        (lambda: process_delta(torch.full((1, 2, 3), math.nan), torch.ones(1, 2, 3, dtype=torch.bool), torch.zeros(2, 3, dtype=torch.long), "return_to_go"), "step_scores"),
+        (lambda: token_steps([["a"]], None, 2), "delimiter"),
+    ],
+)
+def test_process_errors_name_the_argument(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()

@@ -58,6 +58,7 @@ def test_unknown_section(tmp_path):
     ("[algorithm]\noverlong_buffer = -1\n", r"algorithm\.overlong_buffer"),
     ("[algorithm]\noverlong_buffer = 9\n[sampling]\nmax_new_tokens = 8\n", r"algorithm\.overlong_buffer.*max_new_tokens"),
     ("[algorithm]\noverlong_penalty = 0.0\n", r"algorithm\.overlong_penalty"),
+    ("[algorithm]\nprocess_delta = \"sum\"\n", r"algorithm\.process_delta.*'per_step_centered', 'return_to_go'"),
 ])
 def test_bad_values(tmp_path, text, match):
     with pytest.raises(ConfigError, match=match):
@@ -88,5 +89,6 @@ def test_algorithm_menu_loads_and_shows_in_help():
     assert (a.objective, a.kl_in, a.entropy_coef, a.overlong_buffer, a.overlong_penalty) == ("cispo", "reward", 0.001, 2, 0.5)
     assert config.load(None, ["--algorithm.dual_clip_c=3"]).algorithm.dual_clip_c == 3.0
     text = config.help_text()
-    for key in ("objective", "dual_clip_c", "kl_in", "entropy_coef", "overlong_buffer", "overlong_penalty"):
+    for key in ("objective", "dual_clip_c", "kl_in", "entropy_coef", "overlong_buffer", "overlong_penalty",
+                "process_delta"):
         assert f"--algorithm.{key}=" in text, key
