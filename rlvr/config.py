@@ -91,9 +91,13 @@ class SamplingConfig:
 class AlgorithmConfig:
     """The estimator Δ·∇log π and the surrogate around it."""
 
-    scheme: Literal["raw", "baseline", "centered", "normalized", "loo", "batch_normalized"] = "normalized"
-    """Δ scheme on the (P, G) reward matrix (rlvr.advantages). `baseline` is not available in
-    training (it needs a per-prompt B(S) from the caller)."""
+    scheme: Literal["raw", "baseline", "centered", "normalized", "loo", "batch_normalized", "learned"] = "normalized"
+    """Δ scheme on the (P, G) reward matrix (rlvr.advantages). `learned`: Δ = R - V(S) with V a
+    small critic over the prompt tokens fitted to the rewards by squared error (rlvr.value; works
+    with samples_per_prompt = 1). `baseline` is not available in training (it needs a per-prompt
+    B(S) from the caller)."""
+    value_lr: float = 1e-3
+    """Adam learning rate of the learned baseline's critic (scheme = learned), its own optimiser."""
     top_k: int = 0
     """Keep Δ only for the top-k rewards of each group (seed 000's patch); 0 = off."""
     process_delta: Literal["per_step_centered", "return_to_go"] = "per_step_centered"
@@ -462,7 +466,9 @@ def validate(cfg: Config, source: str | None = None) -> None:
         bad("algorithm.overlong_buffer", f"{a.overlong_buffer} exceeds sampling.max_new_tokens = {s.max_new_tokens}")
     if a.scheme == "baseline":
         bad("algorithm.scheme", "'baseline' needs a per-prompt B(S) that a training run does not have; "
-            "use centered, normalized or loo (the group is the baseline)")
+            "use centered, normalized or loo (the group is the baseline), or learned (a critic V(S))")
+    if a.value_lr <= 0:
+        bad("algorithm.value_lr", f"must be > 0, got {a.value_lr}")
     if a.scheme == "loo" and t.samples_per_prompt < 2:
         bad("algorithm.scheme", "'loo' needs train.samples_per_prompt >= 2")
     if a.top_k > t.samples_per_prompt:

@@ -59,6 +59,8 @@ def test_unknown_section(tmp_path):
     ("[algorithm]\noverlong_buffer = 9\n[sampling]\nmax_new_tokens = 8\n", r"algorithm\.overlong_buffer.*max_new_tokens"),
     ("[algorithm]\noverlong_penalty = 0.0\n", r"algorithm\.overlong_penalty"),
     ("[algorithm]\nprocess_delta = \"sum\"\n", r"algorithm\.process_delta.*'per_step_centered', 'return_to_go'"),
+    ("[algorithm]\nvalue_lr = 0.0\n", r"algorithm\.value_lr: must be > 0"),
+    ("[algorithm]\nscheme = \"baseline\"\n", r"algorithm\.scheme.*learned"),
 ])
 def test_bad_values(tmp_path, text, match):
     with pytest.raises(ConfigError, match=match):
@@ -90,5 +92,11 @@ def test_algorithm_menu_loads_and_shows_in_help():
     assert config.load(None, ["--algorithm.dual_clip_c=3"]).algorithm.dual_clip_c == 3.0
     text = config.help_text()
     for key in ("objective", "dual_clip_c", "kl_in", "entropy_coef", "overlong_buffer", "overlong_penalty",
-                "process_delta"):
+                "process_delta", "value_lr"):
         assert f"--algorithm.{key}=" in text, key
+
+
+def test_learned_scheme_works_with_one_sample_per_prompt():
+    cfg = config.load(None, ["--algorithm.scheme=learned", "--train.samples_per_prompt=1", "--algorithm.value_lr=0.01"])
+    assert cfg.algorithm.scheme == "learned" and cfg.algorithm.value_lr == 0.01
+    assert "'learned'" in config.help_text()
