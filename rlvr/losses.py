@@ -3,7 +3,7 @@
 Shapes: B = P*G rows, T response tokens, V vocabulary; `mask (B, T)` is 1 on generated tokens
 only, so prompt and padding positions never enter a sum, a mean, a ratio or a statistic.
 
-The policy loss, per generated token t of row b (PPO / GRPO, seeds 000 and 001):
+The policy loss, per generated token t of row b (PPO / GRPO):
 
     ratio[b,t]  = exp(logp[b,t] - logp_old[b,t])                      π / π_old
     loss[b,t]   = -min(ratio * Δ, clip(ratio, 1 - eps_low, 1 + eps_high) * Δ)   objective ppo_clip
@@ -13,7 +13,16 @@ Choices that change the gradient:
 1. `logp_old`, `logp_ref` and Δ are detached inside: they are constants of the update. Were
    logp_old not detached, the ratio would be identically 1 with zero gradient ("the ratio
    collapses to one"). With logp_old = logp.detach() (the first of μ passes) the ratio is 1, the
-   loss value is -mean(Δ) — 0 for centered Δ — and the gradient is -Δ ∇logp: it learns.
+   per-token loss is -Δ and the gradient is -Δ ∇logp, weighted as `agg` weighs tokens: it learns.
+   The loss VALUE there is aggregate(-Δ), which depends on the mode; with one Δ_b per response
+   and |y_b| generated tokens in row b:
+       seq_mean_mean   -(1/B) Σ_b Δ_b                     = -mean(Δ), 0 for centered Δ
+       token_mean      -Σ_b |y_b| Δ_b / Σ_b |y_b|          a length-weighted mean of Δ, not 0
+                                                           for centered Δ unless the lengths agree
+       seq_sum_mean    -(1/B) Σ_b |y_b| Δ_b                 (seq_sum_const: that / max_len)
+   So a non-zero first-step loss under token_mean is normal (longer responses had larger or
+   smaller Δ), and its value says nothing about learning; read the gradient norm. (Objective
+   cispo has the same gradient at ratio 1 but the per-token value -Δ · logp.)
 2. Clipping zeroes the gradient of a token only where it is active: Δ > 0 and ratio > 1 + eps_high,
    or Δ < 0 and ratio < 1 - eps_low. eps_high defaults to eps_low; a larger eps_high is DAPO's
    "clip higher". `dual_clip_c = c` adds the dual clip: for Δ < 0 the loss is capped at -c·Δ, so

@@ -372,6 +372,22 @@ def test_loss_is_zero_but_it_learns(mode):
     assert torch.allclose(grad, want, atol=1e-6)
 
 
+def test_loss_value_at_ratio_one_by_mode():
+    """The module docstring's table: Δ = (1, -1) on rows of 3 and 1 generated tokens, ratio 1."""
+    logp = torch.full((2, 3), -1.0)
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    delta = torch.tensor([1.0, -1.0])  # centered: mean 0
+    want = {
+        "seq_mean_mean": -(1 - 1) / 2,  # -mean(Δ)
+        "token_mean": -(3 * 1 + 1 * -1) / 4,  # length-weighted: -0.5
+        "seq_sum_mean": -(3 * 1 + 1 * -1) / 2,
+        "seq_sum_const": -(3 * 1 + 1 * -1) / 2 / 4,
+    }
+    for mode, value in want.items():
+        loss, _ = policy_loss(logp, logp, delta, mask, agg=mode, max_len=4)
+        assert loss.item() == pytest.approx(value), mode
+
+
 def test_logp_old_and_delta_are_constants():
     logp = torch.tensor([[-1.0, -0.5]], requires_grad=True)
     logp_old = torch.tensor([[-1.2, -0.4]], requires_grad=True)
