@@ -91,23 +91,52 @@ class SamplingConfig:
 class AlgorithmConfig:
     """The estimator Δ·∇log π and the surrogate around it."""
 
-    scheme: Literal["raw", "baseline", "centered", "normalized", "loo", "batch_normalized"] = "normalized"
-    """Δ scheme on the (P, G) reward matrix (rlvr.advantages). `baseline` is not available in
-    training (it needs a per-prompt B(S) from the caller)."""
+    scheme: Literal["raw", "baseline", "centered", "normalized", "loo", "batch_normalized", "learned"] = "normalized"
+    """Δ scheme on the (P, G) reward matrix (rlvr.advantages). `learned`: Δ = R - V(S) with V a
+    small critic over the prompt tokens fitted to the rewards by squared error (rlvr.value; works
+    with samples_per_prompt = 1). `baseline` is not available in training (it needs a per-prompt
+    B(S) from the caller)."""
+    value_lr: float = 1e-3
+    """Adam learning rate of the learned baseline's critic (scheme = learned), its own optimiser."""
     top_k: int = 0
     """Keep Δ only for the top-k rewards of each group (seed 000's patch); 0 = off."""
+    process_delta: Literal["per_step_centered", "return_to_go"] = "per_step_centered"
+    """For a process reward (it returns one score per step, e.g. sort's `position_per_token`): each
+    token's Δ is its step's score centred across the group at that step (`per_step_centered`), or
+    the sum of the remaining steps' scores centred likewise (`return_to_go`); replaces `scheme`
+    (rlvr.advantages.PROCESS_DELTAS). Needs samples_per_prompt >= 2."""
     clip_eps: float = 0.2
     """Clip the ratio below at 1 - clip_eps (and above, unless clip_eps_high is set)."""
     clip_eps_high: float = 0.0
     """Upper clip 1 + clip_eps_high; 0 = same as clip_eps."""
     ratio_level: Literal["token", "sequence"] = "token"
     """Token ratios (PPO/GRPO) or one length-normalised ratio per sequence (GSPO)."""
+    objective: Literal["ppo_clip", "cispo"] = "ppo_clip"
+    """Per-token loss (rlvr.losses.OBJECTIVES): ppo_clip = -min(ratio·Δ, clip(ratio)·Δ); cispo =
+    -sg(clip(ratio))·Δ·logp (MiniMax-M1), which keeps every token's gradient; give cispo a wide
+    upper bound (clip_eps_high around 4)."""
+    dual_clip_c: float = 0.0
+    """Dual-clip PPO: for Δ < 0 cap the per-token loss at -c·Δ (no gradient once ratio > c); c > 1,
+    typically 3; 0 = off. ppo_clip only."""
     agg: Literal["seq_sum_mean", "seq_mean_mean", "token_mean", "seq_sum_const"] = "token_mean"
     """How per-token losses are reduced to a scalar (rlvr.losses.AGGREGATIONS)."""
     kl_coef: float = 0.0
     """Weight of the KL term to the reference policy; 0 = no reference model is held."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """Per-token KL estimator (rlvr.losses.KL_ESTIMATORS)."""
+    """Per-token KL estimator of the KL term in the loss (rlvr.losses.KL_ESTIMATORS)."""
+    kl_in: Literal["loss", "reward"] = "loss"
+    """Where the KL to the reference enters: `loss` adds kl_coef × kl_estimator to the loss;
+    `reward` subtracts kl_coef × the k1 log-ratio, summed over the remaining tokens, from each
+    token's Δ (REINFORCE++; rlvr.advantages.kl_reward_delta; kl_estimator is not used). With
+    scheme = batch_normalized this is the REINFORCE++ baseline."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: subtract entropy_coef × the mean per-token entropy of the tempered policy
+    (aggregated like the loss) from the loss; 0 = off (no extra softmax pass)."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment: the last N tokens before the length bound are a buffer
+    where the reward falls linearly to -overlong_penalty at the bound; 0 = off."""
+    overlong_penalty: float = 1.0
+    """Reward subtracted from a response that reaches the length bound (with overlong_buffer > 0)."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards all agree and sample more prompts until the batch holds P groups
     or dynamic_sampling_rounds is reached (DAPO); the price shows the worst case."""
@@ -410,7 +439,9 @@ def validate(cfg: Config, source: str | None = None) -> None:
                    ("train.save_every", t.save_every),
                    ("sampling.max_new_tokens", s.max_new_tokens), ("algorithm.top_k", a.top_k),
                    ("algorithm.kl_coef", a.kl_coef), ("algorithm.clip_eps_high", a.clip_eps_high),
-                   ("algorithm.ref_refresh_every", a.ref_refresh_every), ("eval.every", cfg.eval.every),
+                   ("algorithm.ref_refresh_every", a.ref_refresh_every), ("algorithm.dual_clip_c", a.dual_clip_c),
+                   ("algorithm.entropy_coef", a.entropy_coef), ("algorithm.overlong_buffer", a.overlong_buffer),
+                   ("eval.every", cfg.eval.every),
                    ("eval.prompts", cfg.eval.prompts), ("eval.pass_k", cfg.eval.pass_k),
                    ("eval.pass_k_prompts", cfg.eval.pass_k_prompts),
                    ("log.rollouts_per_step", cfg.log.rollouts_per_step), ("log.print_every", cfg.log.print_every)]:
@@ -422,9 +453,22 @@ def validate(cfg: Config, source: str | None = None) -> None:
         bad("sampling.top_p", f"must be in (0, 1], got {s.top_p}")
     if not 0 < a.clip_eps < 1:
         bad("algorithm.clip_eps", f"must be in (0, 1), got {a.clip_eps}")
+    if a.dual_clip_c and a.dual_clip_c <= 1:
+        bad("algorithm.dual_clip_c", f"must be > 1 (or 0 = off), got {a.dual_clip_c}")
+    if a.dual_clip_c and a.objective != "ppo_clip":
+        bad("algorithm.dual_clip_c", f"the dual clip belongs to objective 'ppo_clip', not {a.objective!r} "
+            "(cispo's weight is already bounded)")
+    if a.kl_in == "reward" and a.kl_coef == 0:
+        bad("algorithm.kl_in", "'reward' folds kl_coef × KL into Δ, but algorithm.kl_coef is 0; set kl_coef > 0")
+    if a.overlong_penalty <= 0:
+        bad("algorithm.overlong_penalty", f"must be > 0, got {a.overlong_penalty}")
+    if a.overlong_buffer and s.max_new_tokens and a.overlong_buffer > s.max_new_tokens:
+        bad("algorithm.overlong_buffer", f"{a.overlong_buffer} exceeds sampling.max_new_tokens = {s.max_new_tokens}")
     if a.scheme == "baseline":
         bad("algorithm.scheme", "'baseline' needs a per-prompt B(S) that a training run does not have; "
-            "use centered, normalized or loo (the group is the baseline)")
+            "use centered, normalized or loo (the group is the baseline), or learned (a critic V(S))")
+    if a.value_lr <= 0:
+        bad("algorithm.value_lr", f"must be > 0, got {a.value_lr}")
     if a.scheme == "loo" and t.samples_per_prompt < 2:
         bad("algorithm.scheme", "'loo' needs train.samples_per_prompt >= 2")
     if a.top_k > t.samples_per_prompt:

@@ -28,6 +28,15 @@ enumerate, so each identity the trainer relies on becomes arithmetic we can veri
    pushes its own action up: raw Δ, rewards (0.5, 0.5, 1), G = 2 locks 18.5% of seeds at lr 5.0
    and 0% at lr 0.5. `report(exercise_seeds=200)` prints both.
 
+5. Learned and optimal baselines. A scalar baseline b fitted by SGD on the squared error
+   (b - R)² to one sampled reward per step (`learned_baseline_sgd`, what rlvr.value's critic does
+   per prompt) has E[b_t] = E[R] + (1 - 2 lr)^t (b_0 - E[R]) (`expected_learned_baseline`), so it
+   converges to E[R] = 0.2 on the 4-answer policy, fluctuating with variance lr Var(R) / (1 - lr).
+   E[R] is not the variance-minimising constant: the total variance over the logits of the
+   one-sample estimator is E[(R - b)² ‖∇log π‖²] - ‖∇J‖², minimised at
+   b* = E[R ‖∇log π‖²] / E[‖∇log π‖²] (`optimal_baseline`) = 0.18 / 0.7 = 0.257143; by
+   enumeration (`total_estimator_variance`) it is 0.144, 0.1 and 0.0977143 for b = 0, E[R], b*.
+
 Limits. This establishes arithmetic consistency in a finite example, not capability: one state,
 independent logits (no shared network, no tokens, no sequence lengths), exact expectations rather
 than training curves. It says nothing about the full GRPO objective (ratios, clipping, KL), and a
@@ -226,6 +235,58 @@ def group_estimator_moments(
     return mean, variance
 
 
+def total_estimator_variance(probs: ArrayLike, rewards: ArrayLike, baseline: float) -> float:
+    """Σ over the logits of Var[(R(a) - b)(onehot(a) - p)], a ~ p: the trace of the covariance.
+
+    Exact, by enumeration (`estimator_moments`); equals E[(R - b)² ‖∇log π‖²] - ‖∇J‖², a quadratic
+    in b minimised by `optimal_baseline`. On the 4-answer policy: 0.144 (b = 0), 0.1 (b = 0.2).
+    """
+    _, variance = estimator_moments(probs, rewards, baseline)
+    return float(variance.sum())
+
+
+def optimal_baseline(probs: ArrayLike, rewards: ArrayLike) -> float:
+    """b* = E[R ‖∇log π‖²] / E[‖∇log π‖²], the constant minimising `total_estimator_variance`.
+
+    With ∇log π(a) = onehot(a) - p, ‖∇log π(a)‖² = 1 - 2 p_a + Σ p². On the 4-answer policy the
+    norms are 0.9, 0.7, 0.5, 1.1, so b* = 0.2 · 0.9 / 0.7 = 0.257143: the rewarded answer has a
+    larger score norm than average, and b* leans toward its reward.
+    """
+    p, r = _policy(probs, rewards)
+    norms = (score_matrix(p) ** 2).sum(dim=1)  # (n,) ‖∇log π(a)‖²
+    return float((p * r * norms).sum() / (p * norms).sum())
+
+
+def sgd_baseline_path(sampled_rewards: Sequence[float], *, lr: float, b0: float = 0.0) -> list[float]:
+    """b after each SGD step on (b - R_t)² for the given rewards: b <- b - lr · 2 (b - R_t).
+
+    Returns [b_0, b_1, ..., b_T]. A scalar stand-in for rlvr.value's critic on one prompt.
+    """
+    lr = _as_finite("lr", lr)
+    b = _as_finite("b0", b0)
+    path = [b]
+    for x in sampled_rewards:
+        b = b - lr * 2.0 * (b - float(x))
+        path.append(b)
+    return path
+
+
+def learned_baseline_sgd(probs: ArrayLike, rewards: ArrayLike, *, lr: float = 0.005, steps: int = 5000,
+                         seed: int = 0, b0: float = 0.0) -> list[float]:
+    """`sgd_baseline_path` on `steps` rewards R(a_t), a_t ~ p drawn with random.Random(seed)."""
+    p, r = _policy(probs, rewards)
+    steps = _as_count("steps", steps, 0)
+    rng = random.Random(seed)
+    acts = rng.choices(range(p.numel()), weights=p.tolist(), k=steps)
+    return sgd_baseline_path([r[a].item() for a in acts], lr=lr, b0=b0)
+
+
+def expected_learned_baseline(probs: ArrayLike, rewards: ArrayLike, *, lr: float, t: int, b0: float = 0.0) -> float:
+    """E[b_t] of `learned_baseline_sgd`: E[R] + (1 - 2 lr)^t (b0 - E[R]) (the update is linear in b)."""
+    J = expected_reward(probs, rewards)
+    return J + (1 - 2 * _as_finite("lr", lr)) ** _as_count("t", t, 0) * (_as_finite("b0", b0) - J)
+
+
 # --- seed 002: the bandit --------------------------------------------------------------------
 
 
@@ -384,6 +445,7 @@ def report(exercise_seeds: int = 0) -> list[tuple[str, str]]:
                 "seed 001: first logit of (R(a)-b)(onehot(a)-p), all 4 actions enumerated",
             )
         )
+    lines += _baseline_lines(p, r)
     G = 2
     cen, _ = group_estimator_moments(p, r, G, "centered")
     loo, _ = group_estimator_moments(p, r, G, "loo")
@@ -416,6 +478,27 @@ def report(exercise_seeds: int = 0) -> list[tuple[str, str]]:
                         f"seed 002 exercise ({name}): {exercise_seeds} seeds, p >= 0.9 after 200 steps",
                     )
                 )
+    return lines
+
+
+def _baseline_lines(p: Sequence[float], r: Sequence[float]) -> list[tuple[str, str]]:
+    """The learned baseline's trajectory and the total variance at b = 0, E[R] and b*."""
+    lr, steps = 0.005, 5000
+    path = learned_baseline_sgd(p, r, lr=lr, steps=steps, seed=0)
+    tail = sum(path[steps // 2 + 1:]) / (steps - steps // 2)
+    J, b_star = expected_reward(p, r), optimal_baseline(p, r)
+    var_r = expected_reward(p, [x * x for x in r]) - J * J
+    sd = math.sqrt(lr * var_r / (1 - lr))  # stationary sd of b around E[R]
+    lines = [(
+        f"learned baseline b_{steps} {path[-1]:.4f}  mean of the last {steps - steps // 2} {tail:.4f}  "
+        f"(E[R] {J:.6g}, sd around it {sd:.4f})",
+        f"SGD on (b - R)², lr {lr:g}, one sampled reward per step, b_0 = 0, random.Random(0)",
+    )]
+    for name, b in (("b = 0", 0.0), (f"b = E[R] = {J:.6g}", J), (f"b* = {b_star:.6g}", b_star)):
+        lines.append((
+            f"total variance {total_estimator_variance(p, r, b):.6g}  ({name})",
+            "Σ over the 4 logits of Var[(R(a)-b)(onehot(a)-p)], enumerated; b* = E[R‖∇log π‖²]/E[‖∇log π‖²]",
+        ))
     return lines
 
 

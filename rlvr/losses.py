@@ -3,20 +3,30 @@
 Shapes: B = P*G rows, T response tokens, V vocabulary; `mask (B, T)` is 1 on generated tokens
 only, so prompt and padding positions never enter a sum, a mean, a ratio or a statistic.
 
-The policy loss, per generated token t of row b (PPO / GRPO, seeds 000 and 001):
+The policy loss, per generated token t of row b (PPO / GRPO):
 
     ratio[b,t]  = exp(logp[b,t] - logp_old[b,t])                      π / π_old
-    loss[b,t]   = -min(ratio * Δ, clip(ratio, 1 - eps_low, 1 + eps_high) * Δ)
+    loss[b,t]   = -min(ratio * Δ, clip(ratio, 1 - eps_low, 1 + eps_high) * Δ)   objective ppo_clip
     loss        = aggregate(loss[b,t], mask, agg)                     see AGGREGATIONS
 
 Choices that change the gradient:
 1. `logp_old`, `logp_ref` and Δ are detached inside: they are constants of the update. Were
    logp_old not detached, the ratio would be identically 1 with zero gradient ("the ratio
    collapses to one"). With logp_old = logp.detach() (the first of μ passes) the ratio is 1, the
-   loss value is -mean(Δ) — 0 for centered Δ — and the gradient is -Δ ∇logp: it learns.
+   per-token loss is -Δ and the gradient is -Δ ∇logp, weighted as `agg` weighs tokens: it learns.
+   The loss VALUE there is aggregate(-Δ), which depends on the mode; with one Δ_b per response
+   and |y_b| generated tokens in row b:
+       seq_mean_mean   -(1/B) Σ_b Δ_b                     = -mean(Δ), 0 for centered Δ
+       token_mean      -Σ_b |y_b| Δ_b / Σ_b |y_b|          a length-weighted mean of Δ, not 0
+                                                           for centered Δ unless the lengths agree
+       seq_sum_mean    -(1/B) Σ_b |y_b| Δ_b                 (seq_sum_const: that / max_len)
+   So a non-zero first-step loss under token_mean is normal (longer responses had larger or
+   smaller Δ), and its value says nothing about learning; read the gradient norm. (Objective
+   cispo has the same gradient at ratio 1 but the per-token value -Δ · logp.)
 2. Clipping zeroes the gradient of a token only where it is active: Δ > 0 and ratio > 1 + eps_high,
    or Δ < 0 and ratio < 1 - eps_low. eps_high defaults to eps_low; a larger eps_high is DAPO's
-   "clip higher". There is no dual clip.
+   "clip higher". `dual_clip_c = c` adds the dual clip: for Δ < 0 the loss is capped at -c·Δ, so
+   a token with ratio > c gets no gradient (`ppo_clip`).
 3. level="sequence" is GSPO: one ratio per row, s_b = exp(mean over the row's generated tokens of
    (logp - logp_old)) = (π(y|x) / π_old(y|x))^(1/|y|), clipped at the sequence level and used for
    every token of the row. With agg="seq_mean_mean" this is exactly GSPO's per-sequence
@@ -25,7 +35,13 @@ Choices that change the gradient:
    association) or (B, T) (per-token Δ, e.g. process rewards).
 5. The aggregation mode (below) decides how tokens are weighted; it is not cosmetic.
 6. The KL term is a separate scalar (`kl_loss`); the caller adds kl_coef * kl_loss.
-   KL_ESTIMATORS documents which gradient each estimator really gives.
+   KL_ESTIMATORS documents which gradient each estimator really gives. The alternative, KL folded
+   into the reward as a per-token Δ, is `rlvr.advantages.kl_reward_delta`.
+7. `objective` picks the per-token loss (OBJECTIVES): "ppo_clip" (above) or "cispo", which
+   replaces the min/clip by a stop-gradient clipped weight, -sg(clip(ratio)) · Δ · logp, so no
+   token loses its gradient.
+8. An entropy bonus is a separate scalar (`entropy_bonus` of `entropy_from_logits`); the caller
+   subtracts entropy_coef * entropy_bonus.
 
 Log-probs are computed in float32 (float64 stays float64); `token_logprobs(chunk_rows=...)`
 bounds the float32 (rows, V) working set for large vocabularies.
@@ -175,6 +191,57 @@ def aggregate(values: Tensor, mask: Tensor, mode: str, *, max_len: int | None = 
     return AGGREGATIONS[mode](values, mask, max_len)
 
 
+# --- the policy objectives: per-token loss from ratio and Δ -----------------------------------
+# Each takes (logp, ratio, delta) of shape (B, T), logp already zero outside the mask, and returns
+# the (B, T) per-token loss; `policy_loss` aggregates it. One is picked by name (OBJECTIVES).
+
+
+def ppo_clip(
+    logp: Tensor, ratio: Tensor, delta: Tensor, *, eps_low: float, eps_high: float, dual_clip_c: float | None
+) -> Tensor:
+    """PPO's clipped surrogate, with Ye et al.'s dual clip for negative Δ when dual_clip_c is set.
+
+        loss = -min(ratio * Δ, clip(ratio, 1 - eps_low, 1 + eps_high) * Δ)
+        dual clip (Δ < 0 only):  loss = min(loss, -c * Δ)  =  |Δ| * min(max(ratio, clip(ratio)), c)
+
+    The gradient is -ratio * Δ * ∇logp where no bound is active and 0 where one is. The dual clip
+    caps what one token with Δ < 0 can contribute once π has already raised it far above π_old
+    (ratio > c): without it the loss -ratio * Δ grows without bound in the ratio and a few stale
+    tokens dominate the update. Use it with several passes per batch (μ > 1) or off-policy data,
+    where ratios far from 1 occur; at μ = 1 the first step has ratio 1 and nothing changes.
+    c must exceed 1 (verl's clip_ratio_c, default 3).
+    """
+    clipped = ratio.clamp(1 - eps_low, 1 + eps_high)  # (B, T)
+    per_token = -torch.minimum(ratio * delta, clipped * delta)  # (B, T)
+    if dual_clip_c is not None:
+        per_token = torch.where(delta < 0, torch.minimum(per_token, -dual_clip_c * delta), per_token)
+    return per_token
+
+
+def cispo(
+    logp: Tensor, ratio: Tensor, delta: Tensor, *, eps_low: float, eps_high: float, dual_clip_c: float | None
+) -> Tensor:
+    """CISPO (MiniMax-M1): clip the importance weight, stop its gradient, keep every token's gradient.
+
+        loss = -sg(clip(ratio, 1 - eps_low, 1 + eps_high)) * Δ * logp
+
+    Gradient: -clip(ratio) * Δ * ∇logp. Where PPO's clip is inactive this is PPO's gradient
+    (∇ratio = ratio ∇logp); where PPO would zero the token, CISPO still moves it with the weight
+    truncated at the bound. Use it when clipping silences the tokens that matter (rare, high-Δ
+    "fork" tokens whose ratio moves fast over μ > 1 passes); pair it with a wide upper bound
+    (MiniMax and TRL's recommendation: 1 + eps_high around 5). The loss VALUE is -Σ w Δ logp, not
+    comparable with ppo_clip's -Σ ratio Δ; only the gradients are. No dual clip (nothing to cap:
+    the weight is already bounded).
+    """
+    if dual_clip_c is not None:
+        raise ValueError("dual_clip_c applies to objective 'ppo_clip' only; cispo's weight is already bounded")
+    weight = ratio.clamp(1 - eps_low, 1 + eps_high).detach()  # (B, T) stop-gradient importance weight
+    return -weight * delta * logp
+
+
+OBJECTIVES = {"ppo_clip": ppo_clip, "cispo": cispo}
+
+
 # --- the clipped policy-gradient loss -------------------------------------------------------
 
 
@@ -189,15 +256,21 @@ def policy_loss(
     level: str = "token",
     agg: str = "token_mean",
     max_len: int | None = None,
+    objective: str = "ppo_clip",
+    dual_clip_c: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Clipped surrogate loss and its diagnostics: (loss scalar, stats of python floats).
+    """Policy loss under `objective` (a key of OBJECTIVES) and its diagnostics: (scalar, stats).
 
     logp, logp_old, mask: (B, T); delta: (B,) per response or (B, T) per token. logp_old and
     delta are detached here (constants of the update). level "token" (PPO/GRPO) or "sequence"
-    (GSPO, module docstring item 3). Stats, over generated tokens, under no_grad:
-      clip_frac_low   Δ < 0 and ratio < 1 - clip_eps (clip active below, no gradient)
-      clip_frac_high  Δ > 0 and ratio > 1 + clip_eps_high (clip active above, no gradient)
-      clip_frac       their sum
+    (GSPO, module docstring item 3). dual_clip_c (> 1, ppo_clip only) caps the loss of Δ < 0
+    tokens at -c * Δ. Stats, over generated tokens, under no_grad:
+      clip_frac_low   Δ < 0 and ratio < 1 - clip_eps (ppo_clip: clip active below, no gradient);
+                      cispo: ratio < 1 - clip_eps whatever Δ (weight truncated, gradient kept)
+      clip_frac_high  Δ > 0 and ratio > 1 + clip_eps_high (ppo_clip: no gradient);
+                      cispo: ratio > 1 + clip_eps_high whatever Δ (weight truncated)
+      clip_frac_dual  Δ < 0 and ratio > dual_clip_c (dual clip active, no gradient); 0 when off
+      clip_frac       the sum of the three
       approx_kl_old   mean of (ratio - 1) - log ratio over tokens: Schulman's k3 estimate of
                       KL(π_old || π), unbiased and >= 0 since the tokens were sampled from π_old;
                       always from the per-token ratio, also at level "sequence"
@@ -218,40 +291,123 @@ def policy_loss(
         raise ValueError(f"unknown level {level!r}; known levels: token, sequence")
     if agg not in AGGREGATIONS:
         raise ValueError(f"unknown agg mode {agg!r}; known modes: {', '.join(AGGREGATIONS)}")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"unknown objective {objective!r}; known objectives: {', '.join(OBJECTIVES)}")
+    if dual_clip_c is not None and not 1 < dual_clip_c < math.inf:
+        raise ValueError(f"dual_clip_c must be a finite number > 1 (or None), got {dual_clip_c!r}")
 
     m = mask.bool()  # (B, T)
     delta = delta.detach().to(logp.dtype)
     delta = delta[:, None].expand(B, T) if delta.dim() == 1 else delta  # (B, T)
     # zero outside the mask so padding (possibly -inf) never reaches exp or its gradient
-    log_ratio = torch.where(m, logp - logp_old.detach(), torch.zeros_like(logp))  # (B, T)
+    zero = torch.zeros_like(logp)
+    log_ratio = torch.where(m, logp - logp_old.detach(), zero)  # (B, T)
     if level == "token":
         ratio = torch.exp(log_ratio)  # (B, T)
     else:
         count = m.sum(dim=-1).clamp(min=1).to(logp.dtype)  # (B,)
         ratio = torch.exp(log_ratio.sum(dim=-1) / count)[:, None].expand(B, T)  # (B, T) same per row
-    clipped = ratio.clamp(1 - clip_eps, 1 + eps_high)  # (B, T)
-    per_token = -torch.minimum(ratio * delta, clipped * delta)  # (B, T)
+    per_token = OBJECTIVES[objective](torch.where(m, logp, zero), ratio, delta,
+                                      eps_low=clip_eps, eps_high=eps_high, dual_clip_c=dual_clip_c)  # (B, T)
     loss = AGGREGATIONS[agg](per_token, mask, max_len)
+    return loss, _policy_stats(ratio, delta, log_ratio, m, clip_eps, eps_high, objective, dual_clip_c)
 
-    with torch.no_grad():
-        n = int(m.sum())
-        if n == 0:
-            stats = dict(clip_frac_low=0.0, clip_frac_high=0.0, clip_frac=0.0, approx_kl_old=0.0,
-                         ratio_mean=1.0, ratio_min=1.0, ratio_max=1.0)
-        else:
-            r, d, lr = ratio[m], delta[m], log_ratio[m]  # (n,) generated tokens only
-            low = ((d < 0) & (r < 1 - clip_eps)).float().mean().item()
-            high = ((d > 0) & (r > 1 + eps_high)).float().mean().item()
-            stats = dict(
-                clip_frac_low=low,
-                clip_frac_high=high,
-                clip_frac=low + high,
-                approx_kl_old=(torch.expm1(lr) - lr).mean().item(),
-                ratio_mean=r.mean().item(),
-                ratio_min=r.min().item(),
-                ratio_max=r.max().item(),
-            )
-    return loss, stats
+
+@torch.no_grad()
+def _policy_stats(ratio, delta, log_ratio, m, eps_low, eps_high, objective, dual_clip_c) -> dict[str, float]:
+    """policy_loss's diagnostics over the generated tokens (see its docstring)."""
+    if int(m.sum()) == 0:
+        return dict(clip_frac_low=0.0, clip_frac_high=0.0, clip_frac_dual=0.0, clip_frac=0.0,
+                    approx_kl_old=0.0, ratio_mean=1.0, ratio_min=1.0, ratio_max=1.0)
+    r, d, lr = ratio[m], delta[m], log_ratio[m]  # (n,) generated tokens only
+    if objective == "cispo":
+        low = (r < 1 - eps_low).float().mean().item()
+        high = (r > 1 + eps_high).float().mean().item()
+    else:
+        low = ((d < 0) & (r < 1 - eps_low)).float().mean().item()
+        high = ((d > 0) & (r > 1 + eps_high)).float().mean().item()
+    dual = 0.0 if dual_clip_c is None else ((d < 0) & (r > dual_clip_c)).float().mean().item()
+    return dict(
+        clip_frac_low=low,
+        clip_frac_high=high,
+        clip_frac_dual=dual,
+        clip_frac=low + high + dual,
+        approx_kl_old=(torch.expm1(lr) - lr).mean().item(),
+        ratio_mean=r.mean().item(),
+        ratio_min=r.min().item(),
+        ratio_max=r.max().item(),
+    )
+
+
+# --- entropy bonus --------------------------------------------------------------------------
+
+
+def entropy_from_logits(logits: Tensor, *, temperature: float = 1.0, chunk_rows: int | None = None) -> Tensor:
+    """Per-position entropy H = -Σ_v p_v log p_v of softmax(logits / temperature): (B, T, V) -> (B, T).
+
+    WITH gradient: ∂H/∂z_v = -p_v (log p_v + H), z = logits / temperature. Computed in float32
+    (float64 stays float64). Give it the learner's logits at the response positions (the same
+    tensor token_logprobs reads), at the sampling temperature; the nucleus (top_p) is not applied,
+    as in TRL and verl: the entropy of the tempered distribution. With chunk_rows set, B*T rows
+    are processed chunk_rows at a time in the forward and the backward (the softmax is recomputed
+    per chunk), so at most one (chunk_rows, V) float32 block exists at once; values and gradients
+    match the plain path. The cost is one more softmax pass over (B, T, V) per training forward.
+    """
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be 3-D (B, T, V), got shape {tuple(logits.shape)}")
+    if not temperature > 0 or not math.isfinite(temperature):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    if chunk_rows is None:
+        logp_all = torch.log_softmax(logits.to(dtype) / temperature, dim=-1)  # (B, T, V)
+        return -(logp_all.exp() * logp_all).sum(dim=-1)  # (B, T)
+    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be a positive int or None, got {chunk_rows!r}")
+    B, T, V = logits.shape
+    return _ChunkedEntropy.apply(logits.reshape(B * T, V), temperature, chunk_rows).view(B, T)
+
+
+class _ChunkedEntropy(torch.autograd.Function):
+    """(N, V) logits -> (N,) entropies; backward recomputes the softmax chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, logits, temperature, chunk_rows):
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        out = torch.empty(logits.shape[0], dtype=dtype, device=logits.device)  # (N,)
+        for s in range(0, logits.shape[0], chunk_rows):
+            lp = torch.log_softmax(logits[s : s + chunk_rows].to(dtype) / temperature, dim=-1)  # (n, V)
+            out[s : s + chunk_rows] = -(lp.exp() * lp).sum(dim=-1)
+        ctx.save_for_backward(logits, out)
+        ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        logits, H = ctx.saved_tensors
+        temperature, chunk_rows = ctx.temperature, ctx.chunk_rows
+        grad = torch.empty_like(logits)  # (N, V) in the logits' dtype
+        for s in range(0, logits.shape[0], chunk_rows):
+            lp = torch.log_softmax(logits[s : s + chunk_rows].to(H.dtype) / temperature, dim=-1)  # (n, V)
+            g = grad_out[s : s + chunk_rows, None].to(H.dtype)  # (n, 1)
+            # dH/dz_v = -p_v (log p_v + H); then the 1/temperature of z = logits / temperature
+            grad[s : s + chunk_rows] = -lp.exp() * (lp + H[s : s + chunk_rows, None]) * g / temperature
+        return grad, None, None
+
+
+def entropy_bonus(entropy: Tensor, mask: Tensor, agg: str = "token_mean", *, max_len: int | None = None) -> Tensor:
+    """Scalar entropy bonus: per-token entropy (B, T) over generated tokens, aggregated by `agg`.
+
+    The caller SUBTRACTS entropy_coef * entropy_bonus from the loss (maximising entropy), with the
+    same `agg` as the policy term so both weigh tokens alike:
+
+        loss = policy_loss + kl_coef * kl_loss - entropy_coef * aggregate(H, mask, agg)
+
+    Use a small coefficient (1e-3 .. 1e-2) when the sampling entropy collapses early and every
+    group agrees (no Δ left); too large a coefficient drives the policy toward uniform noise.
+    """
+    _check_same_shape("entropy", entropy, mask=mask)
+    return aggregate(entropy, mask, agg, max_len=max_len)
 
 
 # --- KL to a reference policy ---------------------------------------------------------------

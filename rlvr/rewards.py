@@ -1,7 +1,10 @@
 """The reward contract, reward cards, and safe scoring with explicit statuses.
 
-A reward is a deterministic program ``fn(prompt, response, answer) -> float``. Every reward
-ships with a card that names the proxy before anyone trusts an improvement on it:
+A reward is a deterministic program ``fn(prompt, response, answer) -> float``, or, for a process
+reward, ``-> list[float]``: one score per step of the response (the task's ``step_delimiter`` cuts
+the steps; "" = one per response token on fixed-length tasks). A list is scored as its mean, a
+:class:`StepScores` float that keeps the steps for the per-token Δ (:func:`steps_of`).
+Every reward ships with a card that names the proxy before anyone trusts an improvement on it:
 
 * ``pays_for``: what the reward pays for;
 * ``ignores``: what it does not look at;
@@ -80,8 +83,8 @@ def score(fn: RewardFn | Reward, prompt: str, response: str, answer: Any) -> Sco
 
     ``value, status, detail = score(...)``. A reward that raises gives status ``error`` with
     ``"ExceptionType: message"`` in ``detail``; None gives ``none``; NaN or ±inf gives
-    ``nan``; anything that is not a real number (a string, a list, a complex) gives
-    ``bad_type``. bools and ints count as numbers. Only ``Exception`` is caught:
+    ``nan``; anything that is not a real number (a string, a dict, a complex) gives
+    ``bad_type``; a list of real numbers is a process reward (`check_value`). bools and ints count as numbers. Only ``Exception`` is caught:
     KeyboardInterrupt and SystemExit still stop the run.
     """
     if isinstance(fn, Reward):
@@ -93,13 +96,47 @@ def score(fn: RewardFn | Reward, prompt: str, response: str, answer: Any) -> Sco
     return check_value(v)
 
 
+class StepScores(float):
+    """A process reward's value: a float equal to the mean of its per-step scores, which it keeps
+    in ``steps``. Arithmetic gives plain floats, so totals, logs and JSON see the mean; read the
+    steps back with :func:`steps_of` (e.g. from ``BatchScores.per_reward``)."""
+
+    steps: tuple[float, ...]
+
+    def __new__(cls, steps: Sequence[float]) -> "StepScores":
+        steps = tuple(float(x) for x in steps)
+        obj = super().__new__(cls, sum(steps) / len(steps))
+        obj.steps = steps
+        return obj
+
+    def __reduce__(self):  # pickles with its steps (a worker pool may send it across processes)
+        return (StepScores, (self.steps,))
+
+    def __repr__(self) -> str:
+        return f"StepScores({list(self.steps)!r})"
+
+
+def steps_of(value: float) -> tuple[float, ...]:
+    """The per-step scores a value carries (a :class:`StepScores`), or () for a plain number."""
+    return getattr(value, "steps", ())
+
+
 def check_value(v: Any) -> Score:
-    """The status of one value a reward returned (see `score`)."""
+    """The status of one value a reward returned (see `score`).
+
+    A list or tuple of real numbers is a process reward, one score per step of the response:
+    ``ok`` with a :class:`StepScores` value (their mean, carrying the steps); an empty list or a
+    non-number inside is ``bad_type``, a NaN or infinity inside is ``nan``.
+    """
     if type(v) is not float:  # fast path: the usual case is a plain float
         if v is None:
             return Score(0.0, "none", "returned None")
         if isinstance(v, (str, bytes)):
             return Score(0.0, "bad_type", f"returned {type(v).__name__} {v!r:.80}")
+        if isinstance(v, StepScores):
+            return Score(v, "ok")
+        if isinstance(v, (list, tuple)):
+            return _check_steps(v)
         try:
             v = float(v)  # int, bool, numpy scalar, 1-element tensor
         except Exception:
@@ -107,6 +144,19 @@ def check_value(v: Any) -> Score:
     if not math.isfinite(v):
         return Score(0.0, "nan", f"returned {v}")
     return Score(v, "ok")
+
+
+def _check_steps(v: list | tuple) -> Score:
+    """check_value for a list of per-step scores."""
+    if not v:
+        return Score(0.0, "bad_type", f"returned an empty {type(v).__name__}")
+    steps = []
+    for i, x in enumerate(v):
+        one = Score(0.0, "bad_type", "a nested list") if isinstance(x, (list, tuple)) else check_value(x)
+        if one.status != "ok":
+            return Score(0.0, one.status, f"step {i}: {one.detail}")
+        steps.append(one.value)
+    return Score(StepScores(steps), "ok")
 
 
 WeightedRewards = Mapping[str, tuple[Union[RewardFn, Reward], float]]

@@ -48,6 +48,19 @@ def test_unknown_section(tmp_path):
     ("[algorithm]\ntop_k = 9\n", r"algorithm\.top_k"),
     ("[model]\nn_head = 3\n", r"model\.n_head"),
     ("steps = 3\n", r"steps.*c\.toml:1.*sections"),
+    ("[algorithm]\nobjective = \"grpo\"\n", r"algorithm\.objective.*c\.toml:2.*'ppo_clip', 'cispo'"),
+    ("[algorithm]\ndual_clip_c = 0.5\n", r"algorithm\.dual_clip_c: must be > 1"),
+    ("[algorithm]\ndual_clip_c = -3.0\n", r"algorithm\.dual_clip_c: must be >= 0"),
+    ("[algorithm]\ndual_clip_c = 3.0\nobjective = \"cispo\"\n", r"algorithm\.dual_clip_c.*ppo_clip"),
+    ("[algorithm]\nkl_in = \"reward\"\n", r"algorithm\.kl_in.*kl_coef"),
+    ("[algorithm]\nkl_in = \"both\"\n", r"algorithm\.kl_in.*'loss', 'reward'"),
+    ("[algorithm]\nentropy_coef = -0.01\n", r"algorithm\.entropy_coef"),
+    ("[algorithm]\noverlong_buffer = -1\n", r"algorithm\.overlong_buffer"),
+    ("[algorithm]\noverlong_buffer = 9\n[sampling]\nmax_new_tokens = 8\n", r"algorithm\.overlong_buffer.*max_new_tokens"),
+    ("[algorithm]\noverlong_penalty = 0.0\n", r"algorithm\.overlong_penalty"),
+    ("[algorithm]\nprocess_delta = \"sum\"\n", r"algorithm\.process_delta.*'per_step_centered', 'return_to_go'"),
+    ("[algorithm]\nvalue_lr = 0.0\n", r"algorithm\.value_lr: must be > 0"),
+    ("[algorithm]\nscheme = \"baseline\"\n", r"algorithm\.scheme.*learned"),
 ])
 def test_bad_values(tmp_path, text, match):
     with pytest.raises(ConfigError, match=match):
@@ -67,3 +80,23 @@ def test_every_field_has_a_docstring():
         for f in config.dataclasses.fields(cls):
             assert docs.get(f.name), f"{section}.{f.name} has no docstring"
     assert "--train.samples_per_prompt" in config.help_text()
+
+
+def test_algorithm_menu_loads_and_shows_in_help():
+    cfg = config.load(None, ["--algorithm.objective=cispo", "--algorithm.clip_eps_high=4.0", "--algorithm.kl_coef=0.05",
+                             "--algorithm.kl_in=reward", "--algorithm.scheme=batch_normalized",
+                             "--algorithm.entropy_coef=0.001", "--algorithm.overlong_buffer=2",
+                             "--algorithm.overlong_penalty=0.5"])
+    a = cfg.algorithm
+    assert (a.objective, a.kl_in, a.entropy_coef, a.overlong_buffer, a.overlong_penalty) == ("cispo", "reward", 0.001, 2, 0.5)
+    assert config.load(None, ["--algorithm.dual_clip_c=3"]).algorithm.dual_clip_c == 3.0
+    text = config.help_text()
+    for key in ("objective", "dual_clip_c", "kl_in", "entropy_coef", "overlong_buffer", "overlong_penalty",
+                "process_delta", "value_lr"):
+        assert f"--algorithm.{key}=" in text, key
+
+
+def test_learned_scheme_works_with_one_sample_per_prompt():
+    cfg = config.load(None, ["--algorithm.scheme=learned", "--train.samples_per_prompt=1", "--algorithm.value_lr=0.01"])
+    assert cfg.algorithm.scheme == "learned" and cfg.algorithm.value_lr == 0.01
+    assert "'learned'" in config.help_text()

@@ -254,6 +254,64 @@ def test_exercise_large_lr_locks_onto_wrong_action_more_often():
     assert "lr 5" in lab.format_exercise(res)
 
 
+# --- learned and optimal baselines ---------------------------------------------------------------
+
+
+def test_optimal_baseline_and_total_variances_by_hand():
+    # ‖onehot(a) - p‖² = 1 - 2 p_a + Σp² with Σp² = 0.3: 0.9, 0.7, 0.5, 1.1; E[‖g‖²] = 0.7,
+    # E[R ‖g‖²] = 0.2 · 0.9 = 0.18, so b* = 0.18 / 0.7; ‖∇J‖² = 0.16² + 0.06² + 0.08² + 0.02² = 0.036
+    assert lab.optimal_baseline(P001, R001) == pytest.approx(0.18 / 0.7, abs=TOL)
+    # total variance = E[(R - b)² ‖g‖²] - 0.036:
+    #   b = 0:   0.18 - 0.036 = 0.144
+    #   b = 0.2: 0.64 · 0.18 + 0.04 · (0.21 + 0.20 + 0.11) - 0.036 = 0.1
+    #   b*:      0.18 - 0.18² / 0.7 - 0.036 = 0.0977142857...
+    assert lab.total_estimator_variance(P001, R001, 0.0) == pytest.approx(0.144, abs=TOL)
+    assert lab.total_estimator_variance(P001, R001, 0.2) == pytest.approx(0.1, abs=TOL)
+    b_star = lab.optimal_baseline(P001, R001)
+    assert lab.total_estimator_variance(P001, R001, b_star) == pytest.approx(0.18 - 0.18**2 / 0.7 - 0.036, abs=TOL)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_optimal_baseline_minimises_a_loop_of_the_variance(seed):
+    probs, rewards = random_policy(seed, 5)
+    p, r = probs.tolist(), rewards.tolist()
+
+    def loop_total(b):  # Σ_a p_a (R_a - b)² ‖onehot(a) - p‖² - ‖∇J‖²
+        J = sum(pa * ra for pa, ra in zip(p, r))
+        grad = [pa * (ra - J) for pa, ra in zip(p, r)]
+        second = sum(p[a] * (r[a] - b) ** 2 * sum(((a == j) - p[j]) ** 2 for j in range(5)) for a in range(5))
+        return second - sum(x * x for x in grad)
+
+    b_star = lab.optimal_baseline(p, r)
+    for b in (0.0, 1.0, b_star):
+        assert lab.total_estimator_variance(p, r, b) == pytest.approx(loop_total(b), abs=1e-12)
+    for db in (-0.1, -1e-3, 1e-3, 0.1):
+        assert loop_total(b_star + db) > loop_total(b_star)
+
+
+def test_sgd_baseline_path_by_hand():
+    # lr 0.25: b <- b - 0.5 (b - R); rewards 1 then 0 from b = 0: 0.5, then 0.25
+    assert lab.sgd_baseline_path([1.0, 0.0], lr=0.25) == [0.0, 0.5, 0.25]
+
+
+def test_expected_learned_baseline_by_enumerating_every_two_step_draw():
+    # E[b_2] = 0.2 + (1 - 2 · 0.25)² (0 - 0.2) = 0.15, over all 16 pairs of actions
+    want = lab.expected_learned_baseline(P001, R001, lr=0.25, t=2)
+    assert want == pytest.approx(0.15, abs=TOL)
+    got = sum(P001[a] * P001[c] * lab.sgd_baseline_path([R001[a], R001[c]], lr=0.25)[-1]
+              for a, c in itertools.product(range(4), repeat=2))
+    assert got == pytest.approx(want, abs=TOL)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_learned_baseline_converges_to_the_expected_reward(seed):
+    path = lab.learned_baseline_sgd(P001, R001, lr=0.005, steps=5000, seed=seed)
+    assert len(path) == 5001 and path[0] == 0.0
+    tail = sum(path[2501:]) / 2500
+    assert abs(tail - 0.2) < 0.02  # the stationary sd is 0.028; a 2500-step mean ~ 0.008
+    assert abs(lab.optimal_baseline(P001, R001) - tail) > 0.03  # it finds E[R], not b*
+
+
 # --- report --------------------------------------------------------------------------------------
 
 
@@ -270,6 +328,11 @@ def test_report_prints_the_seed_figures():
         "variance 0.2304",
         "0.5 × gradient",
         "[0.003, 0.003, 0.994]",
+        "total variance 0.144  (b = 0)",
+        "total variance 0.1  (b = E[R] = 0.2)",
+        "total variance 0.0977143  (b* = 0.257143)",
+        "learned baseline b_5000",
+        "mean of the last 2500 0.1962",
     ]:
         assert figure in text, figure
 
@@ -317,6 +380,14 @@ def test_bad_scalars_raise():
         lab.lock_in_rates(lr=0.5, seeds=1, threshold=0.4)
     with pytest.raises(ValueError, match="scheme"):
         lab.bandit(steps=1, scheme="nope")
+    with pytest.raises(ValueError, match="lr"):
+        lab.sgd_baseline_path([1.0], lr=float("nan"))
+    with pytest.raises(ValueError, match="steps"):
+        lab.learned_baseline_sgd(P001, R001, steps=-1)
+    with pytest.raises(ValueError, match="probs"):
+        lab.optimal_baseline((0.5, 0.6), (1.0, 0.0))
+    with pytest.raises(ValueError, match="baseline"):
+        lab.total_estimator_variance(P001, R001, float("inf"))
 
 
 def test_lab_does_not_import_config_or_trainer():

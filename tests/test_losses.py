@@ -11,7 +11,10 @@ from rlvr import advantages
 from rlvr.losses import (
     AGGREGATIONS,
     KL_ESTIMATORS,
+    OBJECTIVES,
     aggregate,
+    entropy_bonus,
+    entropy_from_logits,
     kl_estimate,
     kl_loss,
     policy_loss,
@@ -369,6 +372,22 @@ def test_loss_is_zero_but_it_learns(mode):
     assert torch.allclose(grad, want, atol=1e-6)
 
 
+def test_loss_value_at_ratio_one_by_mode():
+    """The module docstring's table: Δ = (1, -1) on rows of 3 and 1 generated tokens, ratio 1."""
+    logp = torch.full((2, 3), -1.0)
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    delta = torch.tensor([1.0, -1.0])  # centered: mean 0
+    want = {
+        "seq_mean_mean": -(1 - 1) / 2,  # -mean(Δ)
+        "token_mean": -(3 * 1 + 1 * -1) / 4,  # length-weighted: -0.5
+        "seq_sum_mean": -(3 * 1 + 1 * -1) / 2,
+        "seq_sum_const": -(3 * 1 + 1 * -1) / 2 / 4,
+    }
+    for mode, value in want.items():
+        loss, _ = policy_loss(logp, logp, delta, mask, agg=mode, max_len=4)
+        assert loss.item() == pytest.approx(value), mode
+
+
 def test_logp_old_and_delta_are_constants():
     logp = torch.tensor([[-1.0, -0.5]], requires_grad=True)
     logp_old = torch.tensor([[-1.2, -0.4]], requires_grad=True)
@@ -448,8 +467,211 @@ def _pl(**over):
         (lambda: token_logprobs(torch.zeros(2, 3, 4), torch.zeros(2, 2, dtype=torch.long)), "ids"),
         (lambda: token_logprobs(torch.zeros(2, 3, 4), torch.zeros(2, 3, dtype=torch.long), temperature=0.0), "temperature"),
         (lambda: token_logprobs(torch.zeros(2, 3, 4), torch.zeros(2, 3, dtype=torch.long), chunk_rows=0), "chunk_rows"),
+        (lambda: _pl(objective="grpo"), "objective.*ppo_clip.*cispo"),
+        (lambda: _pl(dual_clip_c=1.0), "dual_clip_c"),
+        (lambda: _pl(dual_clip_c=float("inf")), "dual_clip_c"),
+        (lambda: _pl(objective="cispo", dual_clip_c=3.0), "dual_clip_c"),
+        (lambda: entropy_from_logits(torch.zeros(2, 3)), "logits"),
+        (lambda: entropy_from_logits(torch.zeros(2, 3, 4), temperature=0.0), "temperature"),
+        (lambda: entropy_from_logits(torch.zeros(2, 3, 4), chunk_rows=0), "chunk_rows"),
+        (lambda: entropy_bonus(torch.zeros(2, 3), torch.ones(2, 4)), "mask"),
     ],
 )
 def test_errors_name_the_argument(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+# --- the menu: dual clip, CISPO, entropy bonus -------------------------------------------------
+
+
+def test_dual_clip_caps_negative_delta_at_c():
+    # Δ = -1, ratio 4 > c = 3: plain PPO loss is -min(-4, -1.2) = 4 with gradient 4; the dual clip
+    # caps it at -c·Δ = 3 and the gradient is 0
+    loss, grad, stats = _one_token(math.log(4.0), 0.0, -1.0)
+    assert loss == pytest.approx(4.0) and grad == pytest.approx(4.0) and stats["clip_frac_dual"] == 0.0
+    loss, grad, stats = _one_token(math.log(4.0), 0.0, -1.0, dual_clip_c=3.0)
+    assert loss == pytest.approx(3.0) and grad == 0.0
+    assert stats["clip_frac_dual"] == 1.0 and stats["clip_frac"] == 1.0
+    # ratio 2 < c: untouched, loss 2 and gradient d(2·e^x)/dx = 2
+    loss, grad, stats = _one_token(math.log(2.0), 0.0, -1.0, dual_clip_c=3.0)
+    assert loss == pytest.approx(2.0) and grad == pytest.approx(2.0) and stats["clip_frac"] == 0.0
+    # Δ > 0 never sees the dual clip: ratio 4 is clipped to 1.2 as before
+    loss, grad, stats = _one_token(math.log(4.0), 0.0, 1.0, dual_clip_c=3.0)
+    assert loss == pytest.approx(-1.2) and grad == 0.0 and stats["clip_frac_dual"] == 0.0
+    # Δ < 0 below the band (ratio 1/e): the usual lower clip, loss 0.8, no gradient
+    loss, grad, _ = _one_token(-1.0, 0.0, -1.0, dual_clip_c=3.0)
+    assert loss == pytest.approx(0.8) and grad == 0.0
+
+
+def test_cispo_by_hand_keeps_the_gradient_where_ppo_drops_it():
+    # logp -1 against logp_old -2: ratio e, weight clipped to 1.2 and detached
+    # Δ = +1: loss -1.2·1·(-1) = 1.2, gradient -1.2 (ppo_clip: loss -1.2, gradient 0)
+    loss, grad, stats = _one_token(-1.0, -2.0, 1.0, objective="cispo")
+    assert loss == pytest.approx(1.2) and grad == pytest.approx(-1.2)
+    assert stats["clip_frac_high"] == 1.0
+    assert _one_token(-1.0, -2.0, 1.0)[1] == 0.0
+    # Δ = -1: weight still 1.2 (the weight is clipped whatever the sign), gradient +1.2
+    loss, grad, stats = _one_token(-1.0, -2.0, -1.0, objective="cispo")
+    assert loss == pytest.approx(-1.2) and grad == pytest.approx(1.2) and stats["clip_frac_high"] == 1.0
+    # ratio 1: weight 1, loss -Δ·logp = -1·(-1) = 1, gradient -Δ = -1, the same gradient as ppo_clip
+    loss, grad, stats = _one_token(-1.0, -1.0, 1.0, objective="cispo")
+    assert loss == pytest.approx(1.0) and grad == pytest.approx(-1.0) and stats["clip_frac"] == 0.0
+    assert _one_token(-1.0, -1.0, 1.0)[1] == pytest.approx(-1.0)
+    # ratio 1/e < 0.8: weight 0.8, gradient -0.8·Δ
+    loss, grad, stats = _one_token(-3.0, -2.0, 1.0, objective="cispo")
+    assert grad == pytest.approx(-0.8) and stats["clip_frac_low"] == 1.0
+
+
+def verl_vanilla_loop(logp, logp_old, adv, mask, lo, hi, c):
+    """verl core_algos.compute_policy_loss_vanilla (dual clip, token-mean) as a plain loop."""
+    total = n = clip_lower = 0.0
+    for b in range(len(logp)):
+        for t in range(len(logp[0])):
+            if not mask[b][t]:
+                continue
+            a = adv[b][t]
+            ratio = math.exp(max(-20.0, min(20.0, logp[b][t] - logp_old[b][t])))
+            l1 = -a * ratio
+            l2 = -a * min(max(ratio, 1 - lo), 1 + hi)
+            clip1 = max(l1, l2)
+            l3 = -a * c
+            clip2 = min(l3, clip1)
+            total += clip2 if a < 0 else clip1
+            clip_lower += (clip1 > l3) and a < 0
+            n += 1
+    return total / n, clip_lower / n
+
+
+def verl_cispo_loop(logp, logp_old, adv, mask, lo, hi):
+    """verl compute_policy_loss_cispo (token-mean): -sg(clamp(ratio, 1-lo, 1+hi)) · A · logp, and
+    d/dlogp of each term, -w·A / n."""
+    total, grads, n = 0.0, {}, sum(map(sum, mask))
+    for b in range(len(logp)):
+        for t in range(len(logp[0])):
+            if mask[b][t]:
+                w = min(max(math.exp(logp[b][t] - logp_old[b][t]), 1 - lo), 1 + hi)
+                total += -w * adv[b][t] * logp[b][t]
+                grads[b, t] = -w * adv[b][t] / n
+    return total / n, grads
+
+
+def trl_cispo_loop(logp, logp_old, adv, mask, eps_max):
+    """TRL GRPOTrainer loss_type='cispo' (token sum over the token count): clamp(ratio, max=eps_max)."""
+    total, n = 0.0, sum(map(sum, mask))
+    for b in range(len(logp)):
+        for t in range(len(logp[0])):
+            if mask[b][t]:
+                total += -min(math.exp(logp[b][t] - logp_old[b][t]), eps_max) * adv[b][t] * logp[b][t]
+    return total / n
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_dual_clip_and_cispo_match_verl_and_trl(seed):
+    g = torch.Generator().manual_seed(seed)
+    B, T = 5, 6
+    logp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    logp_old = logp + 1.5 * torch.randn(B, T, generator=g, dtype=torch.float64)  # ratios far from 1
+    mask = (torch.rand(B, T, generator=g) < 0.8).long()
+    mask[:, 0] = 1
+    adv = torch.randn(B, T, generator=g, dtype=torch.float64)
+    L = lambda x: x.tolist()
+    # dual clip: verl's default clip_ratio_c = 3, asymmetric band 0.2 / 0.28
+    loss, stats = policy_loss(logp, logp_old, adv, mask, clip_eps=0.2, clip_eps_high=0.28, dual_clip_c=3.0)
+    want, lower = verl_vanilla_loop(L(logp), L(logp_old), L(adv), L(mask), 0.2, 0.28, 3.0)
+    assert loss.item() == pytest.approx(want, rel=1e-10)
+    assert stats["clip_frac_dual"] == pytest.approx(lower)
+    assert lower > 0  # the case is exercised
+    # CISPO: verl's band, values and gradients
+    x = logp.clone().requires_grad_()
+    loss, _ = policy_loss(x, logp_old, adv, mask, clip_eps=0.2, clip_eps_high=0.28, objective="cispo")
+    want, grads = verl_cispo_loop(L(logp), L(logp_old), L(adv), L(mask), 0.2, 0.28)
+    assert loss.item() == pytest.approx(want, rel=1e-10)
+    (grad,) = torch.autograd.grad(loss, x)
+    for (b, t), v in grads.items():
+        assert grad[b, t].item() == pytest.approx(v, rel=1e-10, abs=1e-15)
+    assert grad[mask == 0].abs().max() == 0
+    # TRL clamps only above, at eps_max = 1 + eps_high; with clip_eps 0.999 the lower bound is 0.001,
+    # below every ratio here, and the two conventions agree
+    ratio = torch.exp(logp - logp_old)[mask.bool()]
+    assert ratio.min() > 1e-3
+    loss, _ = policy_loss(logp, logp_old, adv, mask, clip_eps=0.999, clip_eps_high=4.0, objective="cispo")
+    assert loss.item() == pytest.approx(trl_cispo_loop(L(logp), L(logp_old), L(adv), L(mask), 5.0), rel=1e-10)
+
+
+def test_cispo_gradient_is_ppo_gradient_inside_the_band():
+    """Where no clip is active, ∇(-ratio·Δ) = -ratio·Δ·∇logp = CISPO's gradient, token by token."""
+    g = torch.Generator().manual_seed(1)
+    logp = (-torch.rand(4, 5, generator=g, dtype=torch.float64) * 2).requires_grad_()
+    logp_old = logp.detach() + 0.1 * (2 * torch.rand(4, 5, generator=g, dtype=torch.float64) - 1)  # ratios in the band
+    delta = torch.randn(4, generator=g, dtype=torch.float64)
+    mask = torch.ones(4, 5)
+    grads = {}
+    for obj in OBJECTIVES:
+        loss, stats = policy_loss(logp, logp_old, delta, mask, objective=obj)
+        assert stats["clip_frac"] == 0.0
+        (grads[obj],) = torch.autograd.grad(loss, logp)
+    assert torch.allclose(grads["ppo_clip"], grads["cispo"], rtol=1e-12, atol=0)
+
+
+def test_cispo_and_dual_clip_ignore_padding_with_inf():
+    logp = torch.tensor([[-0.5, -float("inf")], [-1.0, -2.0]], requires_grad=True)
+    logp_old = torch.tensor([[-0.4, 0.0], [-1.0, -float("inf")]])
+    mask = torch.tensor([[1, 0], [1, 0]])
+    for kw in (dict(objective="cispo"), dict(dual_clip_c=3.0)):
+        for level in ("token", "sequence"):
+            loss, stats = policy_loss(logp, logp_old, torch.tensor([1.0, -1.0]), mask, level=level, **kw)
+            (grad,) = torch.autograd.grad(loss, logp)
+            assert torch.isfinite(loss) and torch.isfinite(grad).all(), (kw, level)
+            assert all(math.isfinite(v) for v in stats.values())
+
+
+def test_entropy_by_hand():
+    # uniform over 4: log 4; (3, 1, 1, 1)/6: -(1/2 log 1/2 + 3 · 1/6 log 1/6) = ½ log 2 + ½ log 6
+    logits = torch.tensor([[[0.0, 0.0, 0.0, 0.0], [math.log(3.0), 0.0, 0.0, 0.0]]], dtype=torch.float64)
+    want = torch.tensor([[math.log(4.0), 0.5 * math.log(2.0) + 0.5 * math.log(6.0)]], dtype=torch.float64)
+    assert torch.allclose(entropy_from_logits(logits), want, rtol=0, atol=1e-12)
+    assert torch.allclose(entropy_from_logits(logits, chunk_rows=1), want, rtol=0, atol=1e-12)
+    # temperature 2 on logits (2 log 3, 0, 0, 0) is the distribution (3, 1, 1, 1)/6
+    hot = torch.tensor([[[2 * math.log(3.0), 0.0, 0.0, 0.0]]], dtype=torch.float64)
+    assert entropy_from_logits(hot, temperature=2.0).item() == pytest.approx(want[0, 1].item())
+    # a point mass has entropy 0 and no NaN in the gradient
+    sharp = torch.tensor([[[0.0, -1e4, -1e4]]], requires_grad=True)
+    h = entropy_from_logits(sharp)
+    (grad,) = torch.autograd.grad(h.sum(), sharp)
+    assert h.item() == pytest.approx(0.0, abs=1e-6) and torch.isfinite(grad).all()
+
+
+def test_entropy_matches_trl_and_verl_formulas_and_chunked_gradients():
+    g = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(3, 4, 11, generator=g, dtype=torch.float64)).requires_grad_()
+    h = entropy_from_logits(logits, temperature=0.7)
+    z = logits.detach() / 0.7
+    trl = -(torch.log_softmax(z, -1).exp() * torch.log_softmax(z, -1)).sum(-1)  # TRL entropy_from_logits
+    verl = torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)  # verl entropy_from_logits
+    assert torch.allclose(h, trl, rtol=1e-12) and torch.allclose(h, verl, rtol=1e-12)
+    w = torch.randn(3, 4, generator=g, dtype=torch.float64)
+    (g_plain,) = torch.autograd.grad((h * w).sum(), logits)
+    for rows in (1, 5, 12, 100):
+        hc = entropy_from_logits(logits, temperature=0.7, chunk_rows=rows)
+        (g_chunk,) = torch.autograd.grad((hc * w).sum(), logits)
+        assert torch.allclose(hc, h, rtol=1e-12) and torch.allclose(g_chunk, g_plain, rtol=1e-10, atol=1e-14), rows
+    small = torch.randn(2, 2, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x: entropy_from_logits(x, temperature=1.3, chunk_rows=3), (small,))
+    bf = logits.detach().to(torch.bfloat16)
+    assert entropy_from_logits(bf, chunk_rows=4).dtype == torch.float32
+
+
+def test_entropy_bonus_aggregates_like_the_loss_and_raises_entropy():
+    H = torch.tensor([[1.0, 2.0, 3.0], [4.0, 100.0, 100.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    assert entropy_bonus(H, mask, "token_mean").item() == pytest.approx(10 / 4)
+    assert entropy_bonus(H, mask, "seq_mean_mean").item() == pytest.approx((2 + 4) / 2)
+    # one gradient step on loss = -coef · bonus makes a peaked distribution flatter
+    logits = torch.tensor([[[2.0, 0.0, -1.0]]], requires_grad=True)
+    before = entropy_from_logits(logits).item()
+    loss = -0.1 * entropy_bonus(entropy_from_logits(logits), torch.ones(1, 1))
+    loss.backward()
+    with torch.no_grad():
+        after = entropy_from_logits(logits - 1.0 * logits.grad).item()
+    assert after > before

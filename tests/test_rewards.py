@@ -11,8 +11,10 @@ from rlvr.rewards import (
     Reward,
     RewardCard,
     Score,
+    StepScores,
     score,
     score_batch,
+    steps_of,
 )
 
 
@@ -64,7 +66,7 @@ def test_nan_and_inf(v):
     assert (s.value, s.status) == (0.0, "nan")
 
 
-@pytest.mark.parametrize("v", ["1.0", b"1", [1.0], {"r": 1}, 1j, object()])
+@pytest.mark.parametrize("v", ["1.0", b"1", {"r": 1}, 1j, object()])
 def test_bad_type(v):
     s = score(const(v), "p", "r", "a")
     assert (s.value, s.status) == (0.0, "bad_type")
@@ -198,3 +200,50 @@ def test_failing_batch_fn_falls_back_to_one_by_one():
         out = score_batch({"b": (r, 1.0)}, ["p"] * 3, ["ok", "bad", "ok"], ["a"] * 3)
         assert out.per_reward["b"] == [1.0, 0.0, 1.0]
         assert out.status_counts["error"] == 1 and "this one" in out.errors[0]
+
+
+# --- process rewards: a list of per-step scores --------------------------------------------
+
+
+def test_list_of_numbers_is_a_process_reward():
+    s = score(const([1.0, 0.0, 1, True]), "p", "r", "a")
+    assert s == (0.75, "ok", "") and isinstance(s.value, StepScores)
+    assert steps_of(s.value) == (1.0, 0.0, 1.0, 1.0) and all(type(x) is float for x in steps_of(s.value))
+    assert steps_of(score(const((0.5,)), "p", "r", "a").value) == (0.5,)
+    assert steps_of(score(const(0.5), "p", "r", "a").value) == ()
+    # arithmetic and JSON see the mean; pickling keeps the steps
+    import json
+    import pickle
+
+    assert type(s.value + 0.0) is float and json.dumps(s.value) == "0.75"
+    back = pickle.loads(pickle.dumps(s.value))
+    assert back == 0.75 and steps_of(back) == (1.0, 0.0, 1.0, 1.0)
+    assert score(const(s.value), "p", "r", "a").value is s.value  # an already-checked value passes
+
+
+@pytest.mark.parametrize(
+    "v, status, detail",
+    [
+        ([], "bad_type", "empty list"),
+        ([1.0, "x"], "bad_type", "step 1"),
+        ([1.0, None], "none", "step 1"),
+        ([math.nan, 1.0], "nan", "step 0"),
+        ([1.0, [0.0]], "bad_type", "step 1: a nested list"),
+    ],
+)
+def test_bad_process_rewards_have_a_status(v, status, detail):
+    s = score(const(v), "p", "r", "a")
+    assert (s.value, s.status) == (0.0, status) and steps_of(s.value) == ()
+    assert detail in s.detail
+
+
+def test_score_batch_carries_the_steps_in_per_reward():
+    def per_char(prompt, response, answer):
+        return [float(a == b) for a, b in zip(response, answer)] or None
+
+    b = score_batch({"pc": (per_char, 2.0), "m": (match, 1.0)}, ["p"] * 3, ["ab", "ax", ""], ["ab"] * 3)
+    assert b.per_reward["pc"] == [1.0, 0.5, 0.0]
+    assert [steps_of(v) for v in b.per_reward["pc"]] == [(1.0, 1.0), (1.0, 0.0), ()]  # "" returned None
+    assert [steps_of(v) for v in b.per_reward["m"]] == [(), (), ()]
+    assert b.total == [3.0, 1.0, 0.0] and all(type(x) is float for x in b.total)
+    assert b.status_by_reward["pc"]["none"] == 1

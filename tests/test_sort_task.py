@@ -13,6 +13,7 @@ from rlvr.tasks.sort import (
     goal,
     inclusion_adjacency,
     position,
+    position_per_token,
     sort_task,
 )
 
@@ -151,6 +152,57 @@ def test_position_exploit_mean_by_enumeration():
     assert mean > 2 * 0.1  # uniform random digits score 0.1
 
 
+# --- position_per_token: a process reward, one score per token ----------------------------
+
+
+@pytest.mark.parametrize(
+    "response, want",
+    [
+        ("11345", [1.0, 1.0, 1.0, 1.0, 1.0]),
+        ("11354", [1.0, 1.0, 1.0, 0.0, 0.0]),
+        ("54311", [0.0, 0.0, 1.0, 0.0, 0.0]),
+        ("113", [1.0, 1.0, 1.0]),  # a special token was dropped: fewer scores, one per character
+        ("113459", [1.0, 1.0, 1.0, 1.0, 1.0, 0.0]),
+        ("", [0.0]),
+    ],
+)
+def test_position_per_token_by_hand(response, want):
+    assert position_per_token("31415=", response, "11345") == want
+
+
+def test_position_per_token_wide_format_credits_each_character():
+    # 03,07,12 against 03,12,07: characters 0 3 , match, 1/0 and 2/7 differ, the comma matches, 0/0 matches
+    assert position_per_token("07,12,03=", "03,12,07", "03,07,12") == [1, 1, 1, 0, 0, 1, 0, 0]
+    assert position("07,12,03=", "03,12,07", "03,07,12") == pytest.approx(1 / 3)
+
+
+@settings(max_examples=100, deadline=None)
+@given(response=st.text(alphabet="0123456789", min_size=5, max_size=5),
+       digits=st.lists(st.integers(0, 9), min_size=5, max_size=5))
+def test_position_per_token_mean_is_position_on_one_digit_lists(response, digits):
+    prompt = "".join(map(str, digits)) + "="
+    answer = "".join(map(str, sorted(digits)))
+    scores = position_per_token(prompt, response, answer)
+    assert len(scores) == 5 and sum(scores) / 5 == pytest.approx(position(prompt, response, answer))
+
+
+def test_position_per_token_card_claims(sort5):
+    card = sort5.rewards["position_per_token"].card
+    assert "'02579'" in card.exploit and "0.284" in card.exploit  # as `position` on one digit
+    # several digits: enumerate every list of 2 numbers from 0..12 as the oracle
+    t = sort_task(n=2, low=0, high=12, heldout=10)
+    card = t.rewards["position_per_token"].card
+    everything = list(t.train) + list(t.heldout)
+    assert len(everything) == 13**2
+    constant = card.exploit_example(Example("", ""))
+    total = sum(sum(position_per_token(e.prompt, constant, e.answer)) for e in everything)
+    mean = total / (len(constant) * len(everything))
+    assert f"{constant!r}" in card.exploit and f"{mean:.3f}" in card.exploit
+    # the separators and shared leading digits make the per-token mean far above `position`'s
+    seq_mean = sum(position(e.prompt, constant, e.answer) for e in everything) / len(everything)
+    assert mean > 2 * seq_mean and "separators" in card.exploit
+
+
 def test_inclusion_adjacency_exploit_scores_8_of_9_without_solving(sort5):
     card = sort5.rewards["inclusion_adjacency"].card
     assert "0.889" in card.exploit and "0.800" in card.exploit
@@ -184,7 +236,7 @@ def test_copying_the_prompt_scores_the_claimed_mean():
 def test_default_task_shape(sort5):
     t = sort5
     assert t.name == "sort-5" and t.max_new_tokens == 5 and t.fixed_length is True
-    assert set(t.rewards) == {"exact", "position", "inclusion_adjacency"}
+    assert set(t.rewards) == {"exact", "position", "position_per_token", "inclusion_adjacency"}
     assert all(isinstance(r, Reward) and r.name == k for k, r in t.rewards.items())
     assert len(t.heldout) == 1000 and len(t.train) == 10**5 - 1000
     validate_task(t)
@@ -407,3 +459,44 @@ def test_validate_rejects_non_tasks_and_bad_examples():
         validate_task(Task(**{**good, "max_new_tokens": True}))
     with pytest.raises(TaskError, match="key must be its name"):
         validate_task(Task(**{**good, "rewards": {"x": Reward("r", lambda p, r, a: 0.0, card)}}))
+
+
+def test_step_delimiter_must_be_a_str(sort5):
+    import dataclasses
+
+    with pytest.raises(TaskError, match="step_delimiter must be a str"):
+        validate_task(dataclasses.replace(sort5, step_delimiter=None))
+    assert sort5.step_delimiter == ""  # one step per token
+
+
+def test_position_per_token_end_to_end_to_a_per_token_delta():
+    """score_batch -> steps_of -> token_steps (character tokenizer) -> pad_steps -> process_delta ->
+    policy_loss, on three responses to '311=' (answer '113'), one with a special token inside."""
+    import torch
+
+    from rlvr import advantages, losses
+    from rlvr.rewards import score_batch, steps_of
+    from rlvr.tokenizer import CharTokenizer
+
+    t = sort_task(n=3, heldout=10)
+    tok = CharTokenizer(t.alphabet)
+    ids = [tok.encode("113"), tok.encode("131"), [tok.encode("1")[0], tok.bos_id, tok.encode("3")[0]]]
+    texts = [[tok.decode([i]) for i in row] for row in ids]  # the special decodes to ""
+    responses = ["".join(x) for x in texts]
+    assert responses == ["113", "131", "13"]
+    scores = score_batch({"position_per_token": (t.rewards["position_per_token"], 1.0)},
+                         ["311="] * 3, responses, ["113"] * 3)
+    steps = [steps_of(v) for v in scores.per_reward["position_per_token"]]
+    assert steps == [(1.0, 1.0, 1.0), (1.0, 0.0, 0.0), (1.0, 0.0)]
+    token_step = advantages.token_steps(texts, t.step_delimiter, 3)
+    assert token_step.tolist() == [[0, 1, 2], [0, 1, 2], [0, -1, 1]]
+    step_scores, step_mask = advantages.pad_steps(steps, 3)
+    delta = advantages.process_delta(step_scores, step_mask, token_step, "per_step_centered")
+    # step 0 agrees (all 1) -> 0; step 1: 1, 0, 0 -> 2/3, -1/3, -1/3; step 2 only in rows 0, 1: ±1/2
+    want = torch.tensor([[0.0, 2 / 3, 0.5], [0.0, -1 / 3, -0.5], [0.0, 0.0, -1 / 3]])
+    assert torch.allclose(delta, want.to(delta.dtype))
+    assert not advantages.step_mismatch(step_mask, token_step).any()
+    logp = torch.full((3, 3), -1.0, requires_grad=True)
+    loss, _ = losses.policy_loss(logp, logp.detach(), delta, torch.ones(3, 3), agg="seq_sum_mean")
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert torch.allclose(grad, -want.to(grad.dtype) / 3)  # -Δ/B per token at ratio 1

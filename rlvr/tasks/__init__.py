@@ -32,6 +32,10 @@ the config's ``task.reward``).
     True: every response is exactly ``max_new_tokens`` tokens and no end token is sampled
     (the sort task). False (default): a response ends at an end-of-sequence token or at
     ``max_new_tokens``, whichever comes first.
+``step_delimiter``
+    How a process reward's steps are cut (a reward may return a list of floats, one score per
+    step): "" (default) = one step per response character, which is one per token with the
+    built-in character tokenizer; otherwise each step ends with this text.
 
 Writing a task
 --------------
@@ -106,6 +110,10 @@ class Task:
     """Characters of the built-in char tokenizer; None derives them from the data."""
     fixed_length: bool = False
     """True: responses are exactly ``max_new_tokens`` tokens, no end token is sampled."""
+    step_delimiter: str = ""
+    """For a process reward (one that returns a list of per-step scores): the text that ends a
+    step, e.g. "\\n"; "" = one step per response character, i.e. per token with the character
+    tokenizer (see rlvr.advantages.token_steps)."""
 
 
 class TaskError(ValueError):
@@ -119,7 +127,8 @@ def validate_task(task: Any) -> None:
     sequences of Example with str prompts; no held-out prompt in ``train``; ``rewards`` a
     non-empty dict of Reward keyed by their names, each with a callable ``fn`` and a complete
     RewardCard; ``goal`` callable; ``max_new_tokens`` a positive int; ``alphabet`` None or a
-    non-empty str holding every prompt character; ``fixed_length`` a bool.
+    non-empty str holding every prompt character; ``fixed_length`` a bool; ``step_delimiter``
+    a str.
     Cost: one pass over train and heldout.
     """
     if not isinstance(task, Task):
@@ -190,6 +199,8 @@ def validate_task(task: Any) -> None:
             )
     if not isinstance(task.fixed_length, bool):
         raise TaskError(f"fixed_length must be a bool, got {task.fixed_length!r}")
+    if not isinstance(task.step_delimiter, str):
+        raise TaskError(f"step_delimiter must be a str, got {task.step_delimiter!r}")
 
 
 def _is_file(target: str) -> bool:

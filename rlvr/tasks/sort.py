@@ -17,6 +17,9 @@ Rewards (each with its card; see :func:`sort_task` for the numbers)
 --------------------------------------------------------------------
 * ``exact``: 1.0 when the response equals the answer, else 0.0. The goal itself, and sparse.
 * ``position``: the fraction of positions holding the answer's number at that position.
+* ``position_per_token``: a process reward, one score per response token: 1.0 where the token
+  (character) equals the answer's there. Its per-token Δ credits each token for its own
+  position; compare with the sequence-level ``position``.
 * ``inclusion_adjacency``: (prompt numbers found in the response, as a multiset) plus
   (neighbouring pairs in non-decreasing order), divided by ``n + (n - 1)``.
 
@@ -75,6 +78,21 @@ def position(prompt: str, response: str, answer: str) -> float:
     return hits / max(len(truth), len(got))
 
 
+def position_per_token(prompt: str, response: str, answer: str) -> list[float]:
+    """Process reward: one score per response character, 1.0 where it equals the answer's there.
+
+    Each token of a fixed-length response (a character, with the built-in tokenizer) is credited
+    for its own position only, so the per-token Δ (rlvr.advantages.per_step_centered) pushes each
+    digit by whether it is right. On one-digit lists the mean of the scores is `position`; with
+    multi-digit numbers a token is a digit or a comma and is credited for its own character (a
+    number with one wrong digit earns partial credit, unlike `position`). Characters beyond the
+    answer score 0; an empty response returns [0.0] (no token to credit).
+    """
+    if not response:
+        return [0.0]
+    return [1.0 if i < len(answer) and c == answer[i] else 0.0 for i, c in enumerate(response)]
+
+
 def inclusion_adjacency(prompt: str, response: str, answer: str) -> float:
     """(numbers of the prompt in the response, multiset) + (ordered neighbouring pairs), / (2n-1).
 
@@ -96,8 +114,8 @@ def inclusion_adjacency(prompt: str, response: str, answer: str) -> float:
     return (inclusion + min(adjacency, n - 1)) / (2 * n - 1)
 
 
-def _position_modes(n: int, low: int, high: int) -> tuple[list[int], float]:
-    """Most likely number at each sorted position for uniform prompts, and its mean position score.
+def _order_statistic_pmfs(n: int, low: int, high: int) -> list[list[float]]:
+    """pmfs[k][v - low] = P(the (k+1)-th smallest of n uniform draws from [low, high] is v).
 
     P(k-th smallest <= v) = P(at least k of n draws are <= v), a binomial tail.
     """
@@ -109,13 +127,32 @@ def _position_modes(n: int, low: int, high: int) -> tuple[list[int], float]:
         p = (v - low + 1) / m
         return sum(comb(n, j) * p**j * (1 - p) ** (n - j) for j in range(k, n + 1))
 
+    return [[cdf(k, v) - cdf(k, v - 1) for v in range(low, high + 1)] for k in range(1, n + 1)]
+
+
+def _position_modes(n: int, low: int, high: int) -> tuple[list[int], float]:
+    """Most likely number at each sorted position for uniform prompts, and its mean position score."""
     modes, expected = [], 0.0
-    for k in range(1, n + 1):
-        pmf = [cdf(k, v) - cdf(k, v - 1) for v in range(low, high + 1)]
-        best = max(range(m), key=pmf.__getitem__)
+    for pmf in _order_statistic_pmfs(n, low, high):
+        best = max(range(len(pmf)), key=pmf.__getitem__)
         modes.append(low + best)
         expected += pmf[best]
     return modes, expected / n
+
+
+def _per_token_constant_score(n: int, low: int, high: int, modes: list[int]) -> float:
+    """Mean `position_per_token` score of the constant response `modes` over uniform prompts.
+
+    Per character: a digit of number k matches when the k-th smallest has that digit there; the
+    n - 1 separators always match. Equals the `position` mean on one-digit lists.
+    """
+    width = len(str(high))
+    hits = float(n - 1) if width > 1 else 0.0
+    for k, pmf in enumerate(_order_statistic_pmfs(n, low, high)):
+        mode = str(modes[k]).zfill(width)
+        for j in range(width):
+            hits += sum(q for v, q in enumerate(pmf, start=low) if str(v).zfill(width)[j] == mode[j])
+    return hits / (n * width + (n - 1 if width > 1 else 0))
 
 
 def sort_task(
@@ -194,6 +231,7 @@ def sort_task(
 
     # The numbers on the cards, for these n, low, high.
     modes, modes_score = _position_modes(n, low, high)
+    per_token_score = _per_token_constant_score(n, low, high, modes)
     constant = fmt(modes)
     p_ordered = (m + 1) / (2 * m)  # P(a <= b) for two uniform draws
     copy_score = (n + (n - 1) * p_ordered) / (2 * n - 1)
@@ -253,6 +291,28 @@ def sort_task(
                     f"the fixed response {constant!r} (the most likely number at each sorted "
                     f"position) ignores the prompt and scores {modes_score:.3f} on average; "
                     f"uniform random numbers score {1 / m:.3f}, a solved response 1.0"
+                ),
+                exploit_example=position_exploit,
+            ),
+        ),
+        "position_per_token": Reward(
+            "position_per_token",
+            position_per_token,
+            RewardCard(
+                pays_for=(
+                    "each response token (character) equal to the sorted answer's character at "
+                    "the same position: one score per token, so each token is credited for its "
+                    "own position (a process reward; its mean is `position` on one-digit lists)"
+                ),
+                ignores=(
+                    "the prompt, and how the tokens relate: a right digit in a wrong list earns "
+                    "its point whatever surrounds it"
+                ),
+                exploit=(
+                    f"the fixed response {constant!r} ignores the prompt and scores "
+                    f"{per_token_score:.3f} per token on average (a solved response 1.0)"
+                    + ("; the separators and leading digits it gets right earn much of that"
+                       if width > 1 else "")
                 ),
                 exploit_example=position_exploit,
             ),
