@@ -73,6 +73,16 @@ class TaskConfig:
     instead of `reward` alone."""
     options: dict = field(default_factory=dict)
     """Keyword arguments passed to the task factory, e.g. {n = 5}."""
+    reward_workers: int = -1
+    """Worker processes that run the rewards and the goal check in parallel, each call with a timeout
+    and a memory limit, a dead or stuck worker replaced (rlvr.reward_pool); -1 = one per available
+    core, 0 = in the trainer's process, one call at a time, with no limit (for debugging)."""
+    reward_timeout_s: float = 60.0
+    """Seconds one reward or goal call may take in a worker; past it the call is status `timeout`
+    (scored 0, counted) and its worker is replaced."""
+    reward_memory_mb: int = 4096
+    """Address space (MB) a reward worker may use beyond what loading the task took (RLIMIT_AS); a
+    reward that allocates more gets a MemoryError (status `error`). 0 = no limit."""
 
 
 @dataclass
@@ -429,6 +439,13 @@ def validate(cfg: Config, source: str | None = None) -> None:
         bad("algorithm.scheme", "'loo' needs train.samples_per_prompt >= 2")
     if a.top_k > t.samples_per_prompt:
         bad("algorithm.top_k", f"{a.top_k} exceeds train.samples_per_prompt = {t.samples_per_prompt}")
+    if cfg.task.reward_workers < -1:
+        bad("task.reward_workers", f"must be -1 (one per core), 0 (in-process) or a number of workers, "
+            f"got {cfg.task.reward_workers}")
+    if cfg.task.reward_timeout_s <= 0:
+        bad("task.reward_timeout_s", f"must be > 0, got {cfg.task.reward_timeout_s}")
+    if cfg.task.reward_memory_mb < 0:
+        bad("task.reward_memory_mb", f"must be >= 0 (0 = no limit), got {cfg.task.reward_memory_mb}")
     for name, w in cfg.task.reward_weights.items():
         if not isinstance(w, (int, float)) or isinstance(w, bool) or not math.isfinite(w):
             bad(f"task.reward_weights.{name}", f"must be a finite number, got {w!r}")

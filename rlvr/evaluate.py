@@ -33,8 +33,11 @@ def _responses(model, tok, prompts: list, *, k: int, max_new_tokens: int, eos_id
 
 def evaluate(model, tok, task: Task, *, reward_weights: dict[str, float], max_new_tokens: int, eos_id,
              prompts: int = 0, batch_size: int = 1000, pass_k: int = 0, pass_k_prompts: int = 200,
-             temperature: float = 1.0, top_p: float = 1.0, seed: int = 0) -> dict:
-    """Goal and reward of greedy responses on held-out prompts, plus pass@k when asked."""
+             temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, pool=None) -> dict:
+    """Goal and reward of greedy responses on held-out prompts, plus pass@k when asked.
+
+    ``pool``: a :class:`rlvr.reward_pool.RewardPool` holding this task scores the responses in its
+    workers (time- and memory-limited, in parallel); None scores in this process."""
     was_training = model.training
     model.eval()
     examples = list(task.heldout[:prompts] if prompts else task.heldout)
@@ -43,8 +46,9 @@ def evaluate(model, tok, task: Task, *, reward_weights: dict[str, float], max_ne
     gen = torch.Generator(device=device).manual_seed(seed + 12345)
     greedy = _responses(model, tok, examples, k=1, max_new_tokens=max_new_tokens, eos_id=eos_id,
                         temperature=0.0, top_p=1.0, batch_size=batch_size, generator=gen)
-    goal, goal_failures, _ = goal_hits(task.goal, texts, greedy, [ex.answer for ex in examples])
-    scored = score_batch(weighted_rewards(task, reward_weights), texts, greedy, [ex.answer for ex in examples])
+    goal, goal_failures, _ = goal_hits(task.goal, texts, greedy, [ex.answer for ex in examples], pool=pool)
+    scored = score_batch(weighted_rewards(task, reward_weights), texts, greedy, [ex.answer for ex in examples],
+                         pool=pool)
     res = {
         "goal": sum(goal) / len(goal),
         "reward": sum(scored.total) / len(scored.total),
@@ -58,7 +62,7 @@ def evaluate(model, tok, task: Task, *, reward_weights: dict[str, float], max_ne
                              eos_id=eos_id, temperature=temperature, top_p=top_p, batch_size=batch_size,
                              generator=gen)
         hits, _, _ = goal_hits(task.goal, [ex.prompt for ex in sub for _ in range(pass_k)], sampled,
-                               [ex.answer for ex in sub for _ in range(pass_k)])
+                               [ex.answer for ex in sub for _ in range(pass_k)], pool=pool)
         per_prompt = [any(hits[i * pass_k:(i + 1) * pass_k]) for i in range(len(sub))]
         res[f"pass@{pass_k}"] = sum(per_prompt) / len(per_prompt)
         res[f"mean@{pass_k}"] = sum(hits) / len(hits)
