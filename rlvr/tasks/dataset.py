@@ -176,6 +176,9 @@ def _import_object(spec: str, what: str) -> Any:
     else:
         try:
             module = importlib.import_module(target)
+        except SystemExit as e:
+            raise TaskError(f"{what} {spec!r}: importing module {target!r} raised SystemExit({e.code!r}) "
+                            "(sys.exit was called)") from None
         except Exception as e:
             raise TaskError(f"{what} {spec!r}: module {target!r} failed to import: "
                             f"{type(e).__name__}: {e}") from e
