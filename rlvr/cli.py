@@ -32,6 +32,8 @@ def _fail(msg: str) -> int:
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     from rlvr import trainer
+    from rlvr.reward_pool import RewardPoolError
+    from rlvr.state import StateError
     from rlvr.tasks import TaskError
 
     try:
@@ -40,7 +42,7 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
         if args.resume and not args.out:
             raise trainer.RunError("--resume needs --out RUN_DIR (the run to continue)")
         summary = trainer.train(cfg, out, overwrite=args.overwrite, resume=args.resume)
-    except (config.ConfigError, trainer.RunError, TaskError) as e:
+    except (config.ConfigError, trainer.RunError, TaskError, StateError, RewardPoolError) as e:
         return _fail(str(e))
     print(f"run directory: {out}")
     print(json.dumps({k: v for k, v in summary.items() if k != "price"}, indent=2))
