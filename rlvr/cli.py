@@ -52,20 +52,23 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
 def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
     from rlvr import trainer
     from rlvr.evaluate import evaluate
+    from rlvr.reward_pool import RewardPoolError, open_pool
     from rlvr.tasks import TaskError, load_task
 
     try:
         cfg, model, tok = trainer.load_run(Path(args.run_dir))
         task = load_task(cfg.task.path, **cfg.task.options)
         weights = trainer.reward_weights(cfg, task)
-    except (config.ConfigError, trainer.RunError, TaskError) as e:
+        eos_id = tok.eos_id if not task.fixed_length else None
+        with open_pool(cfg.task, task) as pool:
+            res = evaluate(model, tok, task, reward_weights=weights,
+                           max_new_tokens=cfg.sampling.max_new_tokens or task.max_new_tokens, eos_id=eos_id,
+                           prompts=args.prompts if args.prompts is not None else cfg.eval.prompts,
+                           batch_size=cfg.eval.batch_size, pass_k=cfg.eval.pass_k,
+                           pass_k_prompts=cfg.eval.pass_k_prompts, temperature=cfg.sampling.temperature,
+                           top_p=cfg.sampling.top_p, seed=cfg.train.seed, pool=pool)
+    except (config.ConfigError, trainer.RunError, TaskError, RewardPoolError) as e:
         return _fail(str(e))
-    eos_id = tok.eos_id if not task.fixed_length else None
-    res = evaluate(model, tok, task, reward_weights=weights,
-                   max_new_tokens=cfg.sampling.max_new_tokens or task.max_new_tokens, eos_id=eos_id,
-                   prompts=args.prompts if args.prompts is not None else cfg.eval.prompts,
-                   batch_size=cfg.eval.batch_size, pass_k=cfg.eval.pass_k, pass_k_prompts=cfg.eval.pass_k_prompts,
-                   temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, seed=cfg.train.seed)
     print(json.dumps({f"eval/{k}": v for k, v in res.items()}, indent=2))
     return 0
 

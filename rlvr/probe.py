@@ -258,6 +258,7 @@ def run_probe(cfg: config.Config, *, prompts: int, samples: int, schemes: Sequen
     """Sample K responses for N prompts of `split` and count usable Δ. Raises ProbeError,
     config.ConfigError, trainer.RunError or TaskError on bad input, all before sampling."""
     from rlvr import sampling, trainer
+    from rlvr.reward_pool import open_pool
     from rlvr.rewards import goal_hits, score_batch
     from rlvr.tasks import load_task, weighted_rewards
 
@@ -310,9 +311,10 @@ def run_probe(cfg: config.Config, *, prompts: int, samples: int, schemes: Sequen
 
     flat_prompts = [ex.prompt for ex in examples for _ in range(K)]
     flat_answers = [ex.answer for ex in examples for _ in range(K)]
-    scored = score_batch(weighted_rewards(task, weights), flat_prompts, responses, flat_answers)
+    with open_pool(cfg.task, task) as pool:
+        scored = score_batch(weighted_rewards(task, weights), flat_prompts, responses, flat_answers, pool=pool)
+        hits, goal_failures, _ = goal_hits(task.goal, flat_prompts, responses, flat_answers, pool=pool)
     rewards = torch.tensor(scored.total, dtype=torch.float32).view(len(examples), K)  # the trainer's dtype
-    hits, goal_failures, _ = goal_hits(task.goal, flat_prompts, responses, flat_answers)
     goals = torch.tensor(hits).view(len(examples), K)
     if goal_failures:
         notes.append(f"{goal_failures} goal checks raised and count as not met")
@@ -373,6 +375,7 @@ def format_lines(res: ProbeResult) -> list[str]:
 def command(args: argparse.Namespace, overrides: list[str]) -> int:
     """`rlvr probe`: 0 on success; 2 with `rlvr: error: ...` on stderr for bad input."""
     from rlvr import trainer
+    from rlvr.reward_pool import RewardPoolError
     from rlvr.tasks import TaskError
 
     try:
@@ -383,7 +386,7 @@ def command(args: argparse.Namespace, overrides: list[str]) -> int:
         cfg = config.load(args.config, overrides)
         res = run_probe(cfg, prompts=args.prompts, samples=args.samples, schemes=schemes[len(DEFAULT_SCHEMES):],
                         split=args.split, checkpoint=args.checkpoint)
-    except (ProbeError, config.ConfigError, trainer.RunError, TaskError) as e:
+    except (ProbeError, config.ConfigError, trainer.RunError, TaskError, RewardPoolError) as e:
         print(f"rlvr: error: {e}", file=sys.stderr)
         return 2
     for note in res.notes:

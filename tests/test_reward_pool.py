@@ -5,12 +5,14 @@ named status (timeout, crashed, exit, error), its worker is replaced, and every 
 as in-process scoring would score it.
 """
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -224,3 +226,45 @@ def test_reward_object_is_not_sent(pool):
     """The worker uses its own task's reward of that name; the function given here never crosses."""
     b = score_batch({"behave": (Reward("behave", lambda p, r, a: -1.0, None), 1.0)}, ["p"], ["abc"], ["a"], pool=pool)
     assert b.total == [3.0]
+
+
+def test_evaluation_through_a_pool_gives_the_same_figures():
+    import torch
+
+    from rlvr.evaluate import evaluate
+    from rlvr.models.tiny import TinyConfig, TinyTransformer
+    from rlvr.tokenizer import CharTokenizer
+
+    task = load_task("rlvr.tasks.sort:sort_task", n=3, heldout=20)
+    tok = CharTokenizer(task.alphabet)
+    torch.manual_seed(0)
+    model = TinyTransformer(TinyConfig(vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_embd=16, block_size=16))
+    kw = dict(reward_weights={"position": 1.0}, max_new_tokens=task.max_new_tokens, eos_id=None, pass_k=2,
+              pass_k_prompts=10)
+    with RewardPool("rlvr.tasks.sort:sort_task", {"n": 3, "heldout": 20}, workers=2) as p:
+        assert evaluate(model, tok, task, pool=p, **kw) == evaluate(model, tok, task, **kw)
+
+
+def test_a_reward_that_calls_sys_exit_does_not_end_an_audit(tmp_path, capsys):
+    from rlvr.cli import main
+
+    leaves = tmp_path / "leaves.py"
+    leaves.write_text(textwrap.dedent('''
+        import sys
+        from rlvr.rewards import Reward, RewardCard
+        from rlvr.tasks.sort import sort_task
+
+        def leave(prompt, response, answer):
+            sys.exit(0)
+
+        def make():
+            task = sort_task(n=3, heldout=5)
+            card = RewardCard(pays_for="nothing", ignores="everything", exploit="none: it exits")
+            task.rewards["leave"] = Reward("leave", leave, card)
+            return task
+    '''))
+    example = str(Path(__file__).resolve().parents[1] / "examples" / "sort.toml")
+    code = main(["audit", example, f"--task.path={leaves}:make", "--task.options={}", "--task.reward=leave",
+                 "--task.reward_workers=1", "--prompts=5", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and result["solved_reward"] == 0.0 and result["rows"]   # scored 0 (status exit), not ended
