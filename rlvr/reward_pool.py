@@ -357,13 +357,22 @@ class RewardPool:
                 raise RewardPoolError("the reward pool is closed")
             self._payload = (prompts, responses, answers)
             results: dict[tuple[str | None, int], Score] = {}
-            if n and what:
-                n_chunks = min(n, self.n_workers * CHUNKS_PER_WORKER)
-                bounds = [round(c * n / n_chunks) for c in range(n_chunks + 1)]
-                chunks = deque(_Chunk([(x, list(range(a, b))) for x in what])
-                               for a, b in zip(bounds, bounds[1:]) if b > a)
-                self._loop(chunks, results)
-            self._payload = None
+            try:
+                if n and what:
+                    n_chunks = min(n, self.n_workers * CHUNKS_PER_WORKER)
+                    bounds = [round(c * n / n_chunks) for c in range(n_chunks + 1)]
+                    chunks = deque(_Chunk([(x, list(range(a, b))) for x in what])
+                                   for a, b in zip(bounds, bounds[1:]) if b > a)
+                    self._loop(chunks, results)
+            except BaseException:
+                # interrupted (Ctrl-C) or failed: a worker still busy with this call would answer the next
+                # one with stale results, so it is replaced
+                for w in list(self._workers):
+                    if w.state == "busy":
+                        self._replace(w)
+                raise
+            finally:
+                self._payload = None
         per_reward = {x: [results[(x, i)] for i in range(n)] for x in names}
         goals = [results[(None, i)] for i in range(n)] if goal else []
         return per_reward, goals

@@ -7,6 +7,7 @@ as in-process scoring would score it.
 
 import json
 import os
+import select as select_module
 import signal
 import subprocess
 import sys
@@ -268,3 +269,21 @@ def test_a_reward_that_calls_sys_exit_does_not_end_an_audit(tmp_path, capsys):
                  "--task.reward_workers=1", "--prompts=5", "--json"])
     result = json.loads(capsys.readouterr().out)
     assert code == 0 and result["solved_reward"] == 0.0 and result["rows"]   # scored 0 (status exit), not ended
+
+
+def test_an_interrupted_call_leaves_the_pool_usable(task_path, monkeypatch):
+    with RewardPool(task_path, workers=1, **LIMITS) as p:
+        real_select = select_module.select
+        calls = []
+
+        def interrupted(*a):
+            calls.append(1)
+            if len(calls) == 2:             # after the chunk was sent: the user's Ctrl-C
+                raise KeyboardInterrupt
+            return real_select(*a)
+
+        monkeypatch.setattr(select_module, "select", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            scores_of(p, ["slow"] * 3)
+        monkeypatch.setattr(select_module, "select", real_select)
+        assert [x.value for x in scores_of(p, ["ab", "abc"])] == [2.0, 3.0]
