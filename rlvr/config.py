@@ -494,13 +494,8 @@ def validate(cfg: Config, source: str | None = None) -> None:
             bad(key, f"must be >= 0, got {v}")
     if s.temperature <= 0:
         bad("sampling.temperature", f"must be > 0 for training (greedy decoding has no usable logp), got {s.temperature}")
-    if s.temperature < MIN_TEMPERATURE:
-        bad("sampling.temperature", f"{s.temperature:g} is too small to sample from: below {MIN_TEMPERATURE:g} "
-            "sampling is greedy in effect, the responses of a group agree and every Δ is 0")
-    if not cfg.model.path and s.max_new_tokens > MAX_BUILTIN_CONTEXT:
-        bad("sampling.max_new_tokens", f"{s.max_new_tokens} exceeds the built-in model's limit of "
-            f"{MAX_BUILTIN_CONTEXT} tokens of context (prompt + response); use a Hugging Face model (model.path) "
-            "for long responses")
+    _check_learnable(cfg, bad)
+    _check_reward_workers(cfg.task, bad)
     if not 0 < s.top_p <= 1:
         bad("sampling.top_p", f"must be in (0, 1], got {s.top_p}")
     if not 0 < a.clip_eps < 1:
@@ -508,6 +503,23 @@ def validate(cfg: Config, source: str | None = None) -> None:
     if a.scheme == "baseline":
         bad("algorithm.scheme", "'baseline' needs a per-prompt B(S) that a training run does not have; "
             "use centered, normalized or loo (the group is the baseline)")
+    if a.top_k > t.samples_per_prompt:
+        bad("algorithm.top_k", f"{a.top_k} exceeds train.samples_per_prompt = {t.samples_per_prompt}")
+    for name, w in cfg.task.reward_weights.items():
+        if not isinstance(w, (int, float)) or isinstance(w, bool) or not math.isfinite(w):
+            bad(f"task.reward_weights.{name}", f"must be a finite number, got {w!r}")
+
+
+def _check_learnable(cfg: Config, bad) -> None:
+    """Values the types accept but a run cannot learn with (or cannot even build)."""
+    t, a, s = cfg.train, cfg.algorithm, cfg.sampling
+    if s.temperature < MIN_TEMPERATURE:
+        bad("sampling.temperature", f"{s.temperature:g} is too small to sample from: below {MIN_TEMPERATURE:g} "
+            "sampling is greedy in effect, the responses of a group agree and every Δ is 0")
+    if not cfg.model.path and s.max_new_tokens > MAX_BUILTIN_CONTEXT:
+        bad("sampling.max_new_tokens", f"{s.max_new_tokens} exceeds the built-in model's limit of "
+            f"{MAX_BUILTIN_CONTEXT} tokens of context (prompt + response); use a Hugging Face model (model.path) "
+            "for long responses")
     if a.scheme in GROUP_SCHEMES and t.samples_per_prompt < 2:
         bad("train.samples_per_prompt", f"{t.samples_per_prompt} with algorithm.scheme = {a.scheme!r} "
             f"({where(cfg, 'algorithm.scheme')}): with one response per prompt the group baseline is the "
@@ -515,18 +527,16 @@ def validate(cfg: Config, source: str | None = None) -> None:
     if a.dynamic_sampling and t.samples_per_prompt < 2:
         bad("algorithm.dynamic_sampling", "drops groups whose rewards all agree, and a group of one response "
             "always agrees: it needs train.samples_per_prompt >= 2")
-    if a.top_k > t.samples_per_prompt:
-        bad("algorithm.top_k", f"{a.top_k} exceeds train.samples_per_prompt = {t.samples_per_prompt}")
-    if cfg.task.reward_workers < -1:
+
+
+def _check_reward_workers(tc: TaskConfig, bad) -> None:
+    if tc.reward_workers < -1:
         bad("task.reward_workers", f"must be -1 (one per core), 0 (in-process) or a number of workers, "
-            f"got {cfg.task.reward_workers}")
-    if cfg.task.reward_timeout_s <= 0:
-        bad("task.reward_timeout_s", f"must be > 0, got {cfg.task.reward_timeout_s}")
-    if cfg.task.reward_memory_mb < 0:
-        bad("task.reward_memory_mb", f"must be >= 0 (0 = no limit), got {cfg.task.reward_memory_mb}")
-    for name, w in cfg.task.reward_weights.items():
-        if not isinstance(w, (int, float)) or isinstance(w, bool) or not math.isfinite(w):
-            bad(f"task.reward_weights.{name}", f"must be a finite number, got {w!r}")
+            f"got {tc.reward_workers}")
+    if tc.reward_timeout_s <= 0:
+        bad("task.reward_timeout_s", f"must be > 0, got {tc.reward_timeout_s}")
+    if tc.reward_memory_mb < 0:
+        bad("task.reward_memory_mb", f"must be >= 0 (0 = no limit), got {tc.reward_memory_mb}")
 
 
 # ---------------------------------------------------------------------------------------------
