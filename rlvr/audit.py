@@ -65,6 +65,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional
 
 from rlvr import config as config_mod
+from rlvr.reward_pool import RewardPoolError, open_pool
 from rlvr.rewards import goal_hits, score_batch
 from rlvr.tasks import Example, Task, TaskError, load_task, resolve_weights, weighted_rewards
 
@@ -253,9 +254,10 @@ def _context(task: Task, max_new_tokens: int) -> Context:
                    top_answer=top[0] if top else "", top_answers=top, fixed_length=task.fixed_length)
 
 
-def _goal_hits(task: Task, prompts: list[str], responses: list[str], answers: list[Any]) -> tuple[list[bool], int]:
+def _goal_hits(task: Task, prompts: list[str], responses: list[str], answers: list[Any],
+               pool: Any = None) -> tuple[list[bool], int]:
     """goal() per response; a goal that raises counts as not met (and is counted)."""
-    hits, errors, _ = goal_hits(task.goal, prompts, responses, answers)
+    hits, errors, _ = goal_hits(task.goal, prompts, responses, answers, pool=pool)
     return hits, errors
 
 
@@ -264,7 +266,8 @@ def _describe(fn: Callable) -> str:
 
 
 def run_audit(task: Task, weights: dict[str, float], *, prompts: int, threshold: float, seed: int,
-              max_new_tokens: int | None = None, strategies: dict[str, Strategy] | None = None) -> AuditResult:
+              max_new_tokens: int | None = None, strategies: dict[str, Strategy] | None = None,
+              pool: Any = None) -> AuditResult:
     """Score every strategy on the first ``prompts`` held-out examples; flag those the reward overpays.
 
     ``weights`` is ``{reward name: weight}`` (unknown names are a TaskError); the optimised
@@ -272,6 +275,7 @@ def run_audit(task: Task, weights: dict[str, float], *, prompts: int, threshold:
     ``strategies`` defaults to :data:`STRATEGIES`; the cards' exploits always come first.
     Each strategy gets its own ``random.Random(f"{seed}:{name}")``, so rows are reproducible
     and independent of each other. Raises ValueError for threshold outside (0, 1] or prompts < 1.
+    ``pool``: a :class:`rlvr.reward_pool.RewardPool` of this task scores in its workers.
     """
     if not (isinstance(threshold, (int, float)) and 0 < threshold <= 1):
         raise ValueError(f"--threshold must be in (0, 1], got {threshold}")
@@ -288,9 +292,9 @@ def run_audit(task: Task, weights: dict[str, float], *, prompts: int, threshold:
     A = [ex.answer for ex in examples]
 
     gold = [str(a) for a in A]
-    solved = score_batch(rewards, P, gold, A)
+    solved = score_batch(rewards, P, gold, A, pool=pool)
     solved_reward = sum(solved.total) / len(gold)
-    hits, goal_err = _goal_hits(task, P, gold, A)
+    hits, goal_err = _goal_hits(task, P, gold, A, pool)
     solved_goal = sum(hits) / len(hits)
     if solved_goal < 1:
         notes.append(f"the gold answer as a response meets the goal on only {solved_goal:.1%} of examples: "
@@ -336,8 +340,8 @@ def run_audit(task: Task, weights: dict[str, float], *, prompts: int, threshold:
         if row.not_applicable:
             row.notes.append(f"not applicable on {row.not_applicable} examples (it would be the solved response)")
         p, a = [P[i] for i in idx], [A[i] for i in idx]
-        scores = score_batch(rewards, p, responses, a)
-        g, gerr = _goal_hits(task, p, responses, a)
+        scores = score_batch(rewards, p, responses, a, pool=pool)
+        g, gerr = _goal_hits(task, p, responses, a, pool)
         row.scored = len(idx)
         row.mean_reward = sum(scores.total) / len(idx)
         row.goal_rate = sum(g) / len(g)
@@ -444,9 +448,10 @@ def command(args, overrides: list[str]) -> int:
         cfg = config_mod.load(args.config, overrides)
         task = load_task(cfg.task.path, **cfg.task.options)
         weights = resolve_weights(task, cfg.task.reward, cfg.task.reward_weights)
-        result = run_audit(task, weights, prompts=args.prompts, threshold=args.threshold, seed=cfg.train.seed,
-                           max_new_tokens=cfg.sampling.max_new_tokens or None)
-    except (config_mod.ConfigError, TaskError, ValueError) as e:
+        with open_pool(cfg.task, task) as pool:
+            result = run_audit(task, weights, prompts=args.prompts, threshold=args.threshold, seed=cfg.train.seed,
+                               max_new_tokens=cfg.sampling.max_new_tokens or None, pool=pool)
+    except (config_mod.ConfigError, TaskError, ValueError, RewardPoolError) as e:
         return fail(str(e))
     print(json.dumps(result.to_dict(), indent=2) if args.json else format_audit(result))
     return 1 if result.flagged else 0

@@ -32,7 +32,9 @@ def _fail(msg: str) -> int:
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     from rlvr import trainer
+    from rlvr.reward_pool import RewardPoolError
     from rlvr.run import RunError
+    from rlvr.state import StateError
     from rlvr.tasks import TaskError
 
     try:
@@ -41,7 +43,7 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
         if args.resume and not args.out:
             raise RunError("--resume needs --out RUN_DIR (the run to continue)")
         summary = trainer.train(cfg, out, overwrite=args.overwrite, resume=args.resume)
-    except (config.ConfigError, RunError, TaskError) as e:
+    except (config.ConfigError, RunError, TaskError, StateError, RewardPoolError) as e:
         return _fail(str(e))
     print(f"run directory: {out}")
     print(json.dumps({k: v for k, v in summary.items() if k != "price"}, indent=2))
@@ -51,6 +53,7 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
 def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
     from rlvr import run
     from rlvr.evaluate import evaluate
+    from rlvr.reward_pool import RewardPoolError, open_pool
     from rlvr.tasks import TaskError, load_task
 
     try:
@@ -58,12 +61,14 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
         task = load_task(cfg.task.path, **cfg.task.options)
         weights = run.reward_weights(cfg, task)
         limits = run.limits(cfg, task, tok, model)
-    except (config.ConfigError, run.RunError, TaskError) as e:
+        with open_pool(cfg.task, task) as pool:
+            res = evaluate(model, tok, task, reward_weights=weights, limits=limits,
+                           prompts=args.prompts if args.prompts is not None else cfg.eval.prompts,
+                           batch_size=cfg.eval.batch_size, pass_k=cfg.eval.pass_k,
+                           pass_k_prompts=cfg.eval.pass_k_prompts, temperature=cfg.sampling.temperature,
+                           top_p=cfg.sampling.top_p, seed=cfg.train.seed, pool=pool)
+    except (config.ConfigError, run.RunError, TaskError, RewardPoolError) as e:
         return _fail(str(e))
-    res = evaluate(model, tok, task, reward_weights=weights, limits=limits,
-                   prompts=args.prompts if args.prompts is not None else cfg.eval.prompts,
-                   batch_size=cfg.eval.batch_size, pass_k=cfg.eval.pass_k, pass_k_prompts=cfg.eval.pass_k_prompts,
-                   temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, seed=cfg.train.seed)
     print(json.dumps({f"eval/{k}": v for k, v in res.items()}, indent=2))
     return 0
 

@@ -28,6 +28,18 @@ class ConfigError(ValueError):
     """A configuration problem, with the key and where it came from in the message."""
 
 
+MIN_TEMPERATURE = 0.01
+"""Smallest training temperature: below it sampling is greedy in effect (a gap of 0.1 between the two
+largest logits makes the runner-up e^-10 times as likely), so the G responses of a group agree, every Δ
+is 0 and nothing is learned; far below it (1e-30) logits / T overflow."""
+MAX_BUILTIN_CONTEXT = 8192
+"""Longest prompt + max_new_tokens the built-in model is built for: its position table and attention grow
+with the context, so a huge prompt or bound would build (and price) a model of hundreds of millions of
+parameters instead of refusing."""
+GROUP_SCHEMES = ("centered", "normalized", "loo", "batch_normalized")
+"""Δ schemes whose baseline is the group's own rewards: with one sample per prompt every Δ is 0."""
+
+
 @dataclass
 class ModelConfig:
     """The policy network: the built-in tiny transformer, or a local Hugging Face model (path)."""
@@ -73,6 +85,16 @@ class TaskConfig:
     instead of `reward` alone."""
     options: dict = field(default_factory=dict)
     """Keyword arguments passed to the task factory, e.g. {n = 5}."""
+    reward_workers: int = -1
+    """Worker processes that run the rewards and the goal check in parallel, each call with a timeout
+    and a memory limit, a dead or stuck worker replaced (rlvr.reward_pool); -1 = one per available
+    core, 0 = in the trainer's process, one call at a time, with no limit (for debugging)."""
+    reward_timeout_s: float = 60.0
+    """Seconds one reward or goal call may take in a worker; past it the call is status `timeout`
+    (scored 0, counted) and its worker is replaced."""
+    reward_memory_mb: int = 4096
+    """Address space (MB) a reward worker may use beyond what loading the task took (RLIMIT_AS); a
+    reward that allocates more gets a MemoryError (status `error`). 0 = no limit."""
 
 
 @dataclass
@@ -370,11 +392,10 @@ def _set(cfg: Config, section: str, key: str, value: Any, where: str) -> None:
 def load(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults, then the TOML file, then `--section.key=value` overrides; then `validate`."""
     cfg = Config()
+    origins: dict[str, str] = {}
     if path is not None:
         path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        text = path.read_text()
+        text = read_text(path, "config file")
         try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as e:
@@ -386,7 +407,9 @@ def load(path: str | Path | None = None, overrides: list[str] | None = None) -> 
                     f"top-level keys must be sections like [train]"
                 )
             for key, value in table.items():
-                _set(cfg, section, key, value, _where(str(path), _line_of(text, section, key)))
+                where = _where(str(path), _line_of(text, section, key))
+                _set(cfg, section, key, value, where)
+                origins[f"{section}.{key}"] = where
     for item in overrides or []:
         body = item[2:] if item.startswith("--") else item
         if "=" not in body or "." not in body.split("=", 1)[0]:
@@ -394,15 +417,68 @@ def load(path: str | Path | None = None, overrides: list[str] | None = None) -> 
         dotted, value = body.split("=", 1)
         section, key = dotted.split(".", 1)
         _set(cfg, section, key, value, "command line")
+        origins[f"{section}.{key}"] = "command line"
+    cfg.__dict__["_origins"] = origins  # not a field: to_toml / to_dict never see it
     validate(cfg, source=str(path) if path else None)
     return cfg
+
+
+def read_text(path: str | Path, what: str) -> str:
+    """The UTF-8 text of a file; ConfigError naming the file (and the line of a non-UTF-8 byte) when it is
+    missing, a directory, unreadable or not UTF-8."""
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{what} {path} is a directory, not a file")
+    if not path.exists():
+        raise ConfigError(f"{what} {path} does not exist")
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{what} {path}: cannot read it: {e.strerror or e}") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        col = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {col}); "
+                          "save the file as UTF-8") from None
+
+
+def where(cfg: Config, key: str) -> str:
+    """Where `cfg`'s value of `key` ("section.key", or deeper as "task.reward_weights.exact") came from:
+    "file:line", "command line" or "default"."""
+    origins = getattr(cfg, "_origins", {})
+    while key not in origins and key.count(".") > 1:
+        key = key.rsplit(".", 1)[0]
+    return origins.get(key, "default")
+
+
+def check_against_task(cfg: Config, *, train_prompts: int, prompt_tokens: int, max_new_tokens: int) -> None:
+    """The checks that need the loaded task: call right after `load_task`, before any model is built.
+
+    ConfigError when a step asks for more distinct prompts than the task has (`train.prompts_per_step`),
+    or when the built-in model would be built for more than MAX_BUILTIN_CONTEXT tokens (the longest
+    prompt, `prompt_tokens`, plus `max_new_tokens`)."""
+    P = cfg.train.prompts_per_step
+    if P > train_prompts:
+        raise ConfigError(f"train.prompts_per_step: {P} exceeds the task's {train_prompts} training prompts; a "
+                          f"step samples P distinct prompts ({where(cfg, 'train.prompts_per_step')})")
+    if not cfg.model.path and not cfg.model.init and prompt_tokens + max_new_tokens > MAX_BUILTIN_CONTEXT:
+        key = "sampling.max_new_tokens" if cfg.sampling.max_new_tokens else "task.options"
+        raise ConfigError(f"{key}: the task's longest prompt ({prompt_tokens} tokens) + max_new_tokens "
+                          f"({max_new_tokens}) = {prompt_tokens + max_new_tokens} tokens exceed the built-in model's "
+                          f"limit of {MAX_BUILTIN_CONTEXT} tokens of context ({where(cfg, key)}); shorten the prompts "
+                          "or use a Hugging Face model (model.path)")
 
 
 def validate(cfg: Config, source: str | None = None) -> None:
     """Range and consistency checks that the types alone do not express."""
 
     def bad(key: str, msg: str) -> None:
-        raise ConfigError(f"{key}: {msg}" + (f" (in {source} or the command line)" if source else ""))
+        origin = where(cfg, key)
+        if origin == "default" and source and not hasattr(cfg, "_origins"):
+            origin = f"in {source} or the command line"
+        raise ConfigError(f"{key}: {msg} ({origin})")
 
     t, a, s = cfg.train, cfg.algorithm, cfg.sampling
     for key, v in [("train.steps", t.steps), ("train.prompts_per_step", t.prompts_per_step),
@@ -449,6 +525,8 @@ def validate(cfg: Config, source: str | None = None) -> None:
             bad(key, f"must be >= 0, got {v}")
     if s.temperature <= 0:
         bad("sampling.temperature", f"must be > 0 for training (greedy decoding has no usable logp), got {s.temperature}")
+    _check_learnable(cfg, bad)
+    _check_reward_workers(cfg.task, bad)
     if not 0 < s.top_p <= 1:
         bad("sampling.top_p", f"must be in (0, 1], got {s.top_p}")
     if not 0 < a.clip_eps < 1:
@@ -476,6 +554,35 @@ def validate(cfg: Config, source: str | None = None) -> None:
     for name, w in cfg.task.reward_weights.items():
         if not isinstance(w, (int, float)) or isinstance(w, bool) or not math.isfinite(w):
             bad(f"task.reward_weights.{name}", f"must be a finite number, got {w!r}")
+
+
+def _check_learnable(cfg: Config, bad) -> None:
+    """Values the types accept but a run cannot learn with (or cannot even build)."""
+    t, a, s = cfg.train, cfg.algorithm, cfg.sampling
+    if s.temperature < MIN_TEMPERATURE:
+        bad("sampling.temperature", f"{s.temperature:g} is too small to sample from: below {MIN_TEMPERATURE:g} "
+            "sampling is greedy in effect, the responses of a group agree and every Δ is 0")
+    if not cfg.model.path and s.max_new_tokens > MAX_BUILTIN_CONTEXT:
+        bad("sampling.max_new_tokens", f"{s.max_new_tokens} exceeds the built-in model's limit of "
+            f"{MAX_BUILTIN_CONTEXT} tokens of context (prompt + response); use a Hugging Face model (model.path) "
+            "for long responses")
+    if a.scheme in GROUP_SCHEMES and t.samples_per_prompt < 2:
+        bad("train.samples_per_prompt", f"{t.samples_per_prompt} with algorithm.scheme = {a.scheme!r} "
+            f"({where(cfg, 'algorithm.scheme')}): with one response per prompt the group baseline is the "
+            "response's own reward and every Δ is 0; sample at least 2, or use scheme = 'raw'")
+    if a.dynamic_sampling and t.samples_per_prompt < 2:
+        bad("algorithm.dynamic_sampling", "drops groups whose rewards all agree, and a group of one response "
+            "always agrees: it needs train.samples_per_prompt >= 2")
+
+
+def _check_reward_workers(tc: TaskConfig, bad) -> None:
+    if tc.reward_workers < -1:
+        bad("task.reward_workers", f"must be -1 (one per core), 0 (in-process) or a number of workers, "
+            f"got {tc.reward_workers}")
+    if tc.reward_timeout_s <= 0:
+        bad("task.reward_timeout_s", f"must be > 0, got {tc.reward_timeout_s}")
+    if tc.reward_memory_mb < 0:
+        bad("task.reward_memory_mb", f"must be >= 0 (0 = no limit), got {tc.reward_memory_mb}")
 
 
 # ---------------------------------------------------------------------------------------------

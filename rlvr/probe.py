@@ -257,6 +257,7 @@ def run_probe(cfg: config.Config, *, prompts: int, samples: int, schemes: Sequen
     """Sample K responses for N prompts of `split` and count usable Δ. Raises ProbeError,
     config.ConfigError, rlvr.run.RunError or TaskError on bad input, all before sampling."""
     from rlvr import run
+    from rlvr.reward_pool import open_pool
     from rlvr.rollout import sample_and_score
     from rlvr.tasks import load_task
 
@@ -291,9 +292,10 @@ def run_probe(cfg: config.Config, *, prompts: int, samples: int, schemes: Sequen
     model.eval()
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     K = samples
-    scored = sample_and_score(model, tok, task, examples, G=K, limits=limits, weights=weights,
-                              temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, generator=gen,
-                              chunk_prompts=max(1, cfg.eval.batch_size // K))
+    with open_pool(cfg.task, task) as pool:
+        scored = sample_and_score(model, tok, task, examples, G=K, limits=limits, weights=weights,
+                                  temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, generator=gen,
+                                  chunk_prompts=max(1, cfg.eval.batch_size // K), pool=pool)
     responses, rewards, goals = scored.responses, scored.rewards, scored.hits
     sampled_tokens = int(scored.rollout.mask.sum())
     if scored.goal_failures:
@@ -354,6 +356,7 @@ def format_lines(res: ProbeResult) -> list[str]:
 
 def command(args: argparse.Namespace, overrides: list[str]) -> int:
     """`rlvr probe`: 0 on success; 2 with `rlvr: error: ...` on stderr for bad input."""
+    from rlvr.reward_pool import RewardPoolError
     from rlvr.run import RunError
     from rlvr.tasks import TaskError
 
@@ -365,7 +368,7 @@ def command(args: argparse.Namespace, overrides: list[str]) -> int:
         cfg = config.load(args.config, overrides)
         res = run_probe(cfg, prompts=args.prompts, samples=args.samples, schemes=schemes[len(DEFAULT_SCHEMES):],
                         split=args.split, checkpoint=args.checkpoint)
-    except (ProbeError, config.ConfigError, RunError, TaskError) as e:
+    except (ProbeError, config.ConfigError, RunError, TaskError, RewardPoolError) as e:
         print(f"rlvr: error: {e}", file=sys.stderr)
         return 2
     for note in res.notes:

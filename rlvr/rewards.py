@@ -13,9 +13,14 @@ Every reward ships with a card that names the proxy before anyone trusts an impr
 
 Scoring never crashes the run and never hides a failure as a silent 0. :func:`score` returns
 a status next to the value: ``ok``, ``error`` (the reward raised), ``none`` (it returned
-None), ``nan`` (NaN or infinity) or ``bad_type`` (not a real number, e.g. a string). Any
-status but ``ok`` gives the value 0.0, and :func:`score_batch` counts each status so the
-trainer can log them every step.
+None), ``nan`` (NaN or infinity), ``bad_type`` (not a real number, e.g. a string) or ``exit``
+(it raised SystemExit, e.g. called ``sys.exit``). Scored through a
+:class:`rlvr.reward_pool.RewardPool` (``pool=`` of :func:`score_batch` and :func:`goal_hits`),
+each call also has a time and memory limit, and two more statuses exist: ``timeout`` (the call
+ran past the limit; its worker was killed and replaced) and ``crashed`` (the worker process died:
+``os._exit``, a signal, a segfault, the kernel's out-of-memory killer). Any status but ``ok``
+gives the value 0.0, and :func:`score_batch` counts each status so the trainer can log them
+every step.
 
 Stdlib only; never imports the trainer or the config.
 """
@@ -32,7 +37,7 @@ if TYPE_CHECKING:  # only for the annotation; rlvr.tasks imports this module
 RewardFn = Callable[[str, str, Any], float]
 """``fn(prompt, response, answer) -> float``: deterministic, and total on any string."""
 
-STATUSES = ("ok", "error", "none", "nan", "bad_type")
+STATUSES = ("ok", "error", "none", "nan", "bad_type", "exit", "timeout", "crashed")
 """Every status :func:`score` can return, in the order logs print them."""
 
 MAX_ERRORS_KEPT = 5
@@ -78,14 +83,17 @@ class Score(NamedTuple):
     """Why the status is not ``ok``: the exception text, or the repr of the bad value."""
 
 
-def score(fn: RewardFn | Reward, prompt: str, response: str, answer: Any) -> Score:
+def score(fn: RewardFn | Reward, prompt: str, response: str, answer: Any, *, interrupts: bool = False) -> Score:
     """Run one reward on one response without letting it crash the caller.
 
     ``value, status, detail = score(...)``. A reward that raises gives status ``error`` with
     ``"ExceptionType: message"`` in ``detail``; None gives ``none``; NaN or ±inf gives
     ``nan``; anything that is not a real number (a string, a dict, a complex) gives
-    ``bad_type``; a list of real numbers is a process reward (`check_value`). bools and ints count as numbers. Only ``Exception`` is caught:
-    KeyboardInterrupt and SystemExit still stop the run.
+    ``bad_type``; a list of real numbers is a process reward (`check_value`). bools and ints count
+    as numbers. SystemExit (``sys.exit`` in the reward) gives ``exit``. KeyboardInterrupt still
+    stops the run (it is the user's Ctrl-C) unless ``interrupts=True``: a reward worker, which
+    ignores Ctrl-C, passes it, so a KeyboardInterrupt raised by the reward's own code is status
+    ``exit`` there too.
     """
     if isinstance(fn, Reward):
         fn = fn.fn
@@ -93,6 +101,10 @@ def score(fn: RewardFn | Reward, prompt: str, response: str, answer: Any) -> Sco
         v = fn(prompt, response, answer)
     except Exception as e:  # a reward must never take the run down
         return Score(0.0, "error", f"{type(e).__name__}: {e}")
+    except BaseException as e:
+        if isinstance(e, KeyboardInterrupt) and not interrupts:
+            raise
+        return Score(0.0, "exit", f"{type(e).__name__}: {e}".rstrip(": "))
     return check_value(v)
 
 
@@ -189,12 +201,18 @@ def score_batch(
     prompts: Sequence[str],
     responses: Sequence[str],
     answers: Sequence[Any],
+    pool: Any = None,
 ) -> BatchScores:
     """Score every response with every named reward; total = the weighted sum.
 
     ``prompts``, ``responses`` and ``answers`` are aligned, one row per response (repeat a
     prompt and its answer G times for G samples). Raises ValueError if they differ in length
     or ``rewards`` is empty; a reward that fails on a response never raises.
+
+    ``pool``: a :class:`rlvr.reward_pool.RewardPool` runs the calls in its worker processes,
+    in parallel, each with a timeout and a memory limit; the rewards are looked up there by
+    name in the pool's own copy of the task, so every name of ``rewards`` must be one of the
+    task's (the functions given here are not sent). None scores here, one call at a time.
     """
     n = len(responses)
     if len(prompts) != n or len(answers) != n:
@@ -204,20 +222,37 @@ def score_batch(
         )
     if not rewards:
         raise ValueError("score_batch: no rewards given")
+    if pool is not None:
+        scores = pool.scores(list(rewards), prompts, responses, answers)
+    else:
+        scores = {name: score_all(fn, prompts, responses, answers) for name, (fn, _) in rewards.items()}
+    return aggregate(rewards, scores)
+
+
+def score_all(fn: RewardFn | Reward, prompts: Sequence[str], responses: Sequence[str], answers: Sequence[Any],
+              *, interrupts: bool = False) -> list[Score]:
+    """One :class:`Score` per response: the reward's ``batch_fn`` when it has one and it works,
+    else :func:`score` call by call (so each failure gets its own status)."""
+    batched = _try_batch(fn, prompts, responses, answers)
+    if batched is not None:
+        return [check_value(v) for v in batched]
+    if isinstance(fn, Reward):
+        fn = fn.fn
+    return [score(fn, p, r, a, interrupts=interrupts) for p, r, a in zip(prompts, responses, answers)]
+
+
+def aggregate(rewards: WeightedRewards, scores: Mapping[str, Sequence[Score]]) -> BatchScores:
+    """BatchScores from one list of Score per reward name: weighted totals, status counts, messages."""
+    n = len(next(iter(scores.values())))
     total = [0.0] * n
     per_reward: dict[str, list[float]] = {}
     by_reward: dict[str, dict[str, int]] = {}
     errors: list[str] = []
-    for name, (fn, weight) in rewards.items():
-        batched = _try_batch(fn, prompts, responses, answers)
-        if isinstance(fn, Reward):
-            fn = fn.fn
+    for name, (_, weight) in rewards.items():
         weight = float(weight)
         values = [0.0] * n
         counts = dict.fromkeys(STATUSES, 0)
-        for i in range(n):
-            v, status, detail = (check_value(batched[i]) if batched is not None
-                                 else score(fn, prompts[i], responses[i], answers[i]))
+        for i, (v, status, detail, *_) in enumerate(scores[name]):
             counts[status] += 1
             if status == "ok":
                 values[i] = v
@@ -244,17 +279,36 @@ def _try_batch(reward, prompts, responses, answers) -> list | None:
     return out if len(out) == len(responses) else None
 
 
+def check_goal(goal: Callable[[str, str, Any], Any], prompt: str, response: str, answer: Any, *,
+               interrupts: bool = False) -> Score:
+    """The goal on one response as a Score: value 1.0 (met) or 0.0, status ``ok``; a goal check that
+    raises is status ``error`` (``exit`` for SystemExit) with value 0.0, a miss."""
+    try:
+        return Score(1.0 if bool(goal(prompt, response, answer)) else 0.0, "ok")
+    except Exception as e:  # the goal must not take the run down either
+        return Score(0.0, "error", f"{type(e).__name__}: {e}")
+    except BaseException as e:
+        if isinstance(e, KeyboardInterrupt) and not interrupts:
+            raise
+        return Score(0.0, "exit", f"{type(e).__name__}: {e}".rstrip(": "))
+
+
 def goal_hits(goal: Callable[[str, str, Any], Any], prompts: Sequence[str], responses: Sequence[str],
-              answers: Sequence[Any]) -> tuple[list[bool], int, list[str]]:
-    """The task's goal on every response: (hits, failures, first messages). A goal check that raises
-    counts as a miss and as a failure (reported, never silent), like a reward's `error` status."""
+              answers: Sequence[Any], pool: Any = None) -> tuple[list[bool], int, list[str]]:
+    """The task's goal on every response: (hits, failures, first messages). A goal check that fails
+    (raises, exits, or, in a ``pool``, times out or kills its worker) counts as a miss and as a
+    failure (reported, never silent), like a reward's non-``ok`` statuses. With a
+    :class:`rlvr.reward_pool.RewardPool` the pool's task's goal runs in its workers (``goal`` is
+    not sent: pass the same task's goal)."""
+    if pool is not None:
+        checks = pool.goals(prompts, responses, answers)
+    else:
+        checks = [check_goal(goal, p, r, a) for p, r, a in zip(prompts, responses, answers)]
     hits, failures, errors = [], 0, []
-    for p, r, a in zip(prompts, responses, answers):
-        try:
-            hits.append(bool(goal(p, r, a)))
-        except Exception as e:  # the goal must not take the run down either
-            hits.append(False)
+    for s in checks:
+        hits.append(s.status == "ok" and s.value == 1.0)
+        if s.status != "ok":
             failures += 1
             if len(errors) < MAX_ERRORS_KEPT:
-                errors.append(f"goal: {type(e).__name__}: {e}")
+                errors.append(f"goal: {s.detail}" if s.status in ("error", "exit") else f"goal: {s.status}: {s.detail}")
     return hits, failures, errors

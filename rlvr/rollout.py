@@ -75,14 +75,14 @@ def merge(parts: list[Groups], pad_id: int) -> Groups:
     )
 
 
-def score_groups(task: Task, weights: dict[str, float], examples: list, responses: list[str], G: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, dict, int, dict, list, list]:
+def score_groups(task: Task, weights: dict[str, float], examples: list, responses: list[str], G: int,
+                 pool=None) -> tuple[torch.Tensor, torch.Tensor, dict, int, dict, list, list]:
     """Rewards (P, G), goal hits (P, G) and the bookkeeping of scoring `responses` (G per example),
     in the order of `Groups`' fields."""
     prompts = [ex.prompt for ex in examples for _ in range(G)]
     answers = [ex.answer for ex in examples for _ in range(G)]
-    scored = score_batch(weighted_rewards(task, weights), prompts, responses, answers)
-    hits, goal_failures, goal_errors = goal_hits(task.goal, prompts, responses, answers)
+    scored = score_batch(weighted_rewards(task, weights), prompts, responses, answers, pool=pool)
+    hits, goal_failures, goal_errors = goal_hits(task.goal, prompts, responses, answers, pool=pool)
     return (torch.tensor(scored.total, dtype=torch.float32).view(-1, G), torch.tensor(hits).view(-1, G),
             scored.per_reward, scored.failed + goal_failures, {**scored.status_counts, "goal_error": goal_failures},
             list(scored.errors) + goal_errors, scored.total)
@@ -91,12 +91,13 @@ def score_groups(task: Task, weights: dict[str, float], examples: list, response
 @torch.no_grad()
 def sample_and_score(policy: Policy, tok: Tokenizer, task: Task, examples: list, *, G: int, limits: Limits,
                      weights: dict[str, float], temperature: float, top_p: float,
-                     generator: torch.Generator | None, chunk_prompts: int = 0) -> Groups:
+                     generator: torch.Generator | None, chunk_prompts: int = 0, pool=None) -> Groups:
     """Sample G responses per example (temperature 0 = greedy), decode them and score them.
 
     A response is decoded up to its end token when the task has one (`limits.eos_id`), and in full
     on fixed-length tasks. `chunk_prompts` > 0 samples that many prompts per generate call (memory);
-    the draws come from `generator` in order, so chunking does not change them."""
+    the draws come from `generator` in order, so chunking does not change them. `pool`: a
+    rlvr.reward_pool.RewardPool scores in its supervised workers (None: in this process)."""
     step = chunk_prompts or len(examples)
     rollouts = []
     for i in range(0, len(examples), step):
@@ -107,7 +108,7 @@ def sample_and_score(policy: Policy, tok: Tokenizer, task: Task, examples: list,
     rollout = rollouts[0] if len(rollouts) == 1 else sampling.concat(rollouts, tok.pad_id)
     stop = limits.eos_id is not None
     responses = [tok.decode(r, stop_at_eos=stop) for r in rollout.response_ids.tolist()]
-    return Groups(examples, rollout, responses, *score_groups(task, weights, examples, responses, G))
+    return Groups(examples, rollout, responses, *score_groups(task, weights, examples, responses, G, pool))
 
 
 @dataclass
@@ -165,7 +166,7 @@ def reference_logprobs(policy: Policy, reference: Policy | None, rollout: sampli
 
 
 def rollout(setup, policy: Policy, reference: Policy | None, examples_fn, *, version: int,
-            generator: torch.Generator) -> Batch:
+            generator: torch.Generator, pool=None) -> Batch:
     """Steps 1-5 of a training step, no gradient:
 
     1. sample P prompts (`examples_fn()`), G responses each from π_old (the current weights);
@@ -183,7 +184,7 @@ def rollout(setup, policy: Policy, reference: Policy | None, examples_fn, *, ver
     def sample(examples: list) -> Groups:
         return sample_and_score(policy, tok, setup.task, examples, G=G, limits=setup.limits,
                                 weights=setup.reward_weights, temperature=sc.temperature, top_p=sc.top_p,
-                                generator=generator)
+                                generator=generator, pool=pool)
 
     if ac.dynamic_sampling:
         groups, parts = dynamic_sample(sample, examples_fn, tc.prompts_per_step, G, ac.dynamic_sampling_rounds,

@@ -17,6 +17,7 @@ import torch
 from rlvr import config as config_mod, costs
 from rlvr.models.tiny import TinyConfig, TinyTransformer
 from rlvr.policy import Policy, Tokenizer
+from rlvr.state import find_complete, write_dir_atomically
 from rlvr.tasks import Task, load_task, resolve_weights
 from rlvr.tokenizer import CharTokenizer, encode_example
 
@@ -118,6 +119,8 @@ def _built_in(cfg: config_mod.Config, task: Task) -> tuple[Policy, Tokenizer]:
     alphabet = task.alphabet or "".join(sorted({c for ex in examples for c in ex.prompt + str(ex.answer)}))
     tokenizer = CharTokenizer(alphabet)
     n = max(len(tokenizer.encode(ex.prompt)) for ex in examples)
+    config_mod.check_against_task(cfg, train_prompts=len(task.train), prompt_tokens=n,
+                                  max_new_tokens=cfg.sampling.max_new_tokens or task.max_new_tokens)
     torch.manual_seed(cfg.train.seed)
     model = TinyTransformer(TinyConfig(
         vocab_size=tokenizer.vocab_size, n_layer=cfg.model.n_layer, n_head=cfg.model.n_head,
@@ -130,6 +133,8 @@ def build(cfg: config_mod.Config, log=print) -> Setup:
     """Load the task, build tokenizer and model; every error here comes before any compute."""
     device = resolve_device(cfg.train.device)
     task = load_task(cfg.task.path, **cfg.task.options)
+    config_mod.check_against_task(cfg, train_prompts=len(task.train), prompt_tokens=0,
+                                  max_new_tokens=cfg.sampling.max_new_tokens or task.max_new_tokens)
     weights = reward_weights(cfg, task)
     model, tokenizer = _hf_policy(cfg, device, log) if cfg.model.path else _built_in(cfg, task)
     lim = limits(cfg, task, tokenizer, model)
@@ -161,16 +166,19 @@ def shares_prompt(cfg: config_mod.Config, model: Policy) -> bool:
     return cfg.model.share_prompt_forward and model.differentiable_cache
 
 
-def save_checkpoint(run_dir: Path, model: Policy, tok: Tokenizer) -> None:
+def save_checkpoint(run_dir: Path, model: Policy, tok: Tokenizer, tag: int = 0) -> None:
     """Built-in model: RUN_DIR/checkpoint (safetensors, config, tokenizer JSON). Hugging Face model:
-    RUN_DIR/hf, a plain transformers directory (LoRA merged in; the adapter also in hf/adapter)."""
+    RUN_DIR/hf, a plain transformers directory (LoRA merged in; the adapter also in hf/adapter).
+    Written beside the old copy, fsynced and renamed into place (rlvr.state.atomic_dir)."""
     if isinstance(model, TinyTransformer):
-        model.save_pretrained(run_dir / "checkpoint")
-        tok.save(run_dir / "checkpoint" / "tokenizer.json")
+        def write(d: Path) -> None:
+            model.save_pretrained(d)
+            tok.save(d / "tokenizer.json")
+        write_dir_atomically(run_dir, "checkpoint", tag, write)
     else:
         from rlvr.models.hf import export_hf
 
-        export_hf(model, tok, run_dir / "hf")
+        write_dir_atomically(run_dir, "hf", tag, lambda d: export_hf(model, tok, d))
 
 
 def load_run(run_dir: Path) -> tuple[config_mod.Config, Policy, Tokenizer]:
@@ -182,11 +190,12 @@ def load_run(run_dir: Path) -> tuple[config_mod.Config, Policy, Tokenizer]:
     if cfg.model.path:
         from rlvr.models.hf import load_policy
 
-        if not (run_dir / "hf" / "config.json").is_file():
+        hf = find_complete(run_dir, "hf") or run_dir / "hf"
+        if not (hf / "config.json").is_file():
             raise RunError(f"{run_dir} is not a finished run: {run_dir / 'hf'} is missing")
-        model, tok = load_policy(run_dir / "hf", dtype=cfg.model.dtype)
+        model, tok = load_policy(hf, dtype=cfg.model.dtype)
         return cfg, model, tok
-    ckpt = run_dir / "checkpoint"
+    ckpt = find_complete(run_dir, "checkpoint") or run_dir / "checkpoint"
     for need in (ckpt / "model.safetensors", ckpt / "tokenizer.json"):
         if not need.is_file():
             raise RunError(f"{run_dir} is not a finished run: {need} is missing")

@@ -20,9 +20,10 @@ from pathlib import Path
 
 from rlvr import config as config_mod
 from rlvr.run import RunError, save_checkpoint
-from rlvr.state import STATE_DIR
+from rlvr.state import STATE_DIR, atomic_dir, find_complete, find_state
 
-RESUMABLE_KEYS = {"train.steps", "train.threads", "train.save_every"}
+RESUMABLE_KEYS = {"train.steps", "train.threads", "train.save_every", "task.reward_workers",
+                  "task.reward_timeout_s", "task.reward_memory_mb"}
 """Keys a resumed run may change; sections [eval] and [log] may change too. Note that the
 learning-rate schedule is laid out over train.steps, so a longer resumed run decays later."""
 
@@ -62,7 +63,7 @@ class RunDir:
     def check_resumable(self, cfg: config_mod.Config) -> None:
         """Refuse --resume on a directory without state, or with a config that changed a key that matters."""
         out = self.path
-        if not (out / STATE_DIR / "state.json").is_file() or not (out / "config.toml").is_file():
+        if find_state(out) is None or not (out / "config.toml").is_file():
             raise RunError(f"--resume: {out} holds no resumable state ({out / STATE_DIR} is missing)")
         conflicts = resume_conflicts(config_mod.load(out / "config.toml"), cfg)
         if conflicts:
@@ -116,25 +117,21 @@ class RunDir:
         self._rollouts.flush()
 
     def load_best(self) -> dict:
-        f = self.path / "best" / "best.json"
-        return json.loads(f.read_text()) if f.is_file() else {}
+        d = find_complete(self.path, "best")
+        return json.loads((d / "best.json").read_text()) if d is not None and (d / "best.json").is_file() else {}
 
     def save_best(self, model, tok, cfg: config_mod.Config, best: dict) -> None:
         """RUN_DIR/best: the checkpoint with the highest held-out goal so far, a run directory of its own
         (config.toml, checkpoint/ or hf/, best.json) that `rlvr eval RUN_DIR/best` reloads. Written
-        beside and renamed into place, so an interrupted save keeps the previous best."""
-        tmp, final = self.path / "best.tmp", self.path / "best"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        save_checkpoint(tmp, model, tok)
-        (tmp / "config.toml").write_text(config_mod.to_toml(cfg))
-        (tmp / "best.json").write_text(json.dumps(best, indent=2))
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
+        beside, fsynced and renamed into place, so an interrupted save keeps the previous best."""
+        with atomic_dir(self.path, "best", tag=best["step"]) as d:
+            save_checkpoint(d, model, tok, tag=best["step"])
+            (d / "config.toml").write_text(config_mod.to_toml(cfg))
+            (d / "best.json").write_text(json.dumps(best, indent=2))
 
     # ------------------------------------------------------------------ at the end
-    def finish(self, model, tok, summary: dict) -> None:
-        save_checkpoint(self.path, model, tok)
+    def finish(self, model, tok, summary: dict, step: int) -> None:
+        save_checkpoint(self.path, model, tok, tag=step)
         self.close()
         (self.path / "summary.json").write_text(json.dumps(summary, indent=2))
 

@@ -42,6 +42,7 @@ from rlvr.diagnostics import Watch, length_by_outcome, pass_rate_histogram
 from rlvr.evaluate import evaluate
 from rlvr.learn import Learner, learn, make_optimizer, make_scheduler
 from rlvr.policy import Policy
+from rlvr.reward_pool import RewardPool, open_pool
 from rlvr.rollout import Batch, rollout
 from rlvr.run import RunError, Setup, build, price_of  # noqa: F401  (RunError: raised to the CLI)
 from rlvr.rundir import RunDir
@@ -71,6 +72,8 @@ class RunState:
     watch: Watch = field(default_factory=Watch)
     last_eval: dict = field(default_factory=dict)
     price: costs.Price | None = None
+    pool: RewardPool | None = None
+    """Supervised reward workers (task.reward_workers); None scores in this process."""
 
     @property
     def policy(self) -> Policy:
@@ -174,7 +177,8 @@ def run_eval(run_dir: RunDir, state: RunState, step: int) -> dict:
     res = evaluate(state.policy, setup.tokenizer, setup.task, reward_weights=setup.reward_weights,
                    limits=setup.limits, prompts=cfg.eval.prompts, batch_size=cfg.eval.batch_size,
                    pass_k=cfg.eval.pass_k, pass_k_prompts=cfg.eval.pass_k_prompts,
-                   temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, seed=cfg.train.seed)
+                   temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, seed=cfg.train.seed,
+                   pool=state.pool)
     row = {"step": step, **{f"eval/{k}": v for k, v in res.items()}}
     run_dir.metrics(row)
     for msg in state.watch.after_eval(step, row["eval/goal"]):
@@ -224,16 +228,23 @@ def train(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, resume:
     every `train.save_every` steps and at the end) with the same weights, optimizer, scheduler,
     RNG streams and cost counters, so an interrupted run continues as if it had not stopped.
     """
-    tc, ec = cfg.train, cfg.eval
-    if tc.threads:
-        torch.set_num_threads(tc.threads)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
     run_dir = RunDir(out, log=log)
     state = start(cfg, run_dir, overwrite=overwrite, resume=resume, log=log)
+    with open_pool(cfg.task, state.setup.task) as state.pool:
+        return loop(run_dir, state, log)
+
+
+def loop(run_dir: RunDir, state: RunState, log) -> dict:
+    """Steps from the one after `state.step` to `train.steps`, then `finish`."""
+    cfg = state.setup.cfg
+    tc, ec = cfg.train, cfg.eval
     t_start = time.perf_counter()
     for step in range(state.step + 1, tc.steps + 1):
         t0 = time.perf_counter()
         batch = rollout(state.setup, state.policy, state.reference, state.draw,      # 1.-5.
-                        version=state.version, generator=state.sample_gen)
+                        version=state.version, generator=state.sample_gen, pool=state.pool)
         stats = learn(state.learner, batch)                                          # 6.
         state.version += 1                                                           # 7. π_old <- π
         if state.reference is not None and cfg.algorithm.ref_refresh_every and step % cfg.algorithm.ref_refresh_every == 0:
@@ -276,7 +287,7 @@ def finish(run_dir: RunDir, state: RunState, wall: float, log) -> dict:
         "price": price.to_dict(),
         "sampled_tokens_vs_price": cost["sampled_tokens"] / price.sampled_tokens_per_run,
     }
-    run_dir.finish(state.policy, state.setup.tokenizer, summary)
+    run_dir.finish(state.policy, state.setup.tokenizer, summary, steps)
     log(f"cost: sampled {cost['sampled_tokens']:,} tokens (price {price.sampled_tokens_per_run:,}), "
         f"forward {cost['forward_tokens']:,} (price {price.forward_tokens_per_run:,}), "
         f"trained {cost['trained_tokens']:,} (price {price.trained_tokens_per_run:,}), "

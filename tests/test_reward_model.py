@@ -79,6 +79,18 @@ def test_load_errors(tmp_path):
         RewardModelReward(build_rm(tmp_path / "two", num_labels=2))
 
 
+def test_pickled_weights_are_refused_with_the_conversion(tmp_path):
+    d = tmp_path / "pickled"
+    build_rm(d)
+    for f in d.glob("*.safetensors"):
+        f.rename(d / "pytorch_model.bin")          # what an old checkpoint holds: a pickle
+    with pytest.raises(TaskError, match=r"pytorch_model\*\.bin \(pickle\).*save_pretrained\(dir\)"):
+        RewardModelReward(d)
+    (d / "pytorch_model.bin").unlink()
+    with pytest.raises(TaskError, match="no weights"):
+        RewardModelReward(d)
+
+
 def test_score_batch_uses_one_batched_call(rm, monkeypatch):
     from rlvr.rewards import score_batch
 

@@ -88,6 +88,27 @@ def test_accepts_a_reward_object():
     assert r("p", "ab", None) == 2.0
 
 
+def counts(**nonzero):
+    """Every status, 0 unless given."""
+    return {s: nonzero.get(s, 0) for s in STATUSES}
+
+
+def test_sys_exit_in_a_reward_is_status_exit():
+    def leave(prompt, response, answer):
+        raise SystemExit(3)
+
+    assert score(leave, "p", "r", "a") == Score(0.0, "exit", "SystemExit: 3")
+    b = score_batch({"leave": (leave, 1.0)}, ["p"] * 2, ["a", "b"], [0, 0])
+    assert b.status_counts == counts(exit=2) and b.errors == ["leave: SystemExit: 3"]
+
+
+def test_keyboard_interrupt_is_status_exit_only_where_asked():
+    def stop(prompt, response, answer):
+        raise KeyboardInterrupt
+
+    assert score(stop, "p", "r", "a", interrupts=True) == Score(0.0, "exit", "KeyboardInterrupt")
+
+
 def test_keyboard_interrupt_is_not_swallowed():
     def stop(prompt, response, answer):
         raise KeyboardInterrupt
@@ -108,7 +129,7 @@ def test_weighted_sum_by_hand():
     assert b.per_reward == {"match": [1.0, 0.0, 0.0], "len": [2.0, 1.0, 4.0]}
     # 2*1 + 0.5*2 = 3; 2*0 + 0.5*1 = 0.5; 2*0 + 0.5*4 = 2
     assert b.total == [3.0, 0.5, 2.0]
-    assert b.status_counts == {"ok": 6, "error": 0, "none": 0, "nan": 0, "bad_type": 0}
+    assert b.status_counts == counts(ok=6)
     assert b.failed == 0 and b.errors == []
 
 
@@ -129,9 +150,9 @@ def test_failures_count_zero_and_are_counted():
     )
     assert b.per_reward["picky"] == [1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
     assert b.total == [2.0, 1.0, 1.0, 1.0, 1.0, 2.0]
-    assert b.status_by_reward["picky"] == {"ok": 2, "error": 1, "none": 1, "nan": 1, "bad_type": 1}
-    assert b.status_by_reward["len"] == {"ok": 6, "error": 0, "none": 0, "nan": 0, "bad_type": 0}
-    assert b.status_counts == {"ok": 8, "error": 1, "none": 1, "nan": 1, "bad_type": 1}
+    assert b.status_by_reward["picky"] == counts(ok=2, error=1, none=1, nan=1, bad_type=1)
+    assert b.status_by_reward["len"] == counts(ok=6)
+    assert b.status_counts == counts(ok=8, error=1, none=1, nan=1, bad_type=1)
     assert b.failed == 4
     assert "picky: ZeroDivisionError: cannot score 'e'" in b.errors
     assert "picky: returned None" in b.errors

@@ -1,6 +1,8 @@
 """The sort task of seed 000, its three rewards and their cards, and the task contract."""
 
 
+import sys
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -408,6 +410,27 @@ def test_file_that_does_not_import_shows_the_error(tmp_path):
     dep.write_text("import not_installed_pkg_xyz\n")
     with pytest.raises(TaskError, match="ModuleNotFoundError: No module named 'not_installed"):
         load_task(f"{dep}:TASK")
+
+
+@pytest.mark.parametrize("source, where", [
+    ("import sys\nsys.exit(0)\n", "importing"),
+    ("raise SystemExit('bye')\n", "importing"),
+    ("import sys\ndef make():\n    sys.exit(3)\n", "calling make(**{})"),
+])
+def test_a_task_that_exits_is_an_error_never_a_silent_exit(tmp_path, source, where):
+    bad = tmp_path / "leaves.py"
+    bad.write_text(source)
+    with pytest.raises(TaskError, match="raised SystemExit") as e:
+        load_task(f"{bad}:make")
+    assert str(e.value).startswith(f"{bad}:make: {where}")
+    mod = tmp_path / "pkg_that_exits_xyz.py"
+    mod.write_text("import sys\nsys.exit(0)\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        with pytest.raises(TaskError, match="importing module 'pkg_that_exits_xyz' raised SystemExit"):
+            load_task("pkg_that_exits_xyz:TASK")
+    finally:
+        sys.path.remove(str(tmp_path))
 
 
 def test_missing_name_lists_what_is_there(tiny):

@@ -225,10 +225,18 @@ def _import_file(target: str, path: str):
         spec.loader.exec_module(module)
     except BaseException as e:
         sys.modules.pop(mod_name, None)
+        if isinstance(e, SystemExit):
+            raise TaskError(_exited(path, f"importing {file}", e)) from None
         if not isinstance(e, Exception):
             raise
         raise TaskError(f"{path}: {file} failed to import: {type(e).__name__}: {e}") from e
     return module
+
+
+def _exited(path: str, doing: str, e: SystemExit) -> str:
+    """The message for a task that called sys.exit (or raised SystemExit) while loading."""
+    return (f"{path}: {doing} raised SystemExit({e.code!r}) (sys.exit was called); a task module or factory "
+            "must not exit: raise an exception with the reason instead")
 
 
 def _import_module(target: str, path: str):
@@ -241,6 +249,8 @@ def _import_module(target: str, path: str):
                 "importable module or 'path/to/file.py:NAME' for a file)"
             ) from e
         raise TaskError(_import_failed(path, target, e)) from e
+    except SystemExit as e:
+        raise TaskError(_exited(path, f"importing module {target!r}", e)) from None
     except Exception as e:
         raise TaskError(_import_failed(path, target, e)) from e
 
@@ -268,7 +278,8 @@ def load_task(path: str, **kwargs: Any) -> Task:
     ``path`` is ``package.module:NAME`` or ``path/to/file.py:NAME`` (NAME defaults to
     ``TASK``). NAME may be a Task, or a callable returning one, which is called with
     ``kwargs``. Raises TaskError, with ``path`` in the message, when the file does not exist,
-    the module does not import (the import error is shown), NAME is missing (the candidate
+    the module does not import (the import error is shown), the module or the call raises
+    SystemExit (``sys.exit``: never a silent exit of the caller), NAME is missing (the candidate
     names are listed), the call fails, or the result breaks the contract
     (see :func:`validate_task`).
     """
@@ -295,6 +306,8 @@ def load_task(path: str, **kwargs: Any) -> Task:
     elif callable(obj):
         try:
             task = obj(**kwargs)
+        except SystemExit as e:
+            raise TaskError(_exited(path, f"calling {name}(**{kwargs!r})", e)) from None
         except Exception as e:
             raise TaskError(
                 f"{path}: calling {name}(**{kwargs!r}) failed: {type(e).__name__}: {e}"

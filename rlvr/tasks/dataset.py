@@ -42,7 +42,8 @@ configs.
 The goal (``goal=None``) is "the first reward returns >= 1.0"; give ``goal`` as a spec to
 use another function (called like a reward; truthy means solved).
 
-Errors (TaskError, before any compute): a line that is not JSON or not an object (file:line),
+Errors (TaskError, before any compute): a line that is not UTF-8, not JSON or not an object (file:line),
+a directory given as a data file,
 a missing prompt / answer column (named, with the columns the row has), a non-str prompt,
 an empty file, a reward path that does not import (with the import error), held-out prompts
 that also occur in train.
@@ -176,6 +177,9 @@ def _import_object(spec: str, what: str) -> Any:
     else:
         try:
             module = importlib.import_module(target)
+        except SystemExit as e:
+            raise TaskError(f"{what} {spec!r}: importing module {target!r} raised SystemExit({e.code!r}) "
+                            "(sys.exit was called)") from None
         except Exception as e:
             raise TaskError(f"{what} {spec!r}: module {target!r} failed to import: "
                             f"{type(e).__name__}: {e}") from e
@@ -286,6 +290,8 @@ def build_rewards(rewards: Any) -> dict[str, Reward]:
 def read_rows(path: str | os.PathLike) -> list[tuple[str, dict]]:
     """[(where, row)] of a JSONL file (where = 'file:line') or a parquet/arrow/csv file."""
     p = Path(path)
+    if p.is_dir():
+        raise TaskError(f"data file {str(p)!r} is a directory, not a file")
     if not p.is_file():
         raise TaskError(f"data file {str(p)!r} does not exist")
     fmt = DATASETS_FORMATS.get(p.suffix.lower())
@@ -302,8 +308,13 @@ def read_rows(path: str | os.PathLike) -> list[tuple[str, dict]]:
         for i, row in enumerate(ds):
             rows.append((f"{p}:row {i + 1}", dict(row)))
     else:
-        with open(p, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
+        with open(p, "rb") as f:
+            for lineno, raw in enumerate(f, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise TaskError(f"{p}:{lineno}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                                    "save the file as UTF-8") from None
                 if not line.strip():
                     continue
                 try:

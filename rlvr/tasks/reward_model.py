@@ -18,6 +18,9 @@
     reward = "rm"
     options = { model = "models/my-rm", train = "data/prompts.jsonl" }
 
+Weights are loaded from safetensors only; a directory with only a pickled ``pytorch_model.bin`` is
+refused with the conversion command (a pickle can run code when loaded).
+
 Text scored: ``template.format(prompt=..., response=...)`` (default: the two concatenated),
 truncated from the **left** to ``max_length`` tokens so the end of the response is always seen.
 Padding is on the right and the model's ``pad_token_id`` is set from the tokenizer (the
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 from typing import Any, Sequence
 
 from rlvr.rewards import Reward, RewardCard
@@ -45,6 +49,7 @@ class RewardModelReward:
                  device: str = "cpu", template: str = "{prompt}{response}", name: str = "rm"):
         if not os.path.isdir(path):
             raise TaskError(f"reward model {str(path)!r}: not a local directory (nothing is downloaded)")
+        _check_weights(Path(path))
         if batch_size < 1 or max_length < 1:
             raise TaskError(f"reward model: batch_size and max_length must be >= 1, got {batch_size}, {max_length}")
         try:
@@ -54,7 +59,8 @@ class RewardModelReward:
             raise TaskError(f"reward model needs transformers and torch: {e}") from e
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-            self.model = AutoModelForSequenceClassification.from_pretrained(str(path), local_files_only=True)
+            self.model = AutoModelForSequenceClassification.from_pretrained(str(path), local_files_only=True,
+                                                                            use_safetensors=True)
         except Exception as e:
             raise TaskError(f"reward model {str(path)!r} failed to load: {type(e).__name__}: {e}") from e
         if self.model.config.num_labels != 1:
@@ -111,6 +117,19 @@ class RewardModelReward:
         """This model as a :class:`~rlvr.rewards.Reward` named ``self.name``."""
         return Reward(self.name, self, self.card,
                       batch_fn=lambda prompts, responses, answers: self.score_batch(prompts, responses))
+
+
+def _check_weights(path: Path) -> None:
+    """safetensors only: a pickled ``.bin`` checkpoint can run code when loaded, so it is refused with the
+    one-off conversion (as the policy loader, rlvr.models.hf, does)."""
+    if any(path.glob("*.safetensors")):
+        return
+    if any(path.glob("*.bin")):
+        raise TaskError(f"reward model {str(path)!r}: only pytorch_model*.bin (pickle) weights; rlvr loads "
+                        "safetensors only. Convert once: AutoModelForSequenceClassification.from_pretrained(dir)"
+                        ".save_pretrained(dir) writes model.safetensors")
+    raise TaskError(f"reward model {str(path)!r}: no weights (expected model.safetensors or "
+                    "model-*.safetensors shards)")
 
 
 def add_reward_model(task: Task, rm: RewardModelReward | str, **kwargs: Any) -> Task:

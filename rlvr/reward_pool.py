@@ -1,0 +1,504 @@
+"""Rewards and goal checks in supervised worker processes: in parallel, each call time- and memory-limited.
+
+Why
+---
+A reward is user code. In the trainer's own process a reward that hangs hangs the run, one that calls
+``os._exit`` or segfaults ends it without a word, and a slow one (50 ms) is paid once per response, one
+after the other. A :class:`RewardPool` runs the calls in ``workers`` long-lived child processes instead:
+
+* in parallel: a batch is cut into chunks (about ``CHUNKS_PER_WORKER`` per worker) handed to whichever
+  worker is free;
+* each call with a timeout: a call that runs past ``timeout_s`` gets status ``timeout``, its worker is
+  killed (with anything it started) and replaced, and the rest of its chunk goes on in another worker;
+* each worker with an address-space limit (``RLIMIT_AS``): a reward that allocates past ``memory_mb``
+  gets a MemoryError (status ``error``) instead of taking the machine's memory;
+* a worker that dies (``os._exit``, a signal, a segfault, the kernel's out-of-memory killer) gives the
+  call it was running status ``crashed`` and is replaced; ``SystemExit`` or ``KeyboardInterrupt``
+  raised by the reward's code is status ``exit`` and the worker goes on (workers ignore Ctrl-C, which is
+  the trainer's to handle).
+
+Scoring never stops: every (reward, response) gets a :class:`~rlvr.rewards.Score`, and the caller counts
+the statuses (:func:`rlvr.rewards.score_batch`, :func:`rlvr.rewards.goal_hits`, both take ``pool=``).
+
+How a worker gets the rewards
+-----------------------------
+Nothing callable crosses the process boundary. A worker is a fresh interpreter (``python -c``, like the
+math-verify worker in :mod:`rlvr.tasks.mathverify`: no inherited threads, CUDA state or re-imported
+``__main__``) that rebuilds the task with ``load_task(path, **options)``, as the trainer did, and looks the
+rewards up by name. Requests (prompts, responses, answers) go to the worker pickled (the worker trusts
+its parent); results come back as JSON lines, so the trainer never unpickles anything a reward made.
+
+Usage::
+
+    with open_pool(cfg.task, task) as pool:          # None when task.reward_workers = 0
+        scored = score_batch(weighted, prompts, responses, answers, pool=pool)
+        hits, failures, errors = goal_hits(task.goal, prompts, responses, answers, pool=pool)
+
+POSIX only (``select`` on pipes, ``RLIMIT_AS``); workers die with the process that started them (Linux
+``PR_SET_PDEATHSIG``), so a killed trainer leaves no stray worker behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import select
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+from rlvr.rewards import Reward, Score, check_goal, check_value, score
+
+__all__ = ["RewardPool", "RewardPoolError", "open_pool", "available_cores", "DEFAULT_TIMEOUT_S",
+           "DEFAULT_MEMORY_MB"]
+
+DEFAULT_TIMEOUT_S = 60.0
+"""Seconds one reward or goal call may take in a worker before it is status ``timeout``."""
+DEFAULT_MEMORY_MB = 4096
+"""Address space (MB) a worker may add to what loading the task took; 0 = no limit."""
+START_TIMEOUT_S = 120.0
+"""Seconds a fresh worker may take to start and load the task."""
+CHUNKS_PER_WORKER = 4
+"""A batch is cut into about this many chunks per worker (balances uneven call times)."""
+MAX_TRIES = 3
+"""A chunk whose worker dies before running any of it (not the reward's fault) is sent again this often."""
+_WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+               "TOKENIZERS_PARALLELISM": "false"}
+"""One thread per worker: the pool is the parallelism (and torch in a worker would otherwise take every core)."""
+
+
+class RewardPoolError(RuntimeError):
+    """The pool cannot run at all: a worker cannot start or load the task, or the data cannot be sent."""
+
+
+def available_cores() -> int:
+    """Cores this process may run on (its CPU affinity), the default number of workers."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# the worker side (runs in the child interpreter)
+
+
+def _read_frame(stream) -> Any:
+    """One length-prefixed pickle from the parent; None at end of input."""
+    head = stream.read(8)
+    if len(head) < 8:
+        return None
+    (n,) = struct.unpack(">Q", head)
+    body = stream.read(n)
+    if len(body) < n:
+        return None
+    return body
+
+
+def _die_with_parent(parent: int) -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+        except Exception:  # pragma: no cover - no prctl: the closed stdin still ends the worker
+            pass
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(0)
+
+
+def _limit_memory(memory_mb: int) -> None:
+    """RLIMIT_AS = the address space in use now (the loaded task) + memory_mb."""
+    if memory_mb <= 0:
+        return
+    import resource
+
+    try:
+        with open("/proc/self/statm") as f:
+            used = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):  # pragma: no cover - not Linux
+        used = 0
+    limit = used + memory_mb * 2**20
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+
+
+def _batch_scores(reward: Reward, prompts: list, responses: list, answers: list) -> list[Score] | None:
+    """The reward's batch_fn on a whole job, or None (no batch_fn, it failed, or the count is wrong)."""
+    if reward.batch_fn is None:
+        return None
+    try:
+        out = list(reward.batch_fn(prompts, responses, answers))
+    except BaseException:  # noqa: BLE001 - in a worker every failure falls back to one call per item
+        return None
+    return [check_value(v) for v in out] if len(out) == len(responses) else None
+
+
+def _serve() -> None:
+    """The worker loop: load the task, then answer chunks until stdin closes.
+
+    Protocol: the parent writes length-prefixed pickles (first ``{"path", "options", "memory_mb"}``, then
+    ``(items, jobs)`` with ``items = {i: (prompt, response, answer)}`` and ``jobs = [(reward name or None
+    for the goal, [i, ...]), ...]``). The worker writes JSON lines on a private copy of stdout (fd 1 is
+    pointed at stderr so a reward's prints cannot corrupt it): ``{"ready": [names]}`` or ``{"fail": msg}``
+    once; per chunk, ``{"batch": j}`` before a batched call of job j, ``{"j": j, "i": i, "s": [...Score]}``
+    per call in job order, then ``{"done": 1}`` (or ``{"bad": msg}`` if the chunk cannot be read).
+    """
+    out = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's; a KeyboardInterrupt here is the reward's
+    _die_with_parent(int(os.environ.get("RLVR_POOL_PARENT", os.getppid())))
+    inp = sys.stdin.buffer
+
+    def send(obj: dict) -> None:
+        out.write(json.dumps(obj) + "\n")
+        out.flush()
+
+    body = _read_frame(inp)
+    if body is None:
+        return
+    init = pickle.loads(body)
+    try:
+        from rlvr.tasks import load_task
+
+        task = load_task(init["path"], **init["options"])
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises
+        send({"fail": f"{type(e).__name__}: {e}"})
+        return
+    try:
+        _limit_memory(int(init["memory_mb"]))
+    except (OSError, ValueError) as e:  # pragma: no cover
+        send({"fail": f"cannot set the memory limit: {e}"})
+        return
+    send({"ready": list(task.rewards)})
+    while True:
+        body = _read_frame(inp)
+        if body is None:
+            return
+        try:
+            items, jobs = pickle.loads(body)
+        except BaseException as e:  # noqa: BLE001
+            send({"bad": f"{type(e).__name__}: {e}"})
+            continue
+        for j, (name, idx) in enumerate(jobs):
+            p, r, a = ([items[i][k] for i in idx] for k in range(3))
+            if name is None:
+                scores: Any = (check_goal(task.goal, *items[i], interrupts=True) for i in idx)
+            else:
+                reward = task.rewards[name]
+                batched = None
+                if reward.batch_fn is not None:
+                    send({"batch": j})
+                    batched = _batch_scores(reward, p, r, a)
+                scores = batched if batched is not None else (
+                    score(reward.fn, *items[i], interrupts=True) for i in idx)
+            for i, s in zip(idx, scores):
+                if s.status == "error" and s.detail.startswith("MemoryError") and init["memory_mb"] > 0:
+                    s = s._replace(detail=f"MemoryError: over the worker's memory limit ({init['memory_mb']} MB "
+                                          "beyond the loaded task, task.reward_memory_mb)")
+                send({"j": j, "i": i, "s": list(s)})
+        send({"done": 1})
+
+
+# ---------------------------------------------------------------------------------------------
+# the parent side
+
+
+@dataclass
+class _Chunk:
+    jobs: list[tuple[str | None, list[int]]]
+    """(reward name, or None for the goal; item indices), in the order the worker runs them."""
+    tries: int = 0
+
+
+class _Worker:
+    """One child process and what it is doing: starting, idle, or busy with a chunk."""
+
+    def __init__(self, init: bytes):
+        env = dict(os.environ, **_WORKER_ENV, RLVR_POOL_PARENT=str(os.getpid()))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", "from rlvr.reward_pool import _serve; _serve()"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0, start_new_session=True,
+        )
+        self.fd = self.proc.stdout.fileno()
+        self.buf = b""
+        self.state = "starting"
+        self.deadline = time.monotonic() + START_TIMEOUT_S
+        self.chunk: _Chunk | None = None
+        self.j = self.k = 0          # the next call it will report: jobs[j], item k of it
+        self.batch = False           # a batched call of jobs[j] is running
+        self.names: list[str] = []
+        self.write(init)
+
+    def write(self, body: bytes) -> None:
+        self.proc.stdin.write(struct.pack(">Q", len(body)) + body)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                os.killpg(self.proc.pid, signal.SIGKILL)  # the worker and anything its reward started
+            with contextlib.suppress(OSError):
+                self.proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)
+        for f in (self.proc.stdin, self.proc.stdout):
+            with contextlib.suppress(OSError):
+                f.close()
+
+    def how_it_died(self) -> str:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)
+        code = self.proc.returncode
+        if code is not None and code < 0:
+            try:
+                return f"signal {signal.Signals(-code).name}"
+            except ValueError:
+                return f"signal {-code}"
+        return f"exit code {code}"
+
+
+def _kill_all(workers: list[_Worker]) -> None:
+    for w in workers:
+        w.kill()
+    workers.clear()
+
+
+class RewardPool:
+    """``workers`` processes that each hold the task ``load_task(task_path, **task_options)``.
+
+    ``workers`` None = :func:`available_cores`. Starts them all and waits until each has loaded the task
+    (RewardPoolError if one cannot). ``restarts`` counts workers replaced after a timeout or a crash.
+    Use as a context manager, or call :meth:`close`. One call at a time (a lock serializes them).
+    """
+
+    def __init__(self, task_path: str, task_options: dict | None = None, *, workers: int | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, memory_mb: int = DEFAULT_MEMORY_MB):
+        if workers is not None and workers < 1:
+            raise ValueError(f"workers must be >= 1 (or None for one per core), got {workers}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.task_path, self.task_options = task_path, dict(task_options or {})
+        self.timeout_s, self.memory_mb = float(timeout_s), int(memory_mb)
+        self.n_workers = workers or available_cores()
+        self.restarts = 0
+        self.reward_names: list[str] = []
+        self._init = pickle.dumps({"path": task_path, "options": self.task_options, "memory_mb": self.memory_mb})
+        self._lock = threading.Lock()
+        self._workers: list[_Worker] = []
+        self._finalizer = weakref.finalize(self, _kill_all, self._workers)
+        try:
+            for _ in range(self.n_workers):
+                self._workers.append(_Worker(self._init))
+            self._loop(deque(), {})  # wait until every worker is ready
+        except BaseException:
+            self.close()
+            raise
+        self.reward_names = self._workers[0].names
+
+    # -- lifetime
+    def close(self) -> None:
+        """Stop every worker (idempotent)."""
+        self._finalizer()
+
+    def __enter__(self) -> "RewardPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def pids(self) -> list[int]:
+        return [w.proc.pid for w in self._workers]
+
+    def check_answers(self, answers: Sequence[Any]) -> None:
+        """RewardPoolError unless these answers can be sent to a worker (pickled)."""
+        try:
+            pickle.dumps(list(answers))
+        except Exception as e:
+            raise RewardPoolError(f"the task's answers cannot be sent to reward workers ({type(e).__name__}: {e}); "
+                                  "set task.reward_workers = 0 to score in the trainer's process") from None
+
+    # -- scoring
+    def scores(self, names: Sequence[str], prompts: Sequence[str], responses: Sequence[str],
+               answers: Sequence[Any]) -> dict[str, list[Score]]:
+        """{name: one Score per response} for the task's rewards ``names``."""
+        return self.run(names, prompts, responses, answers, goal=False)[0]
+
+    def goals(self, prompts: Sequence[str], responses: Sequence[str], answers: Sequence[Any]) -> list[Score]:
+        """The task's goal per response as a Score (value 1.0 met, 0.0 not; see rlvr.rewards.check_goal)."""
+        return self.run([], prompts, responses, answers, goal=True)[1]
+
+    def run(self, names: Sequence[str], prompts: Sequence[str], responses: Sequence[str], answers: Sequence[Any],
+            *, goal: bool) -> tuple[dict[str, list[Score]], list[Score]]:
+        """Rewards ``names`` (and the goal when ``goal``) on every response, in one pass over the workers."""
+        n = len(responses)
+        if len(prompts) != n or len(answers) != n:
+            raise ValueError(f"{len(prompts)} prompts, {len(responses)} responses and {len(answers)} answers; "
+                             "they must be aligned, one row per response")
+        unknown = [x for x in names if x not in self.reward_names]
+        if unknown:
+            raise ValueError(f"reward {unknown[0]!r} is not one of the pool's task {self.task_path!r} rewards "
+                             f"({', '.join(self.reward_names)})")
+        what: list[str | None] = list(names) + ([None] if goal else [])
+        with self._lock:
+            if not self._workers:
+                raise RewardPoolError("the reward pool is closed")
+            self._payload = (prompts, responses, answers)
+            results: dict[tuple[str | None, int], Score] = {}
+            try:
+                if n and what:
+                    n_chunks = min(n, self.n_workers * CHUNKS_PER_WORKER)
+                    bounds = [round(c * n / n_chunks) for c in range(n_chunks + 1)]
+                    chunks = deque(_Chunk([(x, list(range(a, b))) for x in what])
+                                   for a, b in zip(bounds, bounds[1:]) if b > a)
+                    self._loop(chunks, results)
+            except BaseException:
+                # interrupted (Ctrl-C) or failed: a worker still busy with this call would answer the next
+                # one with stale results, so it is replaced
+                for w in list(self._workers):
+                    if w.state == "busy":
+                        self._replace(w)
+                raise
+            finally:
+                self._payload = None
+        per_reward = {x: [results[(x, i)] for i in range(n)] for x in names}
+        goals = [results[(None, i)] for i in range(n)] if goal else []
+        return per_reward, goals
+
+    # -- the event loop
+    def _loop(self, pending: deque, results: dict) -> None:
+        """Hand out chunks and collect results until nothing is pending, busy or starting."""
+        while True:
+            for w in self._workers:
+                if w.state == "idle" and pending:
+                    self._send(w, pending.popleft(), pending, results)
+            active = [w for w in self._workers if w.state in ("starting", "busy")]
+            if not active:
+                if pending:  # pragma: no cover - every worker is replaced, so one is always starting or idle
+                    continue
+                return
+            wait = max(0.0, min(w.deadline for w in active) - time.monotonic())
+            ready = set(select.select([w.fd for w in active], [], [], wait)[0])
+            now = time.monotonic()
+            for w in active:
+                if w.fd in ready:
+                    self._read(w, pending, results)
+                elif now >= w.deadline:
+                    self._expire(w, pending, results)
+
+    def _send(self, w: _Worker, chunk: _Chunk, pending: deque, results: dict) -> None:
+        prompts, responses, answers = self._payload
+        idx = sorted({i for _, ix in chunk.jobs for i in ix})
+        try:
+            body = pickle.dumps(({i: (prompts[i], responses[i], answers[i]) for i in idx}, chunk.jobs))
+        except Exception as e:
+            raise RewardPoolError(f"cannot send the responses and answers to a reward worker ({type(e).__name__}: "
+                                  f"{e}); set task.reward_workers = 0 to score in the trainer's process") from None
+        w.state, w.chunk, w.j, w.k, w.batch = "busy", chunk, 0, 0, False
+        w.deadline = time.monotonic() + self.timeout_s
+        try:
+            w.write(body)
+        except OSError:  # it died while idle: not the reward's fault, send the chunk again
+            self._replace(w)
+            chunk.tries += 1
+            if chunk.tries >= MAX_TRIES:
+                self._fail(chunk.jobs, "crashed", "reward workers keep dying before running anything", results)
+            else:
+                pending.appendleft(chunk)
+
+    def _read(self, w: _Worker, pending: deque, results: dict) -> None:
+        data = os.read(w.fd, 1 << 16)
+        if not data:
+            return self._lost(w, "crashed", f"the reward worker died ({w.how_it_died()})", pending, results)
+        w.buf += data
+        *lines, w.buf = w.buf.split(b"\n")
+        for line in lines:
+            msg = json.loads(line)
+            if "s" in msg:
+                name, idx = w.chunk.jobs[w.j]
+                results[(name, msg["i"])] = Score(*msg["s"])
+                w.batch = False
+                w.k += 1
+                if w.k == len(idx):
+                    w.j, w.k = w.j + 1, 0
+                w.deadline = time.monotonic() + self.timeout_s
+            elif "batch" in msg:
+                w.batch = True
+                w.deadline = time.monotonic() + self.timeout_s * len(w.chunk.jobs[w.j][1])
+            elif "done" in msg:
+                w.state, w.chunk = "idle", None
+            elif "ready" in msg:
+                w.state, w.names = "idle", msg["ready"]
+            elif "fail" in msg:
+                raise RewardPoolError(f"a reward worker cannot load the task {self.task_path!r}: {msg['fail']}")
+            elif "bad" in msg:
+                self._fail(w.chunk.jobs, "error", f"a reward worker cannot read the answers: {msg['bad']}", results)
+                w.state, w.chunk = "idle", None
+
+    def _expire(self, w: _Worker, pending: deque, results: dict) -> None:
+        if w.state == "starting":
+            w.kill()
+            raise RewardPoolError(f"a reward worker did not load the task {self.task_path!r} within "
+                                  f"{START_TIMEOUT_S:g} s")
+        self._lost(w, "timeout", f"took longer than {self.timeout_s:g} s (task.reward_timeout_s); its worker was "
+                   "killed and replaced",
+                   pending, results)
+
+    def _lost(self, w: _Worker, status: str, detail: str, pending: deque, results: dict) -> None:
+        """The worker died or hung: the call in flight gets `status`, the rest of its chunk goes back."""
+        if w.state == "starting":
+            raise RewardPoolError(f"a reward worker exited while loading the task {self.task_path!r} "
+                                  f"({w.how_it_died()}); its error is printed above")
+        chunk, j, k, batch = w.chunk, w.j, w.k, w.batch
+        self._replace(w)
+        if chunk is None:  # died between chunks
+            return
+        name, idx = chunk.jobs[j]
+        failed = idx[k:] if batch else idx[k:k + 1]
+        self._fail([(name, failed)], status, detail, results)
+        rest = [(name, idx[k + len(failed):])] + chunk.jobs[j + 1:]
+        rest = [(x, ix) for x, ix in rest if ix]
+        if rest:
+            pending.appendleft(_Chunk(rest))
+
+    def _fail(self, jobs: list, status: str, detail: str, results: dict) -> None:
+        for name, idx in jobs:
+            for i in idx:
+                results[(name, i)] = Score(0.0, status, detail)
+
+    def _replace(self, w: _Worker) -> None:
+        w.kill()
+        self.restarts += 1
+        self._workers[self._workers.index(w)] = _Worker(self._init)
+
+
+@contextlib.contextmanager
+def open_pool(task_cfg: Any, task: Any = None) -> Iterator[RewardPool | None]:
+    """The pool a run's ``[task]`` section asks for (``reward_workers``, ``reward_timeout_s``,
+    ``reward_memory_mb``, ``path``, ``options``), closed on exit; None when ``reward_workers == 0``
+    (score in this process). With the loaded ``task``, also checks up front that its answers can be
+    sent to the workers."""
+    if task_cfg.reward_workers == 0:
+        yield None
+        return
+    pool = RewardPool(task_cfg.path, task_cfg.options,
+                      workers=task_cfg.reward_workers if task_cfg.reward_workers > 0 else None,
+                      timeout_s=task_cfg.reward_timeout_s, memory_mb=task_cfg.reward_memory_mb)
+    try:
+        if task is not None:
+            pool.check_answers([ex.answer for ex in list(task.train[:1]) + list(task.heldout[:1])])
+        yield pool
+    finally:
+        pool.close()
