@@ -203,9 +203,10 @@ def test_tokenizer_surface(llama, tmp_path):
     ids = tok.encode("ab 12")
     assert ids == [3 + CHARS.index(c) for c in "ab 12"] and not tok.adds_bos
     assert tok.encode("ab", bos=True, eos=True) == [tok.bos_id, *tok.encode("ab"), tok.eos_id]
-    assert tok.decode(ids + [tok.eos_id] + tok.encode("zz")) == "ab 12"
+    assert tok.decode(ids + [tok.eos_id] + tok.encode("zz"), stop_at_eos=True) == "ab 12"
     assert tok.decode(torch.tensor([tok.pad_id, *ids, tok.pad_id])) == "ab 12"
-    assert tok.decode(ids + [tok.eos_id, 4], stop_at_eos=False) == "ab 121"
+    # the default keeps going past eos (dropping it), like CharTokenizer.decode
+    assert tok.decode(ids + [tok.eos_id, 4]) == "ab 121" == tok.decode(ids + [tok.eos_id, 4], stop_at_eos=False)
     chat = tok.encode_prompt([{"role": "user", "content": "sort 3,1"}])
     assert chat[0] == tok.bos_id and tok.decode(chat) == "user: sort 3,1 assistant:"
     assert tok.encode_prompt("ab") == tok.encode("ab")
@@ -223,12 +224,18 @@ def test_import_is_lazy():
     import ast
     import inspect
 
-    import rlvr.models.hf as hf
+    import rlvr.models.hf
+    import rlvr.models.hf_load
+    import rlvr.models.hf_policy
+    import rlvr.models.hf_tokenizer
+    import rlvr.models.lean_llama
 
-    top = [n for n in ast.parse(inspect.getsource(hf)).body if isinstance(n, (ast.Import, ast.ImportFrom))]
-    names = {a.name.split(".")[0] for n in top for a in n.names} | {
-        (n.module or "").split(".")[0] for n in top if isinstance(n, ast.ImportFrom)}
-    assert not names & {"transformers", "peft", "tokenizers", "safetensors"}, names
+    for mod in (rlvr.models.hf, rlvr.models.hf_load, rlvr.models.hf_policy, rlvr.models.hf_tokenizer,
+                rlvr.models.lean_llama):
+        top = [n for n in ast.parse(inspect.getsource(mod)).body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        names = {a.name.split(".")[0] for n in top for a in n.names} | {
+            (n.module or "").split(".")[0] for n in top if isinstance(n, ast.ImportFrom)}
+        assert not names & {"transformers", "peft", "tokenizers", "safetensors", "gguf"}, (mod.__name__, names)
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
@@ -300,10 +307,10 @@ def _both(policy, fn):
 @pytest.fixture(params=["matmul_attention", "sdpa_attention"])
 def attention_kind(request, monkeypatch):
     """The lean path's two attention kernels: explicit matmuls for small score matrices, SDPA above."""
-    import rlvr.models.hf as hf
+    import rlvr.models.lean_llama as lean
 
     if request.param == "sdpa_attention":
-        monkeypatch.setattr(hf, "_SMALL_ATTENTION", 0)
+        monkeypatch.setattr(lean, "SMALL_ATTENTION", 0)
     return request.param
 
 

@@ -1,0 +1,177 @@
+"""Loading a local Hugging Face model as an ``HFPolicy`` (+ LoRA), and exporting it back.
+
+Loading (everything local; nothing is downloaded)::
+
+    policy, tok = load_policy("path/to/model", dtype="bf16", lora=LoraSpec(r=8, alpha=16))
+    if policy.load_note: print(policy.load_note)        # e.g. "pad_token was unset: using eos ..."
+
+Export: ``export_hf(policy, tok, out_dir)`` writes a plain HF directory (``model.safetensors``,
+``config.json``, tokenizer files) that ``AutoModelForCausalLM`` / ``AutoTokenizer.from_pretrained``
+load without rlvr or peft. With LoRA the adapter is merged into a copy of the model and the adapter
+alone is also written to ``out_dir/adapter/``. ``transformers`` / ``peft`` are imported inside the
+functions only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from rlvr.models.hf_policy import HFPolicy, no_progress_bars
+from rlvr.models.hf_tokenizer import HFTokenizer
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
+"""Any one of these marks a directory as holding a tokenizer."""
+
+
+class HFLoadError(ValueError):
+    """A local Hugging Face directory that cannot be used; the message names the path and the fix."""
+
+
+@dataclass
+class LoraSpec:
+    """LoRA adapter settings (peft ``LoraConfig``): only the adapter weights are trained."""
+
+    r: int = 8
+    """Rank of the update B @ A."""
+    alpha: float = 16.0
+    """Scale: the update is (alpha / r) * B @ A."""
+    dropout: float = 0.0
+    """Dropout on the adapter input. Keep 0 for RL: > 0 makes train-mode logp differ from the rollout's."""
+    target_modules: list[str] | str | None = None
+    """Module names to adapt (e.g. ["q_proj", "v_proj"], or "all-linear"); None = peft's default for the model type."""
+
+    def __post_init__(self):
+        if not isinstance(self.r, int) or self.r < 1:
+            raise ValueError(f"LoraSpec.r must be a positive int, got {self.r!r}")
+        if not self.alpha > 0:
+            raise ValueError(f"LoraSpec.alpha must be > 0, got {self.alpha!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"LoraSpec.dropout must be in [0, 1), got {self.dropout!r}")
+
+
+def _zero_dropout(model: nn.Module) -> None:
+    """p = 0 on every nn.Dropout and every float ``*dropout*`` attribute (e.g. Llama's attention_dropout)."""
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+        for name, v in list(vars(m).items()):
+            if "dropout" in name and isinstance(v, float) and not isinstance(v, bool):
+                setattr(m, name, 0.0)
+
+
+# ---------------------------------------------------------------------- loading
+def _check_dir(path: Path) -> None:
+    """Refuse before any compute, naming the path and the fix."""
+    if not path.exists():
+        raise HFLoadError(f"{path}: no such directory (models are loaded from a local directory only)")
+    if not path.is_dir():
+        raise HFLoadError(f"{path}: not a directory; give the directory holding config.json and the weights")
+    if not (path / "config.json").is_file():
+        if (path / "adapter_config.json").is_file():
+            raise HFLoadError(f"{path}: this is a PEFT adapter directory; load its base model and pass adapter={str(path)!r}")
+        raise HFLoadError(f"{path}: no config.json; not a Hugging Face model directory")
+    has_st = any(path.glob("*.safetensors"))
+    if not has_st:
+        if (path / "pytorch_model.bin").is_file() or any(path.glob("pytorch_model*.bin")):
+            raise HFLoadError(f"{path}: only pytorch_model*.bin (pickle) weights; rlvr loads safetensors only. "
+                              "Convert once: AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir) "
+                              "writes model.safetensors")
+        raise HFLoadError(f"{path}: no weights (expected model.safetensors or model-*.safetensors shards)")
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise HFLoadError(f"{path}: no tokenizer files (expected one of {', '.join(TOKENIZER_FILES)}); "
+                          "save the tokenizer into the model directory (tokenizer.save_pretrained(dir))")
+
+
+def load_policy(path: str | Path, *, dtype: str | torch.dtype = "fp32", lora: LoraSpec | None = None,
+                adapter: str | Path | None = None, device: str | torch.device = "cpu",
+                attn_implementation: str | None = "sdpa", fast: bool = True) -> tuple[HFPolicy, HFTokenizer]:
+    """Load ``AutoModelForCausalLM`` + ``AutoTokenizer`` from the local directory ``path``.
+
+    ``dtype`` "fp32" or "bf16" (the weights; logits are always returned as float32). ``lora``
+    wraps the model in a fresh peft LoRA adapter (only its weights are trainable); ``adapter``
+    instead loads a saved trainable adapter directory (``out_dir/adapter`` of ``export_hf``),
+    to resume. Without either, every weight is trainable.
+
+    A tokenizer without a pad token gets pad = eos (or a new ``<pad>`` token, embeddings resized,
+    when there is no eos either); what was done is in ``policy.load_note`` (empty if nothing) for
+    the caller to print. ``fast`` (default True) runs a plain ``LlamaForCausalLM`` (LoRA or not)
+    through the lean forward of ``HFPolicy`` (same numbers, a fraction of transformers' per-call
+    overhead); ``fast=False``, or any other model, uses the transformers forward (see
+    ``HFPolicy.fast_unsupported``). Raises ``HFLoadError`` (a ``ValueError``) naming the path when the
+    directory, its safetensors weights, or its tokenizer files are missing.
+    """
+    p = Path(path)
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        torch_dtype = DTYPES[dtype]
+    else:
+        torch_dtype = dtype
+    _check_dir(p)
+    if lora is not None and adapter is not None:
+        raise ValueError("give lora= (a new adapter) or adapter= (a saved one), not both")
+    if adapter is not None and not (Path(adapter) / "adapter_config.json").is_file():
+        raise HFLoadError(f"{adapter}: no adapter_config.json; not a PEFT adapter directory")
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        hf_tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - re-raised with the path
+        raise HFLoadError(f"{p}: cannot load the tokenizer: {type(e).__name__}: {e}") from e
+    kw = dict(dtype=torch_dtype, local_files_only=True, use_safetensors=True)
+    if attn_implementation:
+        kw["attn_implementation"] = attn_implementation
+    try:
+        with no_progress_bars():
+            model = AutoModelForCausalLM.from_pretrained(str(p), **kw)
+    except Exception as e:  # noqa: BLE001
+        raise HFLoadError(f"{p}: cannot load the model: {type(e).__name__}: {e}") from e
+
+    notes = []
+    if hf_tok.pad_token is None:
+        if hf_tok.eos_token is not None:
+            hf_tok.pad_token = hf_tok.eos_token
+            notes.append(f"{p}: tokenizer has no pad token; using eos {hf_tok.eos_token!r} "
+                         f"(id {hf_tok.eos_token_id}) as pad (pads are masked out, so this is safe)")
+        else:
+            hf_tok.add_special_tokens({"pad_token": "<pad>"})
+            model.resize_token_embeddings(len(hf_tok))
+            notes.append(f"{p}: tokenizer has neither pad nor eos; added a '<pad>' token "
+                         f"(id {hf_tok.pad_token_id}) and resized the embeddings to {len(hf_tok)}")
+    if hf_tok.eos_token_id is None:
+        notes.append(f"{p}: tokenizer has no eos token; responses always run to max_new_tokens")
+    n_emb = model.get_input_embeddings().weight.shape[0]
+    if len(hf_tok) > n_emb:
+        raise HFLoadError(f"{p}: tokenizer has {len(hf_tok)} tokens but the model embeds only {n_emb}")
+    if model.generation_config is not None and getattr(model.generation_config, "pad_token_id", None) is None:
+        model.generation_config.pad_token_id = hf_tok.pad_token_id
+
+    _zero_dropout(model)
+    if lora is not None or adapter is not None:
+        import peft
+
+        if lora is not None:
+            cfg = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                  target_modules=lora.target_modules, bias="none", task_type="CAUSAL_LM")
+            model = peft.get_peft_model(model, cfg)
+        else:
+            with no_progress_bars():
+                model = peft.PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
+    model = model.to(device)
+    model.eval()
+    return HFPolicy(model, source=str(p), load_note="\n".join(notes), fast=fast), HFTokenizer(hf_tok)
+
+
+def export_hf(policy: HFPolicy, tokenizer: HFTokenizer, out_dir: str | Path) -> Path:
+    """A plain HF directory at ``out_dir``: merged safetensors weights, config.json, tokenizer files
+    (+ ``adapter/`` under LoRA). Loads with ``AutoModelForCausalLM``/``AutoTokenizer.from_pretrained``."""
+    d = Path(out_dir)
+    policy.save_pretrained(d)
+    tokenizer.save(d)
+    return d
