@@ -103,15 +103,11 @@ def load_policy(path: str | Path, *, dtype: str | torch.dtype = "fp32", lora: Lo
     through the lean forward of ``HFPolicy`` (same numbers, a fraction of transformers' per-call
     overhead); ``fast=False``, or any other model, uses the transformers forward (see
     ``HFPolicy.fast_unsupported``). Raises ``HFLoadError`` (a ``ValueError``) naming the path when the
-    directory, its safetensors weights, or its tokenizer files are missing.
+    directory, its safetensors weights, or its tokenizer files are missing, or when a LoRA adapter
+    would wrap a weight the model ties (input embedding = output head).
     """
     p = Path(path)
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        torch_dtype = DTYPES[dtype]
-    else:
-        torch_dtype = dtype
+    torch_dtype = _torch_dtype(dtype)
     _check_dir(p)
     if lora is not None and adapter is not None:
         raise ValueError("give lora= (a new adapter) or adapter= (a saved one), not both")
@@ -133,6 +129,26 @@ def load_policy(path: str | Path, *, dtype: str | torch.dtype = "fp32", lora: Lo
     except Exception as e:  # noqa: BLE001
         raise HFLoadError(f"{p}: cannot load the model: {type(e).__name__}: {e}") from e
 
+    notes = _fix_pad(hf_tok, model, p)
+    _zero_dropout(model)
+    if lora is not None or adapter is not None:
+        model = _with_adapter(model, lora, adapter, p)
+    model = model.to(device)
+    model.eval()
+    return HFPolicy(model, source=str(p), load_note="\n".join(notes), fast=fast), HFTokenizer(hf_tok)
+
+
+def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if not isinstance(dtype, str):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def _fix_pad(hf_tok, model: nn.Module, p: Path) -> list[str]:
+    """Give the tokenizer a pad token (eos, else a new ``<pad>`` with the embeddings resized); check
+    the model embeds every token. Returns the notes for ``policy.load_note``."""
     notes = []
     if hf_tok.pad_token is None:
         if hf_tok.eos_token is not None:
@@ -151,21 +167,44 @@ def load_policy(path: str | Path, *, dtype: str | torch.dtype = "fp32", lora: Lo
         raise HFLoadError(f"{p}: tokenizer has {len(hf_tok)} tokens but the model embeds only {n_emb}")
     if model.generation_config is not None and getattr(model.generation_config, "pad_token_id", None) is None:
         model.generation_config.pad_token_id = hf_tok.pad_token_id
+    return notes
 
-    _zero_dropout(model)
-    if lora is not None or adapter is not None:
-        import peft
 
-        if lora is not None:
-            cfg = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                  target_modules=lora.target_modules, bias="none", task_type="CAUSAL_LM")
-            model = peft.get_peft_model(model, cfg)
-        else:
-            with no_progress_bars():
-                model = peft.PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
-    model = model.to(device)
-    model.eval()
-    return HFPolicy(model, source=str(p), load_note="\n".join(notes), fast=fast), HFTokenizer(hf_tok)
+def tied_weight(model: nn.Module) -> torch.Tensor | None:
+    """The weight a model's input embedding and output head share (``tie_word_embeddings``), else None.
+
+    Tied weights are one parameter: the optimizer updates it once, ``num_params`` counts it once,
+    and ``save_pretrained`` writes it once (transformers re-ties on load from ``config.json``)."""
+    inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    if inp is None or out is None or getattr(out, "weight", None) is None:
+        return None
+    return inp.weight if out.weight is inp.weight else None
+
+
+def _with_adapter(model: nn.Module, lora: LoraSpec | None, adapter, p: Path) -> nn.Module:
+    """``model`` under a fresh peft LoRA adapter (``lora``) or a saved trainable one (``adapter``).
+
+    Refuses an adapter on a tied weight: merging it would change the input embedding with the head
+    (measured: exported logits off by ~10 on a tiny tied Llama)."""
+    import peft
+
+    tied = tied_weight(model)
+    if lora is not None:
+        cfg = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                              target_modules=lora.target_modules, bias="none", task_type="CAUSAL_LM")
+        model = peft.get_peft_model(model, cfg)
+    else:
+        with no_progress_bars():
+            model = peft.PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
+    if tied is not None:
+        on_tied = [name for name, m in model.named_modules()
+                   if hasattr(m, "get_base_layer") and getattr(m.get_base_layer(), "weight", None) is tied]
+        if on_tied:
+            short = sorted({n.rsplit(".", 1)[-1] for n in on_tied})
+            raise HFLoadError(f"{p}: LoRA on {', '.join(short)}, whose weight the model ties between its input "
+                              "embedding and output head (tie_word_embeddings): merging the adapter would change "
+                              f"both. Leave {', '.join(short)} out of the LoRA target modules")
+    return model
 
 
 def export_hf(policy: HFPolicy, tokenizer: HFTokenizer, out_dir: str | Path) -> Path:
