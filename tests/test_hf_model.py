@@ -281,12 +281,13 @@ def test_import_is_lazy():
 
     import rlvr.models.hf
     import rlvr.models.hf_load
+    import rlvr.models.hf_source
     import rlvr.models.hf_policy
     import rlvr.models.hf_tokenizer
     import rlvr.models.lean_llama
 
     for mod in (rlvr.models.hf, rlvr.models.hf_load, rlvr.models.hf_policy, rlvr.models.hf_tokenizer,
-                rlvr.models.lean_llama):
+                rlvr.models.lean_llama, rlvr.models.hf_source):
         top = [n for n in ast.parse(inspect.getsource(mod)).body if isinstance(n, (ast.Import, ast.ImportFrom))]
         names = {a.name.split(".")[0] for n in top for a in n.names} | {
             (n.module or "").split(".")[0] for n in top if isinstance(n, ast.ImportFrom)}

@@ -6,7 +6,9 @@ This module gathers the public names of the modules that hold one job each:
   checks of which models can take it;
 - ``rlvr.models.hf_policy``: ``HFPolicy`` (forward, caches, accounting, save) and ``HFCache``;
 - ``rlvr.models.hf_tokenizer``: ``HFTokenizer``;
-- ``rlvr.models.hf_load``: ``load_policy`` (+ LoRA), ``export_hf``, ``HFLoadError``, ``LoraSpec``;
+- ``rlvr.models.hf_load``: ``load_policy`` (+ LoRA), ``export_hf``, ``LoraSpec``;
+- ``rlvr.models.hf_source``: where a model comes from (a directory, a ``.gguf``, ``pkg:NAME``), the
+  cached safetensors copy of a GGUF, ``HFLoadError``.
 
 ``transformers`` / ``peft`` are imported inside the functions, so ``import rlvr.models.hf`` is
 cheap and the core library never needs them.
@@ -60,10 +62,11 @@ base); ``load_policy(base, adapter=out_dir/"adapter")`` resumes training from it
 
 from __future__ import annotations
 
-from rlvr.models.hf_load import DTYPES, TOKENIZER_FILES, HFLoadError, LoraSpec, export_hf, load_policy
+from rlvr.models.hf_load import DTYPES, LoraSpec, export_hf, load_policy
 from rlvr.models.hf_policy import HFCache, HFPolicy
+from rlvr.models.hf_source import PKG_PREFIX, TOKENIZER_FILES, HFLoadError, packaged_gguf
 from rlvr.models.hf_tokenizer import HFTokenizer
 from rlvr.models.lean_llama import LeanCache
 
 __all__ = ["DTYPES", "TOKENIZER_FILES", "HFCache", "HFLoadError", "HFPolicy", "HFTokenizer", "LeanCache",
-           "LoraSpec", "export_hf", "load_policy"]
+           "LoraSpec", "PKG_PREFIX", "export_hf", "load_policy", "packaged_gguf"]

@@ -16,21 +16,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn as nn
 
 from rlvr.models.hf_policy import HFPolicy, no_progress_bars
+from rlvr.models.hf_source import TOKENIZER_FILES, HFLoadError, check_dir, resolve_model_dir
 from rlvr.models.hf_tokenizer import HFTokenizer
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
-"""Any one of these marks a directory as holding a tokenizer."""
-
-
-class HFLoadError(ValueError):
-    """A local Hugging Face directory that cannot be used; the message names the path and the fix."""
-
 
 @dataclass
 class LoraSpec:
@@ -65,32 +60,15 @@ def _zero_dropout(model: nn.Module) -> None:
 
 
 # ---------------------------------------------------------------------- loading
-def _check_dir(path: Path) -> None:
-    """Refuse before any compute, naming the path and the fix."""
-    if not path.exists():
-        raise HFLoadError(f"{path}: no such directory (models are loaded from a local directory only)")
-    if not path.is_dir():
-        raise HFLoadError(f"{path}: not a directory; give the directory holding config.json and the weights")
-    if not (path / "config.json").is_file():
-        if (path / "adapter_config.json").is_file():
-            raise HFLoadError(f"{path}: this is a PEFT adapter directory; load its base model and pass adapter={str(path)!r}")
-        raise HFLoadError(f"{path}: no config.json; not a Hugging Face model directory")
-    has_st = any(path.glob("*.safetensors"))
-    if not has_st:
-        if (path / "pytorch_model.bin").is_file() or any(path.glob("pytorch_model*.bin")):
-            raise HFLoadError(f"{path}: only pytorch_model*.bin (pickle) weights; rlvr loads safetensors only. "
-                              "Convert once: AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir) "
-                              "writes model.safetensors")
-        raise HFLoadError(f"{path}: no weights (expected model.safetensors or model-*.safetensors shards)")
-    if not any((path / f).is_file() for f in TOKENIZER_FILES):
-        raise HFLoadError(f"{path}: no tokenizer files (expected one of {', '.join(TOKENIZER_FILES)}); "
-                          "save the tokenizer into the model directory (tokenizer.save_pretrained(dir))")
-
-
 def load_policy(path: str | Path, *, dtype: str | torch.dtype = "fp32", lora: LoraSpec | None = None,
                 adapter: str | Path | None = None, device: str | torch.device = "cpu",
-                attn_implementation: str | None = "sdpa", fast: bool = True) -> tuple[HFPolicy, HFTokenizer]:
+                attn_implementation: str | None = "sdpa", fast: bool = True,
+                log: Callable[[str], None] | None = None) -> tuple[HFPolicy, HFTokenizer]:
     """Load ``AutoModelForCausalLM`` + ``AutoTokenizer`` from the local directory ``path``.
+
+    ``path`` may also name a GGUF (a ``.gguf`` file, a directory holding one, or ``pkg:NAME``; see
+    ``rlvr.models.hf_source``): it is converted once to a cached safetensors directory, which is
+    what gets loaded (``policy.source``); ``log`` hears of a conversion before it starts.
 
     ``dtype`` "fp32" or "bf16" (the weights; logits are always returned as float32). ``lora``
     wraps the model in a fresh peft LoRA adapter (only its weights are trainable); ``adapter``
@@ -106,9 +84,9 @@ def load_policy(path: str | Path, *, dtype: str | torch.dtype = "fp32", lora: Lo
     directory, its safetensors weights, or its tokenizer files are missing, or when a LoRA adapter
     would wrap a weight the model ties (input embedding = output head).
     """
-    p = Path(path)
     torch_dtype = _torch_dtype(dtype)
-    _check_dir(p)
+    p, source_note = resolve_model_dir(path, log)
+    check_dir(p)
     if lora is not None and adapter is not None:
         raise ValueError("give lora= (a new adapter) or adapter= (a saved one), not both")
     if adapter is not None and not (Path(adapter) / "adapter_config.json").is_file():
@@ -129,7 +107,7 @@ def load_policy(path: str | Path, *, dtype: str | torch.dtype = "fp32", lora: Lo
     except Exception as e:  # noqa: BLE001
         raise HFLoadError(f"{p}: cannot load the model: {type(e).__name__}: {e}") from e
 
-    notes = _fix_pad(hf_tok, model, p)
+    notes = ([source_note] if source_note else []) + _fix_pad(hf_tok, model, p)
     _zero_dropout(model)
     if lora is not None or adapter is not None:
         model = _with_adapter(model, lora, adapter, p)
