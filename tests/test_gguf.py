@@ -89,16 +89,21 @@ def test_train_two_steps_on_a_gguf_and_export(tmp_path, cache, capsys):
     path, _ = make_gguf(tmp_path / "tiny.gguf")
     out = tmp_path / "run"
     rc = cli.main(["train", "examples/sort.toml", "--out", str(out), f"--model.path={path}",
-                   "--task.options={n = 3, heldout = 20}", "--train.steps=2", "--train.prompts_per_step=2",
-                   "--train.samples_per_prompt=4", "--eval.prompts=4", "--eval.pass_k=0", "--eval.every=0",
-                   "--model.lora_r=4", "--algorithm.kl_coef=0.05"])
+                   "--task.path=rlvr.tasks.arith:arith_task", "--task.options={digits = 1, heldout = 10, max_new_tokens = 6}",
+                   "--task.reward_weights={correct = 1.0, format = 0.1}", "--train.steps=2",
+                   "--train.prompts_per_step=2", "--train.samples_per_prompt=4", "--eval.prompts=4", "--eval.pass_k=0",
+                   "--eval.every=0", "--model.lora_r=4", "--algorithm.kl_coef=0.05"])
     assert rc == 0, capsys.readouterr().err
     assert "converted tiny.gguf to the safetensors copy" in capsys.readouterr().out
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     plain = AutoModelForCausalLM.from_pretrained(out / "hf", local_files_only=True)
     assert plain.lm_head.weight is plain.model.embed_tokens.weight
-    assert AutoTokenizer.from_pretrained(out / "hf").chat_template
+    tok = AutoTokenizer.from_pretrained(out / "hf")
+    msgs = [{"role": "user", "content": "What is 1 + 2? Reply with the number only."}]   # every prompt this long
+    chat = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+    price = json.loads((out / "price.json").read_text())
+    assert price["prompt_tokens"] == len(chat) > len(tok(msgs[0]["content"])["input_ids"]) + 6   # the template applied
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 2
     assert cli.main(["eval", str(out)]) == 0
