@@ -245,15 +245,17 @@ class HFPolicy(nn.Module):
                 n_train += w.numel() if w.requires_grad else 0
         return n, n_train
 
-    def flops_per_token(self, seq_len: int | None = None, *, training: bool = True) -> int:
+    def flops_per_token(self, seq_len: float | None = None, *, training: bool = True) -> int:
         """FLOPs per token: forward ``2 N + 4 n_layer d seq_len``; training adds the backward.
 
         N = weights of every Linear (and GPT-2 Conv1D), output head included, input embedding
         excluded (a lookup); LoRA A/B matrices count as Linear layers. The backward costs 2 N for
         input gradients plus 2 N_trainable for weight gradients, so training is
         ``4 N + 2 N_trainable + 12 n_layer d seq_len`` — the usual 6 N for full fine-tuning,
-        nearer 4 N under LoRA. ``seq_len`` defaults to ``block_size``; as for ``TinyTransformer``
-        the attention term is an upper bound by about 2x for causal attention.
+        nearer 4 N under LoRA. ``seq_len`` is the mean number of keys a token attends to: pass the
+        run's ``rlvr.costs.attended_keys(prompt_tokens, response_tokens)`` (``rlvr.costs.
+        model_flops_per_token`` does); the default, ``block_size`` (the model's maximum context, 8,192
+        for SmolLM2), is only a loose upper bound.
         """
         cfg = self._hf_model().config.get_text_config() if hasattr(self.hf_config, "get_text_config") else self.hf_config
         n_layer = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer")
@@ -261,8 +263,8 @@ class HFPolicy(nn.Module):
         T = (self.config.block_size or 0) if seq_len is None else seq_len
         n, n_train = self._matmul_params()
         if training:
-            return int(4 * n + 2 * n_train + 12 * n_layer * d * T)
-        return int(2 * n + 4 * n_layer * d * T)
+            return round(4 * n + 2 * n_train + 12 * n_layer * d * T)
+        return round(2 * n + 4 * n_layer * d * T)
 
     # ------------------------------------------------------------------ save
     def merged_model(self) -> nn.Module:
