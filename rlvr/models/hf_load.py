@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from rlvr.models.hf_policy import HFPolicy, no_progress_bars
-from rlvr.models.hf_source import TOKENIZER_FILES, HFLoadError, check_dir, resolve_model_dir
+from rlvr.models.hf_source import HFLoadError, check_dir, resolve_model_dir
 from rlvr.models.hf_tokenizer import HFTokenizer
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
