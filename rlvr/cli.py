@@ -3,8 +3,8 @@
     rlvr train CONFIG.toml [--section.key=value ...] [--out DIR] [--overwrite]
     rlvr eval RUN_DIR [--prompts N]
     rlvr price CONFIG.toml [--section.key=value ...] [--json]
-    rlvr lab                      # seed 001 / 002 figures, each with what produced it
-    rlvr lab bandit [--lr ...]    # seed 002's bandit and its lr exercise
+    rlvr lab                      # the finite-policy figures, each with what produced it
+    rlvr lab bandit [--lr ...]    # the three-action bandit and its learning-rate exercise
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--json", action="store_true")
     pr.set_defaults(func=cmd_price)
 
-    pb = sub.add_parser("probe", allow_abbrev=False, help="seed 000's builder test: K samples per prompt, how many Δ are usable")
+    pb = sub.add_parser("probe", allow_abbrev=False, help="K samples per prompt: how many Δ are usable, which groups agree and teach nothing")
     pb.add_argument("config")
     pb.add_argument("--checkpoint", help="a run directory whose checkpoint is probed (default: the config's initial model)")
     pb.add_argument("--prompts", type=int, default=8, help="prompts to probe (N)")
@@ -175,16 +175,16 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--out", help="directory for the PNGs and report.html (default RUN_DIR/report)")
     rp.set_defaults(func=cmd_report)
 
-    lab = sub.add_parser("lab", allow_abbrev=False, help="the finite-policy lab: seed figures checked exactly")
+    lab = sub.add_parser("lab", allow_abbrev=False, help="the finite-policy lab: the policy-gradient figures of docs/background.md checked exactly")
     lab_sub = lab.add_subparsers(dest="lab_cmd")
-    b = lab_sub.add_parser("bandit", allow_abbrev=False, help="seed 002's bandit over many seeds: how often it locks onto a wrong action")
+    b = lab_sub.add_parser("bandit", allow_abbrev=False, help="the three-action bandit over many RNG seeds: how often it locks onto a wrong action")
     b.add_argument("--lr", type=float, nargs="+", default=[5.0, 0.5], help="learning rates to compare")
     b.add_argument("--group-size", type=int, default=8)
     b.add_argument("--steps", type=int, default=200)
     b.add_argument("--seeds", type=int, default=200, help="number of seeds (0..N-1)")
     b.add_argument("--scheme", default="centered", help="Δ scheme (rlvr.advantages)")
     b.add_argument("--rewards", type=float, nargs="+", default=[0.0, 0.0, 1.0],
-                   help="reward of each action (seed 002: 0 0 1); e.g. 0.5 0.5 1 with --scheme raw shows lock-in")
+                   help="reward of each action (default 0 0 1: only action 2 pays); e.g. 0.5 0.5 1 with --scheme raw shows lock-in")
     lab.set_defaults(func=cmd_lab)
     return p
 

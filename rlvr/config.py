@@ -95,7 +95,7 @@ class AlgorithmConfig:
     """Δ scheme on the (P, G) reward matrix (rlvr.advantages). `baseline` is not available in
     training (it needs a per-prompt B(S) from the caller)."""
     top_k: int = 0
-    """Keep Δ only for the top-k rewards of each group (seed 000's patch); 0 = off."""
+    """Keep Δ only for the top-k rewards of each group (slows a drift into partial-credit answers; docs/background.md, section 3); 0 = off."""
     clip_eps: float = 0.2
     """Clip the ratio below at 1 - clip_eps (and above, unless clip_eps_high is set)."""
     clip_eps_high: float = 0.0

@@ -1,7 +1,7 @@
 """Is the run learning? Figures and rules that answer it, since the GRPO loss does not.
 
 With one update per batch the ratio is 1 and a centered Δ averages out, so the printed loss is
-about 0 while the gradient is not (USERS.md 1). What does show learning: the fraction of non-zero
+about 0 while the gradient is not (docs/background.md, section 6). What does show learning: the fraction of non-zero
 Δ, the fraction of groups that agree (and teach nothing), the per-group pass rates, entropy, KL,
 the held-out goal against the training proxy. `Watch` turns them into warnings that name a fix.
 """

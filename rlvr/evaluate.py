@@ -1,4 +1,4 @@
-"""Held-out evaluation of the real goal (seed 000: read the reward on held-out prompts).
+"""Held-out evaluation of the real goal (the training reward measures the proxy; the held-out goal measures the task).
 
 - `goal`: fraction of held-out prompts whose greedy response meets the task's goal check.
 - `reward`: mean optimised reward of those greedy responses (the proxy, for comparison).

@@ -1,4 +1,4 @@
-"""Seed 000's Builder Test as a command: which prompts are worth sampling, and how many Δ are usable.
+"""`rlvr probe`: which prompts are worth sampling, and how many Δ are usable (docs/background.md, section 5).
 
     rlvr probe CONFIG.toml [--checkpoint RUN_DIR] [--prompts N] [--samples K] [--scheme S ...]
                            [--split train|heldout] [--json] [--section.key=value ...]

@@ -1,4 +1,4 @@
-"""`rlvr probe` (seed 000's Builder Test): the pure counts on hand-built reward matrices, then the
+"""`rlvr probe` (which prompts are worth sampling): the pure counts on hand-built reward matrices, then the
 command end to end on a tiny model, on a trained run's checkpoint, and its errors on bad input."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from rlvr.probe import ALL_EQUAL, ALL_FAILED, ALL_SOLVED, USABLE, probe_counts, 
 EXAMPLE = str(Path(__file__).resolve().parents[1] / "examples" / "sort.toml")
 TINY = ["--model.n_embd=32", "--model.n_layer=1", "--model.n_head=2", "--task.options={n = 3, heldout = 50}"]
 
-# seed 000's Builder Test on a 0/1 reward: one correct, none, all, two of four
+# raw against centered Δ on a 0/1 reward: one correct, none, all, two of four
 BUILDER = [[1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]]
 
 
