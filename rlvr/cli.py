@@ -31,16 +31,17 @@ def _fail(msg: str) -> int:
 
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
-    from rlvr import trainer
+    from rlvr import tracking, trainer
     from rlvr.tasks import TaskError
 
     try:
         cfg = config.load(args.config, _split_overrides(extra))
+        tracking.check_installed(cfg.log)  # a missing backend is named before anything is built
         out = Path(args.out) if args.out else Path("runs") / f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
         if args.resume and not args.out:
             raise trainer.RunError("--resume needs --out RUN_DIR (the run to continue)")
         summary = trainer.train(cfg, out, overwrite=args.overwrite, resume=args.resume)
-    except (config.ConfigError, trainer.RunError, TaskError) as e:
+    except (config.ConfigError, trainer.RunError, TaskError, tracking.TrackingError) as e:
         return _fail(str(e))
     print(f"run directory: {out}")
     print(json.dumps({k: v for k, v in summary.items() if k != "price"}, indent=2))
