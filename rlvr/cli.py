@@ -1,10 +1,23 @@
-"""`rlvr` command line: parsing and printing only; the work happens in the modules it calls.
+"""rlvr fine-tunes a language model with policy-gradient reinforcement learning (GRPO and its
+family) against a reward a program computes, prices the run in sampled tokens before it starts,
+and tells you while it runs whether it is learning. Background: docs/background.md.
 
-    rlvr train CONFIG.toml [--section.key=value ...] [--out DIR] [--overwrite]
-    rlvr eval RUN_DIR [--prompts N]
-    rlvr price CONFIG.toml [--section.key=value ...] [--json]
-    rlvr lab                      # the finite-policy figures, each with what produced it
-    rlvr lab bandit [--lr ...]    # the three-action bandit and its learning-rate exercise
+commands:
+  rlvr train CONFIG.toml [--section.key=value ...] [--out DIR] [--overwrite | --resume]
+                                    train; --resume continues the run in --out from its last state
+  rlvr eval RUN_DIR [--prompts N]   reload a run's checkpoint, score the held-out goal
+  rlvr price CONFIG.toml [--json]   sampled tokens per gradient step, FLOPs, memory, before a run
+  rlvr probe CONFIG.toml [--checkpoint RUN_DIR] [--prompts N] [--samples K] [--json]
+                                    which prompts are worth sampling: how many Δ are non-zero
+  rlvr audit CONFIG.toml [--threshold F] [--json]
+                                    does the reward pay strategies that do not solve the task?
+  rlvr report RUN_DIR [RUN_DIR ...] [--out DIR]
+                                    plots and one HTML page; several runs are overlaid
+  rlvr lab                          the finite-policy figures, each with what produced it
+  rlvr lab bandit [--lr ...]        the three-action bandit and its learning-rate exercise
+
+Any config key can be overridden, e.g. --train.samples_per_prompt=16 --algorithm.scheme=grpo
+--task.options.n=6; `rlvr train --help` lists every key with its type, default and docstring.
 """
 
 from __future__ import annotations
