@@ -184,9 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
     au.add_argument("--json", action="store_true")
     au.set_defaults(func=cmd_audit)
 
-    rp = sub.add_parser("report", allow_abbrev=False, help="plots and one HTML page for a run (finished, running or cut off)")
-    rp.add_argument("run_dir")
-    rp.add_argument("--out", help="directory for the PNGs and report.html (default RUN_DIR/report)")
+    rp = sub.add_parser("report", allow_abbrev=False,
+                        help="plots and one HTML page for a run (finished, running or cut off); several runs are overlaid")
+    rp.add_argument("run_dir", nargs="+", help="one run directory, or several to compare")
+    rp.add_argument("--out", help="directory for the PNGs and report.html (default RUN_DIR/report; for several runs "
+                                  "compare-A-vs-B... beside the first)")
     rp.set_defaults(func=cmd_report)
 
     lab = sub.add_parser("lab", allow_abbrev=False, help="the finite-policy lab: the policy-gradient figures of docs/background.md checked exactly")
