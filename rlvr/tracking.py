@@ -88,17 +88,21 @@ def flatten(config_dict: dict, prefix: str = "") -> dict[str, Any]:
 
 
 class _TensorBoard:
+    """One event per row holding all its scalars (torch's FileWriter: ~0.6 ms a row against ~5 ms for
+    one add_scalar call per key on a 37-key row)."""
+
     def __init__(self, run_dir: Path, config_dict: dict, project: str):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:  # pragma: no cover - torch without its tensorboard bridge
-            from tensorboardX import SummaryWriter
-        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
-        self.writer.add_text("config", "```\n" + json.dumps(config_dict, indent=2) + "\n```", 0)
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from torch.utils.tensorboard.summary import text
+        from torch.utils.tensorboard.writer import FileWriter
+
+        self.Summary = Summary
+        self.writer = FileWriter(str(run_dir / "tensorboard"))
+        self.writer.add_summary(text("config", "```\n" + json.dumps(config_dict, indent=2) + "\n```"), 0)
 
     def log(self, step: int, values: dict[str, float]) -> None:
-        for k, v in values.items():
-            self.writer.add_scalar(k, v, step)
+        S = self.Summary
+        self.writer.add_summary(S(value=[S.Value(tag=k, simple_value=v) for k, v in values.items()]), step)
 
     def close(self) -> None:
         self.writer.close()
@@ -122,6 +126,11 @@ _MLFLOW_BAD = re.compile(r"[^/\w.\- :]")
 
 
 class _MLflow:
+    """Metrics are sent in batches of FLUSH_AT (and at close): one log_batch per row cost ~12 ms
+    against a file store."""
+
+    FLUSH_AT = 500
+
     def __init__(self, run_dir: Path, config_dict: dict, project: str):
         uri = os.environ.get("MLFLOW_TRACKING_URI")
         if not uri:
@@ -135,6 +144,7 @@ class _MLflow:
         exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(project)
         self.run_id = self.client.create_run(exp_id, run_name=run_dir.name).info.run_id
         self.uri = uri
+        self.pending: list = []
         params = [Param(_MLFLOW_BAD.sub("_", k), str(v)[:6000]) for k, v in flatten(config_dict).items()]
         for i in range(0, len(params), 100):
             self.client.log_batch(self.run_id, params=params[i:i + 100])
@@ -145,11 +155,17 @@ class _MLflow:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        metrics = [Metric(_MLFLOW_BAD.sub("_", k), v, now, step) for k, v in values.items() if math.isfinite(v)]
-        if metrics:
-            self.client.log_batch(self.run_id, metrics=metrics)
+        self.pending += [Metric(_MLFLOW_BAD.sub("_", k), v, now, step) for k, v in values.items() if math.isfinite(v)]
+        if len(self.pending) >= self.FLUSH_AT:
+            self.flush()
+
+    def flush(self) -> None:
+        for i in range(0, len(self.pending), 1000):  # log_batch takes at most 1000 metrics
+            self.client.log_batch(self.run_id, metrics=self.pending[i:i + 1000])
+        self.pending = []
 
     def close(self) -> None:
+        self.flush()
         self.client.set_terminated(self.run_id)
 
 
