@@ -12,6 +12,7 @@ import os
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -124,6 +125,12 @@ def test_wandb_offline_run_reads_back(tmp_path, monkeypatch):
     _log_all(LogConfig(wandb=True), tmp_path)
     files = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 1
+    # wandb's service process writes the file; finish() can return before the last records are on
+    # disk, so wait (up to 60 s) for the run's exit record
+    deadline = time.monotonic() + 60
+    while not any(r.WhichOneof("record_type") == "exit" for r in _wandb_records(files[0])):
+        assert time.monotonic() < deadline, "the offline run file never received its exit record"
+        time.sleep(0.2)
     got: dict[str, list] = {}
     for rec in _wandb_records(files[0]):
         if rec.WhichOneof("record_type") == "history":
