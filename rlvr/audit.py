@@ -1,6 +1,6 @@
 """`rlvr audit`: name the proxy, then check whether the reward pays strategies that do not solve the task.
 
-Seed 000 asks for three things before any improvement is trusted: what the reward pays for,
+Three things should be written down before any improvement is trusted (docs/background.md, section 9): what the reward pays for,
 what it ignores, and the pattern that scores well without solving the task. The card
 (:class:`rlvr.rewards.RewardCard`) writes them down; this module *measures* the third one.
 It scores a battery of strategies that do not solve the task on held-out examples and

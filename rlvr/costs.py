@@ -1,4 +1,4 @@
-"""The price of a run, computed before it starts (seed 000: "Price this one in sampled tokens").
+"""The price of a run, computed before it starts (in sampled tokens per gradient step: docs/background.md, section 10).
 
 Arithmetic on counters, nanoGPT `estimate_mfu` style; no sampling, no model forward. With P prompts,
 G samples, T the response-length bound, Lp the longest prompt, μ passes, M minibatches:

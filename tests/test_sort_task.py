@@ -452,9 +452,9 @@ def test_not_a_task(tiny):
 def test_kwargs_errors(tiny):
     with pytest.raises(TaskError, match="VALUE is a Task value, so it takes no arguments"):
         load_task(f"{tiny}:VALUE", n_train=2)
-    with pytest.raises(TaskError, match="unexpected keyword argument 'm'") as e:
+    with pytest.raises(TaskError, match=r"task.options 'm' is not taken by TASK\(\); it takes: n, low, high") as e:
         load_task("rlvr.tasks.sort:TASK", m=3)
-    assert str(e.value).startswith("rlvr.tasks.sort:TASK: calling TASK(**{'m': 3}) failed")
+    assert str(e.value).startswith("rlvr.tasks.sort:TASK: ")
     with pytest.raises(TaskError, match="n must be at least 2"):
         load_task("rlvr.tasks.sort:TASK", n=1)
 

@@ -63,6 +63,7 @@ error names the path and the field at fault.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib
 import importlib.util
@@ -272,6 +273,33 @@ def _candidates(module) -> list[str]:
     return sorted(out)
 
 
+def check_options(path: str, name: str, fn: Callable, options: dict) -> None:
+    """Refuse options that the task function `fn` does not take, listing the ones it does.
+
+    Read from ``inspect.signature``; a function with ``**kwargs`` (or one whose signature cannot
+    be read) takes anything. This is the error a user meets after changing ``--task.path`` while
+    the config file still sets options for the old task.
+    """
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return
+    takes = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    unknown = [k for k in options if k not in takes]
+    if not unknown:
+        return
+    hints = [f"{k!r} -> {close[0]!r}" for k in unknown for close in [difflib.get_close_matches(k, takes, n=1)] if close]
+    raise TaskError(
+        f"{path}: task.options {', '.join(map(repr, unknown))} {'is' if len(unknown) == 1 else 'are'} not "
+        f"taken by {name}(); it takes: {', '.join(takes) if takes else 'no options'}"
+        + (f" (did you mean {', '.join(hints)}?)" if hints else "")
+        + ". Options from the config file stay when --task.path changes: replace them with "
+        "--task.options='{...}' or set one with --task.options.NAME=VALUE"
+    )
+
+
 def load_task(path: str, **kwargs: Any) -> Task:
     """Load the task at ``path`` and check it against the contract.
 
@@ -280,7 +308,8 @@ def load_task(path: str, **kwargs: Any) -> Task:
     ``kwargs``. Raises TaskError, with ``path`` in the message, when the file does not exist,
     the module does not import (the import error is shown), the module or the call raises
     SystemExit (``sys.exit``: never a silent exit of the caller), NAME is missing (the candidate
-    names are listed), the call fails, or the result breaks the contract
+    names are listed), a keyword is not a parameter of NAME (the parameters are listed; see
+    :func:`check_options`), the call fails, or the result breaks the contract
     (see :func:`validate_task`).
     """
     if not isinstance(path, str) or not path.strip():
@@ -304,6 +333,7 @@ def load_task(path: str, **kwargs: Any) -> Task:
             )
         task = obj
     elif callable(obj):
+        check_options(path, name, obj, kwargs)
         try:
             task = obj(**kwargs)
         except SystemExit as e:
