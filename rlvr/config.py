@@ -222,6 +222,9 @@ class EvalConfig:
 
     every: int = 50
     """Evaluate every N steps (and always at the end); 0 = only at the end."""
+    at_start: bool = True
+    """Evaluate once at step 0, before any update, so a run shows where it started (a fine-tuned
+    model's base accuracy); its row is `step = 0` in metrics.jsonl and `eval0/*` in summary.json."""
     prompts: int = 0
     """Held-out prompts evaluated; 0 = all of them."""
     pass_k: int = 4
