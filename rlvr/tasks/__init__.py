@@ -111,6 +111,33 @@ class TaskError(ValueError):
     """A task path that does not load, or a task that breaks the contract."""
 
 
+def _check_rewards(rewards: Any) -> None:
+    """Raise TaskError naming the first reward that is not a named Reward with a complete card."""
+    if not isinstance(rewards, dict) or not rewards:
+        raise TaskError(
+            f"rewards must be a non-empty dict of name -> Reward, got {rewards!r:.80}"
+        )
+    for key, r in rewards.items():
+        if not isinstance(r, Reward):
+            raise TaskError(f"rewards[{key!r}] is a {type(r).__name__}, not a rlvr.rewards.Reward")
+        if r.name != key:
+            raise TaskError(f"rewards[{key!r}] is named {r.name!r}; the key must be its name")
+        if not callable(r.fn):
+            raise TaskError(f"rewards[{key!r}].fn is not callable: {r.fn!r:.80}")
+        if not isinstance(r.card, RewardCard):
+            raise TaskError(
+                f"rewards[{key!r}] has no RewardCard (card is {type(r.card).__name__}); "
+                "name what it pays for, ignores, and how it is exploited"
+            )
+        for part in ("pays_for", "ignores", "exploit"):
+            text = getattr(r.card, part)
+            if not isinstance(text, str) or not text.strip():
+                raise TaskError(f"rewards[{key!r}].card.{part} must be a non-empty str")
+        ex_fn = r.card.exploit_example
+        if ex_fn is not None and not callable(ex_fn):
+            raise TaskError(f"rewards[{key!r}].card.exploit_example is not callable or None")
+
+
 def validate_task(task: Any) -> None:
     """Raise TaskError naming the first field of ``task`` that breaks the contract.
 
@@ -151,29 +178,7 @@ def validate_task(task: Any) -> None:
             f"heldout overlaps train: {len(overlap)} held-out prompt(s) also in train, "
             f"e.g. {sample}"
         )
-    if not isinstance(task.rewards, dict) or not task.rewards:
-        raise TaskError(
-            f"rewards must be a non-empty dict of name -> Reward, got {task.rewards!r:.80}"
-        )
-    for key, r in task.rewards.items():
-        if not isinstance(r, Reward):
-            raise TaskError(f"rewards[{key!r}] is a {type(r).__name__}, not a rlvr.rewards.Reward")
-        if r.name != key:
-            raise TaskError(f"rewards[{key!r}] is named {r.name!r}; the key must be its name")
-        if not callable(r.fn):
-            raise TaskError(f"rewards[{key!r}].fn is not callable: {r.fn!r:.80}")
-        if not isinstance(r.card, RewardCard):
-            raise TaskError(
-                f"rewards[{key!r}] has no RewardCard (card is {type(r.card).__name__}); "
-                "name what it pays for, ignores, and how it is exploited"
-            )
-        for part in ("pays_for", "ignores", "exploit"):
-            text = getattr(r.card, part)
-            if not isinstance(text, str) or not text.strip():
-                raise TaskError(f"rewards[{key!r}].card.{part} must be a non-empty str")
-        ex_fn = r.card.exploit_example
-        if ex_fn is not None and not callable(ex_fn):
-            raise TaskError(f"rewards[{key!r}].card.exploit_example is not callable or None")
+    _check_rewards(task.rewards)
     if not callable(task.goal):
         raise TaskError(f"goal is not callable: {task.goal!r:.80}")
     m = task.max_new_tokens
