@@ -76,7 +76,7 @@ from typing import Any, Callable
 from rlvr.example import Example
 from rlvr.rewards import Reward, RewardCard
 
-__all__ = ["Example", "Task", "TaskError", "load_task", "validate_task"]
+__all__ = ["Example", "Task", "TaskError", "load_task", "validate_task", "import_file", "is_file"]
 
 DEFAULT_NAME = "TASK"
 """The name :func:`load_task` looks up when the path has no ``:NAME``."""
@@ -199,11 +199,17 @@ def validate_task(task: Any) -> None:
         raise TaskError(f"step_delimiter must be a str, got {task.step_delimiter!r}")
 
 
-def _is_file(target: str) -> bool:
+def is_file(target: str) -> bool:
+    """True when an import target names a file (``*.py`` or a path) rather than a module."""
     return target.endswith(".py") or "/" in target or os.sep in target
 
 
-def _import_file(target: str, path: str):
+def import_file(target: str, path: str):
+    """The module in the file ``target``, imported through importlib (never exec'd from a string).
+
+    TaskError, with ``path`` (what the caller was loading) in the message, when the file does
+    not exist, is not a Python module, fails to import or calls sys.exit while importing.
+    """
     file = os.path.abspath(target)
     if not os.path.isfile(file):
         raise TaskError(f"{path}: file does not exist: {file}")
@@ -282,11 +288,11 @@ def load_task(path: str, **kwargs: Any) -> Task:
     if not isinstance(path, str) or not path.strip():
         raise TaskError(f"task path must be 'package.module:NAME' or 'file.py:NAME', got {path!r}")
     target, sep, name = path.rpartition(":")
-    if not sep or not target or _is_file(name):  # no ':NAME' (or a Windows drive colon)
+    if not sep or not target or is_file(name):  # no ':NAME' (or a Windows drive colon)
         target, name = path, DEFAULT_NAME
     if not name.isidentifier():
         raise TaskError(f"{path}: {name!r} is not a Python name")
-    module = _import_file(target, path) if _is_file(target) else _import_module(target, path)
+    module = import_file(target, path) if is_file(target) else _import_module(target, path)
     if not hasattr(module, name):
         found = _candidates(module)
         listing = ", ".join(found) if found else "none (no Task values or functions)"

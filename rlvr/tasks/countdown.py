@@ -57,7 +57,7 @@ from typing import Any
 
 from rlvr.rewards import Reward, RewardCard
 from rlvr.tasks import Example, Task, TaskError
-from rlvr.tasks.dataset import Answer, unwrap
+from rlvr.tasks.answers import Answer, unwrap
 
 __all__ = ["countdown_task", "check", "verify", "extract_expression", "correct", "format_reward",
            "Verdict", "generate_instance"]

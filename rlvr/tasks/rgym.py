@@ -51,7 +51,7 @@ from typing import Any
 
 from rlvr.rewards import Reward, RewardCard
 from rlvr.tasks import Example, Task, TaskError
-from rlvr.tasks.dataset import Answer, unwrap
+from rlvr.tasks.answers import Answer, unwrap
 
 __all__ = ["rgym_task", "extract_answer", "dataset_names", "INSTRUCTION"]
 
