@@ -71,25 +71,16 @@ import inspect
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
+from rlvr.example import Example
 from rlvr.rewards import Reward, RewardCard
 
-__all__ = ["Example", "Task", "TaskError", "load_task", "validate_task"]
+__all__ = ["Example", "Task", "TaskError", "load_task", "validate_task", "import_file", "is_file"]
 
 DEFAULT_NAME = "TASK"
 """The name :func:`load_task` looks up when the path has no ``:NAME``."""
-
-
-@dataclass
-class Example:
-    """One prompt with the answer the rewards and the goal compare against."""
-
-    prompt: str
-    answer: Any
-    meta: dict = field(default_factory=dict)
-    """Anything else a task wants to keep beside the example (difficulty, source id...)."""
 
 
 @dataclass
@@ -119,6 +110,33 @@ class Task:
 
 class TaskError(ValueError):
     """A task path that does not load, or a task that breaks the contract."""
+
+
+def _check_rewards(rewards: Any) -> None:
+    """Raise TaskError naming the first reward that is not a named Reward with a complete card."""
+    if not isinstance(rewards, dict) or not rewards:
+        raise TaskError(
+            f"rewards must be a non-empty dict of name -> Reward, got {rewards!r:.80}"
+        )
+    for key, r in rewards.items():
+        if not isinstance(r, Reward):
+            raise TaskError(f"rewards[{key!r}] is a {type(r).__name__}, not a rlvr.rewards.Reward")
+        if r.name != key:
+            raise TaskError(f"rewards[{key!r}] is named {r.name!r}; the key must be its name")
+        if not callable(r.fn):
+            raise TaskError(f"rewards[{key!r}].fn is not callable: {r.fn!r:.80}")
+        if not isinstance(r.card, RewardCard):
+            raise TaskError(
+                f"rewards[{key!r}] has no RewardCard (card is {type(r.card).__name__}); "
+                "name what it pays for, ignores, and how it is exploited"
+            )
+        for part in ("pays_for", "ignores", "exploit"):
+            text = getattr(r.card, part)
+            if not isinstance(text, str) or not text.strip():
+                raise TaskError(f"rewards[{key!r}].card.{part} must be a non-empty str")
+        ex_fn = r.card.exploit_example
+        if ex_fn is not None and not callable(ex_fn):
+            raise TaskError(f"rewards[{key!r}].card.exploit_example is not callable or None")
 
 
 def validate_task(task: Any) -> None:
@@ -161,29 +179,7 @@ def validate_task(task: Any) -> None:
             f"heldout overlaps train: {len(overlap)} held-out prompt(s) also in train, "
             f"e.g. {sample}"
         )
-    if not isinstance(task.rewards, dict) or not task.rewards:
-        raise TaskError(
-            f"rewards must be a non-empty dict of name -> Reward, got {task.rewards!r:.80}"
-        )
-    for key, r in task.rewards.items():
-        if not isinstance(r, Reward):
-            raise TaskError(f"rewards[{key!r}] is a {type(r).__name__}, not a rlvr.rewards.Reward")
-        if r.name != key:
-            raise TaskError(f"rewards[{key!r}] is named {r.name!r}; the key must be its name")
-        if not callable(r.fn):
-            raise TaskError(f"rewards[{key!r}].fn is not callable: {r.fn!r:.80}")
-        if not isinstance(r.card, RewardCard):
-            raise TaskError(
-                f"rewards[{key!r}] has no RewardCard (card is {type(r.card).__name__}); "
-                "name what it pays for, ignores, and how it is exploited"
-            )
-        for part in ("pays_for", "ignores", "exploit"):
-            text = getattr(r.card, part)
-            if not isinstance(text, str) or not text.strip():
-                raise TaskError(f"rewards[{key!r}].card.{part} must be a non-empty str")
-        ex_fn = r.card.exploit_example
-        if ex_fn is not None and not callable(ex_fn):
-            raise TaskError(f"rewards[{key!r}].card.exploit_example is not callable or None")
+    _check_rewards(task.rewards)
     if not callable(task.goal):
         raise TaskError(f"goal is not callable: {task.goal!r:.80}")
     m = task.max_new_tokens
@@ -204,11 +200,17 @@ def validate_task(task: Any) -> None:
         raise TaskError(f"step_delimiter must be a str, got {task.step_delimiter!r}")
 
 
-def _is_file(target: str) -> bool:
+def is_file(target: str) -> bool:
+    """True when an import target names a file (``*.py`` or a path) rather than a module."""
     return target.endswith(".py") or "/" in target or os.sep in target
 
 
-def _import_file(target: str, path: str):
+def import_file(target: str, path: str):
+    """The module in the file ``target``, imported through importlib (never exec'd from a string).
+
+    TaskError, with ``path`` (what the caller was loading) in the message, when the file does
+    not exist, is not a Python module, fails to import or calls sys.exit while importing.
+    """
     file = os.path.abspath(target)
     if not os.path.isfile(file):
         raise TaskError(f"{path}: file does not exist: {file}")
@@ -315,11 +317,11 @@ def load_task(path: str, **kwargs: Any) -> Task:
     if not isinstance(path, str) or not path.strip():
         raise TaskError(f"task path must be 'package.module:NAME' or 'file.py:NAME', got {path!r}")
     target, sep, name = path.rpartition(":")
-    if not sep or not target or _is_file(name):  # no ':NAME' (or a Windows drive colon)
+    if not sep or not target or is_file(name):  # no ':NAME' (or a Windows drive colon)
         target, name = path, DEFAULT_NAME
     if not name.isidentifier():
         raise TaskError(f"{path}: {name!r} is not a Python name")
-    module = _import_file(target, path) if _is_file(target) else _import_module(target, path)
+    module = import_file(target, path) if is_file(target) else _import_module(target, path)
     if not hasattr(module, name):
         found = _candidates(module)
         listing = ", ".join(found) if found else "none (no Task values or functions)"
