@@ -1,4 +1,4 @@
-"""The sort task of seed 000, its three rewards and their cards, and the task contract."""
+"""The sort task, its three rewards and their cards, and the task contract."""
 
 
 import sys
@@ -29,9 +29,9 @@ def sort5():
 
 
 def test_position_seed_table():
-    # Seed 000: truth 0 1 2 3;  0 1 2 3 -> 4,  2 1 3 0 -> 1,  1 0 2 3 -> 1.
+    # The worked example: truth 0 1 2 3;  0 1 2 3 -> 4,  2 1 3 0 -> 1,  1 0 2 3 -> 1.
     # Position-wise matching gives 4 and 1 for the first two rows, as printed. The third row
-    # matches at positions 2 and 3 (2 == 2, 3 == 3), so it scores 2, not 1: the seed's third
+    # matches at positions 2 and 3 (2 == 2, 3 == 3), so it scores 2, not 1: that example's third
     # row is inconsistent with its own definition ("counts positions that match the sorted
     # truth") and we treat it as a typo.
     truth = "0123"

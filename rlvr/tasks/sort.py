@@ -1,4 +1,4 @@
-"""Sorting: the toy that shows how a denser reward buys speed and sells loopholes (seed 000).
+"""Sorting: the toy that shows how a denser reward buys speed and sells loopholes.
 
 Format
 ------
@@ -69,7 +69,7 @@ def position(prompt: str, response: str, answer: str) -> float:
     """Fraction of positions where the response's number equals the answer's.
 
     Divided by the longer of the two, so extra numbers count as wrong positions.
-    Truth 0123: 0123 → 4/4, 2130 → 1/4, 1023 → 2/4 (seed 000 prints 1 for the last row;
+    Truth 0123: 0123 → 4/4, 2130 → 1/4, 1023 → 2/4 (a commonly quoted table prints 1 for the last row;
     positions 2 and 3 match, so that row is a typo under this definition).
     """
     truth = _items(answer, answer)
