@@ -93,13 +93,14 @@ def cmd_price(args: argparse.Namespace, extra: list[str]) -> int:
 
     try:
         cfg = config.load(args.config, _split_overrides(extra))
+        _, busy = run.set_threads(cfg)  # the wall-time estimate is measured with the run's threads
         price = run.price_of(run.build(cfg))
     except (config.ConfigError, run.RunError, TaskError, ValueError) as e:
         return _fail(str(e))
     if args.json:
         print(json.dumps(price.to_dict(), indent=2))
     else:
-        print("\n".join(price.lines()))
+        print("\n".join(price.lines() + ([f"warning: {busy}"] if busy else [])))
     return 0
 
 

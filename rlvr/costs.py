@@ -18,6 +18,10 @@ attends to in this run, `attended_keys(Lp, T)` = (Lp + T + 1) / 2 (`model_flops_
 at the model's maximum context. Memory of the copies held:
 the policy, AdamW's two fp32 moments, a reference policy only when the KL term is on, and the stored
 old log-probs (P*G*T floats) that stand in for a π_old snapshot.
+
+Wall time: FLOPs per run / a measured fp32 matmul rate (rlvr.run.matmul_rate). A lower bound:
+sampling decodes one token at a time, so it is bound by memory bandwidth and per-token overhead,
+and a small model's products run far below the rate of the large square products measured.
 """
 
 from __future__ import annotations
@@ -57,6 +61,12 @@ class Price:
     optimizer_bytes: int
     reference_bytes: int
     logp_old_bytes: int
+    matmul_flops_per_s: float = 0.0
+    """Measured fp32 matmul rate of this machine; 0 = not measured (no wall-time estimate)."""
+    threads: int = 0
+    """torch threads the rate was measured with."""
+    wall_seconds_estimate: float = 0.0
+    """flops_per_run / matmul_flops_per_s: a lower bound on the run's wall time; 0 = not measured."""
 
     def lines(self) -> list[str]:
         """The price as printed by `rlvr price` and before the first step of `rlvr train`."""
@@ -90,7 +100,15 @@ class Price:
             f"price: per run: {self.forward_tokens_per_run:,} forward + {self.trained_tokens_per_run:,} trained tokens, "
             f"{self.flops_per_run:.3g} FLOP",
             f"price: model copies held: {'; '.join(copies)}; parameters {self.n_params:,}",
-        ]
+        ] + ([self.wall_line()] if self.matmul_flops_per_s else [])
+
+    def wall_line(self) -> str:
+        worst = (f" ({self.wall_seconds_estimate * self.sampling_rounds:,.1f} s in the worst case of dynamic sampling)"
+                 if self.sampling_rounds > 1 else "")
+        return (f"price: wall time >= {self.wall_seconds_estimate:,.1f} s{worst} on this machine "
+                f"({self.flops_per_run:.3g} FLOP at a measured fp32 matmul rate of "
+                f"{self.matmul_flops_per_s / 1e9:.1f} GFLOP/s with {self.threads} threads); a lower bound: "
+                f"sampling is bound by memory bandwidth and per-token overhead, so runs take several times longer")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -154,6 +172,8 @@ def price(
     trainable_params: int | None = None,
     reference_is_adapter_off: bool = False,
     shared_prompt: bool = False,
+    matmul_flops_per_s: float = 0.0,
+    threads: int = 0,
 ) -> Price:
     """Price a run from its shape; refuses, naming the number, when one it needs is missing.
 
@@ -161,6 +181,7 @@ def price(
     `trainable_params` (LoRA: the adapter) sizes the AdamW state; `reference_is_adapter_off` means
     the reference is the policy with its adapter disabled, so it holds no copy. `shared_prompt`:
     the reference and training forwards run each prompt once per group (P * Lp + P * G * T tokens).
+    `matmul_flops_per_s` (measured with `threads` torch threads) gives the wall-time lower bound.
     """
     for name, v in [("max_new_tokens", max_new_tokens), ("n_params", n_params),
                     ("prompts_per_step", prompts_per_step), ("samples_per_prompt", samples_per_prompt),
@@ -181,6 +202,7 @@ def price(
     ref_fwd = per_forward if has_reference else 0
     trained = epochs_per_batch * per_forward
     policy = n_params * bytes_per_param
+    flops_per_run = float(((sampling_fwd + ref_fwd) * fwd + trained * trn) * steps)
     return Price(
         prompts_per_step=P,
         samples_per_prompt=G,
@@ -205,9 +227,12 @@ def price(
         flops_sampling_per_batch=float(sampling_fwd * fwd),
         flops_logp_ref_per_batch=float(ref_fwd * fwd),
         flops_train_per_batch=float(trained * trn),
-        flops_per_run=float(((sampling_fwd + ref_fwd) * fwd + trained * trn) * steps),
+        flops_per_run=flops_per_run,
         policy_bytes=policy,
         optimizer_bytes=2 * (n_params if trainable_params is None else trainable_params) * 4,
         reference_bytes=policy if has_reference and not reference_is_adapter_off else 0,
         logp_old_bytes=per_batch * 4,
+        matmul_flops_per_s=float(matmul_flops_per_s),
+        threads=threads,
+        wall_seconds_estimate=flops_per_run / matmul_flops_per_s if matmul_flops_per_s > 0 else 0.0,
     )

@@ -293,8 +293,7 @@ def run_probe(cfg: config.Config, *, prompts: int, samples: int, schemes: Sequen
     except run.RunError as e:
         raise ProbeError(f"{split} prompts: {e}{why}") from e
 
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
+    run.set_threads(cfg)
     model.eval()
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     K = samples

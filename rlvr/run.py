@@ -9,6 +9,8 @@ each rule lives in one place.
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +52,64 @@ class Setup:
     limits: Limits
     device: torch.device
     """Where the policy (and the reference) run."""
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask; os.cpu_count() where there is none)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # macOS and Windows have no affinity mask
+        return os.cpu_count() or 1
+
+
+def oversubscribed(threads: int, load: float, cores: int) -> str | None:
+    """The warning when `threads` more busy threads on top of a 1-minute load average of `load`
+    exceed `cores`, else None. Two threads on two cores that another process keeps busy ran
+    15-50x slower a step than one thread (the threads wait for each other at every matmul)."""
+    if load + threads <= cores:
+        return None
+    return (f"the machine is oversubscribed: 1-minute load average {load:.1f} + this run's {threads} threads "
+            f"> {cores} cores, so steps may run many times slower; lower train.threads "
+            f"(e.g. --train.threads={max(1, int(cores - load))}) or stop the other job")
+
+
+def set_threads(cfg: config_mod.Config) -> tuple[int, str | None]:
+    """Apply `train.threads` (0 = the cores this process may use) to torch, once at the start;
+    returns (threads, the oversubscription warning or None) for the caller to log before step 1."""
+    cores = usable_cores()
+    threads = cfg.train.threads or cores
+    torch.set_num_threads(threads)
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # no load average on this platform: nothing to warn about
+        return threads, None
+    return threads, oversubscribed(threads, load, cores)
+
+
+_MATMUL_RATES: dict[tuple[str, int], float] = {}
+
+
+def matmul_rate(device: torch.device, seconds: float = 1.0) -> float:
+    """FLOP/s of fp32 matrix products on `device` at torch's current thread count, measured once
+    per process (about `seconds` of square products; a few ms when cached). An upper bound on
+    what a model reaches: a small model's products are smaller and sampling adds per-token overhead."""
+    key = (str(device), torch.get_num_threads())
+    if key not in _MATMUL_RATES:
+        n = 2048 if device.type == "cuda" else 512
+        a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        a @ b  # warm-up
+        sync()
+        count, t0 = 0, time.perf_counter()
+        while True:
+            a @ b
+            count += 1
+            sync()
+            elapsed = time.perf_counter() - t0
+            if elapsed >= seconds:
+                break
+        _MATMUL_RATES[key] = 2 * n**3 * count / elapsed
+    return _MATMUL_RATES[key]
 
 
 def reward_weights(cfg: config_mod.Config, task: Task) -> dict[str, float]:
@@ -141,8 +201,9 @@ def build(cfg: config_mod.Config, log=print) -> Setup:
     return Setup(cfg, task, tokenizer, model.to(device), weights, lim, device)
 
 
-def price_of(setup: Setup) -> costs.Price:
-    """The price of the run `setup` describes (rlvr.costs), before it starts."""
+def price_of(setup: Setup, rate: float | None = None) -> costs.Price:
+    """The price of the run `setup` describes (rlvr.costs), before it starts, with a wall-time
+    estimate against `rate` FLOP/s (default: `matmul_rate` measured on the run's device)."""
     cfg, model = setup.cfg, setup.model
     fwd, trn = costs.model_flops_per_token(model, setup.limits.prompt_tokens, setup.limits.max_new_tokens)
     return costs.price(
@@ -157,6 +218,7 @@ def price_of(setup: Setup) -> costs.Price:
         bytes_per_param=2 if cfg.model.path and cfg.model.dtype == "bf16" else 4,
         flops_fwd_per_token=fwd, flops_train_per_token=trn,
         sampling_rounds=cfg.algorithm.dynamic_sampling_rounds if cfg.algorithm.dynamic_sampling else 1,
+        matmul_flops_per_s=matmul_rate(setup.device) if rate is None else rate, threads=torch.get_num_threads(),
     )
 
 

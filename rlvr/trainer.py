@@ -45,7 +45,7 @@ from rlvr.learn import Learner, learn, make_optimizer, make_scheduler
 from rlvr.policy import Policy
 from rlvr.reward_pool import RewardPool, open_pool
 from rlvr.rollout import Batch, rollout
-from rlvr.run import RunError, Setup, build, price_of  # noqa: F401  (RunError: raised to the CLI)
+from rlvr.run import RunError, Setup, build, price_of, set_threads  # noqa: F401  (RunError: raised to the CLI)
 from rlvr.rundir import RunDir
 from rlvr.state import load_state, save_state
 
@@ -243,10 +243,11 @@ def train(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, resume:
     every `train.save_every` steps and at the end) with the same weights, optimizer, scheduler,
     RNG streams and cost counters, so an interrupted run continues as if it had not stopped.
     """
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
+    _, busy = set_threads(cfg)  # train.threads (0 = this process's cores) and the oversubscription warning
     run_dir = RunDir(out, log=log)
     state = start(cfg, run_dir, overwrite=overwrite, resume=resume, log=log)
+    if busy:
+        run_dir.warn(state.step, busy)
     with open_pool(cfg.task, state.setup.task) as state.pool:
         return loop(run_dir, state, log)
 
@@ -308,12 +309,15 @@ def finish(run_dir: RunDir, state: RunState, wall: float, log) -> dict:
         **({"best/step": best["step"], "best/eval_goal": best["eval/goal"]} if best else {}),
         "price": price.to_dict(),
         "sampled_tokens_vs_price": cost["sampled_tokens"] / price.sampled_tokens_per_run,
+        "cost/wall_vs_estimate": wall / price.wall_seconds_estimate if price.wall_seconds_estimate else None,
     }
     run_dir.finish(state.policy, state.setup.tokenizer, summary, steps)
-    log(f"cost: sampled {cost['sampled_tokens']:,} tokens (price {price.sampled_tokens_per_run:,}), "
+    worst = f", worst case {price.sampled_tokens_per_run_worst:,}" if price.sampling_rounds > 1 else ""
+    log(f"cost: sampled {cost['sampled_tokens']:,} tokens (price {price.sampled_tokens_per_run:,}{worst}), "
         f"forward {cost['forward_tokens']:,} (price {price.forward_tokens_per_run:,}), "
         f"trained {cost['trained_tokens']:,} (price {price.trained_tokens_per_run:,}), "
-        f"{cost['flops']:.3g} FLOP (price {price.flops_per_run:.3g}), {wall:.1f} s")
+        f"{cost['flops']:.3g} FLOP (price {price.flops_per_run:.3g}), {wall:.1f} s"
+        + (f" (estimate >= {price.wall_seconds_estimate:.1f} s)" if price.wall_seconds_estimate else ""))
     return summary
 
 

@@ -1,0 +1,137 @@
+"""Threads, the oversubscription warning and the wall-time estimate of the price.
+
+`train.threads = 0` means the cores this process may use (its affinity mask); a run warns once,
+before step 1, when the 1-minute load average plus its threads exceeds those cores. The price
+divides its FLOPs by a measured fp32 matmul rate; summary.json sets the real wall time against it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlvr import config as config_mod, costs, run
+from rlvr.cli import main
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sort.toml"
+TINY = ["--model.init=", "--model.n_embd=16", "--model.n_layer=1", "--model.n_head=2", "--train.steps=2",
+        "--train.prompts_per_step=2", "--train.samples_per_prompt=2", "--eval.every=0", "--eval.at_start=false",
+        "--eval.prompts=4", "--eval.pass_k=0", "--task.options={n = 3, heldout = 10}", "--log.print_every=1"]
+
+
+@pytest.fixture(autouse=True)
+def keep_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def machine(monkeypatch, cores: int, load: float) -> None:
+    """Pretend this process may use `cores` cores on a machine with 1-minute load `load`."""
+    monkeypatch.setattr(run.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    monkeypatch.setattr(run.os, "getloadavg", lambda: (load, load, load))
+
+
+def cfg_with(threads: int) -> config_mod.Config:
+    return config_mod.load(EXAMPLE, [f"train.threads={threads}"])
+
+
+def test_oversubscribed_by_hand():
+    # 1.5 busy + 2 threads = 3.5 > 2 cores: warned, with the numbers and the fix
+    msg = run.oversubscribed(2, 1.5, 2)
+    assert msg is not None
+    assert "load average 1.5" in msg and "2 threads" in msg and "> 2 cores" in msg
+    assert "--train.threads=1" in msg and "stop the other job" in msg
+    assert run.oversubscribed(2, 0.0, 2) is None        # 0 + 2 = 2 cores: fits
+    assert run.oversubscribed(1, 0.9, 2) is None        # 0.9 + 1 < 2
+    assert run.oversubscribed(4, 0.5, 4) is not None    # 4.5 > 4
+
+
+def test_threads_default_to_the_usable_cores(monkeypatch):
+    machine(monkeypatch, cores=3, load=0.0)
+    threads, busy = run.set_threads(cfg_with(0))
+    assert (threads, busy, torch.get_num_threads()) == (3, None, 3)
+
+
+def test_explicit_threads_win_and_warn_on_a_busy_machine(monkeypatch):
+    machine(monkeypatch, cores=2, load=1.5)
+    threads, busy = run.set_threads(cfg_with(1))
+    assert (threads, torch.get_num_threads()) == (1, 1)
+    assert "1-minute load average 1.5 + this run's 1 threads > 2 cores" in busy
+    threads, busy = run.set_threads(cfg_with(0))     # default: both cores, on a machine already 1.5 busy
+    assert threads == 2 and "+ this run's 2 threads > 2 cores" in busy
+
+
+def test_no_load_average_no_warning(monkeypatch):
+    machine(monkeypatch, cores=2, load=0.0)
+
+    def missing():
+        raise OSError("no load average here")
+    monkeypatch.setattr(run.os, "getloadavg", missing)
+    assert run.set_threads(cfg_with(0)) == (2, None)
+
+
+def test_matmul_rate_is_measured_once(monkeypatch):
+    monkeypatch.setattr(run, "_MATMUL_RATES", {})
+    rate = run.matmul_rate(torch.device("cpu"), seconds=0.05)
+    assert rate > 1e6                                                   # any CPU does a MFLOP/s
+    assert run.matmul_rate(torch.device("cpu"), seconds=60.0) == rate   # cached: not measured again
+
+
+def test_wall_estimate_by_hand():
+    base = dict(prompts_per_step=4, samples_per_prompt=4, max_new_tokens=3, prompt_tokens=4, steps=10,
+                epochs_per_batch=2, minibatches=2, n_params=1000, has_reference=False)
+    assert costs.price(**base).wall_seconds_estimate == 0.0 and len(costs.price(**base).lines()) == 5
+    p = costs.price(**base, matmul_flops_per_s=1e6, threads=2)
+    # sampling forward P*Lp + P*G*T = 16 + 48 = 64 tokens x 2N; trained μ*P*G*(Lp+T) = 2*16*7 = 224 x 6N
+    assert p.flops_per_run == (64 * 2000 + 224 * 6000) * 10 == 14_720_000
+    assert p.wall_seconds_estimate == pytest.approx(14.72)            # 1.472e7 FLOP / 1e6 FLOP/s
+    assert p.lines()[-1].startswith("price: wall time >= 14.7 s on this machine (1.47e+07 FLOP at a measured "
+                                    "fp32 matmul rate of 0.0 GFLOP/s with 2 threads); a lower bound")
+    worst = costs.price(**base, matmul_flops_per_s=1e6, threads=2, sampling_rounds=3)
+    assert "(44.2 s in the worst case of dynamic sampling)" in worst.lines()[-1]
+
+
+def cli(*argv) -> tuple[int, str]:
+    out = io.StringIO()
+    with redirect_stdout(out), redirect_stderr(io.StringIO()):
+        rc = main([str(a) for a in argv])
+    return rc, out.getvalue()
+
+
+def test_run_warns_before_step_1_and_sets_wall_against_the_estimate(tmp_path, monkeypatch):
+    machine(monkeypatch, cores=2, load=3.0)
+    monkeypatch.setattr(run, "matmul_rate", lambda device: 1e9)
+    rc, out = cli("train", EXAMPLE, "--out", tmp_path / "r", *TINY, "--algorithm.dynamic_sampling=true",
+                  "--algorithm.dynamic_sampling_rounds=3")
+    assert rc == 0, out
+    lines = out.splitlines()
+    warn = [i for i, line in enumerate(lines) if "oversubscribed" in line]
+    step1 = next(i for i, line in enumerate(lines) if "step     1/2" in line)
+    assert len(warn) == 1 and warn[0] < step1
+    assert "load average 3.0 + this run's 2 threads > 2 cores" in lines[warn[0]]
+    rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert "oversubscribed" in rows[0]["warning"] and rows[0]["step"] == 0    # before any step row
+    price = json.loads((tmp_path / "r" / "price.json").read_text())
+    assert price["matmul_flops_per_s"] == 1e9 and price["threads"] == 2
+    assert price["wall_seconds_estimate"] == pytest.approx(price["flops_per_run"] / 1e9)
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["cost/wall_vs_estimate"] == pytest.approx(summary["wall_seconds"] / price["wall_seconds_estimate"])
+    cost = next(line for line in lines if line.startswith("cost: "))
+    assert (f"(price {price['sampled_tokens_per_run']:,}, worst case {price['sampled_tokens_per_run_worst']:,})"
+            in cost)
+    assert any(line.startswith("price: wall time >= ") for line in lines)
+
+
+def test_price_command_prints_the_estimate(monkeypatch):
+    machine(monkeypatch, cores=2, load=0.0)
+    monkeypatch.setattr(run, "matmul_rate", lambda device: 2e9)
+    rc, out = cli("price", EXAMPLE, "--train.threads=1")
+    assert rc == 0 and "GFLOP/s with 1 threads" in out and "warning" not in out
+    rc, out = cli("price", EXAMPLE, "--json")
+    assert rc == 0 and json.loads(out)["matmul_flops_per_s"] == 2e9
