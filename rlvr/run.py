@@ -68,9 +68,10 @@ def oversubscribed(threads: int, load: float, cores: int) -> str | None:
     15-50x slower a step than one thread (the threads wait for each other at every matmul)."""
     if load + threads <= cores:
         return None
+    fix = (f"lower train.threads (e.g. --train.threads={max(1, int(cores - load))}) or stop the other job"
+           if threads > 1 else "stop the other job (this run already uses one thread)")
     return (f"the machine is oversubscribed: 1-minute load average {load:.1f} + this run's {threads} threads "
-            f"> {cores} cores, so steps may run many times slower; lower train.threads "
-            f"(e.g. --train.threads={max(1, int(cores - load))}) or stop the other job")
+            f"> {cores} cores, so steps may run many times slower; {fix}")
 
 
 def set_threads(cfg: config_mod.Config) -> tuple[int, str | None]:

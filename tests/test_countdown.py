@@ -14,7 +14,7 @@ from rlvr.tasks import load_task
 from rlvr.tasks.countdown import check, countdown_task, extract_expression, verify
 from rlvr.tasks.dataset import Answer, jsonl_task
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "countdown.toml"
+EXAMPLE = Path(__file__).resolve().parent / "configs" / "countdown.toml"
 
 
 @pytest.mark.parametrize("expr", ["(25-5)*4", "4*(25-5)", " ( 25 - 5 ) * 4 ", "((25-5))*4", "4 * (25 - 5)"])

@@ -23,3 +23,16 @@ def test_install_pins_cpu_torch_before_the_package():
 
 def test_readme_main_command_runs_the_sort_example():
     assert "rlvr train examples/sort.toml" in (ROOT / "README.md").read_text()
+
+
+def test_every_example_is_in_the_readme_with_a_figure():
+    """examples/ holds only configs that learn: each is a row of the README's Examples table, and
+    the plumbing configs (held-out goal 0.000) live under tests/configs/, named there too."""
+    text = (ROOT / "README.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| `examples/")]
+    named = {line.split("`")[1] for line in rows}
+    assert named == {f"examples/{p.name}" for p in (ROOT / "examples").glob("*.toml")}
+    for line in rows:
+        assert "measured" in line or re.search(r"\d\.\d{3}", line), line   # a figure, or says it is being measured
+    for p in (ROOT / "tests" / "configs").glob("*.toml"):
+        assert f"`{p.name}`" in text and not (ROOT / "examples" / p.name).exists(), p.name

@@ -90,7 +90,7 @@ def test_example_config_trains_two_steps(tmp_path):
 
     from rlvr.cli import main
 
-    cfg = Path(__file__).resolve().parents[1] / "examples" / "rgym.toml"
+    cfg = Path(__file__).resolve().parent / "configs" / "rgym.toml"
     out, err = io.StringIO(), io.StringIO()
     with redirect_stdout(out), redirect_stderr(err):
         rc = main(["train", str(cfg), "--out", str(tmp_path / "run"), "--model.n_embd=32", "--model.n_layer=1",

@@ -63,6 +63,7 @@ def test_explicit_threads_win_and_warn_on_a_busy_machine(monkeypatch):
     threads, busy = run.set_threads(cfg_with(1))
     assert (threads, torch.get_num_threads()) == (1, 1)
     assert "1-minute load average 1.5 + this run's 1 threads > 2 cores" in busy
+    assert "stop the other job (this run already uses one thread)" in busy and "--train.threads" not in busy
     threads, busy = run.set_threads(cfg_with(0))     # default: both cores, on a machine already 1.5 busy
     assert threads == 2 and "+ this run's 2 threads > 2 cores" in busy
 

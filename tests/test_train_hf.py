@@ -95,17 +95,17 @@ def test_lora_without_hf_model_is_a_config_error(tmp_path, capsys):
     assert "model.lora_r" in capsys.readouterr().err
 
 
-def test_readme_hf_example_runs_end_to_end(tmp_path, capsys):
-    """examples/make_tiny_hf_model.py + examples/hf_rgym.toml, shortened: LoRA on reasoning-gym."""
+def test_hf_plumbing_config_runs_end_to_end(tmp_path, capsys):
+    """tests/configs/make_tiny_hf_model.py + tests/configs/hf_rgym.toml, shortened: LoRA on reasoning-gym."""
     pytest.importorskip("reasoning_gym")
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("make_tiny_hf_model", "examples/make_tiny_hf_model.py")
+    spec = importlib.util.spec_from_file_location("make_tiny_hf_model", "tests/configs/make_tiny_hf_model.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     model = mod.build(tmp_path / "tiny-llama", hidden=32, heads=2, layers=1)
     out = tmp_path / "run"
-    rc = cli.main(["train", "examples/hf_rgym.toml", "--out", str(out), f"--model.path={model}", "--train.steps=1",
+    rc = cli.main(["train", "tests/configs/hf_rgym.toml", "--out", str(out), f"--model.path={model}", "--train.steps=1",
                    "--train.prompts_per_step=2", "--train.samples_per_prompt=2", "--eval.prompts=4",
                    "--eval.pass_k=0", "--task.options={name = \"leg_counting\", size = 40, heldout = 4, max_new_tokens = 8}"])
     assert rc == 0, capsys.readouterr().err

@@ -1,9 +1,9 @@
 """Build a tiny random Llama and a character-level tokenizer, saved as a plain Hugging Face directory.
 
-    python examples/make_tiny_hf_model.py models/tiny-llama [--layers 2] [--hidden 128] [--heads 4]
+    python tests/configs/make_tiny_hf_model.py models/tiny-llama [--layers 2] [--hidden 128] [--heads 4]
 
-This machine reaches no model hub, so the examples that fine-tune "a locally saved HF model" use
-this one; point `model.path` at any real local checkpoint (safetensors + tokenizer) the same way.
+A plumbing model for tests and tests/configs/hf_rgym.toml (it learns nothing useful: its weights
+are random); point `model.path` at any real local checkpoint (safetensors + tokenizer) the same way.
 The tokenizer covers printable ASCII one character per token, with <pad>, <bos>, <eos> and a
 minimal chat template, so any English task prompt encodes.
 """
