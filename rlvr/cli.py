@@ -6,7 +6,7 @@ commands:
   rlvr train CONFIG.toml [--section.key=value ...] [--out DIR] [--overwrite | --resume]
                                     train; --resume continues the run in --out from its last state
   rlvr eval RUN_DIR [--prompts N]   reload a run's checkpoint, score the held-out goal
-  rlvr price CONFIG.toml [--json]   sampled tokens per gradient step, FLOPs, memory, before a run
+  rlvr price CONFIG.toml [--json]   sampled tokens per gradient step, FLOPs, memory, wall-time lower bound
   rlvr probe CONFIG.toml [--checkpoint RUN_DIR] [--prompts N] [--samples K] [--json]
                                     which prompts are worth sampling: how many Δ are non-zero
   rlvr audit CONFIG.toml [--threshold F] [--json]
