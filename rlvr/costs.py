@@ -108,7 +108,7 @@ class Price:
         return (f"price: wall time >= {self.wall_seconds_estimate:,.1f} s{worst} on this machine "
                 f"({self.flops_per_run:.3g} FLOP at a measured fp32 matmul rate of "
                 f"{self.matmul_flops_per_s / 1e9:.1f} GFLOP/s with {self.threads} threads); a lower bound: "
-                f"sampling is bound by memory bandwidth and per-token overhead, so runs take several times longer")
+                f"sampling is bound by memory bandwidth and per-token overhead, not by matmul speed")
 
     def to_dict(self) -> dict:
         return asdict(self)
