@@ -7,9 +7,11 @@ import torch
 torch.set_num_threads(2)
 
 
-@pytest.fixture(autouse=True)
-def quiet_machine(monkeypatch):
+@pytest.fixture(autouse=True, scope="session")
+def quiet_machine():
     """A run warns when the machine is oversubscribed (rlvr.run.set_threads); tests see a quiet
     machine, so what a run writes does not depend on the load of the machine running the tests
-    (tests/test_threads.py sets the load it needs)."""
-    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    (tests/test_threads.py sets the load it needs). Session-wide, so module-scoped runs see it too."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+        yield
