@@ -453,12 +453,23 @@ def where(cfg: Config, key: str) -> str:
     return origins.get(key, "default")
 
 
-def check_against_task(cfg: Config, *, train_prompts: int, prompt_tokens: int, max_new_tokens: int) -> None:
+def check_against_task(cfg: Config, *, train_prompts: int, prompt_tokens: int, max_new_tokens: int,
+                       fixed_length: bool = False) -> None:
     """The checks that need the loaded task: call right after `load_task`, before any model is built.
 
     ConfigError when a step asks for more distinct prompts than the task has (`train.prompts_per_step`),
-    or when the built-in model would be built for more than MAX_BUILTIN_CONTEXT tokens (the longest
-    prompt, `prompt_tokens`, plus `max_new_tokens`)."""
+    when the built-in model would be built for more than MAX_BUILTIN_CONTEXT tokens (the longest
+    prompt, `prompt_tokens`, plus `max_new_tokens`), or when the overlong penalty is asked of a
+    task whose responses all have the same length (`fixed_length`) or whose bound is shorter than
+    its buffer."""
+    a = cfg.algorithm
+    if a.overlong_buffer and fixed_length:
+        raise ConfigError(f"algorithm.overlong_buffer: {a.overlong_buffer}, but this task's responses all have "
+                          f"exactly max_new_tokens tokens (a fixed-length task): every response would get the "
+                          f"same penalty, which changes no Δ; set it to 0 ({where(cfg, 'algorithm.overlong_buffer')})")
+    if a.overlong_buffer > max_new_tokens:
+        raise ConfigError(f"algorithm.overlong_buffer: {a.overlong_buffer} exceeds the response bound of "
+                          f"{max_new_tokens} tokens ({where(cfg, 'algorithm.overlong_buffer')})")
     P = cfg.train.prompts_per_step
     if P > train_prompts:
         raise ConfigError(f"train.prompts_per_step: {P} exceeds the task's {train_prompts} training prompts; a "

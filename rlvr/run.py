@@ -134,7 +134,8 @@ def build(cfg: config_mod.Config, log=print) -> Setup:
     device = resolve_device(cfg.train.device)
     task = load_task(cfg.task.path, **cfg.task.options)
     config_mod.check_against_task(cfg, train_prompts=len(task.train), prompt_tokens=0,
-                                  max_new_tokens=cfg.sampling.max_new_tokens or task.max_new_tokens)
+                                  max_new_tokens=cfg.sampling.max_new_tokens or task.max_new_tokens,
+                                  fixed_length=task.fixed_length)
     weights = reward_weights(cfg, task)
     model, tokenizer = _hf_policy(cfg, device, log) if cfg.model.path else _built_in(cfg, task)
     lim = limits(cfg, task, tokenizer, model)

@@ -264,9 +264,10 @@ def _tensors_once(named: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tenso
 
 def save_state(run_dir: Path, *, step: int, model, opt: torch.optim.Optimizer, sched, ref, rng: random.Random,
                gen: torch.Generator, cost: dict, wall: float, learn_gen: torch.Generator | None = None,
-               extra: dict | None = None) -> None:
+               extra: dict | None = None, extra_tensors: dict[str, torch.Tensor] | None = None) -> None:
     """Write `run_dir/state/` crash-safely (see :func:`atomic_dir`); a StateError if it cannot be written.
-    `extra` is any further JSON state (policy version, warning-rule history)."""
+    `extra` is any further JSON state (policy version, warning-rule history); `extra_tensors` any further
+    named tensors (a learned baseline's critic and optimiser), returned by `load_state` as "extra_tensors"."""
     named: dict[str, torch.Tensor] = {}
     for k, v in model.state_dict().items():
         named[f"model.{k}"] = v
@@ -277,6 +278,8 @@ def save_state(run_dir: Path, *, step: int, model, opt: torch.optim.Optimizer, s
     for idx, st in opt_sd["state"].items():
         for name, v in st.items():
             named[f"opt.{idx}.{name}"] = torch.as_tensor(v)
+    for k, v in (extra_tensors or {}).items():
+        named[f"extra.{k}"] = v
     named["generator"] = gen.get_state()
     if learn_gen is not None:
         named["learn_generator"] = learn_gen.get_state()
@@ -306,7 +309,7 @@ def find_state(run_dir: Path) -> Path | None:
 def load_state(run_dir: Path, *, model, opt: torch.optim.Optimizer, sched, ref, rng: random.Random,
                gen: torch.Generator, learn_gen: torch.Generator | None = None) -> dict:
     """Restore everything `save_state` wrote, from the newest complete copy; returns {"step", "cost",
-    "wall", "dir"}. StateError naming the file when there is no state or it is damaged."""
+    "wall", "dir", "extra", "extra_tensors"}. StateError naming the file when there is no state or it is damaged."""
     d = find_state(Path(run_dir))
     if d is None:
         raise StateError(f"{Path(run_dir) / STATE_DIR}: no saved state")
@@ -343,7 +346,7 @@ def load_state(run_dir: Path, *, model, opt: torch.optim.Optimizer, sched, ref, 
         if learn_gen is not None and "learn_generator" in tensors:
             learn_gen.set_state(tensors["learn_generator"])
         return {"step": int(meta["step"]), "cost": meta["cost"], "wall": float(meta["wall"]), "dir": d,
-                "extra": meta.get("extra", {})}
+                "extra": meta.get("extra", {}), "extra_tensors": part("extra.")}
     except KeyError as e:
         raise StateError(f"{mfile}: missing {e.args[0]!r}") from None
     except (ValueError, TypeError, RuntimeError) as e:

@@ -46,7 +46,8 @@ from rlvr.reward_pool import RewardPool, open_pool
 from rlvr.rollout import Batch, rollout
 from rlvr.run import RunError, Setup, build, price_of  # noqa: F401  (RunError: raised to the CLI)
 from rlvr.rundir import RunDir
-from rlvr.state import load_state, save_state
+from rlvr.state import StateError, load_state, save_state
+from rlvr.value import LearnedBaseline
 
 
 @dataclass
@@ -74,6 +75,8 @@ class RunState:
     price: costs.Price | None = None
     pool: RewardPool | None = None
     """Supervised reward workers (task.reward_workers); None scores in this process."""
+    value: LearnedBaseline | None = None
+    """The learned baseline's critic and its optimiser (algorithm.scheme = learned); saved with the run."""
 
     @property
     def policy(self) -> Policy:
@@ -99,14 +102,18 @@ def new_state(setup: Setup) -> RunState:
         reference = copy.deepcopy(model).requires_grad_(False).eval()
     opt = make_optimizer(model.trainable_params(), tc)
     learner = Learner(model, opt, make_scheduler(opt, tc), cfg, learn_gen, setup.limits.max_new_tokens)
-    return RunState(setup, learner, reference, prompt_rng, sample_gen)
+    value = (LearnedBaseline(setup.tokenizer.vocab_size, lr=ac.value_lr, seed=tc.seed, device=setup.device)
+             if ac.scheme == "learned" else None)
+    return RunState(setup, learner, reference, prompt_rng, sample_gen, value=value)
 
 
 def save(state: RunState, run_dir: RunDir, wall: float) -> None:
     lr = state.learner
+    value_t, value_meta = state.value.to_tensors() if state.value is not None else ({}, None)
     save_state(run_dir.path, step=state.step, model=lr.policy, opt=lr.opt, sched=lr.sched, ref=state.reference,
                rng=state.prompt_rng, gen=state.sample_gen, learn_gen=lr.generator, cost=state.cost, wall=wall,
-               extra={"version": state.version, "watch": dataclasses.asdict(state.watch)})
+               extra={"version": state.version, "watch": dataclasses.asdict(state.watch), "value": value_meta},
+               extra_tensors={f"value.{k}": v for k, v in value_t.items()})
 
 
 def restore(state: RunState, run_dir: RunDir) -> None:
@@ -117,6 +124,12 @@ def restore(state: RunState, run_dir: RunDir) -> None:
     state.version = got["extra"].get("version", state.step)
     if "watch" in got["extra"]:
         state.watch = Watch(**got["extra"]["watch"])
+    if state.value is not None:
+        try:
+            state.value.load_tensors({k[6:]: v for k, v in got["extra_tensors"].items() if k.startswith("value.")},
+                                     got["extra"]["value"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise StateError(f"{got['dir']}: no usable learned-baseline state ({type(e).__name__}: {e})") from None
     state.best = run_dir.load_best()
 
 
@@ -149,6 +162,7 @@ def step_row(step: int, batch: Batch, stats: dict, state: RunState, t0: float) -
         "train/first_step_ratio_mean": stats["first_step_ratio_mean"],
         **{f"train/{k}": v for k, v in stats.items()
            if k not in ("lr", "first_step_ratio_mean", "optimizer_steps", "trained_tokens", "flops")},
+        **{f"train/{k}": v for k, v in batch.stats.items()},   # rollout-stage figures (rlvr.rollout.Batch.stats)
     }
     for name, vals in groups.per_reward.items():
         row[f"train/reward_{name}"] = sum(vals) / len(vals)
@@ -244,7 +258,7 @@ def loop(run_dir: RunDir, state: RunState, log) -> dict:
     for step in range(state.step + 1, tc.steps + 1):
         t0 = time.perf_counter()
         batch = rollout(state.setup, state.policy, state.reference, state.draw,      # 1.-5.
-                        version=state.version, generator=state.sample_gen, pool=state.pool)
+                        version=state.version, generator=state.sample_gen, pool=state.pool, value=state.value)
         stats = learn(state.learner, batch)                                          # 6.
         state.version += 1                                                           # 7. π_old <- π
         if state.reference is not None and cfg.algorithm.ref_refresh_every and step % cfg.algorithm.ref_refresh_every == 0:
