@@ -255,3 +255,66 @@ def test_kl_in_reward_folds_k1_return_to_go_into_delta(top_p):
                          for b in range(B)])
     torch.testing.assert_close(batch.delta_tokens, want, atol=1e-5, rtol=1e-5)
     assert batch.stats["kl_in_reward"] == pytest.approx(float(k1.sum(1).mean()), rel=1e-5)
+
+
+# ------------------------------------------------------------------------- real runs of the CLI
+from test_train import ONE_STEP, TINY, cli, read_jsonl, train_rows, train_run  # noqa: E402
+
+NEW_KEYS = ("objective", "dual_clip_c", "kl_in", "entropy_coef", "overlong_buffer", "overlong_penalty",
+            "process_delta", "value_lr")
+
+
+def test_every_new_key_is_in_train_help():
+    from test_cli import cli as shell_cli  # its cli turns argparse's exit into a status
+    rc, out, _ = shell_cli("train", "--help")
+    assert rc == 0
+    for key in NEW_KEYS:
+        assert f"--algorithm.{key}=" in out, key
+    assert "learned" in out
+
+
+def test_the_issue_kl_case_gives_a_small_finite_kl(tmp_path):
+    # the issue's reproduction, one step: top_p 0.8 with the KL in the loss, μ = 2, two minibatches
+    rc, _, err = train_run(tmp_path / "kl", *ONE_STEP, "--train.prompts_per_step=8", "--algorithm.kl_coef=0.1",
+                           "--sampling.temperature=0.7", "--sampling.top_p=0.8", "--train.epochs_per_batch=2",
+                           "--train.minibatches=2")
+    assert rc == 0, err
+    (row,) = train_rows(tmp_path / "kl")
+    assert math.isfinite(row["train/kl_ref"]) and 0 <= row["train/kl_ref"] < 1
+
+
+def test_run_with_several_options_at_once(tmp_path):
+    rc, _, err = train_run(tmp_path / "menu", *ONE_STEP, "--train.steps=2", "--algorithm.objective=cispo",
+                           "--algorithm.clip_eps_high=4", "--algorithm.entropy_coef=0.01", "--algorithm.kl_in=reward",
+                           "--algorithm.kl_coef=0.05", "--sampling.top_p=0.9", "--train.epochs_per_batch=2")
+    assert rc == 0, err
+    rows = train_rows(tmp_path / "menu")
+    assert len(rows) == 2
+    for row in rows:
+        assert row["train/policy_entropy"] > 0
+        assert math.isfinite(row["train/kl_ref"]) and math.isfinite(row["train/kl_in_reward"])
+        assert row["train/clip_frac_dual"] == 0.0
+
+
+def test_run_with_a_process_reward(tmp_path):
+    rc, _, err = train_run(tmp_path / "proc", *ONE_STEP, "--train.steps=2", "--task.reward=position_per_token",
+                           "--algorithm.process_delta=return_to_go")
+    assert rc == 0, err
+    rows = train_rows(tmp_path / "proc")
+    assert all("train/step_mismatch_frac" in r and r["train/nonzero_delta_frac"] > 0 for r in rows)
+    assert read_jsonl(tmp_path / "proc" / "rollouts.jsonl")
+
+
+def test_learned_baseline_with_one_sample_resumes_exactly(tmp_path):
+    args = [*TINY, "--eval.every=0", "--eval.pass_k=0", "--eval.prompts=5", "--algorithm.scheme=learned",
+            "--train.samples_per_prompt=1", "--train.prompts_per_step=16", "--algorithm.value_lr=0.01"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert train_run(straight, *args, "--train.steps=3")[0] == 0
+    assert train_run(split, *args, "--train.steps=2")[0] == 0
+    assert train_run(split, *args, "--train.steps=3", "--resume")[0] == 0
+    a, b = train_rows(straight), train_rows(split)
+    drop = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]  # noqa: E731
+    assert drop(a) == drop(b)
+    # V = 0 at first (Δ = R: non-zero only where R is); once fitted, Δ = R - V(S) is non-zero with G = 1
+    assert a[0]["train/baseline_mean"] == 0.0 and a[0]["train/value_loss"] > 0
+    assert a[2]["train/baseline_mean"] != 0.0 and a[2]["train/nonzero_delta_frac"] == 1.0
