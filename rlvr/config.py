@@ -104,7 +104,8 @@ class SamplingConfig:
     temperature: float = 1.0
     """Softmax temperature of the sampling distribution; logp is taken under it too."""
     top_p: float = 1.0
-    """Nucleus sampling mass; logp is taken under the renormalised nucleus."""
+    """Nucleus sampling mass; logp (the ratio) is taken under the renormalised nucleus, the KL to the
+    reference and the entropy bonus under the tempered distribution without it."""
     max_new_tokens: int = 0
     """Bound on response length in tokens; 0 = the task's own bound."""
 
@@ -156,7 +157,8 @@ class AlgorithmConfig:
     (aggregated like the loss) from the loss; 0 = off (no extra softmax pass)."""
     overlong_buffer: int = 0
     """DAPO's soft overlong punishment: the last N tokens before the length bound are a buffer
-    where the reward falls linearly to -overlong_penalty at the bound; 0 = off."""
+    where the reward falls linearly to -overlong_penalty at the bound; 0 = off. Refused on
+    fixed-length tasks (every response has the bound's length)."""
     overlong_penalty: float = 1.0
     """Reward subtracted from a response that reaches the length bound (with overlong_buffer > 0)."""
     dynamic_sampling: bool = False
