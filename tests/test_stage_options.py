@@ -6,7 +6,6 @@ sort task with the built-in model, Δ checked against formulas written out here.
 its option stops reaching the update (the option is hard-wired, dropped, or computed elsewhere).
 """
 
-import json
 import math
 
 import pytest
@@ -14,13 +13,10 @@ import torch
 
 from rlvr import config as config_mod, losses, run, sampling
 from rlvr.learn import learn
-from rlvr.rollout import Batch, rollout
+from rlvr.rollout import rollout
 from rlvr.value import LearnedBaseline
 from test_stages import make_batch, make_learner, sampled_grad
-
-
-def row_grad(policy, batch):
-    return sampled_grad(policy, batch)
+from test_train import ONE_STEP, TINY, read_jsonl, train_rows, train_run
 
 
 def sort_setup(**overrides):
@@ -44,7 +40,7 @@ def test_cispo_keeps_the_gradient_ppo_clip_drops():
     # loss = -sg(1.2) · Δ · logp = -1.2 · log(1/2) per token; token_mean over the 2 tokens
     assert stats["loss"] == pytest.approx(1.2 * math.log(2), rel=1e-6)
     # gradient -1.2 · Δ · (1 - 1/V) · (1/2 token weight) = -0.3 on each sampled logit
-    torch.testing.assert_close(row_grad(policy, batch), torch.tensor([[-0.3], [-0.3]]))
+    torch.testing.assert_close(sampled_grad(policy, batch), torch.tensor([[-0.3], [-0.3]]))
     assert stats["clip_frac_high"] == 1.0
 
 
@@ -55,7 +51,7 @@ def test_dual_clip_caps_negative_delta_tokens():
     stats = learn(learner, batch)
     assert stats["loss"] == pytest.approx(math.exp(1.5), rel=1e-5)          # -min(r·Δ, clip(r)·Δ) = r
     # gradient of r·|Δ| / 2 tokens: r · 0.5 · 0.5
-    torch.testing.assert_close(row_grad(policy, batch), torch.full((2, 1), math.exp(1.5) / 4))
+    torch.testing.assert_close(sampled_grad(policy, batch), torch.full((2, 1), math.exp(1.5) / 4))
     learner, policy = make_learner(batch, G=2, algorithm__dual_clip_c=3.0)
     stats = learn(learner, batch)
     assert stats["loss"] == pytest.approx(3.0, rel=1e-6)                     # capped at -c·Δ = 3
@@ -107,7 +103,7 @@ def test_per_token_delta_reaches_the_gradient():
     learner, policy = make_learner(batch, G=2)
     learn(learner, batch)
     want = -batch.delta_tokens * 0.25 * 0.5
-    torch.testing.assert_close(row_grad(policy, batch), want * batch.rollout.mask)
+    torch.testing.assert_close(sampled_grad(policy, batch), want * batch.rollout.mask)
 
 
 def test_k3_is_clamped_against_overflow():
@@ -258,7 +254,6 @@ def test_kl_in_reward_folds_k1_return_to_go_into_delta(top_p):
 
 
 # ------------------------------------------------------------------------- real runs of the CLI
-from test_train import ONE_STEP, TINY, cli, read_jsonl, train_rows, train_run  # noqa: E402
 
 NEW_KEYS = ("objective", "dual_clip_c", "kl_in", "entropy_coef", "overlong_buffer", "overlong_penalty",
             "process_delta", "value_lr")
