@@ -16,7 +16,7 @@ from rlvr.learn import learn
 from rlvr.rollout import rollout
 from rlvr.value import LearnedBaseline
 from test_stages import make_batch, make_learner, sampled_grad
-from test_train import ONE_STEP, TINY, read_jsonl, train_rows, train_run
+from test_train import ONE_STEP, TINY, USER_TASK, read_jsonl, train_rows, train_run
 
 
 def sort_setup(**overrides):
@@ -313,3 +313,19 @@ def test_learned_baseline_with_one_sample_resumes_exactly(tmp_path):
     # V = 0 at first (Δ = R: non-zero only where R is); once fitted, Δ = R - V(S) is non-zero with G = 1
     assert a[0]["train/baseline_mean"] == 0.0 and a[0]["train/value_loss"] > 0
     assert a[2]["train/baseline_mean"] != 0.0 and a[2]["train/nonzero_delta_frac"] == 1.0
+
+
+def test_run_with_the_overlong_penalty_on_an_eos_task(tmp_path):
+    path = tmp_path / "mytask.py"
+    path.write_text(USER_TASK)
+    rc, _, err = train_run(tmp_path / "long", *ONE_STEP, "--train.steps=2", f"--task.path={path}:TASK",
+                           "--task.reward=exact", "--task.options={}", "--algorithm.overlong_buffer=2",
+                           "--algorithm.overlong_penalty=0.5", "--algorithm.scheme=centered")
+    assert rc == 0, err
+    for row in train_rows(tmp_path / "long"):
+        # L <= 2: 0, L = 3: -0.25, L = 4 (the bound): -0.5; the mean lies in between and is in the reward
+        assert -0.5 <= row["train/reward_overlong_penalty"] < 0.0     # a random policy runs into the bound
+        assert row["train/reward"] == pytest.approx(row["train/reward_exact"] + row["train/reward_overlong_penalty"],
+                                                    abs=1e-6)
+    rollouts = read_jsonl(tmp_path / "long" / "rollouts.jsonl")
+    assert rollouts and all(len(r["delta"]) == 4 for r in rollouts)
