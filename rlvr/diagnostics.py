@@ -1,13 +1,14 @@
 """Is the run learning? Figures and rules that answer it, since the GRPO loss does not.
 
 With one update per batch the ratio is 1 and a centered Δ averages out, so the printed loss is
-about 0 while the gradient is not (USERS.md 1). What does show learning: the fraction of non-zero
+about 0 while the gradient is not (docs/background.md, section 6). What does show learning: the fraction of non-zero
 Δ, the fraction of groups that agree (and teach nothing), the per-group pass rates, entropy, KL,
 the held-out goal against the training proxy. `Watch` turns them into warnings that name a fix.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -34,31 +35,80 @@ def length_by_outcome(lengths: torch.Tensor, hits: torch.Tensor, truncated: torc
     return out
 
 
+def agreement_breakdown(rewards: torch.Tensor, hits: torch.Tensor) -> dict[str, float]:
+    """Where the groups that agree agree: fractions of all P groups, from (P, G) rewards and goal hits.
+
+    - `train/agree_zero_frac`: every reward of the group is 0 (all failed: too hard, or too sparse);
+    - `train/agree_solved_frac`: every response meets the goal (too easy);
+    - `train/agree_partial_frac`: the same non-zero reward without every response solving the task
+      (a constant answer, or a shaping term paid alone);
+    - `train/agree_partial_reward`: the mean reward of those partial groups (absent when none).
+    The three fractions sum to `train/agreeing_groups_frac`.
+    """
+    rewards = torch.as_tensor(rewards, dtype=torch.float64)                  # (P, G)
+    hits = torch.as_tensor(hits).bool()                                      # (P, G)
+    agree = rewards.amax(1) == rewards.amin(1)                               # (P,)
+    solved = agree & hits.all(1)
+    zero = agree & ~solved & (rewards[:, 0] == 0)
+    partial = agree & ~solved & ~zero
+    P = max(1, rewards.shape[0])
+    out = {"train/agree_zero_frac": float(zero.sum()) / P, "train/agree_solved_frac": float(solved.sum()) / P,
+           "train/agree_partial_frac": float(partial.sum()) / P}
+    if partial.any():
+        out["train/agree_partial_reward"] = float(rewards[partial, 0].mean())
+    return out
+
+
+def response_concentration(responses: list[str]) -> dict:
+    """The most common response of a batch and its share: `train/top_response` (text, for
+    metrics.jsonl and the warnings), `train/top_response_frac` (a number in (0, 1]).
+
+    A policy that collapsed onto one answer gives the same text to most prompts; that is the
+    `constant_answer` strategy `rlvr audit` scores, whatever the reward pays it.
+    """
+    if not responses:
+        return {}
+    text, count = Counter(responses).most_common(1)[0]
+    return {"train/top_response": text, "train/top_response_frac": count / len(responses)}
+
+
 @dataclass
 class Watch:
     """Rules over the run's history that print a warning naming the fix.
 
     - agreeing groups above `agree_max` (mean of the last `window` steps): the batch teaches little.
-    - entropy fell by more than `entropy_drop` since the previous evaluation while the held-out
-      goal rose by less than `flat_goal` and is below `saturated`: collapse without progress.
-      (Groups that agree because they are all solved get their own message: the prompts are too easy.)
-    - training reward rose while the held-out goal fell by more than `goal_drop`: the proxy is
-      being gamed.
+      The warning says where they agree (needs the `agreement_breakdown` fields in the row): at
+      reward 0 (too hard or too sparse: easier prompts, more samples, dynamic sampling), all solved
+      (too easy), or at one constant partial reward (a constant answer or the shaping term alone:
+      more samples will not help; look at the rollouts and run `rlvr audit`).
+    - one response makes up more than `constant_max` of the samples (mean of the last `window`
+      steps, `response_concentration` fields) while the training goal is below `saturated`: the
+      policy gives a constant answer, one of `rlvr audit`'s strategies.
+    - entropy collapse without progress: at an evaluation, the sampling entropy (mean of the last
+      `window` steps) is below (1 - `entropy_drop`) x its value at an earlier reference point, the
+      held-out goal rose by less than `flat_goal` since that point and is below `saturated`. The
+      reference points are the start of the run (the first `window` steps, with the goal of a
+      step-0 evaluation when there is one, else the training goal of those steps) and every
+      earlier evaluation. (Comparing only with the previous evaluation misses a collapse spread
+      over several evaluations, or one finished before the first: each interval then falls by less
+      than `entropy_drop`; on 2-digit addition the entropy fell 2.67 -> 0.83 in 225 steps, never
+      by half between two evaluations 25 steps apart.)
+    - training reward rose while the held-out goal fell by more than `goal_drop` since the previous
+      evaluation: the proxy is being gamed.
     Each rule warns at most once every `cooldown` steps.
     """
 
     agree_max: float = 0.8
+    constant_max: float = 0.5
     entropy_drop: float = 0.5
     flat_goal: float = 0.01
     goal_drop: float = 0.02
     saturated: float = 0.95
     window: int = 10
     cooldown: int = 100
-    _agree: list = field(default_factory=list)
-    _solved: list = field(default_factory=list)
-    _entropy: list = field(default_factory=list)
-    _reward: list = field(default_factory=list)
-    _last_eval: dict | None = None
+    _rows: list = field(default_factory=list)
+    _start_goal: float | None = None
+    _evals: list = field(default_factory=list)
     _last_warned: dict = field(default_factory=dict)
 
     def _due(self, rule: str, step: int) -> bool:
@@ -68,40 +118,97 @@ class Watch:
         self._last_warned[rule] = step
         return True
 
-    def after_step(self, step: int, row: dict) -> list[str]:
-        self._agree.append(row["train/agreeing_groups_frac"])
-        hist = row.get("train/pass_rate_hist")
-        self._solved.append(hist[-1] / max(1, sum(hist)) if hist else 0.0)
-        self._entropy.append(row["train/entropy"])
-        self._reward.append(row["train/reward"])
-        recent = self._agree[-self.window:]
-        if len(recent) == self.window and sum(recent) / len(recent) > self.agree_max and self._due("agree", step):
-            solved = sum(self._solved[-self.window:]) / self.window
-            head = f"{100 * sum(recent) / len(recent):.0f}% of groups agree over the last {self.window} steps and teach nothing"
-            if solved >= 0.5 * sum(recent) / len(recent):
-                return [f"{head}; most are fully solved: the training prompts are now too easy (use harder prompts, "
-                        f"or stop if eval/goal has reached its target)"]
-            return [f"{head}: use easier prompts, more samples per prompt (train.samples_per_prompt) or "
-                    f"algorithm.dynamic_sampling = true"]
-        return []
+    def _recent(self, key: str, n: int | None = None) -> float | None:
+        vals = [r[key] for r in self._rows[-(n or self.window):] if r.get(key) is not None]
+        return sum(vals) / len(vals) if vals else None
 
-    def after_eval(self, step: int, goal: float) -> list[str]:
+    def after_step(self, step: int, row: dict) -> list[str]:
+        hist = row.get("train/pass_rate_hist")
+        self._rows.append({
+            "step": step, "agree": row["train/agreeing_groups_frac"], "entropy": row["train/entropy"],
+            "reward": row["train/reward"], "goal": row.get("train/goal"),
+            "hist_solved": hist[-1] / max(1, sum(hist)) if hist else None,     # groups whose samples all meet the goal
+            "zero": row.get("train/agree_zero_frac"), "agree_solved": row.get("train/agree_solved_frac"),
+            "partial": row.get("train/agree_partial_frac"), "partial_reward": row.get("train/agree_partial_reward"),
+            "top": row.get("train/top_response"), "top_frac": row.get("train/top_response_frac"),
+        })
+        if len(self._rows) < self.window:
+            return []
         msgs = []
-        w = self.window
-        now = {"goal": goal, "entropy": _mean(self._entropy[-w:]), "reward": _mean(self._reward[-w:])}
-        prev = self._last_eval
-        self._last_eval = now
-        if prev is None or now["entropy"] is None or prev["entropy"] is None:
-            return msgs
-        if (now["entropy"] < (1 - self.entropy_drop) * prev["entropy"] and now["goal"] - prev["goal"] < self.flat_goal
-                and now["goal"] < self.saturated and self._due("entropy", step)):
-            msgs.append(f"sampling entropy fell from {prev['entropy']:.3f} to {now['entropy']:.3f} while the held-out "
-                        f"goal stayed at {now['goal']:.3f}: lower train.lr or add a KL term (algorithm.kl_coef)")
-        if now["reward"] > prev["reward"] and now["goal"] < prev["goal"] - self.goal_drop and self._due("gamed", step):
-            msgs.append(f"training reward rose ({prev['reward']:.3f} -> {now['reward']:.3f}) while the held-out goal "
-                        f"fell ({prev['goal']:.3f} -> {now['goal']:.3f}): the reward is being gamed; run `rlvr audit`")
+        agree = self._recent("agree")
+        if agree > self.agree_max and self._due("agree", step):
+            msgs.append(self._agree_message(agree))
+        top_frac, goal = self._recent("top_frac"), self._recent("goal")
+        if (top_frac is not None and top_frac > self.constant_max and (goal is None or goal < self.saturated)
+                and self._due("constant", step)):
+            msgs.append(f"the policy gives the same response {self._rows[-1]['top']!r} to {top_frac:.0%} of its samples "
+                        f"over the last {self.window} steps: a constant answer, one of the strategies `rlvr audit` "
+                        f"scores; see rollouts.jsonl, run `rlvr audit CONFIG` to see what the reward pays it, and lower "
+                        f"train.lr or add a KL term (algorithm.kl_coef)")
         return msgs
 
+    def _agree_message(self, agree: float) -> str:
+        head = f"{100 * agree:.0f}% of groups agree over the last {self.window} steps and teach nothing"
+        zero, solved, partial = self._recent("zero"), self._recent("agree_solved"), self._recent("partial")
+        if zero is None:  # no breakdown in the rows: read the goal histogram and the reward
+            solved = self._recent("hist_solved") or 0.0
+            zero = agree - solved if self._recent("reward") == 0 else None
+            partial = None
+        kinds = {k: v for k, v in (("zero", zero), ("solved", solved), ("partial", partial)) if v is not None}
+        top = max(kinds, key=kinds.get) if kinds else None
+        if top == "solved" and solved >= 0.5 * agree:
+            return (f"{head}; most are fully solved: the training prompts are now too easy (use harder prompts, "
+                    f"or stop if eval/goal has reached its target)")
+        if top == "partial" and partial >= 0.5 * agree:
+            value = self._recent("partial_reward")
+            return (f"{head}; most agree at the same partial reward{f' {value:.3g}' if value is not None else ''} "
+                    f"without solving the task: every sample earns the same (a constant answer, or the shaping "
+                    f"term alone), so more samples will not help; see rollouts.jsonl, run `rlvr audit CONFIG` to see "
+                    f"which non-solving strategies the reward pays, and lower train.lr or add a KL term "
+                    f"(algorithm.kl_coef)")
+        if top == "zero" and zero >= 0.5 * agree:
+            return (f"{head}; most agree at reward 0 (every sample failed): the prompts are too hard for this policy "
+                    f"or the reward too sparse: use easier prompts or a denser reward, more samples per prompt "
+                    f"(train.samples_per_prompt) or algorithm.dynamic_sampling = true")
+        return (f"{head}: use easier prompts, more samples per prompt (train.samples_per_prompt) or "
+                f"algorithm.dynamic_sampling = true")
 
-def _mean(xs: list) -> float | None:
-    return sum(xs) / len(xs) if xs else None
+    def after_eval(self, step: int, goal: float) -> list[str]:
+        if not self._rows:  # an evaluation before the first step: the goal at the start of the run
+            self._start_goal = goal
+            return []
+        now = {"step": step, "goal": goal, "entropy": self._recent("entropy"), "reward": self._recent("reward")}
+        refs = []
+        first = self._rows[:self.window]
+        start_goal = self._start_goal
+        goal_kind = "held-out goal"
+        if start_goal is None and all(r["goal"] is not None for r in first):
+            start_goal, goal_kind = sum(r["goal"] for r in first) / len(first), "training goal"
+        if start_goal is not None:
+            refs.append({"label": f"steps {first[0]['step']}-{first[-1]['step']}", "goal": start_goal,
+                         "goal_kind": goal_kind, "entropy": sum(r["entropy"] for r in first) / len(first)})
+        refs += [{**e, "label": f"step {e['step']}", "goal_kind": "held-out goal"} for e in self._evals]
+        prev = self._evals[-1] if self._evals else None
+        self._evals.append(now)
+        msgs = []
+        for ref in refs:
+            if (now["entropy"] < (1 - self.entropy_drop) * ref["entropy"] and goal - ref["goal"] < self.flat_goal
+                    and goal < self.saturated and self._due("entropy", step)):
+                top, top_frac = self._rows[-1]["top"], self._recent("top_frac")
+                if top_frac is not None and top_frac > self.constant_max:
+                    constant = (f"; it now answers {top!r} to {top_frac:.0%} of its samples (a constant answer: see "
+                                f"rollouts.jsonl and `rlvr audit`)")
+                elif top_frac is not None:
+                    constant = f"; its most common response is {top!r} ({top_frac:.0%} of samples): see rollouts.jsonl"
+                else:
+                    constant = "; see rollouts.jsonl for what it now answers"
+                msgs.append(f"sampling entropy fell from {ref['entropy']:.3f} ({ref['label']}) to {now['entropy']:.3f} "
+                            f"(step {step}) while the held-out goal stayed at {goal:.3f} ({ref['goal_kind']} "
+                            f"{ref['goal']:.3f} at {ref['label']}): the policy is collapsing without progress{constant}; "
+                            f"lower train.lr or add a KL term (algorithm.kl_coef)")
+                break
+        if prev is not None and now["reward"] > prev["reward"] and goal < prev["goal"] - self.goal_drop \
+                and self._due("gamed", step):
+            msgs.append(f"training reward rose ({prev['reward']:.3f} -> {now['reward']:.3f}) while the held-out goal "
+                        f"fell ({prev['goal']:.3f} -> {goal:.3f}): the reward is being gamed; run `rlvr audit`")
+        return msgs

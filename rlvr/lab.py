@@ -6,7 +6,7 @@ enumerate, so each identity the trainer relies on becomes arithmetic we can veri
 
 1. Exact gradient. d/dlogits of J = Σ_a p_a R_a is  p_a (R_a - J)  (`exact_gradient`), checked
    against central finite differences on the logits in float64 (`finite_difference_gradient`).
-   Seed 001: p = (0.2, 0.3, 0.4, 0.1), R = (1, 0, 0, 0) gives J = 0.2, gradient
+   Four-answer policy (docs/background.md): p = (0.2, 0.3, 0.4, 0.1), R = (1, 0, 0, 0) gives J = 0.2, gradient
    (0.16, -0.06, -0.08, -0.02); one ascent step of size 0.1 raises p_0 to ~0.203624.
 2. Baselines. The single-sample estimator (R(a) - b)(onehot(a) - p) has mean equal to the exact
    gradient for every b, but its variance moves with b, and not always down: for the first logit
@@ -15,7 +15,7 @@ enumerate, so each identity the trainer relies on becomes arithmetic we can veri
    with Δ from `rlvr.advantages.compute` has expectation (G-1)/G × gradient with the inclusive
    group mean ("centered") and exactly the gradient with leave-one-out ("loo", G > 1)
    (`group_estimator_moments`).
-4. Seed 002's bandit. The 25-line listing (3 actions, reward only for action 2, groups of 8,
+4. The three-action bandit (docs/background.md). The 25-line listing (3 actions, reward only for action 2, groups of 8,
    lr 0.5, 200 steps, random.seed(0)) reproduced float for float, but with Δ taken from
    rlvr's own `advantages.compute` rather than a copy of the listing: final probabilities
    [0.003, 0.003, 0.994] (`bandit`). `lock_in_rates` / `bandit_exercise` run its exercise
@@ -61,10 +61,10 @@ DTYPE = torch.float64
 PROB_SUM_TOL = 1e-6  # how far from 1 a probability vector may sum (decimal inputs are inexact)
 MAX_TUPLES = 200_000  # refuse group enumerations larger than this (n_actions ** group_size)
 
-SEED_001_PROBS = (0.2, 0.3, 0.4, 0.1)
-SEED_001_REWARDS = (1.0, 0.0, 0.0, 0.0)
-SEED_001_BASELINES = (0.0, 0.2, 2.0)
-SEED_002_REWARDS = (0.0, 0.0, 1.0)  # reward 1 only for action 2
+FOUR_ANSWER_PROBS = (0.2, 0.3, 0.4, 0.1)
+FOUR_ANSWER_REWARDS = (1.0, 0.0, 0.0, 0.0)
+FOUR_ANSWER_BASELINES = (0.0, 0.2, 2.0)
+BANDIT_REWARDS = (0.0, 0.0, 1.0)  # reward 1 only for action 2
 
 ArrayLike = Tensor | Sequence[float]
 
@@ -135,7 +135,7 @@ def softmax(logits: ArrayLike) -> Tensor:
 
 
 def expected_reward(probs: ArrayLike, rewards: ArrayLike) -> float:
-    """J = Σ_a p_a R_a. Seed 001: 0.2."""
+    """J = Σ_a p_a R_a. Four-answer policy (docs/background.md): 0.2."""
     p, r = _policy(probs, rewards)
     return float(p @ r)
 
@@ -143,7 +143,7 @@ def expected_reward(probs: ArrayLike, rewards: ArrayLike) -> float:
 def exact_gradient(probs: ArrayLike, rewards: ArrayLike) -> Tensor:
     """∂J/∂logits for a softmax policy with these probabilities: p_a (R_a - Σ_b p_b R_b).
 
-    Seed 001: (0.16, -0.06, -0.08, -0.02). Sums to 0 (shifting every logit changes nothing).
+    Four-answer policy (docs/background.md): (0.16, -0.06, -0.08, -0.02). Sums to 0 (shifting every logit changes nothing).
     """
     p, r = _policy(probs, rewards)
     return p * (r - p @ r)
@@ -171,7 +171,7 @@ def finite_difference_gradient(probs: ArrayLike, rewards: ArrayLike, *, eps: flo
 def gradient_step(probs: ArrayLike, rewards: ArrayLike, lr: float = 0.1) -> Tensor:
     """Probabilities after one exact gradient-ascent step on the logits: softmax(log p + lr ∇J).
 
-    Seed 001 with lr 0.1: p_0 goes from 0.2 to ~0.203624.
+    The four-answer policy with lr 0.1: p_0 goes from 0.2 to ~0.203624.
     """
     p, r = _policy(probs, rewards)
     lr = _as_finite("lr", lr)
@@ -188,7 +188,7 @@ def estimator_moments(probs: ArrayLike, rewards: ArrayLike, baseline: float) -> 
     """Per-logit (mean, variance) of the one-sample estimator (R(a) - b)(onehot(a) - p), a ~ p.
 
     Exact, by enumerating the n actions. The mean equals `exact_gradient` for every baseline b
-    (E[onehot(a) - p] = 0); the variance does not. Seed 001, first logit: 0.1024, 0.0576, 0.2304
+    (E[onehot(a) - p] = 0); the variance does not. Four-answer policy, first logit: 0.1024, 0.0576, 0.2304
     for b = 0, 0.2, 2.
     """
     p, r = _policy(probs, rewards)
@@ -287,7 +287,7 @@ def expected_learned_baseline(probs: ArrayLike, rewards: ArrayLike, *, lr: float
     return J + (1 - 2 * _as_finite("lr", lr)) ** _as_count("t", t, 0) * (_as_finite("b0", b0) - J)
 
 
-# --- seed 002: the bandit --------------------------------------------------------------------
+# --- the three-action bandit --------------------------------------------------------------------
 
 
 def _listing_probs(logits: list[float]) -> list[float]:
@@ -317,11 +317,11 @@ def bandit(
     steps: int = 200,
     seed: int = 0,
     scheme: str = "centered",
-    rewards: Sequence[float] = SEED_002_REWARDS,
+    rewards: Sequence[float] = BANDIT_REWARDS,
     baseline: float | None = None,
     top_k: int | None = None,
 ) -> list[float]:
-    """Seed 002's bandit; returns the final probabilities (Python floats).
+    """The three-action bandit (docs/background.md); returns the final probabilities (Python floats).
 
     Each step: p = softmax(logits) once; draw group_size actions with random.choices(weights=p);
     reward R[a] (`rewards` gives one reward per action, default (0, 0, 1)); Δ from
@@ -366,7 +366,7 @@ def lock_in_rates(*, lr: float, seeds: int = 200, threshold: float = 0.9, **band
     threshold = _as_finite("threshold", threshold)
     if not 0.5 < threshold <= 1.0:
         raise ValueError(f"threshold must be in (0.5, 1], got {threshold!r}")
-    R = list(bandit_kwargs.get("rewards", SEED_002_REWARDS))
+    R = list(bandit_kwargs.get("rewards", BANDIT_REWARDS))
     best = max(range(len(R)), key=R.__getitem__) if R else 0
     solved = wrong = 0
     p_best = 0.0
@@ -391,7 +391,7 @@ def lock_in_rates(*, lr: float, seeds: int = 200, threshold: float = 0.9, **band
 def bandit_exercise(
     *, lrs: Sequence[float] = (5.0, 0.5), seeds: int = 200, **bandit_kwargs
 ) -> dict[float, dict[str, float]]:
-    """Seed 002's exercise: `lock_in_rates` at each lr (default 5.0 and 0.5) over the same seeds."""
+    """The bandit's learning-rate exercise: `lock_in_rates` at each lr (default 5.0 and 0.5) over the same seeds."""
     return {float(lr): lock_in_rates(lr=lr, seeds=seeds, **bandit_kwargs) for lr in lrs}
 
 
@@ -418,31 +418,31 @@ def _fmt(values: Sequence[float] | Tensor, digits: int = 6) -> str:
 def report(exercise_seeds: int = 0) -> list[tuple[str, str]]:
     """(figure, what produced it) pairs for seeds 001 and 002, all computed, none typed in.
 
-    With exercise_seeds > 0, also seed 002's exercise at lr 5.0 and 0.5 (a few ms per seed
+    With exercise_seeds > 0, also the bandit's learning-rate exercise at lr 5.0 and 0.5 (a few ms per seed
     per lr), for the listing's bandit and for a no-baseline variant where lock-in does occur.
     """
-    p, r = SEED_001_PROBS, SEED_001_REWARDS
+    p, r = FOUR_ANSWER_PROBS, FOUR_ANSWER_REWARDS
     policy = "p=(0.2, 0.3, 0.4, 0.1), R=(1, 0, 0, 0)"
     grad = exact_gradient(p, r)
     fd = finite_difference_gradient(p, r)
     lines = [
-        (f"expected reward {expected_reward(p, r):.6g}", f"seed 001: Σ p_a R_a at {policy}"),
-        (f"gradient {_fmt(grad)}", "seed 001: exact p_a (R_a - J) w.r.t. the softmax logits"),
+        (f"expected reward {expected_reward(p, r):.6g}", f"four-answer policy: Σ p_a R_a at {policy}"),
+        (f"gradient {_fmt(grad)}", "four-answer policy: exact p_a (R_a - J) w.r.t. the softmax logits"),
         (
             f"finite differences {_fmt(fd)}  max |diff| {(fd - grad).abs().max().item():.1e}",
-            "seed 001: central differences on the logits, eps 1e-6, float64",
+            "four-answer policy: central differences on the logits, eps 1e-6, float64",
         ),
         (
             f"p_0 after one step {gradient_step(p, r, 0.1)[0].item():.6f}",
-            "seed 001: softmax(log p + 0.1 × gradient)",
+            "four-answer policy: softmax(log p + 0.1 × gradient)",
         ),
     ]
-    for b in SEED_001_BASELINES:
+    for b in FOUR_ANSWER_BASELINES:
         mean, var = estimator_moments(p, r, b)
         lines.append(
             (
                 f"variance {var[0].item():.6g}  mean {mean[0].item():.6g}  (baseline {b:g})",
-                "seed 001: first logit of (R(a)-b)(onehot(a)-p), all 4 actions enumerated",
+                "four-answer policy: first logit of (R(a)-b)(onehot(a)-p), all 4 actions enumerated",
             )
         )
     lines += _baseline_lines(p, r)
@@ -453,15 +453,15 @@ def report(exercise_seeds: int = 0) -> list[tuple[str, str]]:
     lines += [
         (
             f"centered G=2 mean {_fmt(cen)} = {ratio:.6g} × gradient",
-            "seed 001: all 16 pairs, Δ = advantages.compute(..., 'centered'); (G-1)/G = 0.5",
+            "four-answer policy: all 16 pairs, Δ = advantages.compute(..., 'centered'); (G-1)/G = 0.5",
         ),
         (
             f"loo G=2 mean {_fmt(loo)}  max |diff| {(loo - grad).abs().max().item():.1e}",
-            "seed 001: all 16 pairs, Δ = advantages.compute(..., 'loo'); recovers the gradient",
+            "four-answer policy: all 16 pairs, Δ = advantages.compute(..., 'loo'); recovers the gradient",
         ),
         (
             f"bandit final probs {[round(x, 3) for x in bandit()]}",
-            "seed 002: random.seed(0), 3 actions, G=8, lr 0.5, 200 steps, Δ 'centered'",
+            "bandit: random.seed(0), 3 actions, G=8, lr 0.5, 200 steps, Δ 'centered'",
         ),
     ]
     if exercise_seeds > 0:
@@ -475,7 +475,7 @@ def report(exercise_seeds: int = 0) -> list[tuple[str, str]]:
                     (
                         f"lr {lr:g}: locked_wrong {f['locked_wrong']:.1%}  solved {f['solved']:.1%}"
                         f"  unsettled {f['unsettled']:.1%}",
-                        f"seed 002 exercise ({name}): {exercise_seeds} seeds, p >= 0.9 after 200 steps",
+                        f"bandit exercise ({name}): {exercise_seeds} seeds, p >= 0.9 after 200 steps",
                     )
                 )
     return lines

@@ -481,7 +481,7 @@ def kl_loss(
 ) -> Tensor:
     """Scalar KL penalty: per-token kl_estimate over generated tokens, aggregated by `agg`.
 
-    The default token_mean averages over the batch, samples and positions (seed 000).
+    The default token_mean averages over the batch, samples and positions. 
     """
     _check_same_shape("logp", logp, logp_ref=logp_ref, mask=mask)
     m = mask.bool()

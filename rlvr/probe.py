@@ -1,4 +1,4 @@
-"""Seed 000's Builder Test as a command: which prompts are worth sampling, and how many Δ are usable.
+"""`rlvr probe`: which prompts are worth sampling, and how many Δ are usable (docs/background.md, section 5).
 
     rlvr probe CONFIG.toml [--checkpoint RUN_DIR] [--prompts N] [--samples K] [--scheme S ...]
                            [--split train|heldout] [--json] [--section.key=value ...]
@@ -12,6 +12,9 @@ of correct responses. `centered` gives the wrong ones a negative push, so in a m
 carry a gradient. A group whose K rewards are exactly equal (all solved, all failed, or all at the
 same partial score) gets Δ = 0 under every baseline scheme: a group that agrees teaches nothing,
 and the prompt is not worth sampling at this policy (too easy, or too hard).
+
+Text mode prints, under each group's line, the answer and the K sampled responses with their
+rewards (`--json` gives the same and more, for scripts).
 
 Split in two:
   * `probe_counts` / `summarize`: pure functions of an (N, K) reward matrix (and optionally the
@@ -63,9 +66,12 @@ def usable_schemes() -> list[str]:
 
 
 def check_schemes(extra: Sequence[str]) -> list[str]:
-    """`raw`, `centered`, then the extra schemes in order, deduplicated; ProbeError on a bad name."""
+    """`raw`, `centered`, then the extra schemes in order, deduplicated; ProbeError on a bad name.
+
+    `grpo` and `rloo` are read as `normalized` and `loo`, as in the config."""
     out = list(DEFAULT_SCHEMES)
     for s in extra:
+        s = config.ALIASES["algorithm.scheme"].get(s, s)  # grpo, rloo: the names users know
         if s == "baseline":
             raise ProbeError("--scheme baseline needs a per-prompt B(S) from the caller, which a probe does not have; "
                              f"known schemes: {', '.join(usable_schemes())}")
@@ -322,18 +328,41 @@ def _num(v: float) -> str:
     return "0" if v == 0 else f"{v:.3g}"
 
 
+INLINE_RESPONSE_CHARS = 16
+"""Responses up to this long are printed on one line per group; longer ones one per line."""
+RESPONSE_CHARS = 120
+"""A longer response is cut to this many characters (its repr) when printed as text."""
+
+
+def _clip(text: str, limit: int = RESPONSE_CHARS) -> str:
+    r = repr(text)
+    return r if len(r) <= limit else r[:limit - 1] + "…"
+
+
+def response_lines(answer: str, responses: Sequence[str], rewards: Sequence[float]) -> list[str]:
+    """The sampled responses of one group, each with its reward, under the answer.
+
+    Short responses (a sort, a number) share one line; longer ones get a line each, cut to
+    RESPONSE_CHARS characters.
+    """
+    if all(len(r) <= INLINE_RESPONSE_CHARS for r in responses):
+        return [f"    answer {answer!r}  responses: " + "  ".join(f"{r!r} {_num(v)}" for r, v in zip(responses, rewards))]
+    return [f"    answer {_clip(answer)}"] + [f"    {_num(v):>6}  {_clip(r)}" for r, v in zip(responses, rewards)]
+
+
 def format_lines(res: ProbeResult) -> list[str]:
-    """The human-readable probe: a header, one line per prompt, then the summary."""
+    """The human-readable probe: a header, one line per prompt with its responses, then the summary."""
     s = res.summary
     n, k = s.prompts, s.samples
     reward = " + ".join(f"{w:g}*{name}" if w != 1 else name for name, w in res.reward.items())
     width = max(len(p) for p in res.prompts)
     lines = [f"probe: {res.source}; {n} {res.split} prompts x {k} samples (temperature {res.temperature:g}, "
              f"top_p {res.top_p:g}, seed {res.seed}); reward {reward}"]
-    for p, g in zip(res.prompts, res.groups):
+    for p, a, resp, g in zip(res.prompts, res.answers, res.responses, res.groups):
         counts = " ".join(f"{sch} {c}/{k}" for sch, c in g.nonzero.items())
         lines.append(f"[{g.index}] {p:<{width}}  rewards {' '.join(_num(v) for v in g.rewards)}  "
                      f"goal {g.goal_hits}/{k}  non-zero Δ: {counts}  {VERDICT_TEXT[g.verdict]}")
+        lines.extend(response_lines(a, resp, g.rewards))
     lines.append(f"summary: usable groups {s.usable_groups}/{n} ({s.usable_frac:.0%}); non-zero Δ: "
                  + ", ".join(f"{sch} {f:.0%}" for sch, f in s.nonzero_frac.items())
                  + f"; mean reward {s.mean_reward:.3f}"

@@ -1,13 +1,27 @@
-"""`rlvr report RUN_DIR [--out DIR]`: PNG plots and one self-contained HTML page for a run.
+"""`rlvr report RUN_DIR [RUN_DIR ...] [--out DIR]`: PNG plots and one self-contained HTML page.
 
 Works on a finished run, one still going, or one that was cut off: the last line of a JSONL file
 may be half-written (it is ignored, with a warning), summary.json / price.json / checkpoint/ may be
-absent. A corrupt line anywhere but the last is an error naming file:line.
+absent. A corrupt line anywhere but the last is an error naming file:line. With several run
+directories the plots overlay the runs (one colour per run) and the page compares them.
 
     records = load_run_records(run_dir)       # RunRecords; ReportError on bad input
-    pngs = plot(records, out_dir)             # list[Path] (matplotlib, Agg canvas, imported here)
+    specs, notes = plan_plots([records, ...]) # what each PNG will show, and what is left out and why
+    pngs = plot([records, ...], out_dir)      # list[Path] (matplotlib, Agg canvas, imported here)
     html = render_html(records, pngs)         # str: PNGs embedded as data: URIs, no external assets
+    html = render_compare_html(runs, pngs)    # the same for several runs
     command(args) -> int                      # the CLI entry point; prints the paths it wrote
+
+What is plotted: each figure has two panels, against training steps and against sampled tokens
+(the cost axis), and the held-out evaluations (a step-0 evaluation included) on the reward plot.
+Left out, with the reason written on the page: KL to π_old when it is zero by construction (one
+update per batch: the update starts from the policy that sampled), and a series that never changes
+(response length on a fixed-length task, say). The run's own warnings (the `warning` rows of
+metrics.jsonl) are listed with their step.
+
+Each PNG carries what it shows in a `rlvr:series` text chunk (JSON read back from the drawn
+matplotlib lines: per panel its x axis and every line's label, x and y), so a test or a script can
+check a plot from the file alone (`read_png_series`).
 
 Files written (and the only ones ever overwritten): report.html and the PNG names in PLOTS.
 """
@@ -23,6 +37,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 INSTALL_HINT = 'pip install "rlvr[report]"'
 HTML_NAME = "report.html"
@@ -62,8 +81,23 @@ class RunRecords:
     config_text: str | None = None
     price: dict | None = None                            # price.json, else summary.json's "price"
     summary: dict | None = None                          # None while the run is going or was cut off
-    warnings: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)            # problems reading the run
     price_source: str | None = None
+    run_warnings: list[tuple] = field(default_factory=list)      # (step, message): what the run warned about
+
+    @property
+    def name(self) -> str:
+        return self.run_dir.name or str(self.run_dir)
+
+    @property
+    def config(self) -> dict:
+        """config.toml parsed ({} when absent or unreadable)."""
+        if not self.config_text:
+            return {}
+        try:
+            return tomllib.loads(self.config_text)
+        except tomllib.TOMLDecodeError:
+            return {}
 
     @property
     def finished(self) -> bool:
@@ -133,6 +167,8 @@ def load_run_records(run_dir) -> RunRecords:
         raise ReportError(f"{run_dir} {what}; expected a run directory written by `rlvr train`")
     rec = RunRecords(run_dir=run_dir)
     for row in _read_jsonl(metrics, rec.warnings):
+        if isinstance(row.get("warning"), str):
+            rec.run_warnings.append((row.get("step"), row["warning"]))
         is_train = any(k.startswith("train/") for k in row)
         is_eval = any(k.startswith("eval/") for k in row)
         if not _num(row.get("step")):
@@ -204,37 +240,175 @@ def _import_matplotlib():
     return Figure, FigureCanvasAgg
 
 
-def plot(records: RunRecords, out_dir) -> list[Path]:
+KL_OLD_KEYS = ("train/approx_kl_old", "train/approx_kl")
+ALWAYS_SHOWN = ("reward.png",)   # a flat reward or goal is the news (nothing moves); other flat series are dropped
+
+
+@dataclass
+class Series:
+    """One plotted line: its values against steps and (when the run counts them) sampled tokens."""
+
+    run: str
+    key: str
+    label: str
+    steps: list
+    tokens: list | None
+    ys: list
+    eval: bool = False
+
+
+@dataclass
+class PlotSpec:
+    """One PNG: its file name, title, y label and the series it shows."""
+
+    name: str
+    title: str
+    ylabel: str
+    series: list
+
+
+def kl_old_zero_reason(records: RunRecords) -> str | None:
+    """Why KL to π_old is zero by construction in this run, or None when it is not.
+
+    From the resolved config: with train.epochs_per_batch = 1 and train.minibatches = 1 each batch
+    gets one update, which starts from the very policy that sampled it. Without a config, from the
+    data: every logged value below 1e-9.
+    """
+    train = records.config.get("train")
+    if isinstance(train, dict):
+        if train.get("epochs_per_batch", 1) == 1 and train.get("minibatches", 1) == 1:
+            return ("one update per batch (train.epochs_per_batch = 1, train.minibatches = 1): the update starts "
+                    "from the policy that sampled the batch, so KL to π_old is 0 by construction (float noise "
+                    "only)")
+        return None
+    vals = [abs(r[k]) for r in records.train for k in KL_OLD_KEYS if _num(r.get(k))]
+    if vals and max(vals) < 1e-9:
+        return f"every logged value is below 1e-9 (largest {max(vals):.1e}): zero up to float noise"
+    return None
+
+
+def _flat(ys: list) -> bool:
+    """Two or more values, all equal up to a relative 1e-9 (a constant series carries no information)."""
+    return len(ys) >= 2 and max(ys) - min(ys) <= 1e-9 * max(abs(y) for y in ys)
+
+
+def _make_series(rec: RunRecords, rows: list[dict], key: str, label: str, run: str, is_eval: bool) -> Series:
+    _, by_step = _x_axis(rec)
+    has_tokens = any(_num(r.get("train/sampled_tokens")) for r in rec.train)
+    steps, tokens, ys = [], [], []
+    for r in rows:
+        v = r.get(key)
+        if _num(v):
+            steps.append(r["step"])
+            tokens.append(_x_of(r["step"], by_step, "sampled tokens"))
+            ys.append(v)
+    return Series(run=run, key=key, label=label, steps=steps, tokens=tokens if has_tokens else None, ys=ys,
+                  eval=is_eval)
+
+
+def plan_plots(runs: list[RunRecords]) -> tuple[list[PlotSpec], list[str]]:
+    """What each PNG shows (specs with data), and a note for every series left out and why."""
+    specs, notes = [], []
+    many = len(runs) > 1
+    for name, title, ylabel, keys in PLOTS:
+        series = []
+        for rec in runs:
+            run = rec.name if many else ""
+            prefix = f"{rec.name}: " if many else ""
+            for key, lab in keys:
+                s = _make_series(rec, rec.train, key, lab, run, False)
+                if not s.ys:
+                    continue
+                if key in KL_OLD_KEYS:
+                    reason = kl_old_zero_reason(rec)
+                    if reason:
+                        notes.append(f"{prefix}{lab}: not plotted: {reason}.")
+                        continue
+                if name not in ALWAYS_SHOWN and _flat(s.ys):
+                    notes.append(f"{prefix}{lab}: not plotted: constant at {_fmt(s.ys[0])} over {len(s.ys)} steps "
+                                 f"(e.g. the response length of a fixed-length task).")
+                    continue
+                series.append(s)
+            if name == "reward.png":
+                series += [s for k, lab in EVAL_SERIES
+                           if (s := _make_series(rec, rec.eval, k, lab, run, True)).ys]
+        if series:
+            specs.append(PlotSpec(name, title, ylabel, series))
+    return specs, notes
+
+
+LINE_STYLES = ("-", "--", ":", "-.")
+
+
+def _plotted(fig, spec: PlotSpec, panels: list[str]) -> str:
+    """JSON of what the figure's axes really hold: per panel its x label and every line's label and
+    data, read back from matplotlib's Line2D objects (not from the spec that asked for them)."""
+    axes = []
+    for ax, panel in zip(fig.axes, panels):
+        lines = [{"label": ln.get_label(), "x": [float(x) for x in ln.get_xdata()],
+                  "y": [float(y) for y in ln.get_ydata()]} for ln in ax.get_lines()]
+        axes.append({"x": panel, "xlabel": ax.get_xlabel(), "title": ax.get_title(), "lines": lines})
+    return json.dumps({"plot": spec.name, "panels": axes}, ensure_ascii=True, separators=(",", ":"))
+
+
+def _draw(spec: PlotSpec, runs: list[str], Figure, FigureCanvasAgg):
+    """A figure with a panel against steps and, when counted, one against sampled tokens."""
+    panels = ["step"] + (["sampled tokens"] if any(s.tokens for s in spec.series) else [])
+    fig = Figure(figsize=(5.2 * len(panels) + 0.8, 4), dpi=100)
+    FigureCanvasAgg(fig)
+    keys = list(dict.fromkeys(s.key for s in spec.series))
+    for i, panel in enumerate(panels):
+        ax = fig.add_subplot(1, len(panels), i + 1)
+        for j, s in enumerate(spec.series):
+            xs = s.steps if panel == "step" else s.tokens
+            if not xs:
+                continue
+            label = f"{s.run}: {s.label}" if s.run else s.label
+            if len(runs) > 1:  # one colour per run, one line style per metric
+                color = f"C{runs.index(s.run) % 10}"
+                style = "o--" if s.eval else LINE_STYLES[keys.index(s.key) % len(LINE_STYLES)]
+            else:
+                color, style = f"C{j % 10}", "o--" if s.eval else "-"
+            ax.plot(xs, s.ys, style, color=color, label=label, markersize=4, linewidth=1.4)
+        ax.set_title(spec.title if len(panels) == 1 else f"{spec.title} (by {panel})", fontsize="medium")
+        ax.set_xlabel(panel)
+        ax.set_ylabel(spec.ylabel)
+        ax.grid(True, alpha=0.3)
+        if i == len(panels) - 1:
+            ax.legend(loc="best", fontsize="x-small")
+    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.13, top=0.9, wspace=0.25)  # fixed: tight_layout draws twice
+    return fig, panels
+
+
+def plot(runs, out_dir) -> list[Path]:
     """Write one PNG per plot that has data into out_dir (created if needed); return their paths.
 
-    Uses matplotlib's Agg canvas directly (no pyplot, no global backend switch)."""
+    `runs` is one RunRecords or a list of them (overlaid). Uses matplotlib's Agg canvas directly
+    (no pyplot, no global backend switch). Each PNG carries its data in a `rlvr:series` text chunk.
+    """
+    runs = [runs] if isinstance(runs, RunRecords) else list(runs)
     Figure, FigureCanvasAgg = _import_matplotlib()
     out_dir = Path(out_dir)
-    label, by_step = _x_axis(records)
+    specs, _ = plan_plots(runs)
+    names = [r.name for r in runs] if len(runs) > 1 else [""]
     written = []
-    for name, title, ylabel, keys in PLOTS:
-        series = [(lab, *_series(records.train, k, by_step, label), "-") for k, lab in keys]
-        if name == "reward.png":
-            series += [(lab, *_series(records.eval, k, by_step, label), "o--") for k, lab in EVAL_SERIES]
-        series = [s for s in series if s[1]]
-        if not series:
-            continue
-        fig = Figure(figsize=(7, 4), dpi=100)
-        FigureCanvasAgg(fig)
-        ax = fig.add_subplot()
-        for lab, xs, ys, style in series:
-            ax.plot(xs, ys, style, label=lab, markersize=4, linewidth=1.4)
-        ax.set_title(title)
-        ax.set_xlabel(label)
-        ax.set_ylabel(ylabel)
-        ax.grid(True, alpha=0.3)
-        ax.legend(loc="best", fontsize="small")
-        fig.subplots_adjust(left=0.11, right=0.97, bottom=0.13, top=0.91)  # fixed: tight_layout draws twice
-        path = out_dir / name
+    for spec in specs:
+        fig, panels = _draw(spec, names, Figure, FigureCanvasAgg)
+        path = out_dir / spec.name
         _check_writable(path)
-        fig.savefig(path, format="png")
+        fig.savefig(path, format="png", metadata={"rlvr:series": _plotted(fig, spec, panels)})
         written.append(path)
     return written
+
+
+def read_png_series(path) -> dict:
+    """What a PNG written by `plot` shows: {"plot", "panels": [{"x", "xlabel", "title", "lines":
+    [{"label", "x", "y"}]}]}, from its `rlvr:series` text chunk (read with Pillow)."""
+    from PIL import Image
+
+    with Image.open(path) as img:
+        img.load()
+        return json.loads(img.text["rlvr:series"])
 
 
 # --------------------------------------------------------------------------- HTML
@@ -381,6 +555,38 @@ code { white-space: pre-wrap; word-break: break-all; }
 """
 
 
+def _run_warnings_section(runs: list[RunRecords]) -> str:
+    parts = ["<h2>Warnings the run printed</h2>" if len(runs) == 1 else "<h2>Warnings the runs printed</h2>"]
+    rows = [([_e(r.name)] if len(runs) > 1 else []) + [_e(str(step)), _e(msg)]
+            for r in runs for step, msg in r.run_warnings]
+    if not rows:
+        return "\n".join(parts + ["<p>None.</p>"])
+    head = (["run"] if len(runs) > 1 else []) + ["step", "warning"]
+    parts.append(f"<p>{len(rows)} warning{'s' if len(rows) != 1 else ''} (from metrics.jsonl), each naming a fix.</p>")
+    parts.append(_table(head, rows, "warnings"))
+    return "\n".join(parts)
+
+
+def _plots_section(pngs: list, notes: list[str]) -> str:
+    parts = ['<h2>Plots</h2><p>Each figure: against training steps (left) and against sampled tokens, what the '
+             'run paid (right).</p><div class="plots">']
+    if not pngs:
+        parts.append("<p>No plots.</p>")
+    for p in pngs:
+        p = Path(p)
+        data = base64.b64encode(p.read_bytes()).decode("ascii")
+        parts.append(f'<img alt="{_e(p.stem)}" src="data:image/png;base64,{data}">')
+    parts.append("</div>")
+    if notes:
+        parts.append('<p>Not plotted:</p><ul class="notes">' + "".join(f"<li>{_e(n)}</li>" for n in notes) + "</ul>")
+    return "\n".join(parts)
+
+
+def step0_goal(records: RunRecords):
+    """The held-out goal of a step-0 evaluation (before any update), or None."""
+    return next((r.get("eval/goal") for r in records.eval if r.get("step") == 0 and _num(r.get("eval/goal"))), None)
+
+
 def render_html(records: RunRecords, pngs: list) -> str:
     """One self-contained page: every PNG inline as a data: URI, every string from the run escaped."""
     title = f"rlvr report: {records.run_dir.name or records.run_dir}"
@@ -393,25 +599,67 @@ def render_html(records: RunRecords, pngs: list) -> str:
         facts.append(("sampled tokens so far", last["train/sampled_tokens"]))
     if records.summary and _num(records.summary.get("wall_seconds")):
         facts.append(("wall seconds", records.summary["wall_seconds"]))
+    if step0_goal(records) is not None:
+        facts.append(("held-out goal at step 0 (before training)", step0_goal(records)))
+    facts.append(("warnings the run printed", len(records.run_warnings)))
     facts.append(("checkpoint", "present" if (records.run_dir / "checkpoint").is_dir() else "absent"))
     facts.append(("generated", time.strftime("%Y-%m-%d %H:%M:%S")))
     parts = [f"<h1>{_e(title)}</h1>", _table(None, [[_e(k), _e(v)] for k, v in facts])]
     if records.warnings:
         parts.append('<ul class="warn">' + "".join(f"<li>{_e(w)}</li>" for w in records.warnings) + "</ul>")
-    parts.append('<h2>Plots</h2><div class="plots">')
-    if not pngs:
-        parts.append("<p>No plots.</p>")
-    for p in pngs:
-        p = Path(p)
-        data = base64.b64encode(p.read_bytes()).decode("ascii")
-        parts.append(f'<img alt="{_e(p.stem)}" src="data:image/png;base64,{data}">')
-    parts.append("</div>")
+    parts.append(_plots_section(pngs, plan_plots([records])[1]))
+    parts.append(_run_warnings_section([records]))
     parts.append(_eval_section(records))
     parts.append(_cost_section(records))
     parts.append(_rollout_section(records))
     parts.append("<h2>Config</h2>")
     parts.append(f"<pre>{_e(records.config_text)}</pre>" if records.config_text is not None
                  else "<p>No config.toml.</p>")
+    body = "\n".join(parts)
+    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{_e(title)}</title>'
+            f"<style>{CSS}</style></head>\n<body>\n{body}\n</body></html>\n")
+
+
+def _final_goal(r: RunRecords):
+    if r.summary is not None and _num(r.summary.get("eval/goal")):
+        return r.summary["eval/goal"]
+    return r.eval[-1].get("eval/goal") if r.eval else None
+
+
+def config_differences(runs: list[RunRecords]) -> list[tuple[str, list]]:
+    """(section.key, [value in each run]) for every config key whose value differs between runs."""
+    flat = []
+    for r in runs:
+        cfg = r.config
+        flat.append({f"{sec}.{k}": v for sec, tab in cfg.items() if isinstance(tab, dict) for k, v in tab.items()})
+    keys = list(dict.fromkeys(k for f in flat for k in f))
+    return [(k, [f.get(k) for f in flat]) for k in keys if len({json.dumps(f.get(k), sort_keys=True) for f in flat}) > 1]
+
+
+def render_compare_html(runs: list[RunRecords], pngs: list) -> str:
+    """One self-contained page comparing several runs: a row of figures per run, the config keys
+    that differ, the overlaid plots, and every run's warnings."""
+    title = "rlvr report: " + " vs ".join(r.name for r in runs)
+    head = ["run", "status", "last step", "sampled tokens", "held-out goal at step 0", "final held-out goal",
+            "wall seconds", "warnings"]
+    rows = []
+    for r in runs:
+        last = r.train[-1] if r.train else {}
+        rows.append([_e(str(r.run_dir)), _e("finished" if r.finished else "not finished"), _e(str(r.last_step)),
+                     _e(last.get("train/sampled_tokens", "")), _e(step0_goal(r)) if step0_goal(r) is not None else "",
+                     _e(_final_goal(r)) if _final_goal(r) is not None else "",
+                     _e((r.summary or {}).get("wall_seconds", "")), _e(len(r.run_warnings))])
+    parts = [f"<h1>{_e(title)}</h1>", _table(head, rows, "num")]
+    for r in runs:
+        if r.warnings:
+            parts.append('<ul class="warn">' + "".join(f"<li>{_e(r.name)}: {_e(w)}</li>" for w in r.warnings) + "</ul>")
+    diffs = config_differences(runs)
+    parts.append("<h2>Config keys that differ</h2>")
+    parts.append(_table(["key", *(r.name for r in runs)], [[_e(k), *(_e(json.dumps(v)) for v in vals)]
+                                                             for k, vals in diffs])
+                 if diffs else "<p>None: the runs share one config.</p>")
+    parts.append(_plots_section(pngs, plan_plots(runs)[1]))
+    parts.append(_run_warnings_section(runs))
     body = "\n".join(parts)
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{_e(title)}</title>'
             f"<style>{CSS}</style></head>\n<body>\n{body}\n</body></html>\n")
@@ -433,16 +681,25 @@ def _check_out_dir(out: Path) -> None:
         _check_writable(out / name)
 
 
+def default_out(run_dirs: list) -> Path:
+    """RUN_DIR/report for one run; beside the first run, compare-A-vs-B..., for several."""
+    if len(run_dirs) == 1:
+        return Path(run_dirs[0]) / "report"
+    first = Path(run_dirs[0])
+    return first.parent / ("compare-" + "-vs-".join(Path(d).name or "run" for d in run_dirs))[:120]
+
+
 def command(args) -> int:
     """`rlvr report`: validate everything, then write the PNGs and report.html; print their paths."""
+    run_dirs = args.run_dir if isinstance(args.run_dir, list) else [args.run_dir]
     try:
-        records = load_run_records(args.run_dir)
-        out = Path(args.out) if getattr(args, "out", None) else Path(args.run_dir) / "report"
+        runs = [load_run_records(d) for d in run_dirs]
+        out = Path(args.out) if getattr(args, "out", None) else default_out(run_dirs)
         _check_out_dir(out)
         _import_matplotlib()  # before anything is created
         out.mkdir(parents=True, exist_ok=True)
-        pngs = plot(records, out)
-        page = render_html(records, pngs)
+        pngs = plot(runs, out)
+        page = render_html(runs[0], pngs) if len(runs) == 1 else render_compare_html(runs, pngs)
         html_path = out / HTML_NAME
         tmp = out / f".{HTML_NAME}.tmp"
         tmp.write_text(page, encoding="utf-8")
@@ -450,8 +707,9 @@ def command(args) -> int:
     except ReportError as e:
         print(f"rlvr: error: {e}", file=sys.stderr)
         return 2
-    for w in records.warnings:
-        print(f"rlvr: warning: {w}", file=sys.stderr)
+    for r in runs:
+        for w in r.warnings:
+            print(f"rlvr: warning: {w}", file=sys.stderr)
     for p in [*pngs, html_path]:
         print(p)
     return 0

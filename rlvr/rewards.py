@@ -29,10 +29,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Sequence, Union
+from typing import Any, Callable, Mapping, NamedTuple, Sequence, Union
 
-if TYPE_CHECKING:  # only for the annotation; rlvr.tasks imports this module
-    from rlvr.tasks import Example
+from rlvr.example import Example
 
 RewardFn = Callable[[str, str, Any], float]
 """``fn(prompt, response, answer) -> float``: deterministic, and total on any string."""

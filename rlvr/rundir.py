@@ -58,6 +58,7 @@ class RunDir:
         self.log = log
         self._metrics = None
         self._rollouts = None
+        self._tracker = None
 
     # ------------------------------------------------------------------ before the run
     def check_resumable(self, cfg: config_mod.Config) -> None:
@@ -86,8 +87,12 @@ class RunDir:
         (self.path / "config.toml").write_text(config_mod.to_toml(cfg))
         (self.path / "price.json").write_text(json.dumps(price.to_dict(), indent=2))
 
-    def open_logs(self, *, resume_after: int | None) -> None:
-        """Open metrics.jsonl and rollouts.jsonl; on resume, drop rows written after the saved step."""
+    def open_logs(self, cfg: config_mod.Config, *, resume_after: int | None) -> None:
+        """Open metrics.jsonl, rollouts.jsonl and the trackers the config asks for (rlvr.tracking);
+        on resume, drop rows written after the saved step."""
+        from rlvr import tracking
+
+        self._tracker = tracking.open_trackers(cfg.log, self.path, config_mod.to_dict(cfg))
         mode = "w"
         if resume_after is not None:
             for name in ("metrics.jsonl", "rollouts.jsonl"):
@@ -100,6 +105,8 @@ class RunDir:
     def metrics(self, row: dict) -> None:
         self._metrics.write(json.dumps(row) + "\n")
         self._metrics.flush()
+        if self._tracker is not None and "step" in row:
+            self._tracker.log(row["step"], row)
 
     def warn(self, step: int, msg: str) -> None:
         self.log(f"warning: step {step}: {msg}")
@@ -136,6 +143,6 @@ class RunDir:
         (self.path / "summary.json").write_text(json.dumps(summary, indent=2))
 
     def close(self) -> None:
-        for f in (self._metrics, self._rollouts):
+        for f in (self._metrics, self._rollouts, self._tracker):
             if f is not None:
                 f.close()

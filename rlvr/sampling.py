@@ -11,8 +11,9 @@ How the sampling distribution enters ``logp`` (the same helper serves sampler an
 
 ``Rollout.logp`` stores that value for each sampled token, so when the weights are unchanged (the
 first minibatch pass) ``sequence_token_logprobs`` recomputes it to float rounding and the PPO ratio
-starts at exactly 1 (the TRL/vLLM mismatch of USERS.md item 6 cannot happen here). On later passes
-the nucleus is recomputed from the *current* logits: the trainer's logp is the log-prob under the
+starts at exactly 1 (a sampler and a trainer that compute different log-probs for the same token,
+a known source of spurious ratios when generation runs in a separate engine, cannot disagree here).
+On later passes the nucleus is recomputed from the *current* logits: the trainer's logp is the log-prob under the
 current policy's nucleus. A sampled token that has dropped out of the current nucleus has true
 log-prob -inf; it is reported as ``OUTSIDE_NUCLEUS_LOGP`` (-30, finite, no gradient) so the ratio is
 ~0, the clipped objective gives it no gradient, and differences such as ``logp - logp_ref`` stay
@@ -325,7 +326,7 @@ def sequence_token_logprobs(model, rollout: Rollout | tuple, *, temperature: flo
     response tokens. ``temperature`` / ``top_p`` default to the rollout's own (required with a
     tuple); ``temperature == 0`` scores under the temperature-1 softmax as ``generate`` does. The
     result is 0 where the response mask (``attention_mask[:, Lp:]``) is 0. ``chunk_rows`` bounds
-    the rows whose (rows, T, V) log-softmax is materialized at once (USERS.md item 4).
+    the rows whose (rows, T, V) log-softmax is materialized at once (large vocabularies).
 
     ``group_size=G`` (rows grouped by prompt: row b = prompt b // G, the G rows of a group carry
     the same prompt) on a model whose KV cache is differentiable (``model.differentiable_cache``,

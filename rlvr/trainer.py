@@ -38,7 +38,8 @@ from pathlib import Path
 import torch
 
 from rlvr import advantages, config as config_mod, costs
-from rlvr.diagnostics import Watch, length_by_outcome, pass_rate_histogram
+from rlvr.diagnostics import (Watch, agreement_breakdown, length_by_outcome, pass_rate_histogram,
+                              response_concentration)
 from rlvr.evaluate import evaluate
 from rlvr.learn import Learner, learn, make_optimizer, make_scheduler
 from rlvr.policy import Policy
@@ -73,6 +74,8 @@ class RunState:
     watch: Watch = field(default_factory=Watch)
     last_eval: dict = field(default_factory=dict)
     price: costs.Price | None = None
+    eval0: dict = field(default_factory=dict)
+    """The step-0 evaluation (eval.at_start), for the summary."""
     pool: RewardPool | None = None
     """Supervised reward workers (task.reward_workers); None scores in this process."""
     value: LearnedBaseline | None = None
@@ -101,7 +104,8 @@ def new_state(setup: Setup) -> RunState:
     if ac.kl_coef > 0 and not model.has_adapter:
         reference = copy.deepcopy(model).requires_grad_(False).eval()
     opt = make_optimizer(model.trainable_params(), tc)
-    learner = Learner(model, opt, make_scheduler(opt, tc), cfg, learn_gen, setup.limits.max_new_tokens)
+    flops = costs.model_flops_per_token(model, setup.limits.prompt_tokens, setup.limits.max_new_tokens)
+    learner = Learner(model, opt, make_scheduler(opt, tc), cfg, learn_gen, setup.limits.max_new_tokens, flops)
     value = (LearnedBaseline(setup.tokenizer.vocab_size, lr=ac.value_lr, seed=tc.seed, device=setup.device)
              if ac.scheme == "learned" else None)
     return RunState(setup, learner, reference, prompt_rng, sample_gen, value=value)
@@ -147,6 +151,8 @@ def step_row(step: int, batch: Batch, stats: dict, state: RunState, t0: float) -
         "train/groups": len(groups.examples),
         "train/sampling_rounds": len(batch.parts),
         "train/pass_rate_hist": pass_rate_histogram(groups.hits),
+        **agreement_breakdown(batch.parts[0].rewards, batch.parts[0].hits),
+        **response_concentration(groups.responses),
         "train/response_len": float(lengths.float().mean()),
         **{f"train/response_len_{k}": v for k, v in
            length_by_outcome(lengths, groups.hits.view(-1), batch.rollout.truncated.cpu()).items()},
@@ -204,13 +210,22 @@ def run_eval(run_dir: RunDir, state: RunState, step: int) -> dict:
     return row
 
 
-def progress(state: RunState, row: dict, elapsed: float) -> str:
+def progress(state: RunState, row: dict, elapsed: float, steps_done: int) -> str:
+    """The progress line: bar, step, the figures that show learning, seconds per step and an ETA
+    (steps left at this session's mean step time; evaluations included)."""
     step, steps = row["step"], state.setup.cfg.train.steps
     ev = f" | eval/goal {state.last_eval['eval/goal']:.3f}" if state.last_eval else ""
     done = int(20 * step / steps)
+    per_step = elapsed / max(1, steps_done)
     return (f"[{'#' * done}{'.' * (20 - done)}] step {step:>5}/{steps} | reward {row['train/reward']:.3f} "
             f"| goal {row['train/goal']:.3f} | nonzero Δ {row['train/nonzero_delta_frac']:.2f} "
-            f"| agree {row['train/agreeing_groups_frac']:.2f} | H {row['train/entropy']:.2f}{ev} | {elapsed:.1f}s")
+            f"| agree {row['train/agreeing_groups_frac']:.2f} | H {row['train/entropy']:.2f}{ev} | {elapsed:.1f}s "
+            f"| {per_step:.2f} s/step | ETA {_duration(per_step * (steps - step))}")
+
+
+def _duration(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
 def start(cfg: config_mod.Config, run_dir: RunDir, *, overwrite: bool, resume: bool, log) -> RunState:
@@ -231,7 +246,7 @@ def start(cfg: config_mod.Config, run_dir: RunDir, *, overwrite: bool, resume: b
     if resume:
         restore(state, run_dir)
         log(f"resumed {run_dir.path} after step {state.step}")
-    run_dir.open_logs(resume_after=state.step if resume else None)
+    run_dir.open_logs(cfg, resume_after=state.step if resume else None)
     return state
 
 
@@ -255,7 +270,13 @@ def loop(run_dir: RunDir, state: RunState, log) -> dict:
     cfg = state.setup.cfg
     tc, ec = cfg.train, cfg.eval
     t_start = time.perf_counter()
-    for step in range(state.step + 1, tc.steps + 1):
+    if state.step == 0 and ec.at_start:  # where the run starts, before any update
+        row = run_eval(run_dir, state, 0)
+        log(f"step 0 eval: goal {row['eval/goal']:.3f} reward {row['eval/reward']:.3f} "
+            f"on {row['eval/prompts']} held-out prompts")
+        state.eval0 = row
+    first = state.step + 1
+    for step in range(first, tc.steps + 1):
         t0 = time.perf_counter()
         batch = rollout(state.setup, state.policy, state.reference, state.draw,      # 1.-5.
                         version=state.version, generator=state.sample_gen, pool=state.pool, value=state.value)
@@ -276,7 +297,7 @@ def loop(run_dir: RunDir, state: RunState, log) -> dict:
                                  or (not tc.save_every and ec.every and step % ec.every == 0)):
             save(state, run_dir, state.wall_before + time.perf_counter() - t_start)
         if step % max(1, cfg.log.print_every) == 0 or step == 1:
-            log(progress(state, row, time.perf_counter() - t_start))
+            log(progress(state, row, time.perf_counter() - t_start, step - first + 1))
     return finish(run_dir, state, state.wall_before + time.perf_counter() - t_start, log)
 
 
@@ -292,6 +313,7 @@ def finish(run_dir: RunDir, state: RunState, wall: float, log) -> dict:
         "eval/goal": last["eval/goal"],
         "eval/reward": last["eval/reward"],
         **{k: v for k, v in last.items() if k.startswith("eval/") and k not in ("eval/goal", "eval/reward")},
+        **{f"eval0/{k[5:]}": v for k, v in state.eval0.items() if k.startswith("eval/")},
         "steps": steps,
         "sampled_tokens": cost["sampled_tokens"],
         "wall_seconds": wall,

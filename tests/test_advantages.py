@@ -127,7 +127,7 @@ def test_diagnostics():
     assert nonzero_fraction(raw) == pytest.approx(7 / 9)
     assert nonzero_fraction(compute(rewards, "centered")) == pytest.approx(3 / 9)
     assert nonzero_fraction(torch.zeros(0, 3)) == 0.0
-    # seed 000's builder test: 0/1 reward, centering turns wrong answers into usable pushes
+    # the group probe: 0/1 reward, centering turns wrong answers into usable pushes
     r = torch.tensor([[0.0, 0.0, 1.0, 0.0]])
     assert nonzero_fraction(compute(r, "raw")) == 0.25
     assert nonzero_fraction(compute(r, "centered")) == 1.0
@@ -244,7 +244,7 @@ def test_properties(P, G, seed):
 
 
 def test_centered_and_loo_expected_gradient_by_enumeration():
-    """Seed 001: over all G-sample draws, E[Δ_i ∇logπ(a_i)] is (G-1)/G × the true gradient for the
+    """Four-answer policy (docs/background.md): over all G-sample draws, E[Δ_i ∇logπ(a_i)] is (G-1)/G × the true gradient for the
     inclusive mean and exactly the true gradient for leave-one-out."""
     import itertools
 

@@ -63,7 +63,7 @@ ROWS = [
      ["train.lr", "{tmp}/c.toml:2", "expected a number"]),
     ("string_for_bool", {"c.toml": "[eval]\nkeep_best = \"yes\"\n"}, train_file(), 2,
      ["eval.keep_best", "{tmp}/c.toml:2", "true or false"]),
-    ("bad_choice", {"c.toml": "[algorithm]\nscheme = \"grpo\"\n"}, train_file(), 2,
+    ("bad_choice", {"c.toml": "[algorithm]\nscheme = \"gpro\"\n"}, train_file(), 2,
      ["algorithm.scheme", "{tmp}/c.toml:2", "must be one of"]),
     ("infinite_lr", {"c.toml": "[train]\nlr = inf\n"}, train_file(), 2, ["train.lr", "{tmp}/c.toml:2", "finite"]),
     ("list_for_table", {"c.toml": "[task]\noptions = [1, 2]\n"}, train_file(), 2,

@@ -179,9 +179,56 @@ def test_bad_task_options_name_the_call(tmp_path):
     assert_refused(rc, err, out, "bogus")
 
 
+REVERSE_TASK = '''
+from rlvr.rewards import Reward, RewardCard
+from rlvr.tasks import Example, Task
+
+
+def reverse(n=3, count=40):
+    words = [format(i, "03d")[:n] for i in range(count)]
+    ex = [Example(prompt=w + "=", answer=w[::-1]) for w in words]
+    card = RewardCard(pays_for="the reversed string", ignores="nothing", exploit="none known")
+    exact = Reward("exact", lambda p, r, a: float(r == a), card)
+    return Task(name="reverse", train=ex[:30], heldout=ex[30:], rewards={"exact": exact},
+                goal=lambda p, r, a: r == a, max_new_tokens=n, alphabet="0123456789=")
+'''
+
+
+def test_changed_task_path_refuses_the_old_options_and_lists_the_new_ones(tmp_path):
+    """examples/sort.toml sets options {n, low, high, heldout}; reverse() takes n and count."""
+    task = tmp_path / "rev.py"
+    task.write_text(REVERSE_TASK)
+    out = tmp_path / "run"
+    rc, _, err = cli("train", EXAMPLE, f"--task.path={task}:reverse", "--task.reward=exact", "--out", out)
+    assert_refused(rc, err, out, "'low', 'high', 'heldout'", "not taken by reverse()", "it takes: n, count",
+                   "--task.options=")
+    # replacing the table, or merging one option into an empty one, is accepted
+    rc, out_text, err = cli("price", EXAMPLE, f"--task.path={task}:reverse", "--task.reward=exact",
+                            "--task.options={}", "--task.options.n=2")
+    assert rc == 0, err
+    assert "T<=2" in out_text
+
+
+def test_one_option_from_the_command_line_merges_into_the_file(tmp_path):
+    rc, out, err = cli("price", EXAMPLE, "--task.options.n=6", "--json")
+    assert rc == 0, err
+    assert json.loads(out)["max_new_tokens"] == 6  # n=6 digits; low/high/heldout still from the file
+
+
+def test_help_lists_every_command_and_says_what_rlvr_does():
+    rc, out, _ = cli("--help")
+    assert rc == 0
+    body = out.split("\n\n", 1)[1]  # after the usage line
+    assert body.startswith("rlvr fine-tunes a language model with policy-gradient reinforcement learning")
+    for command in ("train", "eval", "price", "probe", "audit", "report", "lab"):
+        assert f"rlvr {command} " in out, command
+    assert "--resume" in out and "docs/background.md" in out
+
+
 @pytest.mark.parametrize("override,needles", [
-    ("--train.stepz=3", ["train.stepz", "command line", "samples_per_prompt"]),
-    ("--trian.steps=3", ["[trian]", "known"]),
+    ("--train.stepz=3", ["train.stepz", "command line", "did you mean 'steps'?", "samples_per_prompt"]),
+    ("--trian.steps=3", ["[trian]", "did you mean 'train'?", "known"]),
+    ("--train.samples_per_prompt=0", ["train.samples_per_prompt: must be >= 1, got 0 (command line)"]),
     ("--train.steps=three", ["train.steps", "expected an integer"]),
     ("--train.lr=fast", ["train.lr", "expected a number"]),
     ("--algorithm.scheme=best", ["algorithm.scheme", "'normalized'"]),
@@ -287,12 +334,12 @@ def test_eval_names_a_missing_checkpoint(tmp_path):
 # --------------------------------------------------------------------------- lab and help
 
 
-def test_lab_prints_the_seed_figures():
+def test_lab_prints_the_worked_figures():
     rc, out, err = cli("lab")
     assert rc == 0, err
     assert "gradient (0.16, -0.06, -0.08, -0.02)" in out
     assert "bandit final probs [0.003, 0.003, 0.994]" in out
-    assert "seed 001" in out and "seed 002" in out
+    assert "four-answer policy" in out and "bandit:" in out  # each figure says what produced it
 
 
 def test_lab_bandit_prints_a_line_per_learning_rate():

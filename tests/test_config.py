@@ -40,8 +40,10 @@ def test_unknown_section(tmp_path):
 @pytest.mark.parametrize("text,match", [
     ("[train]\nsteps = \"ten\"\n", r"train\.steps.*c\.toml:2.*integer"),
     ("[train]\nsteps = 1.5\n", r"train\.steps.*integer"),
-    ("[algorithm]\nscheme = \"grpo\"\n", r"algorithm\.scheme.*must be one of"),
-    ("[train]\nsteps = 0\n", r"train\.steps: must be >= 1"),
+    ("[algorithm]\nscheme = \"ppo\"\n", r"algorithm\.scheme.*c\.toml:2.*must be one of"),
+    ("[train]\nsteps = 0\n", r"train\.steps: must be >= 1, got 0 \(.*c\.toml:2\)"),
+    ("[train]\nseed = 1\n\nlr = -1.0\n", r"train\.lr: must be > 0, got -1\.0 \(.*c\.toml:4\)"),
+    ("[sampling]\n# nucleus\ntop_p = 1.5\n", r"sampling\.top_p: must be in \(0, 1\], got 1\.5 \(.*c\.toml:3\)"),
     ("[sampling]\ntop_p = 1.5\n", r"sampling\.top_p"),
     ("[sampling]\ntemperature = 0.0\n", r"sampling\.temperature"),
     ("[algorithm]\nscheme = \"loo\"\n[train]\nsamples_per_prompt = 1\n", r"loo"),
@@ -100,3 +102,66 @@ def test_learned_scheme_works_with_one_sample_per_prompt():
     cfg = config.load(None, ["--algorithm.scheme=learned", "--train.samples_per_prompt=1", "--algorithm.value_lr=0.01"])
     assert cfg.algorithm.scheme == "learned" and cfg.algorithm.value_lr == 0.01
     assert "'learned'" in config.help_text()
+
+
+def test_range_error_from_the_command_line_says_so(tmp_path):
+    p = write(tmp_path, "[train]\nsteps = 5\n")
+    with pytest.raises(ConfigError, match=r"train\.steps: must be >= 1, got 0 \(command line\)"):
+        config.load(p, ["--train.steps=0"])
+    cfg = config.Config()
+    cfg.train.steps = 0
+    with pytest.raises(ConfigError, match=r"in .*c\.toml or the command line"):  # validate() without origins
+        config.validate(cfg, source=str(p))
+
+
+def test_one_option_is_set_and_the_others_kept(tmp_path):
+    p = write(tmp_path, "[task]\noptions = { n = 5, low = 0, high = 9 }\n")
+    cfg = config.load(p, ["--task.options.n=6"])
+    assert cfg.task.options == {"n": 6, "low": 0, "high": 9}
+    # TOML values keep their type; a bare word is a string; dotted names reach nested tables
+    cfg = config.load(p, ["--task.options.high=9.5", "--task.options.name=leg_counting",
+                          "--task.options.name2=\"6\"", "--task.options.extra.depth=2"])
+    assert cfg.task.options == {"n": 5, "low": 0, "high": 9.5, "name": "leg_counting", "name2": "6",
+                                "extra": {"depth": 2}}
+    # the whole table is still replaced by the table form, and later overrides merge into it
+    assert config.load(p, ["--task.options={n = 3}", "--task.options.low=1"]).task.options == {"n": 3, "low": 1}
+    # other table fields merge the same way; the result is validated like any value
+    assert config.load(p, ["--task.reward_weights.exact=2"]).task.reward_weights == {"exact": 2}
+    with pytest.raises(ConfigError, match=r"task\.reward_weights\.exact: must be a finite number.*command line"):
+        config.load(p, ["--task.reward_weights.exact=lots"])
+
+
+def test_entry_of_a_field_that_is_not_a_table_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"train\.steps\.x \(command line\): train\.steps is not a table"):
+        config.load(None, ["--train.steps.x=1"])
+    with pytest.raises(ConfigError, match=r"task\.options\.n = 5 is not a table"):
+        config.load(None, ["--task.options.n=5", "--task.options.n.deep=1"])
+    with pytest.raises(ConfigError, match="empty name"):
+        config.load(None, ["--task.options..n=1"])
+
+
+@pytest.mark.parametrize("alias,canonical", [("grpo", "normalized"), ("rloo", "loo")])
+def test_scheme_aliases_are_stored_under_the_canonical_name(tmp_path, alias, canonical):
+    p = write(tmp_path, f"[algorithm]\nscheme = \"{alias}\"\n")
+    assert config.load(p).algorithm.scheme == canonical
+    assert config.load(None, [f"--algorithm.scheme={alias}"]).algorithm.scheme == canonical
+    assert f'scheme = "{canonical}"' in config.to_toml(config.load(p))
+    assert alias in config.field_docs(config.AlgorithmConfig)["scheme"]
+
+
+@pytest.mark.parametrize("override,match", [
+    ("--train.stepz=3", r"unknown key train\.stepz \(command line\); did you mean 'steps'\? \[train\] has: steps"),
+    ("--trian.steps=3", r"unknown section \[trian\] \(command line\); did you mean 'train'\? known: model"),
+    ("--algorithm.scheme=normalised", r"must be one of .*; did you mean 'normalized'\?"),
+    ("--algorithm.scheme=grp", r"did you mean 'grpo'\?"),
+    ("--train.qqq=3", r"unknown key train\.qqq \(command line\); \[train\] has:"),  # nothing close: no guess
+])
+def test_did_you_mean(override, match):
+    with pytest.raises(ConfigError, match=match):
+        config.load(None, [override])
+
+
+def test_did_you_mean_in_a_file_names_the_line(tmp_path):
+    p = write(tmp_path, "[sampling]\ntemprature = 0.7\n")
+    with pytest.raises(ConfigError, match=r"sampling\.temprature \(.*c\.toml:2\); did you mean 'temperature'\?"):
+        config.load(p)

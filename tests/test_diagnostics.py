@@ -2,7 +2,8 @@
 
 import torch
 
-from rlvr.diagnostics import PASS_RATE_BINS, Watch, length_by_outcome, pass_rate_histogram
+from rlvr.diagnostics import (PASS_RATE_BINS, Watch, agreement_breakdown, length_by_outcome, pass_rate_histogram,
+                               response_concentration)
 
 
 def test_pass_rate_histogram_by_hand():
@@ -88,3 +89,141 @@ def test_no_entropy_warning_once_the_goal_is_reached():
     for s in range(3, 5):
         w.after_step(s, row(entropy=0.02))
     assert w.after_eval(4, goal=0.994) == []
+
+
+# --- entropy collapse spread over many evaluations (2-digit addition from scratch) -------------
+
+
+def addition_like(steps=300, every=25, h0=2.67, h_end=0.08, goal=0.006):
+    """Entropy decaying geometrically from h0 to h_end over `steps` with a flat held-out goal:
+    the shape of a from-scratch 2-digit addition run that collapsed onto a constant answer."""
+    rate = (h_end / h0) ** (1 / (steps - 1))
+    rows, evals = [], {}
+    for s in range(1, steps + 1):
+        rows.append({"step": s, "train/agreeing_groups_frac": 0.5, "train/reward": 0.0, "train/goal": 0.0,
+                     "train/entropy": h0 * rate ** (s - 1)})
+        if s % every == 0:
+            evals[s] = goal
+    return rows, evals
+
+
+def replay(w, rows, evals, step0_goal=None):
+    out = []
+    if step0_goal is not None:
+        out += [(0, m) for m in w.after_eval(0, step0_goal)]
+    for r in rows:
+        out += [(r["step"], m) for m in w.after_step(r["step"], r)]
+        if r["step"] in evals:
+            out += [(r["step"], m) for m in w.after_eval(r["step"], evals[r["step"]])]
+    return out
+
+
+def test_gradual_collapse_is_caught_against_the_start_of_the_run():
+    rows, evals = addition_like()
+    # why the old rule (previous evaluation only) never fired: between two evaluations 25 steps
+    # apart the window-mean entropy never falls by half
+    means = {s: sum(r["train/entropy"] for r in rows[s - 10:s]) / 10 for s in evals}
+    steps = sorted(means)
+    assert all(means[b] > 0.5 * means[a] for a, b in zip(steps, steps[1:]))
+    msgs = [(s, m) for s, m in replay(Watch(), rows, evals) if "entropy" in m]
+    assert msgs, "the collapse must be reported"
+    step, msg = msgs[0]
+    # per step the entropy is multiplied by (0.08/2.67)^(1/299) = 0.98834, so between evaluations by
+    # 0.98834^25 = 0.746 (never by half); the mean of steps 1-10 is 2.534 and the mean of steps 66-75
+    # is 2.534 * 0.98834^65 = 1.182 < 2.534 / 2: the first evaluation that sees it is step 75
+    assert step == 75
+    assert "from 2.534 (steps 1-10) to 1.182 (step 75)" in msg and "held-out goal stayed at 0.006" in msg
+    assert "training goal 0.000 at steps 1-10" in msg and "train.lr" in msg and "kl_coef" in msg
+
+
+def test_collapse_finished_before_the_first_evaluation_is_caught():
+    rows, _ = addition_like(steps=60, h_end=0.08)
+    rows += [{**rows[-1], "step": s} for s in range(61, 101)]  # flat at the bottom from step 60
+    msgs = [m for _, m in replay(Watch(), rows, {100: 0.0}) if "entropy" in m]
+    assert len(msgs) == 1 and "(step 100)" in msgs[0]
+
+
+def test_a_step_0_evaluation_is_the_start_goal():
+    rows, evals = addition_like()
+    msgs = [m for _, m in replay(Watch(), rows, evals, step0_goal=0.004) if "entropy" in m]
+    assert "held-out goal 0.004 at steps 1-10" in msgs[0]
+    # the goal rose well beyond flat_goal since the start: a policy that learns while it sharpens
+    rows, evals = addition_like()
+    evals = {s: 0.3 + s / 1000 for s in evals}
+    assert [m for _, m in replay(Watch(), rows, evals, step0_goal=0.0) if "entropy" in m] == []
+
+
+def test_sort_like_run_whose_goal_rises_gives_no_collapse_warning():
+    """README's sort run: H 2.61 -> 0.96 by step 100 while eval/goal rises 0 -> 0.067 -> 0.56 -> 0.99."""
+    rows, _ = addition_like(steps=500, h0=2.61, h_end=0.05)
+    for r in rows:
+        r["train/goal"] = min(1.0, r["step"] / 500)
+    evals = {100: 0.067, 200: 0.3, 300: 0.564, 400: 0.9, 500: 0.991}
+    assert [m for _, m in replay(Watch(), rows, evals) if "entropy" in m] == []
+
+
+# --- where the agreeing groups agree ------------------------------------------------------------
+
+
+def test_agreement_breakdown_by_hand():
+    rewards = torch.tensor([[0, 0, 0], [1, 1, 1], [0.05, 0.05, 0.05], [1, 0, 0], [0.5, 0.5, 0.5], [1, 1, 1]])
+    hits = torch.tensor([[0, 0, 0], [1, 1, 1], [0, 0, 0], [1, 0, 0], [0, 0, 0], [1, 1, 0]])
+    out = agreement_breakdown(rewards, hits)
+    # zero: row 0; solved: row 1; partial: rows 2, 4 and 5 (reward 1 but one response misses the goal)
+    assert out["train/agree_zero_frac"] == 1 / 6 and out["train/agree_solved_frac"] == 1 / 6
+    assert out["train/agree_partial_frac"] == 3 / 6
+    assert abs(out["train/agree_partial_reward"] - (0.05 + 0.5 + 1) / 3) < 1e-7  # 0.05 is a float32 reward
+    none = agreement_breakdown(torch.tensor([[0.0, 1.0]]), torch.tensor([[0, 1]]))
+    assert none == {"train/agree_zero_frac": 0.0, "train/agree_solved_frac": 0.0, "train/agree_partial_frac": 0.0}
+
+
+def test_response_concentration():
+    assert response_concentration(["111", "111", "12", "111"]) == {"train/top_response": "111",
+                                                                   "train/top_response_frac": 0.75}
+    assert response_concentration([]) == {}
+
+
+def agreeing_row(zero=0.0, solved=0.0, partial=0.0, partial_reward=None, **extra):
+    r = {**row(zero + solved + partial, reward=0.0 if zero == 1 else 0.3), "train/agree_zero_frac": zero,
+         "train/agree_solved_frac": solved, "train/agree_partial_frac": partial, **extra}
+    if partial_reward is not None:
+        r["train/agree_partial_reward"] = partial_reward
+    return r
+
+
+def first_warning(w, r, n=2):
+    msgs = []
+    for s in range(1, n + 1):
+        msgs += w.after_step(s, r)
+    return msgs
+
+
+def test_groups_agreeing_at_zero_full_and_partial_reward_get_different_warnings():
+    zero = first_warning(Watch(window=2), agreeing_row(zero=0.9))
+    assert len(zero) == 1 and "at reward 0 (every sample failed)" in zero[0]
+    assert "samples_per_prompt" in zero[0] and "dynamic_sampling" in zero[0]
+    solved = first_warning(Watch(window=2), agreeing_row(solved=0.85, zero=0.05))
+    assert "fully solved" in solved[0] and "too easy" in solved[0] and "samples_per_prompt" not in solved[0]
+    partial = first_warning(Watch(window=2), agreeing_row(partial=0.9, partial_reward=0.05))
+    assert "same partial reward 0.05 without solving the task" in partial[0]
+    assert "more samples will not help" in partial[0] and "rollouts.jsonl" in partial[0] and "rlvr audit" in partial[0]
+    assert "dynamic_sampling" not in partial[0]
+
+
+def test_constant_answer_points_to_rollouts_and_audit():
+    r = {**row(0.2), "train/goal": 0.0, "train/top_response": "111", "train/top_response_frac": 0.9}
+    msgs = first_warning(Watch(window=2), r)
+    assert len(msgs) == 1 and "'111'" in msgs[0] and "90%" in msgs[0]
+    assert "rollouts.jsonl" in msgs[0] and "rlvr audit" in msgs[0] and "constant answer" in msgs[0]
+    # a policy that solves the task may well give the same (right) answer: no warning then
+    assert first_warning(Watch(window=2), {**r, "train/goal": 0.99}) == []
+    # the collapse warning names the constant answer too
+    rows, evals = addition_like()
+    for x in rows:
+        x.update({"train/top_response": "111", "train/top_response_frac": 0.2 + 0.7 * x["step"] / 300})
+    msg = next(m for _, m in replay(Watch(), rows, evals) if "entropy" in m)
+    assert "its most common response is '111' (36% of samples)" in msg  # step 75: 0.2 + 0.7 * (66..75) / 300
+    for x in rows:
+        x["train/top_response_frac"] = 0.8
+    msg = next(m for _, m in replay(Watch(), rows, evals) if "entropy" in m)
+    assert "it now answers '111' to 80% of its samples (a constant answer" in msg and "rlvr audit" in msg

@@ -1,4 +1,4 @@
-"""Tests for rlvr.lab: seed 001 and 002 figures exactly, plus loops in the test as oracles."""
+"""Tests for rlvr.lab: the four-answer policy and bandit figures exactly, plus loops in the test as oracles."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def assert_close(actual, expected, tol=TOL):
     assert torch.allclose(actual, expected, rtol=0, atol=tol), (actual.tolist(), expected.tolist())
 
 
-# --- seed 001 ----------------------------------------------------------------------------------
+# --- the four-answer policy ----------------------------------------------------------------------------------
 
 
 def test_seed001_expected_reward_and_gradient():
@@ -168,11 +168,11 @@ def test_group_baseline_scheme_recovers_gradient_and_group_of_one():
     assert_close(v1, v2, 1e-12)
 
 
-# --- seed 002: the bandit ------------------------------------------------------------------------
+# --- the three-action bandit ------------------------------------------------------------------------
 
 
 def listing(seed=0, lr=0.5, k=8, steps=200):
-    """Seed 002's listing, verbatim apart from the parameters (the oracle)."""
+    """The bandit listing of docs/background.md, verbatim apart from the parameters (the oracle)."""
     random.seed(seed)
     logits = [0.0, 0.0, 0.0]
 

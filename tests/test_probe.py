@@ -1,4 +1,4 @@
-"""`rlvr probe` (seed 000's Builder Test): the pure counts on hand-built reward matrices, then the
+"""`rlvr probe` (which prompts are worth sampling): the pure counts on hand-built reward matrices, then the
 command end to end on a tiny model, on a trained run's checkpoint, and its errors on bad input."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from rlvr.probe import ALL_EQUAL, ALL_FAILED, ALL_SOLVED, USABLE, probe_counts, 
 EXAMPLE = str(Path(__file__).resolve().parents[1] / "examples" / "sort.toml")
 TINY = ["--model.n_embd=32", "--model.n_layer=1", "--model.n_head=2", "--task.options={n = 3, heldout = 50}"]
 
-# seed 000's Builder Test on a 0/1 reward: one correct, none, all, two of four
+# raw against centered Δ on a 0/1 reward: one correct, none, all, two of four
 BUILDER = [[1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]]
 
 
@@ -117,6 +117,10 @@ def test_probe_end_to_end_text_and_json(capsys):
         assert g["nonzero"]["centered"] == (0 if agrees else sum(r != mean for r in exact))
         assert g["goal_hits"] == sum(resp == g["answer"] for resp in g["responses"])
         assert f"goal {g['goal_hits']}/4" in rows[i]
+        # text mode prints the sampled responses too: the line under the group's row
+        shown = out.splitlines()[out.splitlines().index(rows[i]) + 1]
+        assert shown == ("    answer " + repr(g["answer"]) + "  responses: "
+                         + "  ".join(f"{r!r} {probe._num(v)}" for r, v in zip(g["responses"], g["rewards"])))
     s = res["summary"]
     assert s["usable_groups"] == sum(not g["agrees"] for g in res["groups"])
     assert s["nonzero_frac"]["raw"] == sum(g["nonzero"]["raw"] for g in res["groups"]) / 12
@@ -163,3 +167,16 @@ def test_bad_input_is_a_clear_error(capsys, tmp_path, args, needle):
 def test_checkpoint_dir_that_is_not_a_run(capsys, tmp_path):
     rc, _, err = run(capsys, "probe", EXAMPLE, *TINY, "--checkpoint", tmp_path)
     assert rc == 2 and "is not a finished run" in err
+
+
+def test_long_responses_get_a_line_each_and_are_cut():
+    long = "The answer is 42 because " + "x" * 300
+    lines = probe.response_lines("42", ["42", long], [1.0, 0.25])
+    assert lines[0] == "    answer '42'"
+    assert lines[1] == "         1  '42'"
+    assert lines[2].startswith("      0.25  'The answer is 42 because xxx") and lines[2].endswith("…")
+    assert len(lines[2]) == 12 + probe.RESPONSE_CHARS  # 4 spaces, the reward in 6, 2 spaces, the cut repr
+
+
+def test_scheme_aliases_are_accepted():
+    assert probe.check_schemes(["grpo", "rloo", "normalized"]) == ["raw", "centered", "normalized", "loo"]

@@ -37,7 +37,7 @@ def cli(*argv) -> tuple[int, str, str]:
 
 def train_row(step: int, *, kl_ref: bool = False) -> dict:
     row = {"step": step, "train/reward": 0.1 * step, "train/goal": 0.05 * step, "train/sampled_tokens": 48 * step,
-           "train/nonzero_delta_frac": 0.5, "train/agreeing_groups_frac": 0.25, "train/entropy": 2.0 - 0.1 * step,
+           "train/nonzero_delta_frac": 0.5 + 0.01 * step, "train/agreeing_groups_frac": 0.25, "train/entropy": 2.0 - 0.1 * step,
            "train/approx_kl_old": 1e-3 * step, "train/response_len": 3.0, "train/clip_frac": 0.0}
     if kl_ref:
         row["train/kl_ref"] = 2e-3 * step
@@ -88,7 +88,8 @@ def test_finished_run_writes_pngs_and_self_contained_html(tmp_path):
     written = [Path(p) for p in out.split()]
     assert rep / "report.html" in written
     pngs = [p for p in written if p.suffix == ".png"]
-    assert {p.name for p in pngs} == {"reward.png", "nonzero_delta.png", "kl.png", "entropy.png", "response_len.png"}
+    # response length is 3.0 at every step (a fixed-length task): no response_len.png, a note instead
+    assert {p.name for p in pngs} == {"reward.png", "nonzero_delta.png", "kl.png", "entropy.png"}
     for p in pngs:
         assert p.read_bytes()[:8] == PNG_SIGNATURE
     page = html_of(rep)
@@ -100,6 +101,10 @@ def test_finished_run_writes_pngs_and_self_contained_html(tmp_path):
     assert "<pre>" in page and "sort_task" in page
     assert "final (summary.json)" in page and "run not finished" not in page
     assert "312=" in page                                   # rollouts table
+    assert "mean response length: not plotted: constant at 3 over 4 steps" in page
+    # agreeing groups are flat (0.25) and dropped from their plot, the non-zero Δ fraction is kept
+    nz = report.read_png_series(rep / "nonzero_delta.png")
+    assert [ln["label"] for ln in nz["panels"][0]["lines"]] == ["non-zero Δ fraction"]
     # the run's own files are untouched
     assert sorted(p.name for p in run.iterdir()) == ["checkpoint", "config.toml", "metrics.jsonl", "price.json",
                                                       "report", "rollouts.jsonl", "summary.json"]
@@ -226,8 +231,140 @@ def test_report_on_a_real_tiny_run(tmp_path):
     rec = report.load_run_records(d)
     assert [r["step"] for r in rec.train] == [1, 2] and rec.finished and rec.warnings == []
     page = html_of(d / "report")
-    assert page.count("data:image/png;base64,") >= 4
+    pngs = [Path(p) for p in out.split() if p.endswith(".png")]
+    assert page.count("data:image/png;base64,") == len(pngs) >= 2
+    # one update per batch: KL to π_old is 0 by construction and is not plotted, whatever its float noise
+    assert "approx KL to π_old: not plotted: one update per batch" in page
+    assert not (d / "report" / "kl.png").exists()           # no KL to a reference in this run either
+    # the sort task has a fixed response length: no response-length plot
+    assert not (d / "report" / "response_len.png").exists() and "mean response length: not plotted" in page
     assert "final (summary.json)" in page and "sampled_tokens" in page
     for p in out.split():
         if p.endswith(".png"):
             assert Path(p).read_bytes()[:8] == PNG_SIGNATURE
+
+
+# --------------------------------------------------------------------------- what the PNGs show
+
+
+def lines_of(png: Path, panel: int = 0) -> dict:
+    """{label: (x, y)} of one panel, read back from the PNG file itself."""
+    data = report.read_png_series(png)
+    return {ln["label"]: (ln["x"], ln["y"]) for ln in data["panels"][panel]["lines"]}
+
+
+def test_pngs_show_each_series_against_steps_and_sampled_tokens(tmp_path):
+    from PIL import Image
+
+    run = make_run(tmp_path / "run")
+    rc, _, err = cli("report", run)
+    assert rc == 0, err
+    png = run / "report" / "reward.png"
+    data = report.read_png_series(png)
+    assert [(p["x"], p["xlabel"]) for p in data["panels"]] == [("step", "step"), ("sampled tokens", "sampled tokens")]
+    by_step, by_tokens = lines_of(png, 0), lines_of(png, 1)
+    assert set(by_step) == {"train reward", "train goal", "held-out goal", "held-out reward"}
+    assert by_step["train reward"] == ([1, 2, 3, 4], pytest.approx([0.1, 0.2, 0.3, 0.4]))
+    assert by_tokens["train reward"] == ([48, 96, 144, 192], pytest.approx([0.1, 0.2, 0.3, 0.4]))
+    assert by_step["held-out goal"] == ([2, 4], pytest.approx([0.4, 0.8]))
+    assert by_tokens["held-out goal"] == ([96, 192], pytest.approx([0.4, 0.8]))
+    assert lines_of(run / "report" / "entropy.png", 0)["entropy"][1] == pytest.approx([1.9, 1.8, 1.7, 1.6])
+    with Image.open(png) as img:  # a real two-panel picture, not a blank canvas
+        assert img.size == (1120, 400)
+        assert len(img.convert("RGB").getcolors(maxcolors=1 << 16) or []) > 20
+
+
+def write_metrics(run: Path, rows: list[dict]) -> None:
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_kl_to_pi_old_zero_by_construction_is_said_not_plotted(tmp_path):
+    run = make_run(tmp_path / "run")
+    (run / "config.toml").write_text("[train]\nepochs_per_batch = 1\nminibatches = 1\n")
+    rows = [{**train_row(s, kl_ref=True), "train/approx_kl_old": 1e-14 * s} for s in range(1, 5)]
+    write_metrics(run, rows)
+    rec = report.load_run_records(run)
+    specs, notes = report.plan_plots([rec])
+    kl = next(sp for sp in specs if sp.name == "kl.png")
+    assert [se.key for se in kl.series] == ["train/kl_ref"]      # only the KL to the reference
+    assert any("approx KL to π_old: not plotted: one update per batch" in n for n in notes)
+    # two updates per batch: the KL to π_old is real and plotted
+    (run / "config.toml").write_text("[train]\nepochs_per_batch = 2\nminibatches = 1\n")
+    kl = next(sp for sp in report.plan_plots([report.load_run_records(run)])[0] if sp.name == "kl.png")
+    assert [se.key for se in kl.series] == ["train/approx_kl_old", "train/kl_ref"]
+    # no config: read from the data (every value below 1e-9)
+    (run / "config.toml").unlink()
+    assert "below 1e-9" in report.kl_old_zero_reason(report.load_run_records(run))
+
+
+def test_run_warnings_and_step0_eval_are_in_the_report(tmp_path):
+    run = make_run(tmp_path / "run")
+    rows = [{"step": 0, "eval/goal": 0.006, "eval/reward": 0.05}]
+    for s in range(1, 5):
+        rows.append(train_row(s))
+    rows.append({"step": 3, "warning": "95% of groups agree over the last 10 steps and teach nothing; <b>x</b>"})
+    rows.append({"step": 4, "eval/goal": 0.5, "eval/reward": 0.6})
+    write_metrics(run, rows)
+    rec = report.load_run_records(run)
+    assert rec.run_warnings == [(3, rows[5]["warning"])]
+    rc, _, err = cli("report", run)
+    assert rc == 0, err
+    page = html_of(run / "report")
+    section = page.split("Warnings the run printed")[1].split("<h2>")[0]
+    assert "<td>3</td>" in section and "teach nothing; &lt;b&gt;x&lt;/b&gt;" in section
+    assert "held-out goal at step 0 (before training)</td><td>0.006" in page
+    goal = lines_of(run / "report" / "reward.png", 0)["held-out goal"]
+    assert goal == ([0, 4], pytest.approx([0.006, 0.5]))
+    assert lines_of(run / "report" / "reward.png", 1)["held-out goal"][0] == [0, 192]  # 0 tokens before training
+    every = page.split("every evaluation")[1].split("</details>")[0]
+    assert "<td>0</td>" in every
+
+
+def test_two_runs_are_overlaid_and_compared(tmp_path):
+    a = make_run(tmp_path / "runA")
+    b = make_run(tmp_path / "runB")
+    (b / "config.toml").write_text('[task]\npath = "rlvr.tasks.sort:sort_task"\noptions = { n = 4 }\n')
+    write_metrics(b, [{**train_row(s), "train/reward": 0.05 * s} for s in range(1, 7)]
+                  + [{"step": 6, "warning": "entropy fell"}])
+    out = tmp_path / "cmp"
+    rc, stdout, err = cli("report", a, b, "--out", out)
+    assert rc == 0, err
+    by_step = lines_of(out / "reward.png", 0)
+    assert by_step["runA: train reward"] == ([1, 2, 3, 4], pytest.approx([0.1, 0.2, 0.3, 0.4]))
+    assert by_step["runB: train reward"] == ([1, 2, 3, 4, 5, 6], pytest.approx([0.05 * s for s in range(1, 7)]))
+    assert "runA: held-out goal" in by_step and "runB: held-out goal" not in by_step  # B has no evaluation rows
+    page = html_of(out)
+    assert "rlvr report: runA vs runB" in page and page.count("data:image/png;base64,") == len(stdout.split()) - 1
+    diff = page.split("Config keys that differ")[1].split("<h2>")[0]
+    assert "task.options" in diff and "{&quot;n&quot;: 3}" in diff and "{&quot;n&quot;: 4}" in diff
+    assert "<td>runB</td><td>6</td><td>entropy fell</td>" in page
+    # without --out the comparison goes beside the first run
+    rc, stdout, err = cli("report", a, b)
+    assert rc == 0, err
+    assert Path(stdout.split()[-1]) == tmp_path / "compare-runA-vs-runB" / "report.html"
+
+
+def test_report_html_screenshot_in_headless_chromium(tmp_path):
+    """A real browser renders report.html: the page loads and its plots have their drawn size."""
+    import shutil
+    import subprocess
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("no chromium on this machine (apt-get install -y chromium): the screenshot check needs a browser")
+    run = make_run(tmp_path / "run")
+    rc, _, err = cli("report", run)
+    assert rc == 0, err
+    shot = tmp_path / "report.png"
+    res = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+                          f"--screenshot={shot}", "--window-size=1200,2400",
+                          (run / "report" / "report.html").as_uri()], capture_output=True, text=True, timeout=120)
+    assert shot.is_file(), res.stderr[-2000:]
+    from PIL import Image
+
+    with Image.open(shot) as img:
+        assert img.size == (1200, 2400)
+        rgb = img.convert("RGB")
+        # the plots are drawn: matplotlib's default blue (C0, #1f77b4) appears in the page
+        assert any(abs(r - 0x1F) < 24 and abs(g - 0x77) < 24 and abs(b - 0xB4) < 24
+                   for _, (r, g, b) in rgb.getcolors(maxcolors=1 << 20))

@@ -63,6 +63,7 @@ error names the path and the field at fault.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib
 import importlib.util
@@ -70,25 +71,16 @@ import inspect
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
+from rlvr.example import Example
 from rlvr.rewards import Reward, RewardCard
 
-__all__ = ["Example", "Task", "TaskError", "load_task", "validate_task"]
+__all__ = ["Example", "Task", "TaskError", "load_task", "validate_task", "import_file", "is_file"]
 
 DEFAULT_NAME = "TASK"
 """The name :func:`load_task` looks up when the path has no ``:NAME``."""
-
-
-@dataclass
-class Example:
-    """One prompt with the answer the rewards and the goal compare against."""
-
-    prompt: str
-    answer: Any
-    meta: dict = field(default_factory=dict)
-    """Anything else a task wants to keep beside the example (difficulty, source id...)."""
 
 
 @dataclass
@@ -118,6 +110,33 @@ class Task:
 
 class TaskError(ValueError):
     """A task path that does not load, or a task that breaks the contract."""
+
+
+def _check_rewards(rewards: Any) -> None:
+    """Raise TaskError naming the first reward that is not a named Reward with a complete card."""
+    if not isinstance(rewards, dict) or not rewards:
+        raise TaskError(
+            f"rewards must be a non-empty dict of name -> Reward, got {rewards!r:.80}"
+        )
+    for key, r in rewards.items():
+        if not isinstance(r, Reward):
+            raise TaskError(f"rewards[{key!r}] is a {type(r).__name__}, not a rlvr.rewards.Reward")
+        if r.name != key:
+            raise TaskError(f"rewards[{key!r}] is named {r.name!r}; the key must be its name")
+        if not callable(r.fn):
+            raise TaskError(f"rewards[{key!r}].fn is not callable: {r.fn!r:.80}")
+        if not isinstance(r.card, RewardCard):
+            raise TaskError(
+                f"rewards[{key!r}] has no RewardCard (card is {type(r.card).__name__}); "
+                "name what it pays for, ignores, and how it is exploited"
+            )
+        for part in ("pays_for", "ignores", "exploit"):
+            text = getattr(r.card, part)
+            if not isinstance(text, str) or not text.strip():
+                raise TaskError(f"rewards[{key!r}].card.{part} must be a non-empty str")
+        ex_fn = r.card.exploit_example
+        if ex_fn is not None and not callable(ex_fn):
+            raise TaskError(f"rewards[{key!r}].card.exploit_example is not callable or None")
 
 
 def validate_task(task: Any) -> None:
@@ -160,29 +179,7 @@ def validate_task(task: Any) -> None:
             f"heldout overlaps train: {len(overlap)} held-out prompt(s) also in train, "
             f"e.g. {sample}"
         )
-    if not isinstance(task.rewards, dict) or not task.rewards:
-        raise TaskError(
-            f"rewards must be a non-empty dict of name -> Reward, got {task.rewards!r:.80}"
-        )
-    for key, r in task.rewards.items():
-        if not isinstance(r, Reward):
-            raise TaskError(f"rewards[{key!r}] is a {type(r).__name__}, not a rlvr.rewards.Reward")
-        if r.name != key:
-            raise TaskError(f"rewards[{key!r}] is named {r.name!r}; the key must be its name")
-        if not callable(r.fn):
-            raise TaskError(f"rewards[{key!r}].fn is not callable: {r.fn!r:.80}")
-        if not isinstance(r.card, RewardCard):
-            raise TaskError(
-                f"rewards[{key!r}] has no RewardCard (card is {type(r.card).__name__}); "
-                "name what it pays for, ignores, and how it is exploited"
-            )
-        for part in ("pays_for", "ignores", "exploit"):
-            text = getattr(r.card, part)
-            if not isinstance(text, str) or not text.strip():
-                raise TaskError(f"rewards[{key!r}].card.{part} must be a non-empty str")
-        ex_fn = r.card.exploit_example
-        if ex_fn is not None and not callable(ex_fn):
-            raise TaskError(f"rewards[{key!r}].card.exploit_example is not callable or None")
+    _check_rewards(task.rewards)
     if not callable(task.goal):
         raise TaskError(f"goal is not callable: {task.goal!r:.80}")
     m = task.max_new_tokens
@@ -203,11 +200,17 @@ def validate_task(task: Any) -> None:
         raise TaskError(f"step_delimiter must be a str, got {task.step_delimiter!r}")
 
 
-def _is_file(target: str) -> bool:
+def is_file(target: str) -> bool:
+    """True when an import target names a file (``*.py`` or a path) rather than a module."""
     return target.endswith(".py") or "/" in target or os.sep in target
 
 
-def _import_file(target: str, path: str):
+def import_file(target: str, path: str):
+    """The module in the file ``target``, imported through importlib (never exec'd from a string).
+
+    TaskError, with ``path`` (what the caller was loading) in the message, when the file does
+    not exist, is not a Python module, fails to import or calls sys.exit while importing.
+    """
     file = os.path.abspath(target)
     if not os.path.isfile(file):
         raise TaskError(f"{path}: file does not exist: {file}")
@@ -272,6 +275,33 @@ def _candidates(module) -> list[str]:
     return sorted(out)
 
 
+def check_options(path: str, name: str, fn: Callable, options: dict) -> None:
+    """Refuse options that the task function `fn` does not take, listing the ones it does.
+
+    Read from ``inspect.signature``; a function with ``**kwargs`` (or one whose signature cannot
+    be read) takes anything. This is the error a user meets after changing ``--task.path`` while
+    the config file still sets options for the old task.
+    """
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return
+    takes = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    unknown = [k for k in options if k not in takes]
+    if not unknown:
+        return
+    hints = [f"{k!r} -> {close[0]!r}" for k in unknown for close in [difflib.get_close_matches(k, takes, n=1)] if close]
+    raise TaskError(
+        f"{path}: task.options {', '.join(map(repr, unknown))} {'is' if len(unknown) == 1 else 'are'} not "
+        f"taken by {name}(); it takes: {', '.join(takes) if takes else 'no options'}"
+        + (f" (did you mean {', '.join(hints)}?)" if hints else "")
+        + ". Options from the config file stay when --task.path changes: replace them with "
+        "--task.options='{...}' or set one with --task.options.NAME=VALUE"
+    )
+
+
 def load_task(path: str, **kwargs: Any) -> Task:
     """Load the task at ``path`` and check it against the contract.
 
@@ -280,17 +310,18 @@ def load_task(path: str, **kwargs: Any) -> Task:
     ``kwargs``. Raises TaskError, with ``path`` in the message, when the file does not exist,
     the module does not import (the import error is shown), the module or the call raises
     SystemExit (``sys.exit``: never a silent exit of the caller), NAME is missing (the candidate
-    names are listed), the call fails, or the result breaks the contract
+    names are listed), a keyword is not a parameter of NAME (the parameters are listed; see
+    :func:`check_options`), the call fails, or the result breaks the contract
     (see :func:`validate_task`).
     """
     if not isinstance(path, str) or not path.strip():
         raise TaskError(f"task path must be 'package.module:NAME' or 'file.py:NAME', got {path!r}")
     target, sep, name = path.rpartition(":")
-    if not sep or not target or _is_file(name):  # no ':NAME' (or a Windows drive colon)
+    if not sep or not target or is_file(name):  # no ':NAME' (or a Windows drive colon)
         target, name = path, DEFAULT_NAME
     if not name.isidentifier():
         raise TaskError(f"{path}: {name!r} is not a Python name")
-    module = _import_file(target, path) if _is_file(target) else _import_module(target, path)
+    module = import_file(target, path) if is_file(target) else _import_module(target, path)
     if not hasattr(module, name):
         found = _candidates(module)
         listing = ", ".join(found) if found else "none (no Task values or functions)"
@@ -304,6 +335,7 @@ def load_task(path: str, **kwargs: Any) -> Task:
             )
         task = obj
     elif callable(obj):
+        check_options(path, name, obj, kwargs)
         try:
             task = obj(**kwargs)
         except SystemExit as e:

@@ -57,7 +57,7 @@ from typing import Any
 
 from rlvr.rewards import Reward, RewardCard
 from rlvr.tasks import Example, Task, TaskError
-from rlvr.tasks.dataset import Answer, unwrap
+from rlvr.tasks.answers import Answer, unwrap
 
 __all__ = ["countdown_task", "check", "verify", "extract_expression", "correct", "format_reward",
            "Verdict", "generate_instance"]
@@ -239,25 +239,9 @@ def _prompt(numbers: list[int], target: int, style: str, use_all: bool) -> str:
     )
 
 
-def countdown_task(
-    n: int = 3,
-    low: int = 1,
-    high: int = 20,
-    max_target: int = 100,
-    train: int = 10_000,
-    heldout: int = 500,
-    seed: int = 0,
-    style: str = "compact",
-    use_all: bool = True,
-    max_new_tokens: int | None = None,
-) -> Task:
-    """Countdown instances drawn with ``random.Random(seed)``: ``heldout`` distinct prompts, then
-    ``train`` more distinct ones (never equal to a held-out prompt). Same arguments, same task.
-
-    ``max_new_tokens`` defaults to the longest fully parenthesised expression (compact) or 256
-    (instruct). The answer is an :class:`~rlvr.tasks.dataset.Answer` whose ``str`` is one
-    solution and whose ``meta`` holds ``numbers``, ``target``, ``use_all``.
-    """
+def _check_options(n: int, low: int, high: int, max_target: int, train: int, heldout: int,
+                   style: str) -> None:
+    """TaskError naming the first bad option of :func:`countdown_task`."""
     for k, v in (("n", n), ("low", low), ("high", high), ("max_target", max_target),
                  ("train", train), ("heldout", heldout)):
         if isinstance(v, bool) or not isinstance(v, int):
@@ -270,9 +254,12 @@ def countdown_task(
         raise TaskError("countdown: train, heldout and max_target must be positive")
     if style not in ("compact", "instruct"):
         raise TaskError(f"countdown: style must be 'compact' or 'instruct', got {style!r}")
-    rng = random.Random(seed)
+
+
+def _draw_examples(rng: random.Random, want: int, n: int, low: int, high: int, max_target: int,
+                   style: str, use_all: bool) -> list[Example]:
+    """``want`` examples with distinct prompts, in the order drawn."""
     seen: dict[str, Example] = {}
-    want = heldout + train
     misses = 0
     while len(seen) < want:
         numbers, target, sol = generate_instance(rng, n, low, high, max_target)
@@ -285,9 +272,11 @@ def countdown_task(
             continue
         meta = {"numbers": numbers, "target": target, "use_all": use_all}
         seen[p] = Example(prompt=p, answer=Answer(sol, meta), meta=dict(meta, solution=sol))
-    examples = list(seen.values())
-    if max_new_tokens is None:
-        max_new_tokens = n * len(str(high)) + 3 * (n - 1) if style == "compact" else 256
+    return list(seen.values())
+
+
+def _rewards(use_all: bool) -> dict[str, Reward]:
+    """The ``correct`` and ``format`` rewards with their cards, for this number rule."""
 
     def format_exploit(ex: Example) -> str:
         """All numbers joined by + (or -, * if that happens to hit the target): valid, wrong."""
@@ -299,7 +288,7 @@ def countdown_task(
         return "+".join(map(str, nums))  # unreachable: a-b-c... < a+b+c... for positive numbers
 
     rule = "exactly once" if use_all else "at most once"
-    rewards = {
+    return {
         "correct": Reward("correct", correct, RewardCard(
             pays_for=f"an expression (see extract_expression) over the given numbers, each used {rule}, "
                      "with only + - * / and parentheses, whose exact rational value is the target",
@@ -319,11 +308,36 @@ def countdown_task(
             exploit_example=format_exploit,
         )),
     }
+
+
+def countdown_task(
+    n: int = 3,
+    low: int = 1,
+    high: int = 20,
+    max_target: int = 100,
+    train: int = 10_000,
+    heldout: int = 500,
+    seed: int = 0,
+    style: str = "compact",
+    use_all: bool = True,
+    max_new_tokens: int | None = None,
+) -> Task:
+    """Countdown instances drawn with ``random.Random(seed)``: ``heldout`` distinct prompts, then
+    ``train`` more distinct ones (never equal to a held-out prompt). Same arguments, same task.
+
+    ``max_new_tokens`` defaults to the longest fully parenthesised expression (compact) or 256
+    (instruct). The answer is an :class:`~rlvr.tasks.dataset.Answer` whose ``str`` is one
+    solution and whose ``meta`` holds ``numbers``, ``target``, ``use_all``.
+    """
+    _check_options(n, low, high, max_target, train, heldout, style)
+    examples = _draw_examples(random.Random(seed), heldout + train, n, low, high, max_target, style, use_all)
+    if max_new_tokens is None:
+        max_new_tokens = n * len(str(high)) + 3 * (n - 1) if style == "compact" else 256
     return Task(
         name=f"countdown-{n}" if style == "compact" else f"countdown-{n}-instruct",
         train=examples[heldout:],
         heldout=examples[:heldout],
-        rewards=rewards,
+        rewards=_rewards(use_all),
         goal=goal,
         max_new_tokens=max_new_tokens,
         alphabet=COMPACT_ALPHABET if style == "compact" else None,

@@ -56,77 +56,18 @@ import inspect
 import json
 import os
 import random
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from rlvr.rewards import Reward, RewardCard
-from rlvr.tasks import Example, Task, TaskError, _import_file, _is_file
+from rlvr.tasks import Example, Task, TaskError, import_file, is_file
+from rlvr.tasks.answers import Answer, accepts_meta, unwrap, wrap_meta  # re-exported
 
 __all__ = ["Answer", "jsonl_task", "read_rows", "resolve_reward", "wrap_meta", "exact_match",
-           "BUILTIN_REWARDS"]
+           "BUILTIN_REWARDS", "accepts_meta", "unwrap"]
 
 DATASETS_FORMATS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
 """File suffixes read through ``datasets.load_dataset(<format>, data_files=...)``."""
-
-
-@dataclass(eq=False)
-class Answer:
-    """An answer that carries its row's other columns; ``str()`` is ``str(value)``."""
-
-    value: Any
-    meta: dict = field(default_factory=dict)
-
-    def __str__(self) -> str:
-        if isinstance(self.value, str):
-            return self.value
-        if isinstance(self.value, (dict, list)):
-            return json.dumps(self.value, ensure_ascii=False, sort_keys=True)
-        return str(self.value)
-
-    def __eq__(self, other) -> bool:
-        if isinstance(other, Answer):
-            return self.value == other.value and self.meta == other.meta
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash(str(self))
-
-
-def unwrap(answer: Any) -> tuple[Any, dict]:
-    """(value, meta) of an :class:`Answer`; (answer, {}) for anything else."""
-    if isinstance(answer, Answer):
-        return answer.value, answer.meta
-    return answer, {}
-
-
-def accepts_meta(fn: Callable) -> bool:
-    """True when ``fn`` has a parameter named ``meta`` or a ``**kwargs``."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):  # builtins without a signature
-        return False
-    return any(
-        p.kind is p.VAR_KEYWORD
-        or (p.name == "meta" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
-        for p in params
-    )
-
-
-def wrap_meta(fn: Callable) -> Callable[[str, str, Any], Any]:
-    """``fn`` as a 3-argument reward that unwraps :class:`Answer` and passes ``meta=`` if wanted."""
-    with_meta = accepts_meta(fn)
-
-    def wrapped(prompt: str, response: str, answer: Any):
-        value, meta = unwrap(answer)
-        if with_meta:
-            return fn(prompt, response, value, meta=meta)
-        return fn(prompt, response, value)
-
-    wrapped.__name__ = getattr(fn, "__name__", "reward")
-    wrapped.__doc__ = getattr(fn, "__doc__", None)
-    wrapped.__wrapped__ = fn  # type: ignore[attr-defined]
-    return wrapped
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,8 +113,8 @@ def _import_object(spec: str, what: str) -> Any:
         raise TaskError(f"{what} {spec!r}: expected 'package.module:NAME' or 'path/to/file.py:NAME'")
     if not name.isidentifier():
         raise TaskError(f"{what} {spec!r}: {name!r} is not a Python name")
-    if _is_file(target):
-        module = _import_file(target, f"{what} {spec!r}")
+    if is_file(target):
+        module = import_file(target, f"{what} {spec!r}")
     else:
         try:
             module = importlib.import_module(target)

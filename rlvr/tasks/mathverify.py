@@ -46,7 +46,8 @@ from typing import Any, Callable
 
 from rlvr.rewards import Reward, RewardCard
 from rlvr.tasks import Example, Task, TaskError
-from rlvr.tasks.dataset import Answer, jsonl_task, unwrap
+from rlvr.tasks.answers import Answer, unwrap
+from rlvr.tasks.dataset import jsonl_task
 
 __all__ = ["MathVerifier", "math_equal", "MATH_EQUAL", "math_task", "get_verifier", "DEFAULT_TIMEOUT"]
 

@@ -1,4 +1,4 @@
-"""A learned reward model as a reward: RLHF's real-valued score (seed 000's third reward kind).
+"""A learned reward model as a reward: RLHF's real-valued score (a smoother signal than a checker; docs/background.md, section 9).
 
 :class:`RewardModelReward` loads ``AutoModelForSequenceClassification`` and its tokenizer from a
 **local** directory (``local_files_only=True``: nothing is downloaded) and scores

@@ -51,7 +51,7 @@ from typing import Any
 
 from rlvr.rewards import Reward, RewardCard
 from rlvr.tasks import Example, Task, TaskError
-from rlvr.tasks.dataset import Answer, unwrap
+from rlvr.tasks.answers import Answer, unwrap
 
 __all__ = ["rgym_task", "extract_answer", "dataset_names", "INSTRUCTION"]
 
@@ -106,24 +106,9 @@ def _probe(ds, entries: list[dict], extract: str) -> list[tuple]:
     return out
 
 
-def rgym_task(
-    name: str = "leg_counting",
-    size: int = 1000,
-    heldout: int = 100,
-    seed: int = 0,
-    max_new_tokens: int = 256,
-    extract: str = "auto",
-    config: dict | None = None,
-    instruction: str = INSTRUCTION,
-    probe: int = 20,
-) -> Task:
-    """A reasoning-gym dataset as a task: ``size`` training and ``heldout`` held-out entries.
-
-    ``config`` is passed to ``create_dataset`` (the dataset's own options, e.g.
-    ``{min_animals = 2}``). ``probe`` training entries are scored with a few non-solutions to
-    put measured numbers on the ``score`` card (0 skips it). Unknown ``name`` → TaskError with
-    the close matches. Tokenizer-agnostic: ``alphabet=None``, ``fixed_length=False``.
-    """
+def _create_dataset(name: str, size: int, heldout: int, seed: int, extract: str,
+                    max_new_tokens: int, config: dict | None):
+    """Check the options and build the reasoning-gym dataset (TaskError on any bad input)."""
     if extract not in EXTRACT_MODES:
         raise TaskError(f"rgym: extract must be one of {EXTRACT_MODES}, got {extract!r}")
     for k, v in (("size", size), ("heldout", heldout), ("max_new_tokens", max_new_tokens)):
@@ -140,11 +125,15 @@ def rgym_task(
         raise TaskError(f"rgym: unknown reasoning-gym dataset {name!r}; {hint} "
                         f"({len(names)} registered, see rlvr.tasks.rgym.dataset_names())")
     try:
-        ds = reasoning_gym.create_dataset(name, size=size + heldout, seed=seed, **(config or {}))
+        return reasoning_gym.create_dataset(name, size=size + heldout, seed=seed, **(config or {}))
     except Exception as e:
         raise TaskError(f"rgym: create_dataset({name!r}, size={size + heldout}, seed={seed}, "
                         f"**{config or {}}) failed: {type(e).__name__}: {e}") from e
-    entries = [ds[i] for i in range(len(ds))]
+
+
+def _split(entries: list[dict], name: str, heldout: int, instruction: str
+           ) -> tuple[list[Example], list[Example]]:
+    """(held out, train): the first ``heldout`` distinct questions, then the rest minus those."""
 
     def example(e: dict) -> Example:
         entry = {"question": e["question"], "answer": e["answer"], "metadata": e.get("metadata", {})}
@@ -163,6 +152,11 @@ def rgym_task(
     if not train_ex or not held:
         raise TaskError(f"rgym: {name} gave {len(held)} held-out and {len(train_ex)} training entries "
                         f"with distinct questions out of {len(entries)}; ask for a larger size")
+    return list(held.values()), train_ex
+
+
+def _scorers(ds, extract: str):
+    """The ``score`` and ``solved`` rewards and the goal, all on ``ds.score_answer``."""
 
     def score(prompt: str, response: str, answer: Any) -> float:
         _, entry = unwrap(answer)
@@ -180,6 +174,12 @@ def rgym_task(
         except Exception:
             return False
 
+    return score, solved, goal
+
+
+def _cards(ds, name: str, extract: str, train_ex: list[Example], probe: int
+           ) -> tuple[RewardCard, RewardCard]:
+    """The ``score`` and ``solved`` cards, with the numbers measured on ``probe`` training entries."""
     from reasoning_gym.dataset import ProceduralDataset
 
     default_scorer = type(ds).score_answer is ProceduralDataset.score_answer
@@ -221,10 +221,35 @@ def rgym_task(
                  + (f"measured: {numbers}" if measured else "not measured (probe=0)")),
         exploit_example=(exploit_example if (best and best[1] >= 1.0) else None),
     )
+    return card_score, card_solved
+
+
+def rgym_task(
+    name: str = "leg_counting",
+    size: int = 1000,
+    heldout: int = 100,
+    seed: int = 0,
+    max_new_tokens: int = 256,
+    extract: str = "auto",
+    config: dict | None = None,
+    instruction: str = INSTRUCTION,
+    probe: int = 20,
+) -> Task:
+    """A reasoning-gym dataset as a task: ``size`` training and ``heldout`` held-out entries.
+
+    ``config`` is passed to ``create_dataset`` (the dataset's own options, e.g.
+    ``{min_animals = 2}``). ``probe`` training entries are scored with a few non-solutions to
+    put measured numbers on the ``score`` card (0 skips it). Unknown ``name`` → TaskError with
+    the close matches. Tokenizer-agnostic: ``alphabet=None``, ``fixed_length=False``.
+    """
+    ds = _create_dataset(name, size, heldout, seed, extract, max_new_tokens, config)
+    held, train_ex = _split([ds[i] for i in range(len(ds))], name, heldout, instruction)
+    score, solved, goal = _scorers(ds, extract)
+    card_score, card_solved = _cards(ds, name, extract, train_ex, probe)
     return Task(
         name=f"rgym-{name}",
         train=train_ex,
-        heldout=list(held.values()),
+        heldout=held,
         rewards={"score": Reward("score", score, card_score), "solved": Reward("solved", solved, card_solved)},
         goal=goal,
         max_new_tokens=max_new_tokens,

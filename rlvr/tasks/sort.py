@@ -1,4 +1,4 @@
-"""Sorting: the toy that shows how a denser reward buys speed and sells loopholes (seed 000).
+"""Sorting: the toy that shows how a denser reward buys speed and sells loopholes.
 
 Format
 ------
@@ -69,7 +69,7 @@ def position(prompt: str, response: str, answer: str) -> float:
     """Fraction of positions where the response's number equals the answer's.
 
     Divided by the longer of the two, so extra numbers count as wrong positions.
-    Truth 0123: 0123 → 4/4, 2130 → 1/4, 1023 → 2/4 (seed 000 prints 1 for the last row;
+    Truth 0123: 0123 → 4/4, 2130 → 1/4, 1023 → 2/4 (a commonly quoted table prints 1 for the last row;
     positions 2 and 3 match, so that row is a typo under this definition).
     """
     truth = _items(answer, answer)
@@ -155,47 +155,11 @@ def _per_token_constant_score(n: int, low: int, high: int, modes: list[int]) -> 
     return hits / (n * width + (n - 1 if width > 1 else 0))
 
 
-def sort_task(
-    n: int = 5,
-    low: int = 0,
-    high: int = 9,
-    heldout: int = 1000,
-    train: int | None = None,
-    seed: int = 0,
-) -> Task:
-    """The sorting task: n numbers from [low, high], the answer is them sorted.
-
-    ``heldout`` distinct prompts are drawn with ``random.Random(seed)``; train never contains
-    them. When the space of lists ((high-low+1)**n) is at most ENUMERATE_LIMIT, every list is
-    shuffled once with that generator: held out are the first ``heldout``, train is the rest
-    (or the next ``train`` of them). Larger spaces draw ``heldout`` and then ``train``
-    (default DEFAULT_TRAIN) distinct lists. The same arguments always give the same task.
-    """
-    for k, v in (("n", n), ("low", low), ("high", high), ("heldout", heldout)):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ValueError(f"sort_task: {k} must be an int, got {v!r}")
-    if train is not None and (isinstance(train, bool) or not isinstance(train, int) or train < 1):
-        raise ValueError(f"sort_task: train must be None or a positive int, got {train!r}")
-    if n < 2:
-        raise ValueError(f"sort_task: n must be at least 2 (a list to sort), got {n}")
-    if not 0 <= low < high:
-        raise ValueError(f"sort_task: need 0 <= low < high, got low={low}, high={high}")
-    if heldout < 1:
-        raise ValueError(f"sort_task: heldout must be at least 1, got {heldout}")
-
-    m = high - low + 1
+def _split_lists(strs: list[str], n: int, heldout: int, train: int | None, seed: int
+                 ) -> tuple[list[tuple[str, ...]], list[tuple[str, ...]]]:
+    """Held-out and training lists of n numbers from `strs`, disjoint, drawn with Random(seed)."""
+    m = len(strs)
     space = m**n
-    width = len(str(high))
-    sep = "" if width == 1 else SEP
-
-    strs = [str(x).zfill(width) for x in range(low, high + 1)]  # zero-padded: sorts as numbers
-
-    def fmt(nums) -> str:
-        return sep.join(strs[x - low] for x in nums)
-
-    def example(items: tuple[str, ...]) -> Example:
-        return Example(prompt=sep.join(items) + "=", answer=sep.join(sorted(items)))
-
     rng = random.Random(seed)
     if space <= ENUMERATE_LIMIT:
         need = heldout + (train or 1)
@@ -228,116 +192,185 @@ def sort_task(
 
         held_lists = [decode(i) for i in idx[:heldout]]
         train_lists = [decode(i) for i in idx[heldout:]]
+    return held_lists, train_lists
 
-    # The numbers on the cards, for these n, low, high.
-    modes, modes_score = _position_modes(n, low, high)
-    per_token_score = _per_token_constant_score(n, low, high, modes)
-    constant = fmt(modes)
-    p_ordered = (m + 1) / (2 * m)  # P(a <= b) for two uniform draws
-    copy_score = (n + (n - 1) * p_ordered) / (2 * n - 1)
-    near_score = (2 * n - 2) / (2 * n - 1)
 
-    def position_exploit(ex: Example) -> str:
+class _CardFigures:
+    """The numbers on the sort cards for one (n, low, high), and the exploit responses they describe."""
+
+    def __init__(self, n: int, low: int, high: int, sep: str):
+        self.n, self.low, self.high, self.sep = n, low, high, sep
+        self.m = high - low + 1
+        self.space = self.m**n
+        self.width = len(str(high))
+        self.strs = [str(x).zfill(self.width) for x in range(low, high + 1)]
+        self.modes, self.modes_score = _position_modes(n, low, high)
+        self.per_token_score = _per_token_constant_score(n, low, high, self.modes)
+        self.constant = self.fmt(self.modes)
+        p_ordered = (self.m + 1) / (2 * self.m)  # P(a <= b) for two uniform draws
+        self.copy_score = (n + (n - 1) * p_ordered) / (2 * n - 1)
+        self.near_score = (2 * n - 2) / (2 * n - 1)
+
+    def fmt(self, nums) -> str:
+        return self.sep.join(self.strs[x - self.low] for x in nums)
+
+    def position_exploit(self, ex: Example) -> str:
         """The same response for every prompt (changed in one place if it happens to be right)."""
-        if constant != ex.answer:
-            return constant
-        alt = modes[:-1] + [low if modes[-1] != low else low + 1]
-        return fmt(alt)
+        if self.constant != ex.answer:
+            return self.constant
+        low = self.low
+        alt = self.modes[:-1] + [low if self.modes[-1] != low else low + 1]
+        return self.fmt(alt)
 
-    def near_sort_exploit(ex: Example) -> str:
+    def near_sort_exploit(self, ex: Example) -> str:
         """The answer with one neighbouring pair swapped, or one number changed if all equal."""
         nums = [int(x) for x in _items(ex.answer, ex.answer)]
         for i in range(len(nums) - 1):
             if nums[i] != nums[i + 1]:
                 nums[i], nums[i + 1] = nums[i + 1], nums[i]
-                return fmt(nums)
-        if nums[-1] < high:
+                return self.fmt(nums)
+        if nums[-1] < self.high:
             nums[-1] += 1  # 77777 -> 77778: still non-decreasing, one number wrong
         else:
             nums[0] -= 1  # 99999 -> 89999
-        return fmt(nums)
+        return self.fmt(nums)
 
-    rewards = {
-        "exact": Reward(
-            "exact",
-            exact,
-            RewardCard(
-                pays_for="a response equal to the sorted numbers, character for character",
-                ignores=(
-                    "how close a wrong response is: one swapped pair and noise both score 0, so "
-                    "a policy that is rarely right gets almost no gradient (a group of all-wrong "
-                    "samples has zero centered advantage)"
-                ),
-                exploit=(
-                    "none known: exact equals the goal on every string. Its failure is "
-                    f"sparsity, not a loophole: uniform random numbers solve a prompt with "
-                    f"probability 1/{space}"
-                ),
-                exploit_example=None,
+
+def _exact_reward(f: _CardFigures) -> Reward:
+    return Reward(
+        "exact",
+        exact,
+        RewardCard(
+            pays_for="a response equal to the sorted numbers, character for character",
+            ignores=(
+                "how close a wrong response is: one swapped pair and noise both score 0, so "
+                "a policy that is rarely right gets almost no gradient (a group of all-wrong "
+                "samples has zero centered advantage)"
             ),
-        ),
-        "position": Reward(
-            "position",
-            position,
-            RewardCard(
-                pays_for=(
-                    "each position holding the sorted answer's number there, as a fraction of n"
-                ),
-                ignores=(
-                    "the prompt, and which positions are wrong: two unrelated wrong answers "
-                    "score the same (truth 0123: 2130 and 0312 both score 1/4)"
-                ),
-                exploit=(
-                    f"the fixed response {constant!r} (the most likely number at each sorted "
-                    f"position) ignores the prompt and scores {modes_score:.3f} on average; "
-                    f"uniform random numbers score {1 / m:.3f}, a solved response 1.0"
-                ),
-                exploit_example=position_exploit,
+            exploit=(
+                "none known: exact equals the goal on every string. Its failure is "
+                f"sparsity, not a loophole: uniform random numbers solve a prompt with "
+                f"probability 1/{f.space}"
             ),
+            exploit_example=None,
         ),
-        "position_per_token": Reward(
-            "position_per_token",
-            position_per_token,
-            RewardCard(
-                pays_for=(
-                    "each response token (character) equal to the sorted answer's character at "
-                    "the same position: one score per token, so each token is credited for its "
-                    "own position (a process reward; its mean is `position` on one-digit lists)"
-                ),
-                ignores=(
-                    "the prompt, and how the tokens relate: a right digit in a wrong list earns "
-                    "its point whatever surrounds it"
-                ),
-                exploit=(
-                    f"the fixed response {constant!r} ignores the prompt and scores "
-                    f"{per_token_score:.3f} per token on average (a solved response 1.0)"
-                    + ("; the separators and leading digits it gets right earn much of that"
-                       if width > 1 else "")
-                ),
-                exploit_example=position_exploit,
+    )
+
+
+def _position_reward(f: _CardFigures) -> Reward:
+    return Reward(
+        "position",
+        position,
+        RewardCard(
+            pays_for=(
+                "each position holding the sorted answer's number there, as a fraction of n"
             ),
-        ),
-        "inclusion_adjacency": Reward(
-            "inclusion_adjacency",
-            inclusion_adjacency,
-            RewardCard(
-                pays_for=(
-                    "each prompt number present in the response (multiset) plus each "
-                    f"neighbouring pair in non-decreasing order, over n + (n-1) = {2 * n - 1}"
-                ),
-                ignores=(
-                    "whether the numbers sit in their sorted positions: a run of one repeated "
-                    "number earns every adjacency point"
-                ),
-                exploit=(
-                    f"the answer with one neighbouring pair swapped scores {near_score:.3f} "
-                    f"(solved: 1.0) with the goal failed; copying the prompt verbatim sorts "
-                    f"nothing and scores {copy_score:.3f} on average"
-                ),
-                exploit_example=near_sort_exploit,
+            ignores=(
+                "the prompt, and which positions are wrong: two unrelated wrong answers "
+                "score the same (truth 0123: 2130 and 0312 both score 1/4)"
             ),
+            exploit=(
+                f"the fixed response {f.constant!r} (the most likely number at each sorted "
+                f"position) ignores the prompt and scores {f.modes_score:.3f} on average; "
+                f"uniform random numbers score {1 / f.m:.3f}, a solved response 1.0"
+            ),
+            exploit_example=f.position_exploit,
         ),
-    }
+    )
+
+
+def _position_per_token_reward(f: _CardFigures) -> Reward:
+    return Reward(
+        "position_per_token",
+        position_per_token,
+        RewardCard(
+            pays_for=(
+                "each response token (character) equal to the sorted answer's character at "
+                "the same position: one score per token, so each token is credited for its "
+                "own position (a process reward; its mean is `position` on one-digit lists)"
+            ),
+            ignores=(
+                "the prompt, and how the tokens relate: a right digit in a wrong list earns "
+                "its point whatever surrounds it"
+            ),
+            exploit=(
+                f"the fixed response {f.constant!r} ignores the prompt and scores "
+                f"{f.per_token_score:.3f} per token on average (a solved response 1.0)"
+                + ("; the separators and leading digits it gets right earn much of that"
+                   if f.width > 1 else "")
+            ),
+            exploit_example=f.position_exploit,
+        ),
+    )
+
+
+def _inclusion_adjacency_reward(f: _CardFigures) -> Reward:
+    return Reward(
+        "inclusion_adjacency",
+        inclusion_adjacency,
+        RewardCard(
+            pays_for=(
+                "each prompt number present in the response (multiset) plus each "
+                f"neighbouring pair in non-decreasing order, over n + (n-1) = {2 * f.n - 1}"
+            ),
+            ignores=(
+                "whether the numbers sit in their sorted positions: a run of one repeated "
+                "number earns every adjacency point"
+            ),
+            exploit=(
+                f"the answer with one neighbouring pair swapped scores {f.near_score:.3f} "
+                f"(solved: 1.0) with the goal failed; copying the prompt verbatim sorts "
+                f"nothing and scores {f.copy_score:.3f} on average"
+            ),
+            exploit_example=f.near_sort_exploit,
+        ),
+    )
+
+
+def _rewards(n: int, low: int, high: int, sep: str) -> dict[str, Reward]:
+    """The sort task's rewards with their cards; the card figures are computed for these n, low, high."""
+    f = _CardFigures(n, low, high, sep)
+    cards = (_exact_reward, _position_reward, _position_per_token_reward, _inclusion_adjacency_reward)
+    return {r.name: r for r in (card(f) for card in cards)}
+
+
+def sort_task(
+    n: int = 5,
+    low: int = 0,
+    high: int = 9,
+    heldout: int = 1000,
+    train: int | None = None,
+    seed: int = 0,
+) -> Task:
+    """The sorting task: n numbers from [low, high], the answer is them sorted.
+
+    ``heldout`` distinct prompts are drawn with ``random.Random(seed)``; train never contains
+    them. When the space of lists ((high-low+1)**n) is at most ENUMERATE_LIMIT, every list is
+    shuffled once with that generator: held out are the first ``heldout``, train is the rest
+    (or the next ``train`` of them). Larger spaces draw ``heldout`` and then ``train``
+    (default DEFAULT_TRAIN) distinct lists. The same arguments always give the same task.
+    """
+    for k, v in (("n", n), ("low", low), ("high", high), ("heldout", heldout)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"sort_task: {k} must be an int, got {v!r}")
+    if train is not None and (isinstance(train, bool) or not isinstance(train, int) or train < 1):
+        raise ValueError(f"sort_task: train must be None or a positive int, got {train!r}")
+    if n < 2:
+        raise ValueError(f"sort_task: n must be at least 2 (a list to sort), got {n}")
+    if not 0 <= low < high:
+        raise ValueError(f"sort_task: need 0 <= low < high, got low={low}, high={high}")
+    if heldout < 1:
+        raise ValueError(f"sort_task: heldout must be at least 1, got {heldout}")
+
+    width = len(str(high))
+    sep = "" if width == 1 else SEP
+    strs = [str(x).zfill(width) for x in range(low, high + 1)]  # zero-padded: sorts as numbers
+
+    def example(items: tuple[str, ...]) -> Example:
+        return Example(prompt=sep.join(items) + "=", answer=sep.join(sorted(items)))
+
+    held_lists, train_lists = _split_lists(strs, n, heldout, train, seed)
+    rewards = _rewards(n, low, high, sep)
     alphabet = "0123456789" + ("" if width == 1 else SEP) + "="
     return Task(
         name=f"sort-{n}" if (low, high) == (0, 9) else f"sort-{n}-{low}-{high}",
