@@ -138,7 +138,7 @@ def test_metrics_one_row_per_step_and_eval_rows(main_run):
     # counted tokens: fixed-length task, so exactly P*G*T per step
     assert [r["train/sampled_tokens"] for r in rows] == [P * G * T * s for s in (1, 2, 3)]
     evals = eval_rows(run)
-    assert [r["step"] for r in evals] == [2, 3]  # eval.every=2, and always at the end
+    assert [r["step"] for r in evals] == [0, 2, 3]  # where it started, eval.every=2, and always at the end
     for r in evals:
         assert 0.0 <= r["eval/goal"] <= 1.0 and 0.0 <= r["eval/reward"] <= 1.0
         assert r["eval/prompts"] == 50 and "eval/pass@2" in r and "eval/mean@2" in r
@@ -437,8 +437,9 @@ def test_failing_reward_is_counted_and_warned(tmp_path):
     path.write_text(FLAKY_TASK)
     out = tmp_path / "run"
     # in-process scoring: the reward counts its calls in a module global, which each worker would hold apart
+    # (no step-0 evaluation either: it would shift the counter's phase and so which error comes first)
     rc, stdout, stderr = train_run(out, *ONE_STEP, "--train.steps=2", f"--task.path={path}:flaky",
-                                   "--task.reward_workers=0")
+                                   "--task.reward_workers=0", "--eval.at_start=false")
     assert rc == 0, stderr
     rows = train_rows(out)
     assert len(rows) == 2
