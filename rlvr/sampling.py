@@ -167,6 +167,23 @@ def _check_sampling_args(temperature: float, top_p: float) -> None:
 
 
 # ---------------------------------------------------------------------- generation
+def _check_generate_args(model, prompts, samples_per_prompt: int, max_new_tokens: int, temperature: float,
+                         top_p: float) -> torch.device:
+    """ValueError on arguments `generate` cannot sample from; else the device of the model."""
+    _check_sampling_args(temperature, top_p)
+    if samples_per_prompt < 1 or max_new_tokens < 1:
+        raise ValueError("samples_per_prompt and max_new_tokens must be >= 1")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("need at least one prompt, and every prompt needs at least one token")
+    block_size = model.config.block_size
+    longest = max(len(p) for p in prompts)
+    if block_size is not None and longest + max_new_tokens > block_size:
+        raise ValueError(f"longest prompt ({longest}) + max_new_tokens ({max_new_tokens}) "
+                         f"exceeds the model's block_size ({block_size})")
+    first_param = next(iter(model.parameters()), None)
+    return first_param.device if first_param is not None else torch.device("cpu")
+
+
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], *, samples_per_prompt: int, max_new_tokens: int,
              temperature: float = 1.0, top_p: float = 1.0, eos_id: int | None, pad_id: int,
@@ -177,33 +194,22 @@ def generate(model, prompts: list[list[int]], *, samples_per_prompt: int, max_ne
     then one forward per new token. Stops when every row has produced ``eos_id``; with
     ``eos_id=None`` runs exactly ``max_new_tokens`` steps and nothing is truncated.
 
-    ``model(ids, attention_mask=, cache=, logits_to_keep=) -> logits`` is the policy surface. A
-    model with ``new_cache(batch_size, max_len)`` (returning an object with
-    ``repeat_interleave(G)``) decodes incrementally; one without is re-run on the whole sequence
-    each step (slow; for mocks and foreign models). Draws use ``torch.multinomial(generator=)``,
+    ``model`` meets ``rlvr.policy.Policy``: ``model(ids, attention_mask=, cache=, logits_to_keep=)
+    -> logits``; ``model.new_cache(batch_size, max_len)`` returns an object with
+    ``repeat_interleave(G)`` to decode incrementally, or None to re-run the whole sequence each step
+    (slow; for test oracles and foreign models); ``model.config.block_size`` bounds the context. Draws use ``torch.multinomial(generator=)``,
     so a seeded generator reproduces the rollout (on the same device and thread count).
     """
-    _check_sampling_args(temperature, top_p)
-    if samples_per_prompt < 1 or max_new_tokens < 1:
-        raise ValueError("samples_per_prompt and max_new_tokens must be >= 1")
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("need at least one prompt, and every prompt needs at least one token")
-    block_size = getattr(getattr(model, "config", None), "block_size", None)
-    longest = max(len(p) for p in prompts)
-    if block_size is not None and longest + max_new_tokens > block_size:
-        raise ValueError(f"longest prompt ({longest}) + max_new_tokens ({max_new_tokens}) "
-                         f"exceeds the model's block_size ({block_size})")
-    first_param = next(iter(model.parameters()), None)
-    device = first_param.device if first_param is not None else torch.device("cpu")
-
+    device = _check_generate_args(model, prompts, samples_per_prompt, max_new_tokens, temperature, top_p)
     G, T, P = samples_per_prompt, max_new_tokens, len(prompts)
-    B, Lp = P * G, longest
+    Lp = max(len(p) for p in prompts)
+    B = P * G
     prompt_ids = torch.tensor([[pad_id] * (Lp - len(p)) + list(p) for p in prompts], device=device)  # (P, Lp)
     prompt_am = torch.tensor([[0] * (Lp - len(p)) + [1] * len(p) for p in prompts], device=device)   # (P, Lp)
 
-    use_cache = hasattr(model, "new_cache")
+    cache = model.new_cache(P, Lp + T)
+    use_cache = cache is not None
     if use_cache:
-        cache = model.new_cache(P, Lp + T)
         logits = model(prompt_ids, attention_mask=prompt_am, cache=cache, logits_to_keep=1)[:, -1]  # (P, V)
         if G > 1:
             cache = cache.repeat_interleave(G)
@@ -301,7 +307,7 @@ def _nucleus_token_logprobs(logits, ids, *, temperature, top_p, chunk_rows=None)
 def _response_logits(model, ids, am, Lp, T, G):
     """(B, T, V) logits predicting the T response tokens: one forward, or (G > 1 on a model with a
     differentiable cache) each prompt once with its G responses attending to the shared keys/values."""
-    if G > 1 and getattr(model, "differentiable_cache", False):
+    if G > 1 and model.differentiable_cache:
         B = ids.size(0)
         if B % G:
             raise ValueError(f"group_size {G} does not divide the {B} rows")
