@@ -640,6 +640,15 @@ def validate(cfg: Config, source: str | None = None) -> None:
     _check_reward_workers(cfg.task, bad)
     if not 0 < s.top_p <= 1:
         bad("sampling.top_p", f"must be in (0, 1], got {s.top_p}")
+    _check_algorithm(cfg, bad)
+    for name, w in cfg.task.reward_weights.items():
+        if not isinstance(w, (int, float)) or isinstance(w, bool) or not math.isfinite(w):
+            bad(f"task.reward_weights.{name}", f"must be a finite number, got {w!r}")
+
+
+def _check_algorithm(cfg: Config, bad) -> None:
+    """Ranges and combinations of the [algorithm] keys."""
+    t, a, s = cfg.train, cfg.algorithm, cfg.sampling
     if not 0 < a.clip_eps < 1:
         bad("algorithm.clip_eps", f"must be in (0, 1), got {a.clip_eps}")
     if a.dual_clip_c and a.dual_clip_c <= 1:
@@ -662,9 +671,6 @@ def validate(cfg: Config, source: str | None = None) -> None:
         bad("algorithm.scheme", "'loo' needs train.samples_per_prompt >= 2")
     if a.top_k > t.samples_per_prompt:
         bad("algorithm.top_k", f"{a.top_k} exceeds train.samples_per_prompt = {t.samples_per_prompt}")
-    for name, w in cfg.task.reward_weights.items():
-        if not isinstance(w, (int, float)) or isinstance(w, bool) or not math.isfinite(w):
-            bad(f"task.reward_weights.{name}", f"must be a finite number, got {w!r}")
 
 
 def _check_learnable(cfg: Config, bad) -> None:
