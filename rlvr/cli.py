@@ -46,6 +46,8 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     except (config.ConfigError, RunError, TaskError, StateError, RewardPoolError) as e:
         return _fail(str(e))
     print(f"run directory: {out}")
+    if summary.get("interrupted"):  # stopped by SIGINT / SIGTERM after saving state: 130 / 143
+        return summary["exit_code"]
     print(json.dumps({k: v for k, v in summary.items() if k != "price"}, indent=2))
     return 0
 

@@ -7,7 +7,8 @@
     RUN_DIR/state/           everything `--resume` needs (rlvr.state)
     RUN_DIR/best/            the checkpoint with the best held-out goal so far (a run dir of its own)
     RUN_DIR/checkpoint/ or hf/   the final policy
-    RUN_DIR/summary.json     final evaluation, counted cost against the price
+    RUN_DIR/summary.json     final evaluation, counted cost against the price (or, for a run
+                             stopped by a signal, `"interrupted": true` and the steps done)
 
 `RunDir` owns these files: the loop hands it rows and models and never opens a file itself.
 """
@@ -15,14 +16,16 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from rlvr import config as config_mod
 from rlvr.run import RunError, save_checkpoint
 from rlvr.state import STATE_DIR, atomic_dir, find_complete, find_state
 
-RESUMABLE_KEYS = {"train.steps", "train.threads", "train.save_every", "task.reward_workers",
+RESUMABLE_KEYS = {"train.steps", "train.threads", "train.save_every", "train.save_every_minutes", "task.reward_workers",
                   "task.reward_timeout_s", "task.reward_memory_mb"}
 """Keys a resumed run may change; sections [eval] and [log] may change too. Note that the
 learning-rate schedule is laid out over train.steps, so a longer resumed run decays later."""
@@ -69,6 +72,28 @@ class RunDir:
         if conflicts:
             raise RunError(f"--resume: the config differs from the run's {out / 'config.toml'} in "
                            f"{', '.join(conflicts)}; only {', '.join(sorted(RESUMABLE_KEYS))}, [eval] and [log] may change")
+
+    def check_writable(self) -> None:
+        """Refuse an output directory that cannot be written (read-only, full, a file in the way)
+        before any model is built: a small file is written, fsynced and removed where the run would
+        write (the directory, or the nearest existing folder above it when it does not exist yet)."""
+        out = self.path
+        where = out
+        while not where.exists() and where != where.parent:
+            where = where.parent
+        if not where.is_dir():
+            raise RunError(f"--out {out}: {where} is a file, not a directory; choose another path")
+        try:
+            fd, name = tempfile.mkstemp(prefix=".rlvr-write-check-", dir=where)
+            try:
+                os.write(fd, b"\0" * 65536)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+                os.unlink(name)
+        except OSError as e:
+            raise RunError(f"--out {out}: cannot write into {where} ({e.strerror or e}); "
+                           f"choose a writable directory with free space") from None
 
     def prepare(self, *, overwrite: bool) -> None:
         """Refuse to write into an existing run unless told; nothing is deleted otherwise."""
@@ -132,10 +157,16 @@ class RunDir:
     # ------------------------------------------------------------------ at the end
     def finish(self, model, tok, summary: dict, step: int) -> None:
         save_checkpoint(self.path, model, tok, tag=step)
+        self.write_summary(summary)
+
+    def write_summary(self, summary: dict) -> None:
+        """Close the logs and write summary.json (beside, then renamed over the old one)."""
         self.close()
-        (self.path / "summary.json").write_text(json.dumps(summary, indent=2))
+        tmp = self.path / "summary.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=2))
+        os.replace(tmp, self.path / "summary.json")
 
     def close(self) -> None:
         for f in (self._metrics, self._rollouts):
-            if f is not None:
+            if f is not None and not f.closed:
                 f.close()
