@@ -112,12 +112,12 @@ def learn(learner: Learner, batch: Batch) -> dict:
             learner.opt.zero_grad(set_to_none=True)
             loss.backward()
             gnorm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
+            lr_used = learner.sched.get_last_lr()[0]
             if math.isfinite(loss.item()) and math.isfinite(float(gnorm)):
                 learner.opt.step()
+                learner.sched.step()
             else:  # a non-finite loss or gradient norm: no update (train/skipped_updates)
                 skipped += 1
-            lr_used = learner.sched.get_last_lr()[0]
-            learner.sched.step()
             trained += forward_tokens(batch.rollout.select(idx), G, shared)
             stats["loss"] = loss.item()
             stats["grad_norm"] = float(gnorm)

@@ -67,7 +67,8 @@ class RunRecords:
 
     @property
     def finished(self) -> bool:
-        return self.summary is not None
+        """A summary.json that is not one written by a run stopped with Ctrl-C / SIGTERM."""
+        return self.summary is not None and not self.summary.get("interrupted")
 
     @property
     def last_step(self) -> int | None:

@@ -367,6 +367,8 @@ def loop(run_dir: RunDir, state: RunState, log, stop: Interrupts | None = None) 
     t_start = time.perf_counter()
     state.last_save = time.monotonic()
     for step in range(state.step + 1, tc.steps + 1):
+        if stop is not None and stop.signum is not None:  # SIGINT / SIGTERM came during the last step
+            return interrupted(run_dir, state, state.wall_before + time.perf_counter() - t_start, log, stop.signum)
         t0 = time.perf_counter()
         batch, stats = advance(state, step)
         row = step_row(step, batch, stats, state, t0)
@@ -378,8 +380,6 @@ def loop(run_dir: RunDir, state: RunState, log, stop: Interrupts | None = None) 
             save(state, run_dir, state.wall_before + time.perf_counter() - t_start)
         if step % max(1, cfg.log.print_every) == 0 or step == 1:
             log(progress(state, row, time.perf_counter() - t_start))
-        if stop is not None and stop.signum is not None and step != tc.steps:
-            return interrupted(run_dir, state, state.wall_before + time.perf_counter() - t_start, log, stop.signum)
     return finish(run_dir, state, state.wall_before + time.perf_counter() - t_start, log)
 
 
