@@ -43,6 +43,7 @@ def test_eval_probe_and_audit_refuse_a_task_file_named_by_a_run_directory(file_r
     assert cli.main(["eval", str(run), "--trust-run-config", "--prompts=4"]) == 0
     assert mark.exists()
     mark.unlink()
+    capsys.readouterr()
     assert cli.main(["eval", str(run), "--task.path=rlvr.tasks.sort:sort_task", "--prompts=4"]) == 0
     assert json.loads(capsys.readouterr().out)["eval/prompts"] == 4
     assert not mark.exists()                                  # a module of the installed package is fine
