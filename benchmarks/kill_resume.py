@@ -3,11 +3,11 @@
     python benchmarks/kill_resume.py [--runs 5] [--kills 3] [--steps 12] [--seed 0]
 
 First one uninterrupted run of a tiny sort configuration gives the reference final weights and
-its wall time W. Then each of `--runs` runs is started, SIGKILLed after a random delay in
-(0.5 s, W) (so a kill may land while loading, mid-step, or in the middle of a state or checkpoint
-save), restarted with `--resume`, killed again, `--kills` times in all, and finally left to finish.
-A restart after a kill that came before the first state was saved starts the run afresh
-(`--overwrite`): there is nothing to resume yet.
+the seconds W its training took (from its first logged step to its exit). Then each of `--runs`
+runs is started, and once it logs a step, SIGKILLed after a random delay in (0, W) (mid-step, in
+the middle of a state or checkpoint save, in the final evaluation), restarted with `--resume`,
+killed again, `--kills` times in all, and finally left to finish. A restart after a kill that came
+before the first state was saved starts the run afresh (`--overwrite`): nothing to resume yet.
 
 Printed: how many resumes succeeded (the resumed process continued instead of refusing or failing),
 and whether every final checkpoint/model.safetensors is byte-identical to the uninterrupted run's.
@@ -48,14 +48,32 @@ def start(out: Path, steps: int) -> tuple[subprocess.Popen, bool]:
                             stderr=subprocess.PIPE, text=True), resumable
 
 
+def rows(out: Path) -> int:
+    """Lines in metrics.jsonl (grows as the run logs steps)."""
+    try:
+        return len((out / "metrics.jsonl").read_bytes().splitlines())
+    except OSError:
+        return 0
+
+
+def wait_for_a_step(proc: subprocess.Popen, out: Path, before: int) -> float:
+    """Seconds until the process logs a row past `before` lines of metrics.jsonl (or exits)."""
+    t0 = time.perf_counter()
+    while proc.poll() is None and rows(out) <= before:
+        time.sleep(0.01)
+    return time.perf_counter() - t0
+
+
 def one_run(out: Path, steps: int, kills: int, window: float, rng: random.Random) -> dict:
     """Kill the run `kills` times at random moments, then let it finish; count what happened."""
     resumes = failed = 0
     for _ in range(kills):
+        before = rows(out)
         proc, resumed = start(out, steps)
         resumes += resumed
+        wait_for_a_step(proc, out, before)
         try:
-            proc.wait(timeout=rng.uniform(0.5, window))
+            proc.wait(timeout=rng.uniform(0, window))
         except subprocess.TimeoutExpired:
             proc.send_signal(signal.SIGKILL)
             proc.wait()
@@ -86,17 +104,21 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="kill_resume-"))
     try:
         t0 = time.perf_counter()
-        subprocess.run(command(work / "straight", args.steps), cwd=ROOT, check=True, stdout=subprocess.DEVNULL,
-                       env={**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")})
-        window = time.perf_counter() - t0
+        proc, _ = start(work / "straight", args.steps)
+        wait_for_a_step(proc, work / "straight", 0)
+        t1 = time.perf_counter()
+        if proc.wait() != 0:
+            raise SystemExit(f"the uninterrupted run failed: {proc.stderr.read()[-500:]}")
+        window = time.perf_counter() - t1
         reference = (work / "straight" / "checkpoint" / "model.safetensors").read_bytes()
-        print(f"uninterrupted run: {args.steps} steps in {window:.1f} s (kills land in 0.5-{window:.1f} s)")
+        print(f"uninterrupted run: {args.steps} steps; {window:.1f} s from its first logged step to its exit "
+              f"(each kill lands 0-{window:.1f} s after a start logs a step)", flush=True)
         results = []
         for i in range(args.runs):
             r = one_run(work / f"run{i}", args.steps, args.kills, window, rng)
             same = r["weights"] == reference
             print(f"run {i}: {r['resumes']} resumes, {r['failed']} failed, final weights "
-                  f"{'bit-identical' if same else 'DIFFERENT'}")
+                  f"{'bit-identical' if same else 'DIFFERENT'}", flush=True)
             results.append((r, same))
         resumes = sum(r["resumes"] for r, _ in results)
         failed = sum(r["failed"] for r, _ in results)

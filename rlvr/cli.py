@@ -63,7 +63,7 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
         overrides = _split_overrides(extra)
         run_dir = Path(args.run_dir)
         if not run_dir.is_dir():
-            raise run.RunError(f"{run_dir} is not a run directory")
+            raise run.RunError(f"{run_dir} is not a finished run: no such directory")
         if (run_dir / "config.toml").is_file():  # the task is imported below: never code the run directory names
             run.refuse_run_task(config.load(run_dir / "config.toml", overrides), run_dir / "config.toml",
                                 overrides=overrides, trusted=args.trust_run_config)

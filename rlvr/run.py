@@ -241,7 +241,7 @@ def load_run(run_dir: Path, overrides: Sequence[str] = (), *, trusted: bool = Fa
     rule); `note` is told which. `overrides` are --section.key=value applied to the run's config."""
     run_dir = Path(run_dir)
     if not (run_dir / "config.toml").is_file():
-        raise RunError(f"{run_dir} is not a run directory: {run_dir / 'config.toml'} is missing")
+        raise RunError(f"{run_dir} is not a finished run: {run_dir / 'config.toml'} is missing")
     cfg = config_mod.load(run_dir / "config.toml", list(overrides))
     name = "hf" if cfg.model.path else "checkpoint"
     final = find_complete(run_dir, name)
