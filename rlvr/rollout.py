@@ -194,7 +194,7 @@ def rollout(setup, policy: Policy, reference: Policy | None, examples_fn, *, ver
         parts = [groups]
     sample_s = time.perf_counter() - t0
     cost = {"sampled_tokens": 0, "forward_tokens": 0, "flops": 0.0}
-    fwd_flops = policy.flops_per_token(training=False)
+    fwd_flops, _ = costs.model_flops_per_token(policy, setup.limits.prompt_tokens, setup.limits.max_new_tokens)
     for p in parts:  # every round is paid for, kept or not
         n_fwd = costs.sampling_forward_tokens(len(p.examples), p.rollout.prompt_len, p.rollout.mask.numel())
         cost["sampled_tokens"] += int(p.rollout.mask.sum())

@@ -149,6 +149,7 @@ def build(cfg: config_mod.Config, log=print) -> Setup:
 def price_of(setup: Setup) -> costs.Price:
     """The price of the run `setup` describes (rlvr.costs), before it starts."""
     cfg, model = setup.cfg, setup.model
+    fwd, trn = costs.model_flops_per_token(model, setup.limits.prompt_tokens, setup.limits.max_new_tokens)
     return costs.price(
         prompts_per_step=cfg.train.prompts_per_step, samples_per_prompt=cfg.train.samples_per_prompt,
         max_new_tokens=setup.limits.max_new_tokens,
@@ -159,8 +160,7 @@ def price_of(setup: Setup) -> costs.Price:
         reference_is_adapter_off=model.has_adapter,
         shared_prompt=shares_prompt(cfg, model),
         bytes_per_param=2 if cfg.model.path and cfg.model.dtype == "bf16" else 4,
-        flops_fwd_per_token=model.flops_per_token(training=False),
-        flops_train_per_token=model.flops_per_token(training=True),
+        flops_fwd_per_token=fwd, flops_train_per_token=trn,
         sampling_rounds=cfg.algorithm.dynamic_sampling_rounds if cfg.algorithm.dynamic_sampling else 1,
     )
 

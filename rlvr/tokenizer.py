@@ -4,9 +4,9 @@ Ids 0, 1, 2 are the specials ``<pad>``, ``<bos>``, ``<eos>``; the alphabet's cha
 the order given, so ``CharTokenizer("0123456789,")`` maps "0" to 3 and "," to 13. Saved as JSON
 (``to_dict`` / ``save``), never pickled, so a checkpoint can be read without running code.
 
-``decode`` drops every special wherever it occurs and does not stop at eos: the sampler already
-pads everything after eos, and a reward that wants "text up to the first eos" should cut the ids
-itself (``decode(ids, stop_at_eos=True)`` does that).
+``decode`` drops every special wherever it occurs and does not stop at eos by default, like
+``HFTokenizer.decode``: the sampler already pads everything after eos, and a caller that wants
+"text up to the first eos" passes ``decode(ids, stop_at_eos=True)``.
 """
 
 from __future__ import annotations

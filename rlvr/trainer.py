@@ -150,7 +150,8 @@ def new_state(setup: Setup) -> RunState:
     if ac.kl_coef > 0 and not model.has_adapter:
         reference = copy.deepcopy(model).requires_grad_(False).eval()
     opt = make_optimizer(model.trainable_params(), tc)
-    learner = Learner(model, opt, make_scheduler(opt, tc), cfg, learn_gen, setup.limits.max_new_tokens)
+    flops = costs.model_flops_per_token(model, setup.limits.prompt_tokens, setup.limits.max_new_tokens)
+    learner = Learner(model, opt, make_scheduler(opt, tc), cfg, learn_gen, setup.limits.max_new_tokens, flops)
     return RunState(setup, learner, reference, prompt_rng, sample_gen)
 
 

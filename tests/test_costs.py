@@ -136,3 +136,42 @@ def test_shared_prompt_forward_counts_each_prompt_once():
     p = costs.price(**{**BASE, "has_reference": True}, shared_prompt=True)
     assert p.forward_tokens_logp_ref_per_batch == 4 * 4 + 16 * 3          # P*Lp + P*G*T
     assert p.trained_tokens_per_batch == 2 * (4 * 4 + 16 * 3)             # μ passes
+
+
+def test_attention_flops_use_the_keys_a_token_really_attends_to():
+    """Causal attention: token t attends t + 1 keys, so over Lp + T tokens the mean is (Lp + T + 1) / 2."""
+    import torch
+
+    from rlvr.models.tiny import TinyConfig, TinyTransformer
+
+    assert costs.attended_keys(4, 3) == 4.0                              # (1 + 2 + ... + 7) / 7
+    assert costs.attended_keys(47, 16) == 32.0                           # SmolLM2's chat prompt + 16 new tokens
+    assert costs.attended_keys(0, 1) == 1.0
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        costs.attended_keys(-1, 3)
+    torch.manual_seed(0)
+    C, layers = 32, 2
+    m = TinyTransformer(TinyConfig(vocab_size=10, n_layer=layers, n_head=4, n_embd=C, block_size=8192))
+    n = sum(mod.weight.numel() for mod in m.modules() if isinstance(mod, torch.nn.Linear)) + 10 * C   # tied head
+    fwd, train = costs.model_flops_per_token(m, 4, 3)
+    assert fwd == 2 * n + 4 * layers * C * 4                             # 4 keys, not the 8192 of block_size
+    assert train == 6 * n + 12 * layers * C * 4
+    assert m.flops_per_token(training=False) == 2 * n + 4 * layers * C * 8192
+    half = costs.model_flops_per_token(m, 4, 4)                          # 4.5 keys: rounded to a whole FLOP count
+    assert half == (2 * n + 4 * layers * C * 4.5, 6 * n + 12 * layers * C * 4.5) and isinstance(half[0], int)
+    p = costs.price(**{**BASE, "has_reference": True}, flops_fwd_per_token=fwd, flops_train_per_token=train)
+    assert p.flops_sampling_per_batch == 64 * (2 * n + 4 * layers * C * 4)
+
+
+def test_hf_attention_flops_at_the_run_length_not_the_context(tmp_path):
+    pytest.importorskip("transformers")
+    from hf_models import make_model_dir
+
+    from rlvr.models.hf import load_policy
+
+    policy, _ = load_policy(make_model_dir(tmp_path / "m", max_position_embeddings=8192))
+    n, _ = policy._matmul_params()
+    fwd, train = costs.model_flops_per_token(policy, 47, 16)            # 32 keys on average
+    assert fwd == 2 * n + 4 * 2 * 64 * 32                                # 2 layers, hidden 64
+    assert train == 6 * n + 12 * 2 * 64 * 32                             # full fine-tuning: 4N + 2N
+    assert policy.flops_per_token(training=False) == 2 * n + 4 * 2 * 64 * 8192

@@ -161,6 +161,61 @@ def test_export_hf_merges_lora_and_loads_with_plain_transformers(llama_dir, tmp_
     assert resumed.trainable_params()
 
 
+@pytest.mark.parametrize("lora", [None, LoraSpec(r=4, alpha=8, target_modules="all-linear")],
+                         ids=["full", "lora"])
+def test_tied_model_trains_exports_once_and_reloads_identical(tmp_path, lora):
+    """SmolLM2 / Qwen2.5 / Gemma tie the input embedding and the head; safetensors refuses shared
+    tensors, so the export must write the weight once and the loaders re-tie it."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from rlvr.models.hf_load import tied_weight
+
+    d = make_model_dir(tmp_path / "tied", tie_word_embeddings=True)
+    policy, tok = load_policy(d, lora=lora)
+    emb = tied_weight(policy._hf_model())
+    assert emb is not None and emb.requires_grad == (lora is None)
+    assert policy.num_params() == sum(p.numel() for p in {id(p): p for p in policy.parameters()}.values())
+    ids, am = left_pad([tok.encode(s) for s in PROMPTS], tok.pad_id)
+    opt = torch.optim.SGD(policy.trainable_params(), lr=0.5)
+    before = emb.detach().clone()
+    for _ in range(2):                                                         # two updates, as a run does
+        opt.zero_grad()
+        policy(ids, attention_mask=am).logsumexp(-1)[am.bool()].mean().backward()
+        if lora is not None:                       # B starts at 0: the first step moves B only
+            assert all(p.grad is not None for p in policy.trainable_params())
+        opt.step()
+    assert tied_weight(policy._hf_model()) is emb                              # still one tensor
+    assert (lora is None) != torch.equal(emb.detach(), before)                 # full FT moved the shared weight
+    with torch.no_grad():
+        live = policy(ids, attention_mask=am)
+    for out in (tmp_path / "hf", tmp_path / "best" / "hf"):                    # the hf/ and best/ exports
+        export_hf(policy, tok, out)
+        export_hf(policy, tok, out)                                            # saved again in place
+        keys = set(load_file(str(out / "model.safetensors")))
+        assert "model.embed_tokens.weight" in keys and "lm_head.weight" not in keys   # written once
+        plain = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+        assert plain.lm_head.weight is plain.model.embed_tokens.weight         # re-tied on load
+        pos = (am.cumsum(1) - 1).clamp_min(0)
+        with torch.no_grad():
+            exported = plain(input_ids=ids, attention_mask=am, position_ids=pos).logits
+        torch.testing.assert_close(exported[am.bool()], live[am.bool()], atol=1e-5, rtol=0)
+        again, _ = load_policy(out)
+        assert tied_weight(again._hf_model()) is not None
+        with torch.no_grad():
+            torch.testing.assert_close(again(ids, attention_mask=am)[am.bool()], live[am.bool()], atol=1e-5, rtol=0)
+
+
+@pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`:UserWarning")
+def test_lora_on_a_tied_head_is_refused(tmp_path):
+    d = make_model_dir(tmp_path / "tied", tie_word_embeddings=True)
+    with pytest.raises(HFLoadError, match=r"tied.*LoRA on lm_head.*Leave lm_head out"):
+        load_policy(d, lora=LoraSpec(r=2, target_modules=["q_proj", "lm_head"]))
+    untied = make_model_dir(tmp_path / "untied")
+    policy, _ = load_policy(untied, lora=LoraSpec(r=2, target_modules=["q_proj", "lm_head"]))  # fine untied
+    assert any("lm_head" in n and "lora_A" in n for n, _ in policy.named_parameters())
+
+
 def test_load_errors_name_the_path(tmp_path):
     with pytest.raises(HFLoadError, match="no such directory"):
         load_policy(tmp_path / "missing")
@@ -203,9 +258,10 @@ def test_tokenizer_surface(llama, tmp_path):
     ids = tok.encode("ab 12")
     assert ids == [3 + CHARS.index(c) for c in "ab 12"] and not tok.adds_bos
     assert tok.encode("ab", bos=True, eos=True) == [tok.bos_id, *tok.encode("ab"), tok.eos_id]
-    assert tok.decode(ids + [tok.eos_id] + tok.encode("zz")) == "ab 12"
+    assert tok.decode(ids + [tok.eos_id] + tok.encode("zz"), stop_at_eos=True) == "ab 12"
     assert tok.decode(torch.tensor([tok.pad_id, *ids, tok.pad_id])) == "ab 12"
-    assert tok.decode(ids + [tok.eos_id, 4], stop_at_eos=False) == "ab 121"
+    # the default keeps going past eos (dropping it), like CharTokenizer.decode
+    assert tok.decode(ids + [tok.eos_id, 4]) == "ab 121" == tok.decode(ids + [tok.eos_id, 4], stop_at_eos=False)
     chat = tok.encode_prompt([{"role": "user", "content": "sort 3,1"}])
     assert chat[0] == tok.bos_id and tok.decode(chat) == "user: sort 3,1 assistant:"
     assert tok.encode_prompt("ab") == tok.encode("ab")
@@ -223,12 +279,19 @@ def test_import_is_lazy():
     import ast
     import inspect
 
-    import rlvr.models.hf as hf
+    import rlvr.models.hf
+    import rlvr.models.hf_load
+    import rlvr.models.hf_source
+    import rlvr.models.hf_policy
+    import rlvr.models.hf_tokenizer
+    import rlvr.models.lean_llama
 
-    top = [n for n in ast.parse(inspect.getsource(hf)).body if isinstance(n, (ast.Import, ast.ImportFrom))]
-    names = {a.name.split(".")[0] for n in top for a in n.names} | {
-        (n.module or "").split(".")[0] for n in top if isinstance(n, ast.ImportFrom)}
-    assert not names & {"transformers", "peft", "tokenizers", "safetensors"}, names
+    for mod in (rlvr.models.hf, rlvr.models.hf_load, rlvr.models.hf_policy, rlvr.models.hf_tokenizer,
+                rlvr.models.lean_llama, rlvr.models.hf_source):
+        top = [n for n in ast.parse(inspect.getsource(mod)).body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        names = {a.name.split(".")[0] for n in top for a in n.names} | {
+            (n.module or "").split(".")[0] for n in top if isinstance(n, ast.ImportFrom)}
+        assert not names & {"transformers", "peft", "tokenizers", "safetensors", "gguf"}, (mod.__name__, names)
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
@@ -300,10 +363,10 @@ def _both(policy, fn):
 @pytest.fixture(params=["matmul_attention", "sdpa_attention"])
 def attention_kind(request, monkeypatch):
     """The lean path's two attention kernels: explicit matmuls for small score matrices, SDPA above."""
-    import rlvr.models.hf as hf
+    import rlvr.models.lean_llama as lean
 
     if request.param == "sdpa_attention":
-        monkeypatch.setattr(hf, "_SMALL_ATTENTION", 0)
+        monkeypatch.setattr(lean, "SMALL_ATTENTION", 0)
     return request.param
 
 

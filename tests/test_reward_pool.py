@@ -234,13 +234,14 @@ def test_evaluation_through_a_pool_gives_the_same_figures():
 
     from rlvr.evaluate import evaluate
     from rlvr.models.tiny import TinyConfig, TinyTransformer
+    from rlvr.run import Limits
     from rlvr.tokenizer import CharTokenizer
 
     task = load_task("rlvr.tasks.sort:sort_task", n=3, heldout=20)
     tok = CharTokenizer(task.alphabet)
     torch.manual_seed(0)
     model = TinyTransformer(TinyConfig(vocab_size=tok.vocab_size, n_layer=1, n_head=2, n_embd=16, block_size=16))
-    kw = dict(reward_weights={"position": 1.0}, max_new_tokens=task.max_new_tokens, eos_id=None, pass_k=2,
+    kw = dict(reward_weights={"position": 1.0}, limits=Limits(task.max_new_tokens, None, 4), pass_k=2,
               pass_k_prompts=10)
     with RewardPool("rlvr.tasks.sort:sort_task", {"n": 3, "heldout": 20}, workers=2) as p:
         assert evaluate(model, tok, task, pool=p, **kw) == evaluate(model, tok, task, **kw)

@@ -260,7 +260,7 @@ class TinyTransformer(nn.Module):
         """Number of distinct parameters (a tied head counts once)."""
         return sum(p.numel() for p in self.parameters())
 
-    def flops_per_token(self, seq_len: int | None = None, *, training: bool = True) -> int:
+    def flops_per_token(self, seq_len: float | None = None, *, training: bool = True) -> int:
         """nanoGPT / PaLM estimate of FLOPs per token.
 
         N = parameters used in matrix multiplies (every Linear plus the output head; the position
@@ -268,14 +268,15 @@ class TinyTransformer(nn.Module):
         Training (forward + backward): ``6 N + 12 n_layer n_embd seq_len``; forward only:
         ``2 N + 4 n_layer n_embd seq_len``. The attention term counts QK^T and AV over all
         ``seq_len`` keys (default ``block_size``), so for causal attention over T tokens it is an
-        upper bound by about 2x; with T tiny next to n_embd it barely matters.
+        upper bound by about 2x; ``rlvr.costs.attended_keys(prompt_tokens, response_tokens)``, the
+        mean keys a token attends to, is the exact ``seq_len`` for a run.
         """
         c = self.config
         T = c.block_size if seq_len is None else seq_len
         n = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
         if self.lm_head is None:
             n += self.wte.weight.numel()
-        return (6 * n + 12 * c.n_layer * c.n_embd * T) if training else (2 * n + 4 * c.n_layer * c.n_embd * T)
+        return round(6 * n + 12 * c.n_layer * c.n_embd * T) if training else round(2 * n + 4 * c.n_layer * c.n_embd * T)
 
     # ------------------------------------------------------------------ save / load
     def save_pretrained(self, directory: str | Path) -> None:

@@ -155,47 +155,11 @@ def _per_token_constant_score(n: int, low: int, high: int, modes: list[int]) -> 
     return hits / (n * width + (n - 1 if width > 1 else 0))
 
 
-def sort_task(
-    n: int = 5,
-    low: int = 0,
-    high: int = 9,
-    heldout: int = 1000,
-    train: int | None = None,
-    seed: int = 0,
-) -> Task:
-    """The sorting task: n numbers from [low, high], the answer is them sorted.
-
-    ``heldout`` distinct prompts are drawn with ``random.Random(seed)``; train never contains
-    them. When the space of lists ((high-low+1)**n) is at most ENUMERATE_LIMIT, every list is
-    shuffled once with that generator: held out are the first ``heldout``, train is the rest
-    (or the next ``train`` of them). Larger spaces draw ``heldout`` and then ``train``
-    (default DEFAULT_TRAIN) distinct lists. The same arguments always give the same task.
-    """
-    for k, v in (("n", n), ("low", low), ("high", high), ("heldout", heldout)):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ValueError(f"sort_task: {k} must be an int, got {v!r}")
-    if train is not None and (isinstance(train, bool) or not isinstance(train, int) or train < 1):
-        raise ValueError(f"sort_task: train must be None or a positive int, got {train!r}")
-    if n < 2:
-        raise ValueError(f"sort_task: n must be at least 2 (a list to sort), got {n}")
-    if not 0 <= low < high:
-        raise ValueError(f"sort_task: need 0 <= low < high, got low={low}, high={high}")
-    if heldout < 1:
-        raise ValueError(f"sort_task: heldout must be at least 1, got {heldout}")
-
-    m = high - low + 1
+def _split_lists(strs: list[str], n: int, heldout: int, train: int | None, seed: int
+                 ) -> tuple[list[tuple[str, ...]], list[tuple[str, ...]]]:
+    """Held-out and training lists of n numbers from `strs`, disjoint, drawn with Random(seed)."""
+    m = len(strs)
     space = m**n
-    width = len(str(high))
-    sep = "" if width == 1 else SEP
-
-    strs = [str(x).zfill(width) for x in range(low, high + 1)]  # zero-padded: sorts as numbers
-
-    def fmt(nums) -> str:
-        return sep.join(strs[x - low] for x in nums)
-
-    def example(items: tuple[str, ...]) -> Example:
-        return Example(prompt=sep.join(items) + "=", answer=sep.join(sorted(items)))
-
     rng = random.Random(seed)
     if space <= ENUMERATE_LIMIT:
         need = heldout + (train or 1)
@@ -228,6 +192,18 @@ def sort_task(
 
         held_lists = [decode(i) for i in idx[:heldout]]
         train_lists = [decode(i) for i in idx[heldout:]]
+    return held_lists, train_lists
+
+
+def _rewards(n: int, low: int, high: int, sep: str) -> dict[str, Reward]:
+    """The sort task's rewards with their cards; the card figures are computed for these n, low, high."""
+    m = high - low + 1
+    space = m**n
+    width = len(str(high))
+    strs = [str(x).zfill(width) for x in range(low, high + 1)]
+
+    def fmt(nums) -> str:
+        return sep.join(strs[x - low] for x in nums)
 
     # The numbers on the cards, for these n, low, high.
     modes, modes_score = _position_modes(n, low, high)
@@ -338,6 +314,46 @@ def sort_task(
             ),
         ),
     }
+    return rewards
+
+
+def sort_task(
+    n: int = 5,
+    low: int = 0,
+    high: int = 9,
+    heldout: int = 1000,
+    train: int | None = None,
+    seed: int = 0,
+) -> Task:
+    """The sorting task: n numbers from [low, high], the answer is them sorted.
+
+    ``heldout`` distinct prompts are drawn with ``random.Random(seed)``; train never contains
+    them. When the space of lists ((high-low+1)**n) is at most ENUMERATE_LIMIT, every list is
+    shuffled once with that generator: held out are the first ``heldout``, train is the rest
+    (or the next ``train`` of them). Larger spaces draw ``heldout`` and then ``train``
+    (default DEFAULT_TRAIN) distinct lists. The same arguments always give the same task.
+    """
+    for k, v in (("n", n), ("low", low), ("high", high), ("heldout", heldout)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"sort_task: {k} must be an int, got {v!r}")
+    if train is not None and (isinstance(train, bool) or not isinstance(train, int) or train < 1):
+        raise ValueError(f"sort_task: train must be None or a positive int, got {train!r}")
+    if n < 2:
+        raise ValueError(f"sort_task: n must be at least 2 (a list to sort), got {n}")
+    if not 0 <= low < high:
+        raise ValueError(f"sort_task: need 0 <= low < high, got low={low}, high={high}")
+    if heldout < 1:
+        raise ValueError(f"sort_task: heldout must be at least 1, got {heldout}")
+
+    width = len(str(high))
+    sep = "" if width == 1 else SEP
+    strs = [str(x).zfill(width) for x in range(low, high + 1)]  # zero-padded: sorts as numbers
+
+    def example(items: tuple[str, ...]) -> Example:
+        return Example(prompt=sep.join(items) + "=", answer=sep.join(sorted(items)))
+
+    held_lists, train_lists = _split_lists(strs, n, heldout, train, seed)
+    rewards = _rewards(n, low, high, sep)
     alphabet = "0123456789" + ("" if width == 1 else SEP) + "="
     return Task(
         name=f"sort-{n}" if (low, high) == (0, 9) else f"sort-{n}-{low}-{high}",

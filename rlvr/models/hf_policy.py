@@ -1,0 +1,292 @@
+"""``HFPolicy``: a transformers causal LM (optionally under a peft LoRA wrapper) with the rlvr policy surface.
+
+``HFPolicy`` has the surface ``rlvr.sampling`` uses: ``forward(ids, *, attention_mask,
+positions, cache, logits_to_keep) -> float32 logits``, ``new_cache(batch_size, max_len)``,
+``config.block_size``, ``num_params()``, ``flops_per_token()``, ``save_pretrained()``. So
+``sampling.generate`` and ``sampling.sequence_token_logprobs`` work unchanged, and the logp
+stored at sampling time equals the trainer's recomputation (to float rounding; tested at 1e-5).
+
+A plain ``LlamaForCausalLM`` runs through the lean forward of ``rlvr.models.lean_llama`` (same
+logits, a fraction of transformers' per-call overhead); ``fast=False`` or ``policy.fast_path =
+False`` force the transformers forward, and ``policy.fast_unsupported`` says why a model cannot take
+the lean one (None = it can). Conventions (left padding, positions, dropout off) are in
+``rlvr.models.hf``. ``transformers`` is imported inside functions only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from rlvr.models.lean_llama import (LeanCache, RopeTable, init_rows, lean_forward, lean_llama_unsupported,
+                                    peft_unsupported, repeat_rows)
+
+
+# ---------------------------------------------------------------------- cache
+class HFCache:
+    """transformers' ``DynamicCache`` plus the running attention mask and each row's next position.
+
+    ``mask`` (B, length) long is the attention mask of every column seen so far (HF needs the full
+    mask on each call); ``next_pos`` (B,) is each row's count of real tokens; ``max_len`` is the
+    column budget (the DynamicCache grows, but a call past ``max_len`` raises like ``KVCache``).
+    """
+
+    def __init__(self, dynamic_cache, batch_size: int, max_len: int, device):
+        init_rows(self, batch_size, max_len, device)
+        self.dc = dynamic_cache
+
+    length = property(lambda self: self.mask.size(1))
+    batch_size = property(lambda self: self.mask.size(0))
+
+    def repeat_interleave(self, repeats: int) -> "HFCache":
+        """Row b becomes rows b*repeats ... b*repeats+repeats-1. IN PLACE (DynamicCache repeats in
+        place); returns ``self`` so it can be used like ``KVCache.repeat_interleave``."""
+        self.dc.batch_repeat_interleave(repeats)
+        repeat_rows(self, repeats)
+        return self
+
+
+class _BlockConfig:
+    """The bit of config ``rlvr.sampling`` reads (``block_size``), plus the HF config."""
+
+    def __init__(self, hf_config, block_size: int | None):
+        self.hf = hf_config
+        self.block_size = block_size
+        self.vocab_size = getattr(hf_config, "vocab_size", None)
+
+
+def _block_size(cfg) -> int | None:
+    for name in ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length"):
+        v = getattr(cfg, name, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
+@contextlib.contextmanager
+def no_progress_bars():
+    """transformers' per-load / per-save tqdm bars off for the block (restored after)."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # pragma: no cover
+        yield
+        return
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
+
+# ---------------------------------------------------------------------- policy
+class HFPolicy(nn.Module):
+    """A ``transformers`` causal LM (optionally a peft LoRA model) with the rlvr policy surface."""
+
+    differentiable_cache = True
+    """Its KV cache (``LeanCache`` or DynamicCache, both grown with torch.cat) carries gradients, so
+    the trainer may run a group's shared prompt once (``rlvr.sampling.sequence_token_logprobs(group_size=G)``)."""
+
+    def __init__(self, model: nn.Module, *, source: str | None = None, load_note: str = "", fast: bool = True):
+        super().__init__()
+        self.model = model
+        self.source = source
+        self.load_note = load_note
+        hf_cfg = model.config
+        self.config = _BlockConfig(hf_cfg, _block_size(hf_cfg))
+        fwd = self._hf_model().forward
+        params = inspect.signature(fwd).parameters
+        self._has_logits_to_keep = "logits_to_keep" in params
+        # transformers >= 5.2x renamed past_key_values -> cache (the old name warns)
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.fast_path = bool(fast)
+        """Use the lean Llama forward when the model supports it (``fast_unsupported`` is None).
+        Set False to force the transformers forward (an escape hatch; also what the tests compare to)."""
+        self.fast_unsupported: str | None = (lean_llama_unsupported(self._hf_model())
+                                             or peft_unsupported(self.model))
+        """Why the lean Llama forward cannot be used for this model (None = it can)."""
+        self._rope = RopeTable()
+
+    # ------------------------------------------------------------------ structure
+    @property
+    def has_adapter(self) -> bool:
+        return hasattr(self.model, "disable_adapter") and hasattr(self.model, "peft_config")
+
+    def _hf_model(self) -> nn.Module:
+        """The transformers model (under the peft wrapper when there is one)."""
+        return self.model.get_base_model() if self.has_adapter else self.model
+
+    @property
+    def hf_config(self):
+        return self.model.config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None, cache: HFCache | None = None,
+                logits_to_keep: int | None = None) -> torch.Tensor:
+        """Float32 logits (B, L, V), or (B, logits_to_keep, V) for the last positions only.
+
+        ``attention_mask`` (B, L) marks real tokens (None = all real). With ``cache`` the mask
+        columns are appended to ``cache.mask`` and positions continue from ``cache.next_pos``.
+        ``positions`` (B, L) overrides the computed position ids.
+        """
+        B, L = ids.shape
+        am = (torch.ones_like(ids, dtype=torch.long) if attention_mask is None
+              else attention_mask.to(device=ids.device, dtype=torch.long))                  # (B, L)
+        if cache is not None:
+            if cache.length + L > cache.max_len:
+                raise ValueError(f"KV cache full: {cache.length} + {L} tokens > max_len {cache.max_len}")
+            full_am = torch.cat([cache.mask, am], dim=1)                                    # (B, S)
+        else:
+            full_am = am
+        if positions is None:
+            positions = (am.cumsum(1) - 1).clamp_min(0)                                     # (B, L)
+            if cache is not None:
+                positions = positions + cache.next_pos.unsqueeze(1)
+        bs = self.config.block_size
+        if bs is not None and L > 0 and int(positions.max()) >= bs:
+            raise ValueError(f"position {int(positions.max())} >= block_size {bs} (max_position_embeddings)")
+
+        if isinstance(cache, LeanCache) or (cache is None and self._lean_active()):
+            logits = lean_forward(self._hf_model(), ids, full_am, positions, cache, logits_to_keep,
+                                  self._rope, self.config.block_size)
+            if cache is not None:
+                cache.mask = full_am
+                cache.next_pos = cache.next_pos + am.sum(1)
+            return logits.float()
+
+        kwargs = dict(input_ids=ids, attention_mask=full_am, position_ids=positions,
+                      use_cache=cache is not None, return_dict=True)
+        if cache is not None:
+            kwargs[self._cache_kw] = cache.dc
+        if logits_to_keep is not None and self._has_logits_to_keep:
+            kwargs["logits_to_keep"] = int(logits_to_keep)
+        out = self.model(**kwargs)
+        logits = out.logits
+        if logits_to_keep is not None and logits.size(1) != logits_to_keep:
+            logits = logits[:, -logits_to_keep:]
+        if cache is not None:
+            cache.mask = full_am
+            cache.next_pos = cache.next_pos + am.sum(1)
+            new_dc = out.get("cache") if "cache" in out else out.get("past_key_values")
+            if new_dc is not None and new_dc is not cache.dc:
+                cache.dc = new_dc
+        return logits.float()
+
+    def new_cache(self, batch_size: int, max_len: int) -> HFCache | LeanCache:
+        """An empty cache for ``batch_size`` rows: a ``LeanCache`` when the lean Llama forward is in
+        use, else an ``HFCache`` (DynamicCache built from the model config). ``forward`` picks the
+        path from the cache's type, so a cache keeps its path even if ``fast_path`` changes."""
+        if self._lean_active():
+            return LeanCache(self._hf_model().config.num_hidden_layers, batch_size, max_len,
+                             next(self.model.parameters()).device)
+        from transformers import DynamicCache
+
+        try:
+            dc = DynamicCache(config=self._hf_model().config)
+        except TypeError:  # older transformers
+            dc = DynamicCache()
+        return HFCache(dc, batch_size, max_len, next(self.model.parameters()).device)
+
+    # ------------------------------------------------------------------ lean Llama forward
+    @property
+    def uses_fast_path(self) -> bool:
+        """True when a call without a cache would take the lean Llama forward now."""
+        return self._lean_active()
+
+    def _lean_active(self) -> bool:
+        if not self.fast_path or self.fast_unsupported is not None:
+            return False
+        # gradient checkpointing lives in transformers' layer call; honour it by falling back
+        return not (self.training and getattr(self._hf_model().model, "gradient_checkpointing", False))
+
+    # ------------------------------------------------------------------ LoRA reference
+    @contextlib.contextmanager
+    def adapter_disabled(self):
+        """Run the base model (adapter off) inside the block: the reference policy without a copy.
+
+        ``with torch.no_grad(), policy.adapter_disabled(): logp_ref = sequence_token_logprobs(policy, ...)``.
+        Raises ``ValueError`` for a policy without a LoRA adapter (deep-copy it for a reference).
+        """
+        if not self.has_adapter:
+            raise ValueError("adapter_disabled(): this policy has no LoRA adapter; use a frozen copy as reference")
+        with self.model.disable_adapter():
+            yield self
+
+    reference = adapter_disabled
+
+    # ------------------------------------------------------------------ accounting
+    def num_params(self) -> int:
+        """Distinct parameters (tied weights once; LoRA adapter weights included)."""
+        return sum(p.numel() for p in self.model.parameters())
+
+    def trainable_params(self) -> list[nn.Parameter]:
+        """The parameters with ``requires_grad`` (the adapter only under LoRA): give these to the optimizer."""
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def _matmul_params(self) -> tuple[int, int]:
+        """(all, trainable) weight elements of Linear / GPT-2 Conv1D layers, the output head included."""
+        n = n_train = 0
+        for m in self.model.modules():
+            w = getattr(m, "weight", None)
+            if isinstance(w, torch.Tensor) and (isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"):
+                n += w.numel()
+                n_train += w.numel() if w.requires_grad else 0
+        return n, n_train
+
+    def flops_per_token(self, seq_len: float | None = None, *, training: bool = True) -> int:
+        """FLOPs per token: forward ``2 N + 4 n_layer d seq_len``; training adds the backward.
+
+        N = weights of every Linear (and GPT-2 Conv1D), output head included, input embedding
+        excluded (a lookup); LoRA A/B matrices count as Linear layers. The backward costs 2 N for
+        input gradients plus 2 N_trainable for weight gradients, so training is
+        ``4 N + 2 N_trainable + 12 n_layer d seq_len`` — the usual 6 N for full fine-tuning,
+        nearer 4 N under LoRA. ``seq_len`` is the mean number of keys a token attends to: pass the
+        run's ``rlvr.costs.attended_keys(prompt_tokens, response_tokens)`` (``rlvr.costs.
+        model_flops_per_token`` does); the default, ``block_size`` (the model's maximum context, 8,192
+        for SmolLM2), is only a loose upper bound.
+        """
+        cfg = self._hf_model().config.get_text_config() if hasattr(self.hf_config, "get_text_config") else self.hf_config
+        n_layer = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer")
+        d = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd")
+        T = (self.config.block_size or 0) if seq_len is None else seq_len
+        n, n_train = self._matmul_params()
+        if training:
+            return round(4 * n + 2 * n_train + 12 * n_layer * d * T)
+        return round(2 * n + 4 * n_layer * d * T)
+
+    # ------------------------------------------------------------------ save
+    def merged_model(self) -> nn.Module:
+        """A plain transformers model with the adapter merged in (a copy; the live model is untouched).
+
+        Without an adapter, the wrapped model itself.
+        """
+        if not self.has_adapter:
+            return self.model
+        return copy.deepcopy(self.model).merge_and_unload()
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """HF format into ``directory``: ``model.safetensors`` (sharded when large) + ``config.json``.
+
+        With LoRA the weights are merged (on a copy) and the adapter alone goes to ``directory/adapter``.
+        Tokenizer files are written by ``HFTokenizer.save`` (``export_hf`` does both).
+        """
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        with no_progress_bars():
+            merged = self.merged_model()
+            merged.save_pretrained(str(d), safe_serialization=True)
+            if self.has_adapter:
+                self.model.save_pretrained(str(d / "adapter"), safe_serialization=True)
+

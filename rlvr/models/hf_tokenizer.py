@@ -1,0 +1,109 @@
+"""``HFTokenizer``: a transformers tokenizer with the ``CharTokenizer`` surface the trainer uses.
+
+``encode`` / ``decode`` / ``encode_prompt`` (chat templates) / ``save`` / ``load`` and the ids
+``pad_id``, ``eos_id``, ``bos_id``. ``decode`` does not stop at eos by default, exactly like
+``CharTokenizer.decode``: the sampler pads every column after a row's eos, so a rollout decodes to
+its response either way; ``decode(ids, stop_at_eos=True)`` cuts at the first eos.
+``transformers`` is imported inside functions only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class HFTokenizer:
+    """A transformers tokenizer with the ``CharTokenizer`` surface the trainer uses.
+
+    ``encode(text)`` never appends eos and adds no special tokens except a leading BOS when the
+    tokenizer adds one by default (Llama-style ``add_bos_token``); ``bos=True/False`` forces it.
+    """
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        with_sp = tokenizer.encode("a", add_special_tokens=True)
+        without = tokenizer.encode("a", add_special_tokens=False)
+        self.adds_bos = (tokenizer.bos_token_id is not None and len(with_sp) > len(without)
+                         and with_sp[0] == tokenizer.bos_token_id)
+
+        # read once: transformers' token-id properties cost microseconds of Python each
+        self.pad_id: int = tokenizer.pad_token_id
+        self.eos_id: int | None = tokenizer.eos_token_id
+        self.bos_id: int | None = tokenizer.bos_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        """``len(tokenizer)``, added tokens included (the model's embedding may be larger)."""
+        return len(self.tok)
+
+    @property
+    def special_ids(self) -> tuple[int, ...]:
+        return tuple(self.tok.all_special_ids)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tok, "chat_template", None))
+
+    def encode(self, text: str, *, bos: bool | None = None, eos: bool = False) -> list[int]:
+        """Ids of ``text``: no specials, except BOS first when the tokenizer adds it by default
+        (or ``bos=True``), and eos last only with ``eos=True``."""
+        ids = self._ids(text)
+        want_bos = self.adds_bos if bos is None else bos
+        if want_bos and self.bos_id is not None:
+            ids = [self.bos_id] + ids
+        if eos and self.eos_id is not None:
+            ids = ids + [self.eos_id]
+        return ids
+
+    def _ids(self, text: str) -> list[int]:
+        # the Rust backend directly: transformers' own encode costs ~100 µs of Python per call
+        backend = getattr(self.tok, "backend_tokenizer", None)
+        if backend is not None:
+            return backend.encode(text, add_special_tokens=False).ids
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+    def encode_prompt(self, prompt) -> list[int]:
+        """A plain string goes through ``encode``; a list of ``{"role", "content"}`` messages through
+        the chat template with ``add_generation_prompt=True`` (the template supplies BOS itself)."""
+        if isinstance(prompt, str):
+            return self.encode(prompt)
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                            for m in prompt):
+            raise ValueError("encode_prompt: expected a string or a list of {'role', 'content'} dicts, "
+                             f"got {type(prompt).__name__}")
+        if not self.has_chat_template:
+            raise ValueError("encode_prompt: the task gives chat messages but the tokenizer has no chat_template")
+        ids = self.tok.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True, return_dict=False)
+        if hasattr(ids, "keys"):  # a BatchEncoding on some versions
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def decode(self, ids, *, stop_at_eos: bool = False) -> str:
+        """Text of ``ids`` (list or 1-D tensor) with every special token skipped; with ``stop_at_eos``
+        everything from the first eos on is ignored. The default (no stop) is ``CharTokenizer``'s."""
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
+        ids = list(ids)
+        if stop_at_eos and self.eos_id is not None and self.eos_id in ids:
+            ids = ids[:ids.index(self.eos_id)]
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def save(self, path: str | Path) -> None:
+        """``save_pretrained`` into the directory ``path``; a path ending in ``.json`` (as the trainer
+        passes ``ckpt/"tokenizer.json"``) means its parent directory (where HF writes tokenizer.json)."""
+        p = Path(path)
+        if p.suffix == ".json":
+            p = p.parent
+        p.mkdir(parents=True, exist_ok=True)
+        self.tok.save_pretrained(str(p))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "HFTokenizer":
+        from transformers import AutoTokenizer
+
+        p = Path(path)
+        return cls(AutoTokenizer.from_pretrained(str(p.parent if p.suffix == ".json" else p), local_files_only=True))
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({type(self.tok).__name__}, vocab={self.vocab_size}, pad={self.pad_id}, eos={self.eos_id})"
+

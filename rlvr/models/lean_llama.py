@@ -1,0 +1,249 @@
+"""The lean Llama forward: a stock ``LlamaForCausalLM``'s own weights with transformers' glue replaced.
+
+``lean_forward`` calls the model's weight-holding submodules (embeddings, norms, q/k/v/o
+projections, MLPs, head; so peft LoRA layers and ``disable_adapter()`` act as usual) but replaces
+transformers' glue (mask building, DynamicCache, rotary module, output capture) with a few tensor
+ops, a ``RopeTable`` and a ``LeanCache``. Same logits to float rounding (tested at 1e-5 against the
+transformers forward); several times less per-call overhead on small models.
+
+``lean_llama_unsupported(model)`` / ``peft_unsupported(model)`` say why a model cannot take this
+path (None = it can): it needs a plain ``LlamaForCausalLM`` (default RoPE over the full head dim,
+no sliding window, no attention dropout) and, under peft, LoRA adapters only.
+
+Shapes: B rows, L tokens in this call, S keys attended (cache length + L), H query heads, Hkv
+key/value heads, D head dim, rep = H // Hkv.
+
+``transformers`` is imported inside the functions only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SMALL_ATTENTION = 16384
+"""On CPU, queries x keys (L * S) up to this use explicit matmul attention (a few small ops, ~3x
+cheaper than the CPU SDPA kernels at RL-sized shapes); larger ones use SDPA (no score matrix)."""
+
+
+# ---------------------------------------------------------------------- cache bookkeeping
+def init_rows(cache, batch_size: int, max_len: int, device) -> None:
+    """The bookkeeping every rlvr KV cache shares: column budget ``max_len``, the running attention
+    mask ``mask`` (B, S) long of every column seen so far, each row's next position ``next_pos`` (B,)."""
+    cache.max_len = max_len
+    cache.mask = torch.zeros(batch_size, 0, dtype=torch.long, device=device)
+    cache.next_pos = torch.zeros(batch_size, dtype=torch.long, device=device)
+
+
+def repeat_rows(cache, repeats: int) -> None:
+    """Row b of ``mask`` / ``next_pos`` becomes rows b*repeats ... b*repeats+repeats-1."""
+    cache.mask = cache.mask.repeat_interleave(repeats, dim=0)
+    cache.next_pos = cache.next_pos.repeat_interleave(repeats, dim=0)
+
+
+class LeanCache:
+    """The lean path's KV cache: per-layer key/value tensors (B, Hkv, S, D), rotary already applied,
+    grown with ``torch.cat`` (so gradients flow through it), plus the running attention mask and
+    each row's next position (see ``init_rows``)."""
+
+    def __init__(self, n_layers: int, batch_size: int, max_len: int, device):
+        init_rows(self, batch_size, max_len, device)
+        self.k: list[torch.Tensor | None] = [None] * n_layers
+        self.v: list[torch.Tensor | None] = [None] * n_layers
+
+    length = property(lambda self: self.mask.size(1))
+    batch_size = property(lambda self: self.mask.size(0))
+
+    def repeat_interleave(self, repeats: int) -> "LeanCache":
+        """Row b becomes rows b*repeats ... b*repeats+repeats-1 (out of place per tensor, so the
+        autograd graph is kept); returns ``self`` like ``HFCache.repeat_interleave``."""
+        self.k = [None if t is None else t.repeat_interleave(repeats, dim=0) for t in self.k]
+        self.v = [None if t is None else t.repeat_interleave(repeats, dim=0) for t in self.v]
+        repeat_rows(self, repeats)
+        return self
+
+
+# ---------------------------------------------------------------------- capability checks
+def lean_llama_unsupported(hf_model: nn.Module) -> str | None:
+    """Why the lean Llama forward cannot run ``hf_model`` (None = it can).
+
+    The lean path needs a plain ``LlamaForCausalLM`` (exact class, its own layer classes), default
+    RoPE over the full head dim, no sliding window and no attention dropout.
+    """
+    try:
+        from transformers.models.llama import modeling_llama as ml
+    except ImportError:  # pragma: no cover
+        return "transformers has no Llama module"
+    if type(hf_model) is not ml.LlamaForCausalLM:
+        return f"{type(hf_model).__name__} is not LlamaForCausalLM"
+    cfg = hf_model.config
+    inner = getattr(hf_model, "model", None)
+    if type(inner) is not ml.LlamaModel:
+        return "inner model is not LlamaModel"
+    layers = list(inner.layers)
+    if len(layers) != cfg.num_hidden_layers:
+        return "layer count differs from config.num_hidden_layers"
+    for layer in layers:
+        if type(layer) is not ml.LlamaDecoderLayer or type(layer.self_attn) is not ml.LlamaAttention:
+            return "a decoder layer is not the stock LlamaDecoderLayer / LlamaAttention"
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    if not isinstance(rope, dict):
+        return f"unsupported rope parameters {rope!r}"
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        return f"rope_type {rope_type!r} (only 'default' RoPE is supported)"
+    if rope.get("partial_rotary_factor", 1.0) not in (None, 1.0):
+        return "partial rotary embedding"
+    if getattr(cfg, "sliding_window", None) is not None:
+        return "sliding-window attention"
+    if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
+        return "pretraining_tp > 1"
+    rot = getattr(inner, "rotary_emb", None)
+    if rot is not None and float(getattr(rot, "attention_scaling", 1.0)) != 1.0:
+        return "rotary attention_scaling != 1"
+    for layer in layers:
+        if float(getattr(layer.self_attn, "attention_dropout", 0.0) or 0.0) != 0.0:
+            return "attention dropout > 0"
+    return None
+
+
+def peft_unsupported(model: nn.Module) -> str | None:
+    """Only plain LoRA adapters act inside the wrapped modules; other peft types (prompt / prefix
+    tuning) change the forward itself."""
+    for name, cfg in getattr(model, "peft_config", {}).items():
+        kind = str(getattr(getattr(cfg, "peft_type", None), "value", getattr(cfg, "peft_type", "")))
+        if kind.upper() != "LORA":
+            return f"peft adapter {name!r} is {kind}, not LoRA"
+    return None
+
+
+# ---------------------------------------------------------------------- rotary tables
+class RopeTable:
+    """cos / sin tables of a Llama's default RoPE, cached per device / dtype / inverse-frequency
+    buffer and grown to the longest position needed (the block size when the model has one)."""
+
+    def __init__(self):
+        self._tables: dict = {}
+
+    def __call__(self, hf_model: nn.Module, positions: torch.Tensor, dtype: torch.dtype,
+                 block_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (B, L, 1, D) in ``dtype`` for ``positions`` (B, L) (all < ``block_size``).
+
+        As transformers does: ``freqs = pos.float() * inv_freq`` in float32, ``emb = cat(freqs,
+        freqs)``, cos / sin in float32, cast to the activations' dtype. ``sin`` is returned with its
+        first half negated so that ``rotate_half(x) * sin == x.roll(D // 2, -1) * sin_signed``
+        (exactly: negation is exact).
+        """
+        inv_freq = _inv_freq(hf_model, positions.device)
+        dev = positions.device
+        key = (dev, dtype, inv_freq.data_ptr(), inv_freq.dtype, inv_freq._version)
+        tab = self._tables.get(key)
+        need = block_size if block_size is not None else (int(positions.max()) + 1 if positions.numel() else 1)
+        if tab is None or tab[0].size(0) < need:
+            n = max(need, 64)
+            f = inv_freq.to(device=dev, dtype=torch.float)
+            freqs = torch.arange(n, device=dev, dtype=torch.long).float()[:, None] * f   # (n, D/2)
+            cos_h, sin_h = freqs.cos(), freqs.sin()
+            cos = torch.cat([cos_h, cos_h], dim=-1).to(dtype)
+            sin = torch.cat([-sin_h, sin_h], dim=-1).to(dtype)
+            self._tables = {k: v for k, v in self._tables.items() if k[:2] != key[:2]}  # stale
+            tab = self._tables[key] = (cos, sin)
+        cos, sin = tab
+        return cos[positions].unsqueeze(2), sin[positions].unsqueeze(2)
+
+
+def _inv_freq(hf_model: nn.Module, device) -> torch.Tensor:
+    """The model's rotary ``inv_freq`` buffer (D/2,), or the default-RoPE formula from its config."""
+    rot = getattr(hf_model.model, "rotary_emb", None)
+    inv_freq = getattr(rot, "inv_freq", None)
+    if inv_freq is not None:
+        return inv_freq
+    cfg = hf_model.config  # pragma: no cover - stock Llama always has the buffer
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    base = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim))
+
+
+# ---------------------------------------------------------------------- forward
+def _attend_mask(full_am: torch.Tensor, past: int, L: int) -> torch.Tensor:
+    """(B, L, S) bool, True = attend: key column j <= query column past+i, and the key is real or it
+    is the query's own column (so no row is fully masked and pad queries stay finite)."""
+    keym = full_am.bool()                                                        # (B, S)
+    S = keym.size(1)
+    if L == 1:
+        mask = keym.clone()
+        mask[:, -1] = True
+        return mask[:, None, :]                                                  # (B, 1, S)
+    qcol = torch.arange(past, S, device=full_am.device)[:, None]                 # (L, 1)
+    kcol = torch.arange(S, device=full_am.device)[None, :]                       # (1, S)
+    return (keym[:, None, :] | (kcol == qcol)[None]) & (kcol <= qcol)[None]      # (B, L, S)
+
+
+def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, positions: torch.Tensor,
+                 cache: LeanCache | None, logits_to_keep: int | None, rope: RopeTable,
+                 block_size: int | None) -> torch.Tensor:
+    """Logits (B, L or logits_to_keep, V) in the weights' dtype of a stock ``LlamaForCausalLM``.
+
+    ``ids`` (B, L); ``full_am`` (B, S) the attention mask of the cached columns and these;
+    ``positions`` (B, L). With ``cache`` the new keys / values are appended to it (the caller
+    updates its mask and positions). RoPE from ``rope``, GQA by grouping the query heads of a kv
+    head (or a head repeat for SDPA), explicit matmul attention for small CPU shapes else SDPA with
+    a boolean mask, and ``logits_to_keep`` applied before the final norm and head.
+    """
+    inner = hf_model.model
+    B, L = ids.shape
+    past = 0 if cache is None else cache.length
+    S = past + L
+    h = inner.embed_tokens(ids)                                                  # (B, L, d)
+    cos, sin = rope(hf_model, positions, h.dtype, block_size)                    # (B, L, 1, D)
+    mask = _attend_mask(full_am, past, L)                                        # (B, L|1, S)
+
+    cfg = hf_model.config
+    H = cfg.num_attention_heads
+    Hkv = getattr(cfg, "num_key_value_heads", None) or H
+    rep = H // Hkv
+    small = ids.device.type == "cpu" and L * S <= SMALL_ATTENTION
+    if small:  # one additive mask shared by every layer: (B*Hkv, rep*L, S)
+        addmask = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(~mask, float("-inf"))
+        addmask = addmask[:, None, None].expand(B, Hkv, rep, L, S).reshape(B * Hkv, rep * L, S)
+    else:
+        sdpa_mask = mask[:, None]                                                # (B, 1, L, S)
+
+    for li, layer in enumerate(inner.layers):
+        attn = layer.self_attn
+        D = attn.head_dim
+        x = layer.input_layernorm(h)
+        q = attn.q_proj(x).view(B, L, H, D)
+        k = attn.k_proj(x).view(B, L, Hkv, D)
+        v = attn.v_proj(x).view(B, L, Hkv, D).transpose(1, 2)                    # (B, Hkv, L, D)
+        q = (q * cos + q.roll(D // 2, dims=-1) * sin).transpose(1, 2)            # (B, H, L, D)
+        k = (k * cos + k.roll(D // 2, dims=-1) * sin).transpose(1, 2)            # (B, Hkv, L, D)
+        if cache is not None:
+            if cache.k[li] is not None:
+                k = torch.cat([cache.k[li], k], dim=2)
+                v = torch.cat([cache.v[li], v], dim=2)
+            cache.k[li], cache.v[li] = k, v
+        if small:
+            # the rep query heads of a kv head attend to its keys as one batch: no head repeat
+            s_ = torch.baddbmm(addmask, q.reshape(B * Hkv, rep * L, D),
+                               k.reshape(B * Hkv, S, D).transpose(1, 2), alpha=attn.scaling)
+            pr = torch.softmax(s_, dim=-1, dtype=torch.float32).to(v.dtype)
+            o = torch.bmm(pr, v.reshape(B * Hkv, S, D))                          # (B*Hkv, rep*L, D)
+        elif rep > 1 and L == 1:    # one query: group the heads as queries of their kv head
+            o = F.scaled_dot_product_attention(q.reshape(B, Hkv, rep, D), k, v, attn_mask=sdpa_mask,
+                                               scale=attn.scaling)
+        else:
+            if rep > 1:
+                k = k[:, :, None].expand(B, Hkv, rep, S, D).reshape(B, H, S, D)
+                v = v[:, :, None].expand(B, Hkv, rep, S, D).reshape(B, H, S, D)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask, scale=attn.scaling)
+        o = o.reshape(B, H, L, D).transpose(1, 2).reshape(B, L, H * D)
+        h = h + attn.o_proj(o)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+
+    k_keep = int(logits_to_keep) if logits_to_keep is not None else 0
+    if 0 < k_keep < L:
+        h = h[:, -k_keep:]
+    return hf_model.lm_head(inner.norm(h))

@@ -1,0 +1,189 @@
+"""Arithmetic in chat form: "What is 23 + 45? Reply with the number only." for pretrained chat models.
+
+Problems
+--------
+``ops`` is any of ``+ - *`` (e.g. ``"+"`` or ``"+-*"``); each operand has exactly ``digits``
+digits (``digits=1``: 0 to 9; ``digits=2``: 10 to 99; ...). Subtraction puts the larger operand
+first, so every answer is a whole number >= 0. A problem is ``(op, a, b)`` with the operand pair
+unordered for ``+`` and ``*`` (``23 + 45`` and ``45 + 23`` are one problem, shown in one order
+drawn with the seed), so the held-out set is disjoint from train by operand pair, not only by
+prompt text.
+
+Prompts
+-------
+``prompt_template`` (default ``"What is {a} {op} {b}? Reply with the number only."``) gives
+``Example.prompt``; ``Example.meta["messages"]`` holds it as one user message, so a Hugging Face
+tokenizer with a chat template encodes it as a chat turn (``rlvr.tokenizer.encode_example``) and the
+built-in character tokenizer reads the plain prompt. ``meta`` also keeps ``a``, ``op``, ``b``.
+
+Reading a number
+----------------
+``numbers(text)`` finds integers and decimals, with an optional leading minus sign and ``,``
+thousands separators (``"1,234"`` is 1234, ``"1,2,3"`` is 1, 2, 3); a minus sign right after a
+digit is an operator (``"23-45"`` gives 23 and 45). ``last_number(text)`` is the last of them.
+
+Rewards
+-------
+* ``correct``: 1.0 when the last number in the reply equals the answer (``68``, ``68.0``, ``"23 +
+  45 = 68"`` and ``"It is 68."`` all score 1.0), else 0.0.
+* ``format``: 1.0 when the reply is one number and nothing else (surrounding whitespace allowed),
+  else 0.0; right or wrong. A small shaping term beside ``correct``:
+  ``task.reward_weights = {correct = 1.0, format = 0.1}``.
+
+The goal is exact correctness: the last number in the reply equals the answer exactly (the check
+of ``correct``).
+"""
+
+from __future__ import annotations
+
+import operator
+import random
+import re
+import string
+from decimal import Decimal
+
+from rlvr.rewards import Reward, RewardCard
+from rlvr.tasks import Example, Task
+
+DEFAULT_TEMPLATE = "What is {a} {op} {b}? Reply with the number only."
+"""The prompt; ``{a}``, ``{op}`` and ``{b}`` are filled in."""
+OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+"""The operations and how each answer is computed."""
+OP_NAMES = {"+": "add", "-": "sub", "*": "mul"}
+COMMUTATIVE = frozenset("+*")
+ENUMERATE_LIMIT = 200_000
+"""Problem spaces of at most this many problems are enumerated and shuffled; larger ones are sampled."""
+NUMBER = re.compile(r"(?<![\d.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+"""An integer or decimal, optional minus, optional thousands commas; not glued to a digit or '.' before it."""
+
+
+def numbers(text: str) -> list[Decimal]:
+    """Every number in ``text``, in order (see the module docstring for what counts)."""
+    return [Decimal(m.group().replace(",", "")) for m in NUMBER.finditer(text)]
+
+
+def last_number(text: str) -> Decimal | None:
+    """The last number in ``text``, or None when there is none."""
+    found = numbers(text)
+    return found[-1] if found else None
+
+
+def correct(prompt: str, response: str, answer: int) -> float:
+    """1.0 when the last number in the reply equals ``answer``, else 0.0."""
+    return 1.0 if last_number(response) == answer else 0.0
+
+
+def goal(prompt: str, response: str, answer: int) -> bool:
+    """Exact correctness: the last number in the reply is the answer."""
+    return last_number(response) == answer
+
+
+def format_reward(prompt: str, response: str, answer: int) -> float:
+    """1.0 when the reply is a single number and nothing else (whitespace around it allowed), else 0.0."""
+    return 1.0 if NUMBER.fullmatch(response.strip()) else 0.0
+
+
+def _operand_range(digits: int) -> range:
+    return range(0, 10) if digits == 1 else range(10 ** (digits - 1), 10 ** digits)
+
+
+def _canonical(op: str, a: int, b: int) -> tuple[str, int, int]:
+    """One key per problem: the larger operand first for '-', the pair sorted for '+' and '*'."""
+    return (op, max(a, b), min(a, b)) if op == "-" else (op, min(a, b), max(a, b))
+
+
+def _problems(ops: str, digits: int, need: int, rng: random.Random) -> list[tuple[str, int, int]]:
+    """``need`` distinct problems (canonical keys) in a seeded random order."""
+    nums = _operand_range(digits)
+    n = len(nums)
+    per_op = n * (n + 1) // 2                                # unordered pairs with repeats, and a >= b for '-'
+    space = per_op * len(ops)
+    if need > space:
+        raise ValueError(f"arith_task: {need} problems asked for, but ops={ops!r} with {digits}-digit operands "
+                         f"have only {space}")
+    if space <= ENUMERATE_LIMIT:
+        keys = [_canonical(op, nums[i], nums[j]) for op in ops for i in range(n) for j in range(i, n)]
+        rng.shuffle(keys)
+        return keys[:need]
+    if need > space // 2:
+        raise ValueError(f"arith_task: {need} problems is more than half of the {space} possible; ask for fewer")
+    chosen: dict[tuple[str, int, int], None] = {}            # an insertion-ordered set
+    while len(chosen) < need:
+        chosen.setdefault(_canonical(rng.choice(ops), rng.choice(nums), rng.choice(nums)), None)
+    return list(chosen)
+
+
+def _check_args(ops: str, digits: int, heldout: int, n_train: int | None, prompt_template: str) -> None:
+    if not isinstance(ops, str) or not ops or any(c not in OPS for c in ops) or len(set(ops)) != len(ops):
+        raise ValueError(f"arith_task: ops must be distinct characters of {''.join(OPS)!r}, got {ops!r}")
+    for k, v in (("digits", digits), ("heldout", heldout)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"arith_task: {k} must be a positive int, got {v!r}")
+    if digits > 9:
+        raise ValueError(f"arith_task: digits must be at most 9, got {digits}")
+    if n_train is not None and (isinstance(n_train, bool) or not isinstance(n_train, int) or n_train < 1):
+        raise ValueError(f"arith_task: n_train must be None or a positive int, got {n_train!r}")
+    fields = {f for _, f, _, _ in string.Formatter().parse(prompt_template) if f is not None}
+    if not {"a", "b"} <= fields or not fields <= {"a", "b", "op"}:
+        raise ValueError(f"arith_task: prompt_template must use {{a}} and {{b}} (and may use {{op}}) and no other "
+                         f"field, got {prompt_template!r}")
+    if len(ops) > 1 and "op" not in fields:
+        raise ValueError(f"arith_task: with several ops the prompt_template must show {{op}}, got {prompt_template!r}")
+
+
+def arith_task(ops: str = "+", digits: int = 2, n_train: int | None = None, heldout: int = 200, seed: int = 0,
+               prompt_template: str = DEFAULT_TEMPLATE, max_new_tokens: int = 16) -> Task:
+    """The arithmetic task: ``a op b`` for ``op`` in ``ops`` and ``digits``-digit operands.
+
+    ``heldout`` problems are drawn first with ``random.Random(seed)``, then ``n_train`` more for
+    train (None = every remaining problem when the space is enumerated, else 100,000 or half the
+    space, whichever is smaller). The same arguments always give the same task.
+    """
+    _check_args(ops, digits, heldout, n_train, prompt_template)
+    rng = random.Random(seed)
+    nums = _operand_range(digits)
+    space = len(nums) * (len(nums) + 1) // 2 * len(ops)
+    if n_train is None:
+        n_train = space - heldout if space <= ENUMERATE_LIMIT else min(100_000, space // 2 - heldout)
+        if n_train < 1:
+            raise ValueError(f"arith_task: heldout={heldout} leaves no training problems out of {space}")
+    keys = _problems(ops, digits, heldout + n_train, rng)
+
+    def example(key: tuple[str, int, int]) -> Example:
+        op, a, b = key
+        if op in COMMUTATIVE and rng.random() < 0.5:         # show one of the two orders
+            a, b = b, a
+        prompt = prompt_template.format(a=a, op=op, b=b)
+        return Example(prompt=prompt, answer=OPS[op](a, b),
+                       meta={"messages": [{"role": "user", "content": prompt}], "a": a, "op": op, "b": b})
+
+    def format_exploit(ex: Example) -> str:
+        """A bare number that is wrong: the answer plus one."""
+        return str(ex.answer + 1)
+
+    rewards = {
+        "correct": Reward("correct", correct, RewardCard(
+            pays_for="a reply whose last number (integer or decimal, optional minus and thousands commas) "
+                     "equals the answer exactly",
+            ignores="everything before the last number: wrong working, repeated operands, chatter, and "
+                    "whether the reply is only a number",
+            exploit="none known that fails the goal: it is the goal's own check. A reply that states a wrong "
+                    "answer and then the right one ('78, no, 68') scores 1.0, and so passes the goal too",
+            exploit_example=None,
+        )),
+        "format": Reward("format", format_reward, RewardCard(
+            pays_for="a reply that is one number and nothing else (whitespace around it allowed)",
+            ignores="whether the number is right",
+            exploit="any bare number scores the full 1.0 with the goal failed, e.g. the answer plus one; "
+                    "keep its weight small beside correct",
+            exploit_example=format_exploit,
+        )),
+    }
+    held = [example(k) for k in keys[:heldout]]
+    train = [example(k) for k in keys[heldout:]]
+    return Task(name=f"arith-{'-'.join(OP_NAMES[o] for o in ops)}-{digits}d", train=train, heldout=held,
+                rewards=rewards, goal=goal, max_new_tokens=max_new_tokens)
+
+
+TASK = arith_task
+"""``load_task("rlvr.tasks.arith", ops="+-", digits=1)``: the callable form, parameterized by kwargs."""

@@ -1,0 +1,136 @@
+"""rlvr.tasks.arith: numbers read from replies, the two rewards and their cards, the split, the prompts."""
+
+from decimal import Decimal
+
+import pytest
+
+from rlvr.rewards import score
+from rlvr.tasks import load_task
+from rlvr.tasks.arith import arith_task, correct, format_reward, goal, last_number, numbers
+from rlvr.tokenizer import encode_example
+
+P = "What is 23 + 45? Reply with the number only."
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("68", [68]),
+    ("23 + 45 = 68", [23, 45, 68]),
+    ("23-45", [23, 45]),                     # a minus glued to a digit is an operator
+    ("45 - 23 = 22, or -22 backwards", [45, 23, 22, -22]),
+    ("It is 1,234.", [1234]),                # thousands separators; the final '.' ends the sentence
+    ("1,2,3", [1, 2, 3]),                    # not thousands: two digits after a comma are too few
+    ("68.0 or 68.5", [Decimal("68.0"), Decimal("68.5")]),
+    ("no digits here", []),
+])
+def test_numbers_read_from_a_reply(text, expected):
+    assert numbers(text) == expected
+
+
+def test_correct_pays_for_the_last_number_only():
+    assert correct(P, "68", 68) == 1.0
+    assert correct(P, "23 + 45 = 68", 68) == 1.0            # working before it is ignored
+    assert correct(P, "The answer is 68.", 68) == 1.0
+    assert correct(P, "68.0", 68) == 1.0                    # the same number
+    assert correct(P, "68 or 78", 68) == 0.0                # the last number is 78
+    assert correct(P, "78, no, 68", 68) == 1.0              # the card says so: the last one counts
+    assert correct(P, "68.5", 68) == 0.0
+    assert correct(P, "", 68) == 0.0 and last_number("") is None
+    assert correct(P, "45 - 23 = -22", -22) == 1.0
+    for resp in ("68", "23 + 45 = 68", "78", "", "sixty-eight"):
+        assert goal(P, resp, 68) == (correct(P, resp, 68) == 1.0)
+
+
+def test_format_pays_for_a_bare_number_right_or_wrong():
+    assert format_reward(P, "68", 68) == 1.0
+    assert format_reward(P, " 78\n", 68) == 1.0             # wrong, but a bare number
+    assert format_reward(P, "-3", 68) == 1.0
+    assert format_reward(P, "68.", 68) == 0.0               # trailing punctuation
+    assert format_reward(P, "The answer is 68", 68) == 0.0
+    assert format_reward(P, "23 + 45 = 68", 68) == 0.0
+    assert format_reward(P, "", 68) == 0.0
+
+
+def test_cards_and_the_format_exploit():
+    task = arith_task(digits=1, heldout=5)
+    assert set(task.rewards) == {"correct", "format"}
+    assert task.rewards["correct"].card.exploit_example is None
+    ex = task.heldout[0]
+    hack = task.rewards["format"].card.exploit_example(ex)
+    assert hack == str(ex.answer + 1)
+    assert score(task.rewards["format"], ex.prompt, hack, ex.answer).value == 1.0
+    assert score(task.rewards["correct"], ex.prompt, hack, ex.answer).value == 0.0
+    assert not task.goal(ex.prompt, hack, ex.answer)
+
+
+def test_one_digit_problems_are_all_there_once_and_right():
+    task = load_task("rlvr.tasks.arith", ops="+-*", digits=1, heldout=10, seed=3)
+    assert task.name == "arith-add-sub-mul-1d" and not task.fixed_length and task.max_new_tokens == 16
+    # 0..9: 55 unordered pairs (with repeats) for + and *, 55 pairs a >= b for -: 165 problems
+    everything = list(task.train) + list(task.heldout)
+    assert len(task.heldout) == 10 and len(everything) == 165
+    keys = [(ex.meta["op"], *sorted((ex.meta["a"], ex.meta["b"]))) for ex in everything]
+    assert len(set(keys)) == 165
+    by_prompt = {ex.prompt: ex.answer for ex in everything}
+    seven_eight = by_prompt.get("What is 7 * 8? Reply with the number only.",
+                                by_prompt.get("What is 8 * 7? Reply with the number only."))
+    assert seven_eight == 56
+    assert by_prompt["What is 9 - 4? Reply with the number only."] == 5       # larger operand first
+    assert "What is 4 - 9? Reply with the number only." not in by_prompt
+    assert all(ex.answer >= 0 for ex in everything)
+    for ex in everything:
+        a, op, b = ex.meta["a"], ex.meta["op"], ex.meta["b"]
+        assert ex.prompt == f"What is {a} {op} {b}? Reply with the number only."
+        assert ex.answer == {"+": a + b, "-": a - b, "*": a * b}[op]
+        assert ex.meta["messages"] == [{"role": "user", "content": ex.prompt}]
+
+
+def test_heldout_is_disjoint_by_operand_pair_and_seeded():
+    task = arith_task(ops="+", digits=2, heldout=100, seed=0)
+    assert len(task.train) + len(task.heldout) == 90 * 91 // 2                 # 10..99, unordered pairs
+    def pairs(examples):
+        return {(min(ex.meta["a"], ex.meta["b"]), max(ex.meta["a"], ex.meta["b"])) for ex in examples}
+
+    assert len(pairs(task.heldout)) == 100 and not pairs(task.heldout) & pairs(task.train)   # 23+45 vs 45+23 too
+    assert all(10 <= ex.meta["a"] <= 99 and 10 <= ex.meta["b"] <= 99 for ex in task.heldout)
+    again = arith_task(ops="+", digits=2, heldout=100, seed=0)
+    assert [ex.prompt for ex in again.heldout] == [ex.prompt for ex in task.heldout]
+    other = arith_task(ops="+", digits=2, heldout=100, seed=1)
+    assert [ex.prompt for ex in other.heldout] != [ex.prompt for ex in task.heldout]
+    small = arith_task(ops="+", digits=2, heldout=100, n_train=50, seed=0)
+    assert len(small.train) == 50 and [ex.prompt for ex in small.heldout] == [ex.prompt for ex in task.heldout]
+    big = arith_task(ops="*", digits=4, heldout=20, n_train=30)               # 9000^2 / 2 problems: sampled
+    assert len(big.train) == 30 and all(1000 <= ex.meta["a"] <= 9999 for ex in big.train)
+    assert not pairs(big.heldout) & pairs(big.train)
+
+
+def test_prompt_template_and_bad_arguments():
+    task = arith_task(digits=1, heldout=3, prompt_template="{a}{op}{b}=")
+    assert all(ex.prompt == f"{ex.meta['a']}+{ex.meta['b']}=" for ex in task.train)
+    with pytest.raises(ValueError, match="must use {a} and {b}"):
+        arith_task(prompt_template="What is {a} plus {c}?")
+    with pytest.raises(ValueError, match="must show {op}"):
+        arith_task(ops="+-", prompt_template="{a} {b}")
+    with pytest.raises(ValueError, match="ops must be distinct characters"):
+        arith_task(ops="/")
+    with pytest.raises(ValueError, match="only 55"):
+        arith_task(digits=1, heldout=50, n_train=10)
+    with pytest.raises(ValueError, match="digits must be a positive int"):
+        arith_task(digits=0)
+
+
+def test_chat_tokenizers_get_the_messages_and_char_tokenizers_the_prompt():
+    class ChatTok:
+        has_chat_template = True
+
+        def encode_prompt(self, prompt):
+            return ["chat", prompt] if isinstance(prompt, list) else ["plain", prompt]
+
+    class CharTok:
+        has_chat_template = False
+
+        def encode_prompt(self, text):
+            return list(text)
+
+    ex = arith_task(digits=1, heldout=1).heldout[0]
+    assert encode_example(ChatTok(), ex) == ["chat", [{"role": "user", "content": ex.prompt}]]
+    assert encode_example(CharTok(), ex) == list(ex.prompt)
