@@ -253,7 +253,9 @@ def load_run(run_dir: Path, overrides: Sequence[str] = (), *, trusted: bool = Fa
         note(f"{run_dir} has no final {name}/ (the run was cut off); loading best/ ({' '.join(step.split())})")
         return (cfg, *_checkpoint(find_complete(best, name), cfg))
     if find_state(run_dir) is None:
-        raise RunError(f"{run_dir} holds no {name}/, best/ or state/ to load (the run stopped before its first save)")
+        need = run_dir / name / ("config.json" if cfg.model.path else "model.safetensors")
+        raise RunError(f"{run_dir} is not a finished run and holds nothing to load: {need} is missing, and there "
+                       f"is no best/ or state/ (the run stopped before its first save)")
     refuse_run_task(cfg, run_dir / "config.toml", overrides=overrides, trusted=trusted)
     setup = build(cfg)
     try:

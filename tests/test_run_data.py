@@ -62,7 +62,8 @@ def test_eval_of_a_run_cut_off_loads_best_then_the_last_state(tmp_path, capsys):
     assert "loading the last saved state (step 2)" in capsys.readouterr().err
     shutil.rmtree(run / "state")
     assert cli.main(["eval", str(run)]) == 2
-    assert "holds no checkpoint/, best/ or state/" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert str(run / "checkpoint" / "model.safetensors") in err and "there is no best/ or state/" in err
 
 
 def test_a_corrupt_checkpoint_is_named(tmp_path, capsys):

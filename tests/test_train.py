@@ -436,7 +436,9 @@ def test_failing_reward_is_counted_and_warned(tmp_path):
     path = tmp_path / "flaky_task.py"
     path.write_text(FLAKY_TASK)
     out = tmp_path / "run"
-    rc, stdout, stderr = train_run(out, *ONE_STEP, "--train.steps=2", f"--task.path={path}:flaky")
+    # in-process scoring: the call counter that picks the failure lives in one process
+    rc, stdout, stderr = train_run(out, *ONE_STEP, "--train.steps=2", f"--task.path={path}:flaky",
+                                   "--task.reward_workers=0")
     assert rc == 0, stderr
     rows = train_rows(out)
     assert len(rows) == 2
@@ -492,7 +494,9 @@ def test_user_task_by_file_path_trains(tmp_path):
     assert config_mod.load(out / "config.toml").task.path == f"{path}:TASK"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["eval/prompts"] == 5 and summary["sampled_tokens"] <= P * G * 4
-    rc, stdout, stderr = cli("eval", out)  # reloads the task from the file path in config.toml
+    rc, stdout, stderr = cli("eval", out)  # a run directory is data: its task file is not imported unasked
+    assert rc == 2 and "--trust-run-config" in stderr
+    rc, stdout, stderr = cli("eval", out, "--trust-run-config")  # reloads the task from the file in config.toml
     assert rc == 0, stderr
     assert json.loads(stdout)["eval/goal"] == summary["eval/goal"]
 
@@ -520,7 +524,7 @@ def test_config_toml_round_trips_a_reward_name_with_a_dot(tmp_path):
     rc, _, stderr = train_run(out, *overrides)
     assert rc == 0, stderr
     assert config_mod.load(out / "config.toml") == config_mod.load(EXAMPLE, overrides)
-    rc, _, stderr = cli("eval", out)
+    rc, _, stderr = cli("eval", out, "--trust-run-config")
     assert rc == 0, stderr
 
 
