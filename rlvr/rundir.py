@@ -95,6 +95,23 @@ class RunDir:
             raise RunError(f"--out {out}: cannot write into {where} ({e.strerror or e}); "
                            f"choose a writable directory with free space") from None
 
+    def check_space(self, price) -> None:
+        """Refuse a run whose saves cannot fit on --out's disk, before anything is written: a state save
+        writes a new copy (policy, AdamW moments, reference) beside the old one, and the final
+        checkpoint and best/ hold the policy again (each also beside its old copy)."""
+        state = price.policy_bytes + price.optimizer_bytes + price.reference_bytes
+        need = 2 * state + 4 * price.policy_bytes
+        where = self.path
+        while not where.exists() and where != where.parent:
+            where = where.parent
+        free = shutil.disk_usage(where).free
+        if free < need:
+            mib = 2**20
+            raise RunError(f"--out {self.path}: {free / mib:.1f} MiB free on its disk ({where}), but the run's saves "
+                           f"need about {need / mib:.1f} MiB (state {state / mib:.1f} MiB written beside the old copy, "
+                           f"checkpoint and best/ {price.policy_bytes / mib:.1f} MiB each); free space or choose "
+                           f"another directory")
+
     def prepare(self, *, overwrite: bool) -> None:
         """Refuse to write into an existing run unless told; nothing is deleted otherwise."""
         out = self.path

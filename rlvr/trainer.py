@@ -266,6 +266,7 @@ def start(cfg: config_mod.Config, run_dir: RunDir, *, overwrite: bool, resume: b
     run_dir.check_writable()
     setup = build(cfg)
     price = price_of(setup)
+    run_dir.check_space(price)
     if not resume:
         run_dir.prepare(overwrite=overwrite)
     run_dir.write_start(cfg, price)

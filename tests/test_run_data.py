@@ -102,3 +102,13 @@ def test_an_unwritable_out_is_refused_before_the_model_is_built(tmp_path, capsys
     err = capsys.readouterr().err
     assert f"--out {out}: cannot write into {tmp_path}" in err and why in err
     assert not (tmp_path / "out").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_a_disk_too_full_for_the_saves_is_refused_before_anything_is_written(tmp_path, capsys, monkeypatch):
+    usage = rundir.shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(rundir.shutil, "disk_usage", lambda p: usage._replace(free=50_000))
+    out = tmp_path / "run"
+    assert cli.main(["train", "examples/sort.toml", *TINY, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out}: 0.0 MiB free on its disk" in err and "the run's saves need about" in err
+    assert not out.exists()
