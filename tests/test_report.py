@@ -231,3 +231,17 @@ def test_report_on_a_real_tiny_run(tmp_path):
     for p in out.split():
         if p.endswith(".png"):
             assert Path(p).read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_an_interrupted_run_is_not_reported_as_finished(tmp_path):
+    run = make_run(tmp_path / "run", finished=False)
+    (run / "summary.json").write_text(json.dumps({"interrupted": True, "signal": "SIGINT", "exit_code": 130,
+                                                  "steps": 4, "sampled_tokens": 192}))
+    rec = report.load_run_records(run)
+    assert rec.summary is not None and not rec.finished
+    out = tmp_path / "rep"
+    rc, _, err = cli("report", run, "--out", out)
+    assert rc == 0, err
+    page = html_of(out)
+    assert "interrupted (Ctrl-C or SIGTERM; continue it with rlvr train --resume)" in page
+    assert "run not finished: it was interrupted" in page
