@@ -13,6 +13,7 @@ each rule lives in one place.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -249,8 +250,12 @@ def load_run(run_dir: Path, overrides: Sequence[str] = (), *, trusted: bool = Fa
         return (cfg, *_checkpoint(final, cfg))
     best = find_complete(run_dir, "best")
     if best is not None and find_complete(best, name) is not None:
-        step = (best / "best.json").read_text() if (best / "best.json").is_file() else "?"
-        note(f"{run_dir} has no final {name}/ (the run was cut off); loading best/ ({' '.join(step.split())})")
+        try:
+            info = json.loads((best / "best.json").read_text())
+            what = f" (step {info['step']}, eval/goal {info['eval/goal']:.4g})"
+        except (OSError, ValueError, KeyError, TypeError):
+            what = ""
+        note(f"{run_dir} has no final {name}/ (the run was cut off); loading best/{what}")
         return (cfg, *_checkpoint(find_complete(best, name), cfg))
     if find_state(run_dir) is None:
         need = run_dir / name / ("config.json" if cfg.model.path else "model.safetensors")

@@ -56,7 +56,7 @@ def test_eval_of_a_run_cut_off_loads_best_then_the_last_state(tmp_path, capsys):
     capsys.readouterr()
     shutil.rmtree(run / "checkpoint")                          # what a kill before the final save leaves
     assert cli.main(["eval", str(run), "--prompts=4"]) == 0
-    assert "loading best/" in capsys.readouterr().err
+    assert "loading best/ (step " in capsys.readouterr().err
     shutil.rmtree(run / "best")
     assert cli.main(["eval", str(run), "--prompts=4"]) == 0
     assert "loading the last saved state (step 2)" in capsys.readouterr().err
@@ -112,3 +112,19 @@ def test_a_disk_too_full_for_the_saves_is_refused_before_anything_is_written(tmp
     err = capsys.readouterr().err
     assert f"--out {out}: 0.0 MiB free on its disk" in err and "the run's saves need about" in err
     assert not out.exists()
+
+
+def test_probe_of_a_cut_off_run_does_not_import_its_task_file(file_run, tmp_path, capsys):
+    """Without a final checkpoint the probe rebuilds the model from the run's config and state,
+    which would import the run's task file: refused unless trusted."""
+    run, mark = file_run
+    cut = tmp_path / "cut"
+    shutil.copytree(run, cut)
+    shutil.rmtree(cut / "checkpoint")
+    shutil.rmtree(cut / "best")
+    mark.unlink(missing_ok=True)
+    argv = ["probe", "examples/sort.toml", *TINY, "--checkpoint", str(cut), "--prompts=2", "--samples=2"]
+    assert cli.main(argv) == 2
+    assert "a run directory is data" in capsys.readouterr().err and not mark.exists()
+    assert cli.main([*argv, "--trust-run-config"]) == 0
+    assert "loading the last saved state (step 2)" in capsys.readouterr().err and mark.exists()
