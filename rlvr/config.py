@@ -216,6 +216,9 @@ class TrainConfig:
     the same run twice on the CPU; GPU kernels may not be bitwise deterministic."""
     save_every: int = 0
     """Save resumable state (RUN_DIR/state) every N steps; 0 = at each evaluation and at the end."""
+    save_every_minutes: float = 5.0
+    """Also save resumable state when this many minutes of wall clock have passed since the last
+    save, so a killed run never loses more than that; 0 = off."""
 
 
 @dataclass
@@ -619,6 +622,8 @@ def validate(cfg: Config, source: str | None = None) -> None:
             "(minibatches are made of whole groups)")
     if t.lr <= 0:
         bad("train.lr", f"must be > 0, got {t.lr}")
+    if not (t.save_every_minutes >= 0 and math.isfinite(t.save_every_minutes)):
+        bad("train.save_every_minutes", f"must be a number of minutes >= 0 (0 = off), got {t.save_every_minutes}")
     if len(t.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in t.betas):
         bad("train.betas", f"must be two numbers in [0, 1), got {t.betas}")
     for key, v in [("train.warmup_steps", t.warmup_steps), ("train.weight_decay", t.weight_decay),

@@ -126,16 +126,19 @@ def learn(learner: Learner, batch: Batch) -> dict:
     params = policy.trainable_params()
     policy.train()
     acc: dict[str, float] = {}
-    first_ratio, lr_used, n_mb, trained = 1.0, 0.0, 0, 0
+    first_ratio, lr_used, n_mb, trained, skipped = 1.0, 0.0, 0, 0, 0
     for _epoch in range(tc.epochs_per_batch):
         for idx in minibatch_rows(learner, len(batch.groups.examples), G):
             loss, stats = minibatch_loss(learner, batch, idx, delta_rows)
             learner.opt.zero_grad(set_to_none=True)
             loss.backward()
             gnorm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
-            learner.opt.step()
             lr_used = learner.sched.get_last_lr()[0]
-            learner.sched.step()
+            if math.isfinite(loss.item()) and math.isfinite(float(gnorm)):
+                learner.opt.step()
+                learner.sched.step()
+            else:  # a non-finite loss or gradient norm: no update (train/skipped_updates)
+                skipped += 1
             trained += forward_tokens(batch.rollout.select(idx), G, shared)
             stats["loss"] = loss.item()
             stats["grad_norm"] = float(gnorm)
@@ -145,4 +148,4 @@ def learn(learner: Learner, batch: Batch) -> dict:
                 first_ratio = stats["ratio_mean"]
             n_mb += 1
     return {**{k: v / n_mb for k, v in acc.items()}, "first_step_ratio_mean": first_ratio, "lr": lr_used,
-            "optimizer_steps": n_mb, "trained_tokens": trained, "flops": trained * train_flops}
+            "optimizer_steps": n_mb, "skipped_updates": skipped, "trained_tokens": trained, "flops": trained * train_flops}

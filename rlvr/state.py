@@ -44,8 +44,8 @@ from typing import Callable, Iterator
 import torch
 from safetensors.torch import load_file, save_file
 
-__all__ = ["STATE_DIR", "StateError", "PHASES", "save_state", "load_state", "find_state", "atomic_dir",
-           "write_dir_atomically", "find_complete", "recover"]
+__all__ = ["STATE_DIR", "StateError", "PHASES", "save_state", "load_state", "load_policy_weights", "find_state",
+           "atomic_dir", "write_dir_atomically", "find_complete", "recover", "verify"]
 
 STATE_DIR = "state"
 TENSORS = "tensors.safetensors"
@@ -127,6 +127,13 @@ def _marker(d: Path) -> dict:
         if p.stat().st_size != size:
             raise StateError(f"{p}: {p.stat().st_size} bytes, the save wrote {size} (truncated or changed since)")
     return {"tag": tag, "files": files}
+
+
+def verify(d: str | Path) -> None:
+    """StateError naming the file when copy `d` was written with a marker and a file it lists is now
+    missing or of another size (truncated); nothing to check in a copy without a marker."""
+    if (Path(d) / MARKER).exists():
+        _marker(Path(d))
 
 
 def _leftovers(run_dir: Path, name: str) -> list[Path]:
@@ -310,17 +317,8 @@ def load_state(run_dir: Path, *, model, opt: torch.optim.Optimizer, sched, ref, 
                gen: torch.Generator, learn_gen: torch.Generator | None = None) -> dict:
     """Restore everything `save_state` wrote, from the newest complete copy; returns {"step", "cost",
     "wall", "dir", "extra", "extra_tensors"}. StateError naming the file when there is no state or it is damaged."""
-    d = find_state(Path(run_dir))
-    if d is None:
-        raise StateError(f"{Path(run_dir) / STATE_DIR}: no saved state")
-    if (d / MARKER).exists():
-        _marker(d)  # sizes as written: catches truncation before safetensors does
-    tensors, meta = _read(d)
+    d, tensors, meta = _open(Path(run_dir))
     tfile, mfile = d / TENSORS, d / META
-    for alias, name in meta.get("aliases", {}).items():
-        if name not in tensors:
-            raise StateError(f"{tfile}: no tensor {name!r} (the saved copy of {alias!r})")
-        tensors[alias] = tensors[name]
 
     def part(prefix: str) -> dict:
         return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
@@ -351,6 +349,34 @@ def load_state(run_dir: Path, *, model, opt: torch.optim.Optimizer, sched, ref, 
         raise StateError(f"{mfile}: missing {e.args[0]!r}") from None
     except (ValueError, TypeError, RuntimeError) as e:
         raise StateError(f"{d}: does not fit this run's optimizer or RNG: {type(e).__name__}: {e}") from None
+
+
+def load_policy_weights(run_dir: str | Path, model) -> int:
+    """Load only the policy's weights from the newest complete state of `run_dir` (a run cut off
+    before its final checkpoint); returns the step they are from. StateError naming the file."""
+    d, tensors, meta = _open(Path(run_dir))
+    try:
+        model.load_state_dict({k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")})
+    except RuntimeError as e:
+        raise StateError(f"{d / TENSORS}: does not fit the model: {' '.join(str(e).split())[:500]}") from None
+    try:
+        return int(meta["step"])
+    except (KeyError, TypeError, ValueError):
+        raise StateError(f"{d / META}: missing or bad 'step'") from None
+
+
+def _open(run_dir: Path) -> tuple[Path, dict[str, torch.Tensor], dict]:
+    """(directory, tensors with tied aliases filled in, metadata) of the newest complete state."""
+    d = find_state(run_dir)
+    if d is None:
+        raise StateError(f"{run_dir / STATE_DIR}: no saved state")
+    verify(d)  # sizes as written: catches truncation before safetensors does
+    tensors, meta = _read(d)
+    for alias, name in meta.get("aliases", {}).items():
+        if name not in tensors:
+            raise StateError(f"{d / TENSORS}: no tensor {name!r} (the saved copy of {alias!r})")
+        tensors[alias] = tensors[name]
+    return d, tensors, meta
 
 
 def _read(d: Path) -> tuple[dict[str, torch.Tensor], dict]:

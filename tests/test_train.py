@@ -495,7 +495,9 @@ def test_user_task_by_file_path_trains(tmp_path):
     assert config_mod.load(out / "config.toml").task.path == f"{path}:TASK"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["eval/prompts"] == 5 and summary["sampled_tokens"] <= P * G * 4
-    rc, stdout, stderr = cli("eval", out)  # reloads the task from the file path in config.toml
+    rc, stdout, stderr = cli("eval", out)  # a run directory is data: its task file is not imported unasked
+    assert rc == 2 and "--trust-run-config" in stderr
+    rc, stdout, stderr = cli("eval", out, "--trust-run-config")  # reloads the task from the file in config.toml
     assert rc == 0, stderr
     assert json.loads(stdout)["eval/goal"] == summary["eval/goal"]
 
@@ -523,7 +525,7 @@ def test_config_toml_round_trips_a_reward_name_with_a_dot(tmp_path):
     rc, _, stderr = train_run(out, *overrides)
     assert rc == 0, stderr
     assert config_mod.load(out / "config.toml") == config_mod.load(EXAMPLE, overrides)
-    rc, _, stderr = cli("eval", out)
+    rc, _, stderr = cli("eval", out, "--trust-run-config")
     assert rc == 0, stderr
 
 
