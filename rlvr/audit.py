@@ -479,6 +479,9 @@ def format_audit(result: AuditResult) -> str:
 
 def command(args, overrides: list[str]) -> int:
     """`rlvr audit`: 0 clean, 1 flagged, 2 bad input (message on stderr)."""
+    from pathlib import Path
+
+    from rlvr.run import RunError, is_run_dir, refuse_run_task
 
     def fail(msg: str) -> int:
         print(f"rlvr: error: {msg}", file=sys.stderr)
@@ -490,12 +493,14 @@ def command(args, overrides: list[str]) -> int:
         return fail(f"--prompts must be at least 1, got {args.prompts}")
     try:
         cfg = config_mod.load(args.config, overrides)
+        if is_run_dir(Path(args.config).parent):  # a run directory's config: its task file is not run unasked
+            refuse_run_task(cfg, Path(args.config), overrides=overrides, trusted=getattr(args, "trust_run_config", False))
         task = load_task(cfg.task.path, **cfg.task.options)
         weights = resolve_weights(task, cfg.task.reward, cfg.task.reward_weights)
         with open_pool(cfg.task, task) as pool:
             result = run_audit(task, weights, prompts=args.prompts, threshold=args.threshold, seed=cfg.train.seed,
                                max_new_tokens=cfg.sampling.max_new_tokens or None, pool=pool)
-    except (config_mod.ConfigError, TaskError, ValueError, RewardPoolError) as e:
+    except (config_mod.ConfigError, TaskError, ValueError, RewardPoolError, RunError) as e:
         return fail(str(e))
     print(json.dumps(result.to_dict(), indent=2) if args.json else format_audit(result))
     return 1 if result.flagged else 0

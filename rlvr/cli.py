@@ -5,7 +5,10 @@ and tells you while it runs whether it is learning. Background: docs/background.
 commands:
   rlvr train CONFIG.toml [--section.key=value ...] [--out DIR] [--overwrite | --resume]
                                     train; --resume continues the run in --out from its last state
-  rlvr eval RUN_DIR [--prompts N]   reload a run's checkpoint, score the held-out goal
+  rlvr eval RUN_DIR [--prompts N] [--task.path=...] [--trust-run-config]
+                                    reload a run's checkpoint (or best/, or its last state), score
+                                    the held-out goal; a task file named by the run is imported
+                                    only when you say so
   rlvr price CONFIG.toml [--json]   sampled tokens per gradient step, FLOPs, memory, wall-time lower bound
   rlvr probe CONFIG.toml [--checkpoint RUN_DIR] [--prompts N] [--samples K] [--json]
                                     which prompts are worth sampling: how many Δ are non-zero
@@ -60,6 +63,8 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     except (config.ConfigError, RunError, TaskError, StateError, RewardPoolError, tracking.TrackingError) as e:
         return _fail(str(e))
     print(f"run directory: {out}")
+    if summary.get("interrupted"):  # stopped by SIGINT / SIGTERM after saving state: 130 / 143
+        return summary["exit_code"]
     print(json.dumps({k: v for k, v in summary.items() if k != "price"}, indent=2))
     return 0
 
@@ -68,10 +73,19 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
     from rlvr import run
     from rlvr.evaluate import evaluate
     from rlvr.reward_pool import RewardPoolError, open_pool
+    from rlvr.state import StateError
     from rlvr.tasks import TaskError, load_task
 
     try:
-        cfg, model, tok = run.load_run(Path(args.run_dir))
+        overrides = _split_overrides(extra)
+        run_dir = Path(args.run_dir)
+        if not run_dir.is_dir():
+            raise run.RunError(f"{run_dir} is not a finished run: no such directory")
+        if (run_dir / "config.toml").is_file():  # the task is imported below: never code the run directory names
+            run.refuse_run_task(config.load(run_dir / "config.toml", overrides), run_dir / "config.toml",
+                                overrides=overrides, trusted=args.trust_run_config)
+        cfg, model, tok = run.load_run(run_dir, overrides, trusted=args.trust_run_config,
+                                       note=lambda msg: print(f"rlvr: note: {msg}", file=sys.stderr))
         task = load_task(cfg.task.path, **cfg.task.options)
         weights = run.reward_weights(cfg, task)
         limits = run.limits(cfg, task, tok, model)
@@ -81,7 +95,7 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
                            batch_size=cfg.eval.batch_size, pass_k=cfg.eval.pass_k,
                            pass_k_prompts=cfg.eval.pass_k_prompts, temperature=cfg.sampling.temperature,
                            top_p=cfg.sampling.top_p, seed=cfg.train.seed, pool=pool)
-    except (config.ConfigError, run.RunError, TaskError, RewardPoolError) as e:
+    except (config.ConfigError, run.RunError, TaskError, RewardPoolError, StateError) as e:
         return _fail(str(e))
     print(json.dumps({f"eval/{k}": v for k, v in res.items()}, indent=2))
     return 0
@@ -165,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", allow_abbrev=False, help="reload a run's checkpoint and evaluate it on held-out prompts")
     e.add_argument("run_dir")
     e.add_argument("--prompts", type=int, default=None, help="held-out prompts (default: the run's eval.prompts)")
+    e.add_argument("--trust-run-config", action="store_true",
+                   help="import the task file the run's config.toml names (by default only installed modules)")
     e.set_defaults(func=cmd_eval)
 
     pr = sub.add_parser("price", allow_abbrev=False, help="price a run before it starts (sampled tokens per gradient step)")
@@ -180,6 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--scheme", nargs="*", default=[], help="Δ schemes to count besides raw and centered")
     pb.add_argument("--split", choices=["train", "heldout"], default="train", help="which prompts to probe")
     pb.add_argument("--json", action="store_true")
+    pb.add_argument("--trust-run-config", action="store_true",
+                    help="allow a task file named by a run directory's config (CONFIG inside a run, or --checkpoint's state)")
     pb.set_defaults(func=cmd_probe)
 
     au = sub.add_parser("audit", allow_abbrev=False, help="score strategies that do not solve the task; exit 1 if the reward pays them")
@@ -188,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="flag a strategy whose mean reward reaches this fraction of a solved response's while its goal is 0")
     au.add_argument("--prompts", type=int, default=200, help="held-out prompts to score each strategy on")
     au.add_argument("--json", action="store_true")
+    au.add_argument("--trust-run-config", action="store_true",
+                    help="allow a task file named by CONFIG when CONFIG is a run directory's config.toml")
     au.set_defaults(func=cmd_audit)
 
     rp = sub.add_parser("report", allow_abbrev=False,

@@ -113,7 +113,8 @@ class SamplingConfig:
     temperature: float = 1.0
     """Softmax temperature of the sampling distribution; logp is taken under it too."""
     top_p: float = 1.0
-    """Nucleus sampling mass; logp is taken under the renormalised nucleus."""
+    """Nucleus sampling mass; logp (the ratio) is taken under the renormalised nucleus, the KL to the
+    reference and the entropy bonus under the tempered distribution without it."""
     max_new_tokens: int = 0
     """Bound on response length in tokens; 0 = the task's own bound."""
 
@@ -166,7 +167,8 @@ class AlgorithmConfig:
     (aggregated like the loss) from the loss; 0 = off (no extra softmax pass)."""
     overlong_buffer: int = 0
     """DAPO's soft overlong punishment: the last N tokens before the length bound are a buffer
-    where the reward falls linearly to -overlong_penalty at the bound; 0 = off."""
+    where the reward falls linearly to -overlong_penalty at the bound; 0 = off. Refused on
+    fixed-length tasks (every response has the bound's length)."""
     overlong_penalty: float = 1.0
     """Reward subtracted from a response that reaches the length bound (with overlong_buffer > 0)."""
     dynamic_sampling: bool = False
@@ -217,6 +219,9 @@ class TrainConfig:
     the same run twice on the CPU; GPU kernels may not be bitwise deterministic."""
     save_every: int = 0
     """Save resumable state (RUN_DIR/state) every N steps; 0 = at each evaluation and at the end."""
+    save_every_minutes: float = 5.0
+    """Also save resumable state when this many minutes of wall clock have passed since the last
+    save, so a killed run never loses more than that; 0 = off."""
 
 
 @dataclass
@@ -554,12 +559,23 @@ def where(cfg: Config, key: str) -> str:
     return origins.get(key, "default")
 
 
-def check_against_task(cfg: Config, *, train_prompts: int, prompt_tokens: int, max_new_tokens: int) -> None:
+def check_against_task(cfg: Config, *, train_prompts: int, prompt_tokens: int, max_new_tokens: int,
+                       fixed_length: bool = False) -> None:
     """The checks that need the loaded task: call right after `load_task`, before any model is built.
 
     ConfigError when a step asks for more distinct prompts than the task has (`train.prompts_per_step`),
-    or when the built-in model would be built for more than MAX_BUILTIN_CONTEXT tokens (the longest
-    prompt, `prompt_tokens`, plus `max_new_tokens`)."""
+    when the built-in model would be built for more than MAX_BUILTIN_CONTEXT tokens (the longest
+    prompt, `prompt_tokens`, plus `max_new_tokens`), or when the overlong penalty is asked of a
+    task whose responses all have the same length (`fixed_length`) or whose bound is shorter than
+    its buffer."""
+    a = cfg.algorithm
+    if a.overlong_buffer and fixed_length:
+        raise ConfigError(f"algorithm.overlong_buffer: {a.overlong_buffer}, but this task's responses all have "
+                          f"exactly max_new_tokens tokens (a fixed-length task): every response would get the "
+                          f"same penalty, which changes no Δ; set it to 0 ({where(cfg, 'algorithm.overlong_buffer')})")
+    if a.overlong_buffer > max_new_tokens:
+        raise ConfigError(f"algorithm.overlong_buffer: {a.overlong_buffer} exceeds the response bound of "
+                          f"{max_new_tokens} tokens ({where(cfg, 'algorithm.overlong_buffer')})")
     P = cfg.train.prompts_per_step
     if P > train_prompts:
         raise ConfigError(f"train.prompts_per_step: {P} exceeds the task's {train_prompts} training prompts; a "
@@ -609,6 +625,8 @@ def validate(cfg: Config, source: str | None = None) -> None:
             "(minibatches are made of whole groups)")
     if t.lr <= 0:
         bad("train.lr", f"must be > 0, got {t.lr}")
+    if not (t.save_every_minutes >= 0 and math.isfinite(t.save_every_minutes)):
+        bad("train.save_every_minutes", f"must be a number of minutes >= 0 (0 = off), got {t.save_every_minutes}")
     if len(t.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in t.betas):
         bad("train.betas", f"must be two numbers in [0, 1), got {t.betas}")
     for key, v in [("train.warmup_steps", t.warmup_steps), ("train.weight_decay", t.weight_decay),
@@ -630,6 +648,15 @@ def validate(cfg: Config, source: str | None = None) -> None:
     _check_reward_workers(cfg.task, bad)
     if not 0 < s.top_p <= 1:
         bad("sampling.top_p", f"must be in (0, 1], got {s.top_p}")
+    _check_algorithm(cfg, bad)
+    for name, w in cfg.task.reward_weights.items():
+        if not isinstance(w, (int, float)) or isinstance(w, bool) or not math.isfinite(w):
+            bad(f"task.reward_weights.{name}", f"must be a finite number, got {w!r}")
+
+
+def _check_algorithm(cfg: Config, bad) -> None:
+    """Ranges and combinations of the [algorithm] keys."""
+    t, a, s = cfg.train, cfg.algorithm, cfg.sampling
     if not 0 < a.clip_eps < 1:
         bad("algorithm.clip_eps", f"must be in (0, 1), got {a.clip_eps}")
     if a.dual_clip_c and a.dual_clip_c <= 1:
@@ -652,9 +679,6 @@ def validate(cfg: Config, source: str | None = None) -> None:
         bad("algorithm.scheme", "'loo' needs train.samples_per_prompt >= 2")
     if a.top_k > t.samples_per_prompt:
         bad("algorithm.top_k", f"{a.top_k} exceeds train.samples_per_prompt = {t.samples_per_prompt}")
-    for name, w in cfg.task.reward_weights.items():
-        if not isinstance(w, (int, float)) or isinstance(w, bool) or not math.isfinite(w):
-            bad(f"task.reward_weights.{name}", f"must be a finite number, got {w!r}")
 
 
 def _check_learnable(cfg: Config, bad) -> None:

@@ -7,6 +7,7 @@ how the batch was sampled cannot change the learner's random stream.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -76,22 +77,40 @@ def minibatch_rows(learner: Learner, n_groups: int, G: int) -> list[torch.Tensor
 
 def minibatch_loss(learner: Learner, batch: Batch, idx: torch.Tensor, delta_rows: torch.Tensor
                    ) -> tuple[torch.Tensor, dict]:
-    """Step 6 on the rows `idx`: recompute logp, ratio against logp_old, clip, apply Δ, add β·KL."""
+    """Step 6 on the rows `idx`: recompute logp, ratio against logp_old, the objective with Δ, then
+
+        loss = policy_loss(objective, dual_clip_c) + β·kl_loss   (kl_in = "loss")
+                                                   - entropy_coef · entropy_bonus
+
+    The KL is scored under the tempered distribution without the nucleus on both sides (logp_ref
+    is; the policy's side comes from the same forward as logp), so it is 0 at π = π_ref whatever
+    top_p. With kl_in = "reward" the KL is already in Δ (rlvr.rollout) and only logged here.
+    `delta_rows` is (B,) or (B, T)."""
     cfg = learner.cfg
     ac, sc, G = cfg.algorithm, cfg.sampling, cfg.train.samples_per_prompt
     sub = batch.rollout.select(idx)
-    logp = sampling.sequence_token_logprobs(learner.policy, sub, temperature=sc.temperature, top_p=sc.top_p,
-                                            chunk_rows=cfg.model.logprob_chunk_rows or None,
-                                            group_size=G if cfg.model.share_prompt_forward else None)
+    kl_on, bonus_on = batch.logp_ref is not None, ac.entropy_coef > 0
+    out = sampling.sequence_token_logprobs(learner.policy, sub, temperature=sc.temperature, top_p=sc.top_p,
+                                           chunk_rows=cfg.model.logprob_chunk_rows or None,
+                                           group_size=G if cfg.model.share_prompt_forward else None,
+                                           return_full=kl_on, return_entropy=bonus_on)
+    logp = out if isinstance(out, torch.Tensor) else out.logp                          # (B', T)
     loss, stats = losses.policy_loss(
         logp, batch.logp_old[idx], delta_rows[idx], sub.mask, clip_eps=ac.clip_eps,
         clip_eps_high=ac.clip_eps_high or None, level=ac.ratio_level, agg=ac.agg, max_len=learner.max_len,
+        objective=ac.objective, dual_clip_c=ac.dual_clip_c or None,
     )
-    if batch.logp_ref is not None:
-        kl = losses.kl_loss(logp, batch.logp_ref[idx], sub.mask, estimator=ac.kl_estimator, agg=ac.agg,
-                            max_len=learner.max_len)
-        loss = loss + ac.kl_coef * kl
+    if kl_on:
+        with contextlib.nullcontext() if ac.kl_in == "loss" else torch.no_grad():
+            kl = losses.kl_loss(out.logp_full, batch.logp_ref[idx], sub.mask, estimator=ac.kl_estimator,
+                                agg=ac.agg, max_len=learner.max_len)
+        if ac.kl_in == "loss":
+            loss = loss + ac.kl_coef * kl
         stats["kl_ref"] = kl.item()
+    if bonus_on:
+        bonus = losses.entropy_bonus(out.entropy, sub.mask, ac.agg, max_len=learner.max_len)
+        loss = loss - ac.entropy_coef * bonus
+        stats["policy_entropy"] = bonus.item()
     return loss, stats
 
 
@@ -102,21 +121,24 @@ def learn(learner: Learner, batch: Batch) -> dict:
     cfg, policy = learner.cfg, learner.policy
     tc, G = cfg.train, cfg.train.samples_per_prompt
     shared = cfg.model.share_prompt_forward and policy.differentiable_cache
-    delta_rows = batch.delta.reshape(-1).to(batch.rollout.mask.device)                  # (B,)
+    delta_rows = batch.delta_rows.to(batch.rollout.mask.device)                         # (B,) or (B, T)
     _, train_flops = learner.flops
     params = policy.trainable_params()
     policy.train()
     acc: dict[str, float] = {}
-    first_ratio, lr_used, n_mb, trained = 1.0, 0.0, 0, 0
+    first_ratio, lr_used, n_mb, trained, skipped = 1.0, 0.0, 0, 0, 0
     for _epoch in range(tc.epochs_per_batch):
         for idx in minibatch_rows(learner, len(batch.groups.examples), G):
             loss, stats = minibatch_loss(learner, batch, idx, delta_rows)
             learner.opt.zero_grad(set_to_none=True)
             loss.backward()
             gnorm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
-            learner.opt.step()
             lr_used = learner.sched.get_last_lr()[0]
-            learner.sched.step()
+            if math.isfinite(loss.item()) and math.isfinite(float(gnorm)):
+                learner.opt.step()
+                learner.sched.step()
+            else:  # a non-finite loss or gradient norm: no update (train/skipped_updates)
+                skipped += 1
             trained += forward_tokens(batch.rollout.select(idx), G, shared)
             stats["loss"] = loss.item()
             stats["grad_norm"] = float(gnorm)
@@ -126,4 +148,4 @@ def learn(learner: Learner, batch: Batch) -> dict:
                 first_ratio = stats["ratio_mean"]
             n_mb += 1
     return {**{k: v / n_mb for k, v in acc.items()}, "first_step_ratio_mean": first_ratio, "lr": lr_used,
-            "optimizer_steps": n_mb, "trained_tokens": trained, "flops": trained * train_flops}
+            "optimizer_steps": n_mb, "skipped_updates": skipped, "trained_tokens": trained, "flops": trained * train_flops}

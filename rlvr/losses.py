@@ -443,9 +443,17 @@ def kl_k3(logp: Tensor, logp_ref: Tensor) -> Tensor:
     Value: unbiased for KL(π||π_ref) (E_π[r] = 1), >= 0 on every sample, low variance near
     π_ref. Gradient as a loss: (1 - r) ∇logp, whose expectation under π is -E_{π_ref}[∇logp]
     = ∇ KL(π_ref || π): the FORWARD KL's gradient, not the gradient of the KL it estimates.
+
+    Overflow guard (verl's kl_penalty "low_var_kl"): log r is clamped to [-K3_CLAMP, K3_CLAMP]
+    before the exp, so one token that π has pushed far below π_ref (log r = 25 gives r ≈ 7e10)
+    cannot swamp the loss; beyond the bound its value is constant and its gradient 0.
     """
-    log_r = logp_ref - logp
+    log_r = (logp_ref - logp).clamp(-K3_CLAMP, K3_CLAMP)
     return torch.expm1(log_r) - log_r
+
+
+K3_CLAMP = 20.0
+"""Bound on |log r| inside k3 (verl clamps to [-20, 20]); e^20 ≈ 4.9e8 caps one token's value."""
 
 
 KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}

@@ -259,7 +259,7 @@ def _pick(examples: Sequence, n: int, split: str, seed: int) -> list:
 
 
 def run_probe(cfg: config.Config, *, prompts: int, samples: int, schemes: Sequence[str] = (),
-              split: str = "train", checkpoint: str | Path | None = None) -> ProbeResult:
+              split: str = "train", checkpoint: str | Path | None = None, trusted: bool = False) -> ProbeResult:
     """Sample K responses for N prompts of `split` and count usable Δ. Raises ProbeError,
     config.ConfigError, rlvr.run.RunError or TaskError on bad input, all before sampling."""
     from rlvr import run
@@ -273,7 +273,7 @@ def run_probe(cfg: config.Config, *, prompts: int, samples: int, schemes: Sequen
         raise ProbeError(f"--split must be train or heldout, got {split!r}")
     notes: list[str] = []
     if checkpoint is not None:
-        run_cfg, model, tok = run.load_run(Path(checkpoint))
+        run_cfg, model, tok = run.load_run(Path(checkpoint), trusted=trusted, note=notes.append)
         task = load_task(cfg.task.path, **cfg.task.options)
         weights = run.reward_weights(cfg, task)
         if run_cfg.task != cfg.task:
@@ -384,6 +384,7 @@ def format_lines(res: ProbeResult) -> list[str]:
 
 def command(args: argparse.Namespace, overrides: list[str]) -> int:
     """`rlvr probe`: 0 on success; 2 with `rlvr: error: ...` on stderr for bad input."""
+    from rlvr import run
     from rlvr.reward_pool import RewardPoolError
     from rlvr.run import RunError
     from rlvr.tasks import TaskError
@@ -394,8 +395,11 @@ def command(args: argparse.Namespace, overrides: list[str]) -> int:
         if args.checkpoint is not None and not Path(args.checkpoint).is_dir():
             raise ProbeError(f"--checkpoint {args.checkpoint} is not a run directory")
         cfg = config.load(args.config, overrides)
+        trusted = getattr(args, "trust_run_config", False)
+        if run.is_run_dir(Path(args.config).parent):  # a run directory's config: its task file is not run unasked
+            run.refuse_run_task(cfg, Path(args.config), overrides=overrides, trusted=trusted)
         res = run_probe(cfg, prompts=args.prompts, samples=args.samples, schemes=schemes[len(DEFAULT_SCHEMES):],
-                        split=args.split, checkpoint=args.checkpoint)
+                        split=args.split, checkpoint=args.checkpoint, trusted=trusted)
     except (ProbeError, config.ConfigError, RunError, TaskError, RewardPoolError) as e:
         print(f"rlvr: error: {e}", file=sys.stderr)
         return 2

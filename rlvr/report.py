@@ -101,7 +101,8 @@ class RunRecords:
 
     @property
     def finished(self) -> bool:
-        return self.summary is not None
+        """A summary.json that is not one written by a run stopped with Ctrl-C / SIGTERM."""
+        return self.summary is not None and not self.summary.get("interrupted")
 
     @property
     def last_step(self) -> int | None:
@@ -463,7 +464,8 @@ def _cost_section(records: RunRecords) -> str:
     else:
         parts.append(f"<p>Price from {_e(records.price_source or 'price.json')}: upper bounds set before the run.</p>")
     if not records.finished:
-        parts.append('<p class="warn">run not finished: no summary.json, so nothing is counted yet.</p>')
+        why = "it was interrupted" if records.summary is not None else "no summary.json"
+        parts.append(f'<p class="warn">run not finished: {why}, so nothing is counted yet.</p>')
     if rows:
         body = []
         for name, p, c in rows:
@@ -591,7 +593,9 @@ def render_html(records: RunRecords, pngs: list) -> str:
     """One self-contained page: every PNG inline as a data: URI, every string from the run escaped."""
     title = f"rlvr report: {records.run_dir.name or records.run_dir}"
     last = records.train[-1] if records.train else {}
-    status = "finished" if records.finished else "not finished (running, or cut off): no summary.json"
+    status = ("finished" if records.finished else
+              "interrupted (Ctrl-C or SIGTERM; continue it with rlvr train --resume)" if records.summary is not None
+              else "not finished (running, or cut off): no summary.json")
     facts = [("run directory", str(records.run_dir)), ("status", status),
              ("last step", str(records.last_step)), ("training rows", len(records.train)),
              ("evaluation rows", len(records.eval))]

@@ -56,7 +56,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
-from rlvr.rewards import Reward, Score, check_goal, check_value, score
+from rlvr.rewards import Reward, Score, StepScores, check_goal, check_value, score, steps_of
 
 __all__ = ["RewardPool", "RewardPoolError", "open_pool", "available_cores", "DEFAULT_TIMEOUT_S",
            "DEFAULT_MEMORY_MB"]
@@ -207,7 +207,8 @@ def _serve() -> None:
                 if s.status == "error" and s.detail.startswith("MemoryError") and init["memory_mb"] > 0:
                     s = s._replace(detail=f"MemoryError: over the worker's memory limit ({init['memory_mb']} MB "
                                           "beyond the loaded task, task.reward_memory_mb)")
-                send({"j": j, "i": i, "s": list(s)})
+                steps = steps_of(s.value)  # a process reward's per-step scores travel beside their mean
+                send({"j": j, "i": i, "s": list(s), **({"steps": list(steps)} if steps else {})})
         send({"done": 1})
 
 
@@ -428,7 +429,8 @@ class RewardPool:
             msg = json.loads(line)
             if "s" in msg:
                 name, idx = w.chunk.jobs[w.j]
-                results[(name, msg["i"])] = Score(*msg["s"])
+                got = Score(*msg["s"])
+                results[(name, msg["i"])] = got._replace(value=StepScores(msg["steps"])) if msg.get("steps") else got
                 w.batch = False
                 w.k += 1
                 if w.k == len(idx):

@@ -9,6 +9,7 @@ learn stage needs, plus the version of the policy that sampled it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -16,10 +17,11 @@ import torch
 
 from rlvr import advantages, costs, sampling
 from rlvr.policy import Policy, Tokenizer
-from rlvr.rewards import goal_hits, score_batch
+from rlvr.rewards import goal_hits, score_batch, steps_of
 from rlvr.run import Limits
 from rlvr.tasks import Task, weighted_rewards
 from rlvr.tokenizer import encode_example
+from rlvr.value import LearnedBaseline
 
 
 @dataclass
@@ -120,17 +122,30 @@ class Batch:
     parts: list[Groups]
     """Every sampling round of the step, kept or not (all are paid for)."""
     delta: torch.Tensor                # (P', G)
+    """One Δ per response (for a process reward: the mean of its tokens' Δ; logged, see delta_tokens)."""
     logp_old: torch.Tensor             # (B, T) under the distribution sampled from
-    logp_ref: torch.Tensor | None      # (B, T) under the reference, when the KL term is on
+    logp_ref: torch.Tensor | None      # (B, T) under the reference (tempered, no nucleus), when the KL term is on
     version: int
     """Policy version that sampled these rows (number of updates applied before sampling)."""
     sample_s: float = 0.0
     cost: dict = field(default_factory=dict)
     """Tokens and FLOPs this stage computed: sampled_tokens, forward_tokens, flops."""
+    delta_tokens: torch.Tensor | None = None
+    """(B, T) per-token Δ, when Δ differs along a response (process rewards, KL in the reward);
+    the learn stage then uses it instead of `delta`. 0 off the response mask."""
+    stats: dict = field(default_factory=dict)
+    """Figures of this stage for the step's row (logged as train/<name>): value_loss and
+    baseline_mean, step_mismatch_frac, kl_in_reward (the sequence k1 charged in the reward);
+    nonzero_delta_frac when Δ is per token. (The overlong penalty is in groups.per_reward.)"""
 
     @property
     def rollout(self) -> sampling.Rollout:
         return self.groups.rollout
+
+    @property
+    def delta_rows(self) -> torch.Tensor:
+        """What the learn stage weighs ∇logp by: (B, T) `delta_tokens` when set, else (B,) `delta`."""
+        return self.delta_tokens if self.delta_tokens is not None else self.delta.reshape(-1)
 
 
 def dynamic_sample(sample, draw, P: int, G: int, rounds: int, pad_id: int) -> tuple[Groups, list[Groups]]:
@@ -166,14 +181,17 @@ def reference_logprobs(policy: Policy, reference: Policy | None, rollout: sampli
 
 
 def rollout(setup, policy: Policy, reference: Policy | None, examples_fn, *, version: int,
-            generator: torch.Generator, pool=None) -> Batch:
-    """Steps 1-5 of a training step, no gradient:
+            generator: torch.Generator, pool=None, value: LearnedBaseline | None = None) -> Batch:
+    """Steps 1-5 of a training step, no gradient on the policy:
 
     1. sample P prompts (`examples_fn()`), G responses each from π_old (the current weights);
-    2. score them (failures counted, never fatal);
-    3. Δ from the (P, G) reward matrix with `algorithm.scheme`;
-    4. logp_old: the sampler's own log-probs, detached (no second forward, no copy of π_old);
-    5. logp_ref under the reference when the KL term is on (`reference`, or the adapter-off policy).
+    2. score them (failures counted, never fatal); DAPO's overlong penalty is added to the rewards
+       right here (`algorithm.overlong_buffer`), so every later use sees the shaped reward;
+    3. logp_old: the sampler's own log-probs, detached (no second forward, no copy of π_old);
+    4. logp_ref under the reference when the KL term is on (`reference`, or the adapter-off policy);
+    5. Δ (`batch_delta`): the scheme on the (P, G) rewards (`learned`: R - V(S) with `value`, read
+       before its own update), per-token Δ from a process reward's per-step scores, and with
+       kl_in = "reward" the KL folded into a per-token Δ.
     """
     cfg, tok = setup.cfg, setup.tokenizer
     sc, ac, tc = cfg.sampling, cfg.algorithm, cfg.train
@@ -182,9 +200,10 @@ def rollout(setup, policy: Policy, reference: Policy | None, examples_fn, *, ver
     policy.eval()
 
     def sample(examples: list) -> Groups:
-        return sample_and_score(policy, tok, setup.task, examples, G=G, limits=setup.limits,
-                                weights=setup.reward_weights, temperature=sc.temperature, top_p=sc.top_p,
-                                generator=generator, pool=pool)
+        got = sample_and_score(policy, tok, setup.task, examples, G=G, limits=setup.limits,
+                               weights=setup.reward_weights, temperature=sc.temperature, top_p=sc.top_p,
+                               generator=generator, pool=pool)
+        return add_overlong_penalty(got, ac, setup.limits.max_new_tokens) if ac.overlong_buffer else got
 
     if ac.dynamic_sampling:
         groups, parts = dynamic_sample(sample, examples_fn, tc.prompts_per_step, G, ac.dynamic_sampling_rounds,
@@ -201,7 +220,6 @@ def rollout(setup, policy: Policy, reference: Policy | None, examples_fn, *, ver
         cost["forward_tokens"] += n_fwd
         cost["flops"] += n_fwd * fwd_flops
 
-    delta = advantages.compute(groups.rewards, ac.scheme, top_k=ac.top_k or None)   # (P', G)
     logp_old = groups.rollout.logp.detach()                                           # (B, T)
     logp_ref = None
     if ac.kl_coef > 0:
@@ -212,7 +230,112 @@ def rollout(setup, policy: Policy, reference: Policy | None, examples_fn, *, ver
         n_tok = forward_tokens(groups.rollout, G, shared)
         cost["forward_tokens"] += n_tok
         cost["flops"] += n_tok * fwd_flops
-    return Batch(groups, parts, delta, logp_old, logp_ref, version, sample_s, cost)
+    delta, delta_tokens, stats = batch_delta(setup, groups, logp_ref, value)
+    return Batch(groups, parts, delta, logp_old, logp_ref, version, sample_s, cost, delta_tokens, stats)
+
+
+OVERLONG = "overlong_penalty"
+"""The name the overlong penalty is kept under in `Groups.per_reward` (logged as train/reward_overlong_penalty)."""
+
+
+def add_overlong_penalty(groups: Groups, ac, max_len: int) -> Groups:
+    """`groups` with DAPO's soft overlong penalty (rlvr.advantages.overlong_penalty) added to each
+    response's reward: 0 up to max_len - overlong_buffer tokens, then a linear ramp down to
+    -overlong_penalty at max_len. Kept per response in `per_reward[OVERLONG]`."""
+    pen = advantages.overlong_penalty(groups.rollout.response_lengths.cpu(), max_len, ac.overlong_buffer,
+                                      ac.overlong_penalty).to(groups.rewards.dtype)              # (B,)
+    return dataclasses.replace(groups, rewards=groups.rewards + pen.view_as(groups.rewards),
+                               per_reward={**groups.per_reward, OVERLONG: pen.tolist()})
+
+
+def batch_delta(setup, groups: Groups, logp_ref: torch.Tensor | None, value: LearnedBaseline | None
+                ) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+    """(P, G) Δ, the (B, T) per-token Δ or None, and this stage's figures, in this order:
+
+    1. process rewards (a reward whose values carry per-step scores, rlvr.rewards.steps_of): their
+       weighted steps give a per-token Δ (`algorithm.process_delta`), and the scheme sees only the
+       rest of the reward (the other rewards and the overlong penalty);
+    2. the scheme on the (P, G) rewards; `learned`: b = V(S) read first, Δ = R - b, then V's own
+       squared-error step on these rewards (so b never depends on the rewards it is subtracted from);
+    3. kl_in = "reward": Δ[b, t] -= kl_coef · Σ_{t' >= t} (logp_full - logp_ref)[b, t'] (k1 return to go,
+       both sides under the tempered distribution without the nucleus).
+    """
+    ac, G, stats = setup.cfg.algorithm, setup.cfg.train.samples_per_prompt, {}
+    mask = groups.rollout.mask                                                          # (B, T)
+    process, plain = process_token_delta(setup, groups, stats)                          # (B, T) | None, (P, G)
+    if ac.scheme == "learned":
+        delta = learned_delta(value, groups.rollout, plain, G, ac.top_k or None, stats)
+    else:
+        delta = advantages.compute(plain, ac.scheme, top_k=ac.top_k or None)            # (P, G)
+    tokens = None
+    if process is not None:
+        tokens = torch.where(mask.cpu().bool(), process + delta.reshape(-1, 1), torch.zeros((), dtype=process.dtype))
+        n = mask.cpu().sum(1).clamp(min=1)
+        stats["nonzero_delta_frac"] = float((tokens != 0).any(1).float().mean())
+        delta = (tokens.sum(1) / n).view_as(delta)                                      # logged per response
+    if ac.kl_in == "reward" and logp_ref is not None:
+        base = (tokens if tokens is not None else delta.reshape(-1)).to(mask.device)
+        logp_full = groups.rollout.tempered_logp
+        tokens = advantages.kl_reward_delta(base, logp_full, logp_ref, mask, ac.kl_coef)  # (B, T)
+        stats["kl_in_reward"] = float(((logp_full - logp_ref) * mask).sum(1).mean())
+    return delta, tokens, stats
+
+
+def learned_delta(value: LearnedBaseline | None, roll: sampling.Rollout, rewards: torch.Tensor, G: int,
+                  top_k: int | None, stats: dict) -> torch.Tensor:
+    """Δ = R - V(S) (P, G) with the critic read BEFORE its update on these rewards; logs
+    value_loss (before the step) and baseline_mean."""
+    if value is None:
+        raise ValueError("algorithm.scheme = 'learned' needs the run's LearnedBaseline (rollout(value=...))")
+    prompt_ids, prompt_mask = roll.prompt_ids[::G], roll.attention_mask[::G, :roll.prompt_len]   # (P, Lp)
+    b = value.baseline(prompt_ids, prompt_mask).to(rewards.device)                    # (P,)
+    delta = advantages.compute(rewards, "baseline", baseline=b.to(rewards.dtype), top_k=top_k)
+    stats["value_loss"] = value.update(prompt_ids, prompt_mask, rewards)
+    stats["baseline_mean"] = float(b.mean())
+    return delta
+
+
+def process_token_delta(setup, groups: Groups, stats: dict) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Per-token Δ (B, T) of the run's process rewards (None when no reward returned steps) and the
+    (P, G) rewards left for the scheme (the total minus each process reward's weighted mean).
+
+    Σ over process rewards n of w_n · process_delta(steps_n) (rlvr.advantages.PROCESS_DELTAS), steps
+    located in the response text by the task's step_delimiter; logs step_mismatch_frac, the share
+    of rows whose scored steps do not match their tokens (should be 0)."""
+    names = [n for n in setup.reward_weights if any(steps_of(v) for v in groups.per_reward.get(n, ()))]
+    if not names:
+        return None, groups.rewards
+    roll, G, ac = groups.rollout, setup.cfg.train.samples_per_prompt, setup.cfg.algorithm
+    B, T = roll.mask.shape
+    token_step = advantages.token_steps(token_texts(setup.tokenizer, roll, setup.limits.eos_id is not None),
+                                        setup.task.step_delimiter, T)                  # (B, T)
+    process = torch.zeros(B, T)
+    plain = groups.rewards.clone()
+    mismatch = torch.zeros(B, dtype=torch.bool)
+    for n in names:
+        w = float(setup.reward_weights[n])
+        scores, step_mask = advantages.pad_steps([steps_of(v) for v in groups.per_reward[n]], G)  # (P, G, S)
+        process += w * advantages.process_delta(scores, step_mask, token_step, ac.process_delta).float()
+        plain -= w * torch.tensor([float(v) for v in groups.per_reward[n]], dtype=plain.dtype).view_as(plain)
+        mismatch |= advantages.step_mismatch(step_mask, token_step)
+    stats["step_mismatch_frac"] = float(mismatch.float().mean())
+    return process, plain
+
+
+def token_texts(tok: Tokenizer, roll: sampling.Rollout, stop_at_eos: bool) -> list[list[str]]:
+    """Per row, the text each generated token adds to the decoded response (a special adds ""), so
+    that their concatenation is the text the reward scored. Decoded prefix by prefix (a token's
+    text can depend on its neighbours under byte-level BPE): O(T²) decoding per row, paid only by
+    runs with a process reward."""
+    out = []
+    for row, n in zip(roll.response_ids.tolist(), roll.response_lengths.tolist()):
+        texts, prev = [], ""
+        for t in range(n):
+            cur = tok.decode(row[:t + 1], stop_at_eos=stop_at_eos)
+            texts.append(cur[len(prev):])
+            prev = cur
+        out.append(texts)
+    return out
 
 
 def forward_tokens(rollout: sampling.Rollout, G: int, shared_prompt: bool) -> int:

@@ -2,25 +2,31 @@
 
 `build(cfg)` loads the task, the tokenizer and the policy, derives the generation limits (the
 response bound, the end token, the longest prompt) and checks them against the model's context,
-all before a single token is sampled; `load_run(run_dir)` reloads a finished run's checkpoint for
-`rlvr eval` and `rlvr probe`. Training (rlvr.trainer), evaluation and the probe share these, so
+all before a single token is sampled; `load_run(run_dir)` reloads a run's checkpoint for
+`rlvr eval` and `rlvr probe` (a run cut off before its end: its best/ or its last state).
+
+Run directories are data: `refuse_run_task` keeps eval, probe and audit from importing a task *file*
+named by a run directory's config.toml (someone else's run directory would run their code) unless
+the user names the task again (`--task.path=...`) or passes `--trust-run-config`. Training (rlvr.trainer), evaluation and the probe share these, so
 each rule lives in one place.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
 from rlvr import config as config_mod, costs
 from rlvr.models.tiny import TinyConfig, TinyTransformer
 from rlvr.policy import Policy, Tokenizer
-from rlvr.state import find_complete, write_dir_atomically
-from rlvr.tasks import Task, load_task, resolve_weights
+from rlvr.state import StateError, find_complete, find_state, load_policy_weights, verify, write_dir_atomically
+from rlvr.tasks import Task, load_task, names_a_file, resolve_weights
 from rlvr.tokenizer import CharTokenizer, encode_example
 
 
@@ -195,7 +201,8 @@ def build(cfg: config_mod.Config, log=print) -> Setup:
     device = resolve_device(cfg.train.device)
     task = load_task(cfg.task.path, **cfg.task.options)
     config_mod.check_against_task(cfg, train_prompts=len(task.train), prompt_tokens=0,
-                                  max_new_tokens=cfg.sampling.max_new_tokens or task.max_new_tokens)
+                                  max_new_tokens=cfg.sampling.max_new_tokens or task.max_new_tokens,
+                                  fixed_length=task.fixed_length)
     weights = reward_weights(cfg, task)
     model, tokenizer = _hf_policy(cfg, device, log) if cfg.model.path else _built_in(cfg, task)
     lim = limits(cfg, task, tokenizer, model)
@@ -244,22 +251,85 @@ def save_checkpoint(run_dir: Path, model: Policy, tok: Tokenizer, tag: int = 0) 
         write_dir_atomically(run_dir, "hf", tag, lambda d: export_hf(model, tok, d))
 
 
-def load_run(run_dir: Path) -> tuple[config_mod.Config, Policy, Tokenizer]:
-    """Reload a finished run: (resolved config, model, tokenizer) from checkpoint/ or hf/."""
-    run_dir = Path(run_dir)
-    if not (run_dir / "config.toml").is_file():
-        raise RunError(f"{run_dir} is not a finished run: {run_dir / 'config.toml'} is missing")
-    cfg = config_mod.load(run_dir / "config.toml")
+def is_run_dir(d: Path) -> bool:
+    """A folder `rlvr train` wrote (config.toml beside price.json or metrics.jsonl), or its best/."""
+    d = Path(d)
+    return (d / "config.toml").is_file() and any((d / f).is_file() for f in ("price.json", "metrics.jsonl", "best.json"))
+
+
+def refuse_run_task(cfg: config_mod.Config, config_file: Path, *, overrides: Sequence[str] = (),
+                    trusted: bool = False) -> None:
+    """RunError when `cfg` (read from a run directory's `config_file`) names a task *file* the user did
+    not name again: importing it would run code that came with the run directory. A module of an
+    installed package (`rlvr.tasks.sort:sort_task`) is fine; so is `--task.path=...` or `trusted`."""
+    if trusted or any(o.startswith("--task.path=") for o in overrides) or not names_a_file(cfg.task.path):
+        return
+    raise RunError(f"{config_file} names the task file {cfg.task.path!r}; a run directory is data, so its code is "
+                   f"not run unless you say so (a copied run directory could run anything). Pass "
+                   f"--task.path={cfg.task.path} to load it anyway (or another task), or --trust-run-config")
+
+
+def _checkpoint(d: Path, cfg: config_mod.Config) -> tuple[Policy, Tokenizer]:
+    """The policy and tokenizer saved in `d` (checkpoint/ or hf/); RunError naming a missing or damaged file."""
+    try:
+        verify(d)
+    except StateError as e:
+        raise RunError(str(e)) from None
     if cfg.model.path:
         from rlvr.models.hf import load_policy
 
-        hf = find_complete(run_dir, "hf") or run_dir / "hf"
-        if not (hf / "config.json").is_file():
-            raise RunError(f"{run_dir} is not a finished run: {run_dir / 'hf'} is missing")
-        model, tok = load_policy(hf, dtype=cfg.model.dtype)
-        return cfg, model, tok
-    ckpt = find_complete(run_dir, "checkpoint") or run_dir / "checkpoint"
-    for need in (ckpt / "model.safetensors", ckpt / "tokenizer.json"):
+        if not (d / "config.json").is_file():
+            raise RunError(f"{d / 'config.json'} is missing")
+        try:
+            return load_policy(d, dtype=cfg.model.dtype)
+        except Exception as e:  # transformers / safetensors raise many kinds on a damaged file
+            raise RunError(f"{d}: cannot load the checkpoint ({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
+    for need in (d / "model.safetensors", d / "config.json", d / "tokenizer.json"):
         if not need.is_file():
-            raise RunError(f"{run_dir} is not a finished run: {need} is missing")
-    return cfg, TinyTransformer.from_pretrained(ckpt), CharTokenizer.load(ckpt / "tokenizer.json")
+            raise RunError(f"{need} is missing")
+    try:
+        tok = CharTokenizer.load(d / "tokenizer.json")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise RunError(f"{d / 'tokenizer.json'}: unreadable ({type(e).__name__}: {e})") from None
+    try:
+        return TinyTransformer.from_pretrained(d), tok
+    except Exception as e:  # safetensors raises its own SafetensorError on a truncated file
+        raise RunError(f"{d / 'model.safetensors'} (or {d / 'config.json'}): unreadable "
+                       f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
+
+
+def load_run(run_dir: Path, overrides: Sequence[str] = (), *, trusted: bool = False,
+             note=lambda msg: None) -> tuple[config_mod.Config, Policy, Tokenizer]:
+    """Reload a run: (resolved config, model, tokenizer). The final checkpoint/ or hf/; for a run cut
+    off before its end, best/ (the best held-out goal so far) or else the last saved state/ (which
+    rebuilds the model from the config, so a task file is imported only under `refuse_run_task`'s
+    rule); `note` is told which. `overrides` are --section.key=value applied to the run's config."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.toml").is_file():
+        raise RunError(f"{run_dir} is not a finished run: {run_dir / 'config.toml'} is missing")
+    cfg = config_mod.load(run_dir / "config.toml", list(overrides))
+    name = "hf" if cfg.model.path else "checkpoint"
+    final = find_complete(run_dir, name)
+    if final is not None:
+        return (cfg, *_checkpoint(final, cfg))
+    best = find_complete(run_dir, "best")
+    if best is not None and find_complete(best, name) is not None:
+        try:
+            info = json.loads((best / "best.json").read_text())
+            what = f" (step {info['step']}, eval/goal {info['eval/goal']:.4g})"
+        except (OSError, ValueError, KeyError, TypeError):
+            what = ""
+        note(f"{run_dir} has no final {name}/ (the run was cut off); loading best/{what}")
+        return (cfg, *_checkpoint(find_complete(best, name), cfg))
+    if find_state(run_dir) is None:
+        need = run_dir / name / ("config.json" if cfg.model.path else "model.safetensors")
+        raise RunError(f"{run_dir} is not a finished run and holds nothing to load: {need} is missing, and there "
+                       f"is no best/ or state/ (the run stopped before its first save)")
+    refuse_run_task(cfg, run_dir / "config.toml", overrides=overrides, trusted=trusted)
+    setup = build(cfg)
+    try:
+        step = load_policy_weights(run_dir, setup.model)
+    except StateError as e:
+        raise RunError(str(e)) from None
+    note(f"{run_dir} has no final {name}/ or best/ (the run was cut off); loading the last saved state (step {step})")
+    return cfg, setup.model, setup.tokenizer

@@ -7,7 +7,8 @@
     RUN_DIR/state/           everything `--resume` needs (rlvr.state)
     RUN_DIR/best/            the checkpoint with the best held-out goal so far (a run dir of its own)
     RUN_DIR/checkpoint/ or hf/   the final policy
-    RUN_DIR/summary.json     final evaluation, counted cost against the price
+    RUN_DIR/summary.json     final evaluation, counted cost against the price (or, for a run
+                             stopped by a signal, `"interrupted": true` and the steps done)
 
 `RunDir` owns these files: the loop hands it rows and models and never opens a file itself.
 """
@@ -15,14 +16,16 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from rlvr import config as config_mod
 from rlvr.run import RunError, save_checkpoint
 from rlvr.state import STATE_DIR, atomic_dir, find_complete, find_state
 
-RESUMABLE_KEYS = {"train.steps", "train.threads", "train.save_every", "task.reward_workers",
+RESUMABLE_KEYS = {"train.steps", "train.threads", "train.save_every", "train.save_every_minutes", "task.reward_workers",
                   "task.reward_timeout_s", "task.reward_memory_mb"}
 """Keys a resumed run may change; sections [eval] and [log] may change too. Note that the
 learning-rate schedule is laid out over train.steps, so a longer resumed run decays later."""
@@ -70,6 +73,45 @@ class RunDir:
         if conflicts:
             raise RunError(f"--resume: the config differs from the run's {out / 'config.toml'} in "
                            f"{', '.join(conflicts)}; only {', '.join(sorted(RESUMABLE_KEYS))}, [eval] and [log] may change")
+
+    def check_writable(self) -> None:
+        """Refuse an output directory that cannot be written (read-only, full, a file in the way)
+        before any model is built: a small file is written, fsynced and removed where the run would
+        write (the directory, or the nearest existing folder above it when it does not exist yet)."""
+        out = self.path
+        where = out
+        while not where.exists() and where != where.parent:
+            where = where.parent
+        if not where.is_dir():
+            raise RunError(f"--out {out}: {where} is a file, not a directory; choose another path")
+        try:
+            fd, name = tempfile.mkstemp(prefix=".rlvr-write-check-", dir=where)
+            try:
+                os.write(fd, b"\0" * 65536)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+                os.unlink(name)
+        except OSError as e:
+            raise RunError(f"--out {out}: cannot write into {where} ({e.strerror or e}); "
+                           f"choose a writable directory with free space") from None
+
+    def check_space(self, price) -> None:
+        """Refuse a run whose saves cannot fit on --out's disk, before anything is written: a state save
+        writes a new copy (policy, AdamW moments, reference) beside the old one, and the final
+        checkpoint and best/ hold the policy again (each also beside its old copy)."""
+        state = price.policy_bytes + price.optimizer_bytes + price.reference_bytes
+        need = 2 * state + 4 * price.policy_bytes
+        where = self.path
+        while not where.exists() and where != where.parent:
+            where = where.parent
+        free = shutil.disk_usage(where).free
+        if free < need:
+            mib = 2**20
+            raise RunError(f"--out {self.path}: {free / mib:.1f} MiB free on its disk ({where}), but the run's saves "
+                           f"need about {need / mib:.1f} MiB (state {state / mib:.1f} MiB written beside the old copy, "
+                           f"checkpoint and best/ {price.policy_bytes / mib:.1f} MiB each); free space or choose "
+                           f"another directory")
 
     def prepare(self, *, overwrite: bool) -> None:
         """Refuse to write into an existing run unless told; nothing is deleted otherwise."""
@@ -139,10 +181,19 @@ class RunDir:
     # ------------------------------------------------------------------ at the end
     def finish(self, model, tok, summary: dict, step: int) -> None:
         save_checkpoint(self.path, model, tok, tag=step)
+        self.write_summary(summary)
+
+    def write_summary(self, summary: dict) -> None:
+        """Close the logs and write summary.json (beside, then renamed over the old one)."""
         self.close()
-        (self.path / "summary.json").write_text(json.dumps(summary, indent=2))
+        tmp = self.path / "summary.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=2))
+        os.replace(tmp, self.path / "summary.json")
 
     def close(self) -> None:
-        for f in (self._metrics, self._rollouts, self._tracker):
-            if f is not None:
+        for f in (self._metrics, self._rollouts):
+            if f is not None and not f.closed:
                 f.close()
+        if self._tracker is not None:
+            self._tracker.close()
+            self._tracker = None

@@ -19,6 +19,13 @@ log-prob -inf; it is reported as ``OUTSIDE_NUCLEUS_LOGP`` (-30, finite, no gradi
 ~0, the clipped objective gives it no gradient, and differences such as ``logp - logp_ref`` stay
 finite (no -inf - -inf = NaN).
 
+The KL to a reference is scored under ONE distribution on both sides: the tempered distribution
+without the nucleus (as TRL does). ``Rollout.logp_full`` keeps the sampler's log-prob of each token
+under it (when top_p < 1; it equals ``logp`` otherwise), and ``sequence_token_logprobs(...,
+return_full=True)`` gives the learner's from the same forward (the nucleus log-prob is derived from
+it: log p_nucleus = log p_full - log(mass of the nucleus)), so KL = 0 when π = π_ref whatever top_p,
+and a token that left the nucleus keeps its finite tempered log-prob in the KL.
+
 Greedy decoding is ``temperature == 0`` (top_p ignored): the argmax is taken and ``logp`` is the
 log-prob under the temperature-1 full softmax. That number is only for evaluation; a greedy
 rollout is not a sample and must not be trained on with a ratio.
@@ -30,11 +37,12 @@ sample ``b % G`` and ``rewards.view(P, G)`` groups correctly.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from rlvr.losses import token_logprobs
+from rlvr.losses import entropy_from_logits, token_logprobs
 
 OUTSIDE_NUCLEUS_LOGP = -30.0
 """Finite stand-in for log(0): the recomputed logp of a token outside the current nucleus."""
@@ -64,6 +72,14 @@ class Rollout:
     """Temperature used to sample (0 = greedy); ``sequence_token_logprobs`` defaults to it."""
     top_p: float = 1.0
     """Nucleus mass used to sample; ``sequence_token_logprobs`` defaults to it."""
+    logp_full: torch.Tensor | None = None
+    """(B, T) float32: log-prob of each token under the tempered distribution WITHOUT the nucleus
+    (what the KL to the reference compares); None when top_p = 1, where it is ``logp``."""
+
+    @property
+    def tempered_logp(self) -> torch.Tensor:
+        """(B, T) the sampled tokens' log-probs under the tempered distribution without the nucleus."""
+        return self.logp if self.logp_full is None else self.logp_full
 
     def select(self, idx: torch.Tensor | slice) -> "Rollout":
         """The rows ``idx`` (index tensor, bool mask or slice) as a new ``Rollout`` (minibatches).
@@ -72,7 +88,8 @@ class Rollout:
         """
         return Rollout(ids=self.ids[idx], attention_mask=self.attention_mask[idx], prompt_len=self.prompt_len,
                        mask=self.mask[idx], logp=self.logp[idx], truncated=self.truncated[idx],
-                       temperature=self.temperature, top_p=self.top_p)
+                       temperature=self.temperature, top_p=self.top_p,
+                       logp_full=None if self.logp_full is None else self.logp_full[idx])
 
     @property
     def response_ids(self) -> torch.Tensor:
@@ -103,13 +120,17 @@ def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:
         raise ValueError("concat: rollouts were sampled from different distributions (temperature / top_p)")
     Lp = max(r.prompt_len for r in rollouts)
     T = max(r.mask.shape[1] for r in rollouts)
-    parts: dict[str, list[torch.Tensor]] = {"ids": [], "attention_mask": [], "mask": [], "logp": []}
+    full = any(r.logp_full is not None for r in rollouts)
+    parts: dict[str, list[torch.Tensor]] = {"ids": [], "attention_mask": [], "mask": [], "logp": [], "logp_full": []}
     for r in rollouts:
         left, right = Lp - r.prompt_len, T - r.mask.shape[1]
         parts["ids"].append(F.pad(r.ids, (left, right), value=pad_id))
         parts["attention_mask"].append(F.pad(r.attention_mask, (left, right), value=0))
         parts["mask"].append(F.pad(r.mask, (0, right), value=0.0))
         parts["logp"].append(F.pad(r.logp, (0, right), value=0.0))
+        parts["logp_full"].append(F.pad(r.tempered_logp, (0, right), value=0.0))
+    if not full:
+        del parts["logp_full"]
     return Rollout(**{k: torch.cat(v) for k, v in parts.items()}, prompt_len=Lp,
                    truncated=torch.cat([r.truncated for r in rollouts]),
                    temperature=rollouts[0].temperature, top_p=rollouts[0].top_p)
@@ -146,6 +167,23 @@ def _check_sampling_args(temperature: float, top_p: float) -> None:
 
 
 # ---------------------------------------------------------------------- generation
+def _check_generate_args(model, prompts, samples_per_prompt: int, max_new_tokens: int, temperature: float,
+                         top_p: float) -> torch.device:
+    """ValueError on arguments `generate` cannot sample from; else the device of the model."""
+    _check_sampling_args(temperature, top_p)
+    if samples_per_prompt < 1 or max_new_tokens < 1:
+        raise ValueError("samples_per_prompt and max_new_tokens must be >= 1")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("need at least one prompt, and every prompt needs at least one token")
+    block_size = model.config.block_size
+    longest = max(len(p) for p in prompts)
+    if block_size is not None and longest + max_new_tokens > block_size:
+        raise ValueError(f"longest prompt ({longest}) + max_new_tokens ({max_new_tokens}) "
+                         f"exceeds the model's block_size ({block_size})")
+    first_param = next(iter(model.parameters()), None)
+    return first_param.device if first_param is not None else torch.device("cpu")
+
+
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], *, samples_per_prompt: int, max_new_tokens: int,
              temperature: float = 1.0, top_p: float = 1.0, eos_id: int | None, pad_id: int,
@@ -156,33 +194,22 @@ def generate(model, prompts: list[list[int]], *, samples_per_prompt: int, max_ne
     then one forward per new token. Stops when every row has produced ``eos_id``; with
     ``eos_id=None`` runs exactly ``max_new_tokens`` steps and nothing is truncated.
 
-    ``model(ids, attention_mask=, cache=, logits_to_keep=) -> logits`` is the policy surface. A
-    model with ``new_cache(batch_size, max_len)`` (returning an object with
-    ``repeat_interleave(G)``) decodes incrementally; one without is re-run on the whole sequence
-    each step (slow; for mocks and foreign models). Draws use ``torch.multinomial(generator=)``,
+    ``model`` meets ``rlvr.policy.Policy``: ``model(ids, attention_mask=, cache=, logits_to_keep=)
+    -> logits``; ``model.new_cache(batch_size, max_len)`` returns an object with
+    ``repeat_interleave(G)`` to decode incrementally, or None to re-run the whole sequence each step
+    (slow; for test oracles and foreign models); ``model.config.block_size`` bounds the context. Draws use ``torch.multinomial(generator=)``,
     so a seeded generator reproduces the rollout (on the same device and thread count).
     """
-    _check_sampling_args(temperature, top_p)
-    if samples_per_prompt < 1 or max_new_tokens < 1:
-        raise ValueError("samples_per_prompt and max_new_tokens must be >= 1")
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("need at least one prompt, and every prompt needs at least one token")
-    block_size = getattr(getattr(model, "config", None), "block_size", None)
-    longest = max(len(p) for p in prompts)
-    if block_size is not None and longest + max_new_tokens > block_size:
-        raise ValueError(f"longest prompt ({longest}) + max_new_tokens ({max_new_tokens}) "
-                         f"exceeds the model's block_size ({block_size})")
-    first_param = next(iter(model.parameters()), None)
-    device = first_param.device if first_param is not None else torch.device("cpu")
-
+    device = _check_generate_args(model, prompts, samples_per_prompt, max_new_tokens, temperature, top_p)
     G, T, P = samples_per_prompt, max_new_tokens, len(prompts)
-    B, Lp = P * G, longest
+    Lp = max(len(p) for p in prompts)
+    B = P * G
     prompt_ids = torch.tensor([[pad_id] * (Lp - len(p)) + list(p) for p in prompts], device=device)  # (P, Lp)
     prompt_am = torch.tensor([[0] * (Lp - len(p)) + [1] * len(p) for p in prompts], device=device)   # (P, Lp)
 
-    use_cache = hasattr(model, "new_cache")
+    cache = model.new_cache(P, Lp + T)
+    use_cache = cache is not None
     if use_cache:
-        cache = model.new_cache(P, Lp + T)
         logits = model(prompt_ids, attention_mask=prompt_am, cache=cache, logits_to_keep=1)[:, -1]  # (P, V)
         if G > 1:
             cache = cache.repeat_interleave(G)
@@ -195,6 +222,8 @@ def generate(model, prompts: list[list[int]], *, samples_per_prompt: int, max_ne
     out = torch.full((B, T), pad_id, dtype=torch.long, device=device)
     alive_cols = torch.zeros((B, T), dtype=torch.bool, device=device)
     logp = torch.zeros((B, T), dtype=torch.float32, device=device)
+    nucleus = temperature > 0 and top_p < 1.0
+    logp_full = torch.zeros((B, T), dtype=torch.float32, device=device) if nucleus else None
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     steps = 0
     for t in range(T):
@@ -208,6 +237,9 @@ def generate(model, prompts: list[list[int]], *, samples_per_prompt: int, max_ne
         out[:, t] = tok
         alive_cols[:, t] = alive
         logp[:, t] = logprobs.gather(1, tok.unsqueeze(1)).squeeze(1).masked_fill(finished, 0.0)
+        if nucleus:  # the same token under the tempered distribution without the nucleus (the KL's)
+            full = F.log_softmax(logits.float() / temperature, dim=-1)                      # (B, V)
+            logp_full[:, t] = full.gather(1, tok.unsqueeze(1)).squeeze(1).masked_fill(finished, 0.0)
         steps = t + 1
         if eos_id is not None:
             finished = finished | (tok == eos_id)
@@ -232,27 +264,67 @@ def generate(model, prompts: list[list[int]], *, samples_per_prompt: int, max_ne
         truncated=~finished if eos_id is not None else torch.zeros(B, dtype=torch.bool, device=device),
         temperature=float(temperature),
         top_p=float(top_p),
+        logp_full=logp_full[:, :steps].contiguous() if nucleus else None,
     )
 
 
 # ---------------------------------------------------------------------- trainer side
+class TokenLogprobs(NamedTuple):
+    """What ``sequence_token_logprobs(..., return_full=, return_entropy=)`` returns, each (B, T) with
+    gradient and 0 off the response mask; a field not asked for is None."""
+
+    logp: torch.Tensor
+    """Under the sampling distribution (tempered nucleus): the ratio's numerator."""
+    logp_full: torch.Tensor | None
+    """Under the tempered distribution without the nucleus: the KL's side (``logp`` when top_p = 1)."""
+    entropy: torch.Tensor | None
+    """Entropy of the tempered distribution without the nucleus (rlvr.losses.entropy_from_logits)."""
+
+
 def _nucleus_token_logprobs(logits, ids, *, temperature, top_p, chunk_rows=None):
-    """``sampling_logprobs`` gathered at ids, -inf replaced by ``OUTSIDE_NUCLEUS_LOGP``; chunked over rows."""
+    """(nucleus, full) log-probs at ids from one log-softmax; chunked over rows.
+
+    full = log_softmax(logits / temperature) at ids; nucleus = full - logsumexp(full over the
+    nucleus) inside the nucleus (log of the renormalised nucleus probability, ``sampling_logprobs``
+    to float rounding), ``OUTSIDE_NUCLEUS_LOGP`` outside it (no gradient there)."""
     B = logits.size(0)
     step = B if not chunk_rows else chunk_rows
-    parts = []
+    nuc_parts, full_parts = [], []
     for s in range(0, B, step):
-        lp = sampling_logprobs(logits[s:s + step], temperature, top_p)           # (b, T, V)
-        lp = lp.gather(-1, ids[s:s + step].unsqueeze(-1)).squeeze(-1)             # (b, T)
-        if top_p < 1.0:
-            lp = torch.where(torch.isfinite(lp), lp, torch.full_like(lp, OUTSIDE_NUCLEUS_LOGP))
-        parts.append(lp)
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        z = logits[s:s + step].float() / temperature                             # (b, T, V)
+        full = F.log_softmax(z, dim=-1)                                          # (b, T, V)
+        tok = ids[s:s + step].unsqueeze(-1)                                      # (b, T, 1)
+        lp_full = full.gather(-1, tok).squeeze(-1)                               # (b, T)
+        keep = nucleus_mask(z, top_p)                                            # (b, T, V)
+        log_mass = torch.logsumexp(full.masked_fill(~keep, float("-inf")), dim=-1)  # (b, T) <= 0
+        inside = keep.gather(-1, tok).squeeze(-1)                                # (b, T)
+        nuc_parts.append(torch.where(inside, lp_full - log_mass, torch.full_like(lp_full, OUTSIDE_NUCLEUS_LOGP)))
+        full_parts.append(lp_full)
+    cat = (lambda xs: xs[0] if len(xs) == 1 else torch.cat(xs, dim=0))
+    return cat(nuc_parts), cat(full_parts)
+
+
+def _response_logits(model, ids, am, Lp, T, G):
+    """(B, T, V) logits predicting the T response tokens: one forward, or (G > 1 on a model with a
+    differentiable cache) each prompt once with its G responses attending to the shared keys/values."""
+    if G > 1 and model.differentiable_cache:
+        B = ids.size(0)
+        if B % G:
+            raise ValueError(f"group_size {G} does not divide the {B} rows")
+        cache = model.new_cache(B // G, Lp + T)
+        first = model(ids[::G, :Lp], attention_mask=am[::G, :Lp], cache=cache, logits_to_keep=1)  # (P, 1, V)
+        cache.repeat_interleave(G)
+        parts = [first.repeat_interleave(G, dim=0)]                                                 # (B, 1, V)
+        if T > 1:
+            parts.append(model(ids[:, Lp:-1], attention_mask=am[:, Lp:-1], cache=cache))            # (B, T-1, V)
+        return torch.cat(parts, dim=1)                                                              # (B, T, V)
+    return model(ids, attention_mask=am, logits_to_keep=T + 1)[:, :-1]                              # (B, T, V)
 
 
 def sequence_token_logprobs(model, rollout: Rollout | tuple, *, temperature: float | None = None,
                             top_p: float | None = None, chunk_rows: int | None = None,
-                            group_size: int | None = None) -> torch.Tensor:
+                            group_size: int | None = None, return_full: bool = False,
+                            return_entropy: bool = False) -> torch.Tensor | TokenLogprobs:
     """(B, T) log-probs of the generated tokens under the sampling distribution, WITH gradient.
 
     ``rollout`` is a ``Rollout`` or a tuple ``(ids, attention_mask, prompt_len)``. One forward
@@ -267,6 +339,12 @@ def sequence_token_logprobs(model, rollout: Rollout | tuple, *, temperature: flo
     Hugging Face models) runs each prompt ONCE and lets its G responses attend to the shared keys
     and values: the same logits and gradients as the full forward (tested), with the prompt's
     (G - 1) / G share of the work removed. Other models take the full forward.
+
+    ``return_full`` / ``return_entropy``: return a ``TokenLogprobs`` that also holds, from the SAME
+    forward, the log-probs under the tempered distribution without the nucleus (what the KL to the
+    reference compares; with top_p < 1 the nucleus log-prob is derived from it at the cost of one
+    logsumexp, so both come from one log-softmax) and/or the per-token entropy of that distribution
+    (rlvr.losses.entropy_from_logits: one more softmax pass).
     """
     if isinstance(rollout, Rollout):
         ids, am, Lp = rollout.ids, rollout.attention_mask, rollout.prompt_len
@@ -280,25 +358,21 @@ def sequence_token_logprobs(model, rollout: Rollout | tuple, *, temperature: flo
     T = ids.size(1) - Lp
     if T < 1 or Lp < 1:
         raise ValueError(f"need a prompt and at least one response column, got Lp={Lp}, T={T}")
-    G = group_size or 1
-    if G > 1 and getattr(model, "differentiable_cache", False):
-        B = ids.size(0)
-        if B % G:
-            raise ValueError(f"group_size {G} does not divide the {B} rows")
-        cache = model.new_cache(B // G, Lp + T)
-        first = model(ids[::G, :Lp], attention_mask=am[::G, :Lp], cache=cache, logits_to_keep=1)  # (P, 1, V)
-        cache.repeat_interleave(G)
-        parts = [first.repeat_interleave(G, dim=0)]                                                 # (B, 1, V)
-        if T > 1:
-            parts.append(model(ids[:, Lp:-1], attention_mask=am[:, Lp:-1], cache=cache))            # (B, T-1, V)
-        logits = torch.cat(parts, dim=1)                                                            # (B, T, V)
-    else:
-        logits = model(ids, attention_mask=am, logits_to_keep=T + 1)[:, :-1]                        # (B, T, V)
+    logits = _response_logits(model, ids, am, Lp, T, group_size or 1)                            # (B, T, V)
     targets = ids[:, Lp:]                                                     # (B, T)
     if temperature == 0:
         temperature, top_p = 1.0, 1.0
     if top_p >= 1.0:
-        lp = token_logprobs(logits, targets, temperature=temperature, chunk_rows=chunk_rows)
+        lp = lp_full = token_logprobs(logits, targets, temperature=temperature, chunk_rows=chunk_rows)
     else:
-        lp = _nucleus_token_logprobs(logits, targets, temperature=temperature, top_p=top_p, chunk_rows=chunk_rows)
-    return lp.float().masked_fill(am[:, Lp:] == 0, 0.0)
+        lp, lp_full = _nucleus_token_logprobs(logits, targets, temperature=temperature, top_p=top_p,
+                                              chunk_rows=chunk_rows)
+    off = am[:, Lp:] == 0                                                     # (B, T)
+    lp = lp.float().masked_fill(off, 0.0)
+    if not (return_full or return_entropy):
+        return lp
+    entropy = None
+    if return_entropy:
+        entropy = entropy_from_logits(logits, temperature=temperature,
+                                      chunk_rows=chunk_rows).masked_fill(off, 0.0)
+    return TokenLogprobs(lp, lp_full.float().masked_fill(off, 0.0) if return_full else None, entropy)

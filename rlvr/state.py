@@ -44,8 +44,8 @@ from typing import Callable, Iterator
 import torch
 from safetensors.torch import load_file, save_file
 
-__all__ = ["STATE_DIR", "StateError", "PHASES", "save_state", "load_state", "find_state", "atomic_dir",
-           "write_dir_atomically", "find_complete", "recover"]
+__all__ = ["STATE_DIR", "StateError", "PHASES", "save_state", "load_state", "load_policy_weights", "find_state",
+           "atomic_dir", "write_dir_atomically", "find_complete", "recover", "verify"]
 
 STATE_DIR = "state"
 TENSORS = "tensors.safetensors"
@@ -127,6 +127,13 @@ def _marker(d: Path) -> dict:
         if p.stat().st_size != size:
             raise StateError(f"{p}: {p.stat().st_size} bytes, the save wrote {size} (truncated or changed since)")
     return {"tag": tag, "files": files}
+
+
+def verify(d: str | Path) -> None:
+    """StateError naming the file when copy `d` was written with a marker and a file it lists is now
+    missing or of another size (truncated); nothing to check in a copy without a marker."""
+    if (Path(d) / MARKER).exists():
+        _marker(Path(d))
 
 
 def _leftovers(run_dir: Path, name: str) -> list[Path]:
@@ -264,9 +271,10 @@ def _tensors_once(named: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tenso
 
 def save_state(run_dir: Path, *, step: int, model, opt: torch.optim.Optimizer, sched, ref, rng: random.Random,
                gen: torch.Generator, cost: dict, wall: float, learn_gen: torch.Generator | None = None,
-               extra: dict | None = None) -> None:
+               extra: dict | None = None, extra_tensors: dict[str, torch.Tensor] | None = None) -> None:
     """Write `run_dir/state/` crash-safely (see :func:`atomic_dir`); a StateError if it cannot be written.
-    `extra` is any further JSON state (policy version, warning-rule history)."""
+    `extra` is any further JSON state (policy version, warning-rule history); `extra_tensors` any further
+    named tensors (a learned baseline's critic and optimiser), returned by `load_state` as "extra_tensors"."""
     named: dict[str, torch.Tensor] = {}
     for k, v in model.state_dict().items():
         named[f"model.{k}"] = v
@@ -277,6 +285,8 @@ def save_state(run_dir: Path, *, step: int, model, opt: torch.optim.Optimizer, s
     for idx, st in opt_sd["state"].items():
         for name, v in st.items():
             named[f"opt.{idx}.{name}"] = torch.as_tensor(v)
+    for k, v in (extra_tensors or {}).items():
+        named[f"extra.{k}"] = v
     named["generator"] = gen.get_state()
     if learn_gen is not None:
         named["learn_generator"] = learn_gen.get_state()
@@ -306,18 +316,9 @@ def find_state(run_dir: Path) -> Path | None:
 def load_state(run_dir: Path, *, model, opt: torch.optim.Optimizer, sched, ref, rng: random.Random,
                gen: torch.Generator, learn_gen: torch.Generator | None = None) -> dict:
     """Restore everything `save_state` wrote, from the newest complete copy; returns {"step", "cost",
-    "wall", "dir"}. StateError naming the file when there is no state or it is damaged."""
-    d = find_state(Path(run_dir))
-    if d is None:
-        raise StateError(f"{Path(run_dir) / STATE_DIR}: no saved state")
-    if (d / MARKER).exists():
-        _marker(d)  # sizes as written: catches truncation before safetensors does
-    tensors, meta = _read(d)
+    "wall", "dir", "extra", "extra_tensors"}. StateError naming the file when there is no state or it is damaged."""
+    d, tensors, meta = _open(Path(run_dir))
     tfile, mfile = d / TENSORS, d / META
-    for alias, name in meta.get("aliases", {}).items():
-        if name not in tensors:
-            raise StateError(f"{tfile}: no tensor {name!r} (the saved copy of {alias!r})")
-        tensors[alias] = tensors[name]
 
     def part(prefix: str) -> dict:
         return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
@@ -343,11 +344,39 @@ def load_state(run_dir: Path, *, model, opt: torch.optim.Optimizer, sched, ref, 
         if learn_gen is not None and "learn_generator" in tensors:
             learn_gen.set_state(tensors["learn_generator"])
         return {"step": int(meta["step"]), "cost": meta["cost"], "wall": float(meta["wall"]), "dir": d,
-                "extra": meta.get("extra", {})}
+                "extra": meta.get("extra", {}), "extra_tensors": part("extra.")}
     except KeyError as e:
         raise StateError(f"{mfile}: missing {e.args[0]!r}") from None
     except (ValueError, TypeError, RuntimeError) as e:
         raise StateError(f"{d}: does not fit this run's optimizer or RNG: {type(e).__name__}: {e}") from None
+
+
+def load_policy_weights(run_dir: str | Path, model) -> int:
+    """Load only the policy's weights from the newest complete state of `run_dir` (a run cut off
+    before its final checkpoint); returns the step they are from. StateError naming the file."""
+    d, tensors, meta = _open(Path(run_dir))
+    try:
+        model.load_state_dict({k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")})
+    except RuntimeError as e:
+        raise StateError(f"{d / TENSORS}: does not fit the model: {' '.join(str(e).split())[:500]}") from None
+    try:
+        return int(meta["step"])
+    except (KeyError, TypeError, ValueError):
+        raise StateError(f"{d / META}: missing or bad 'step'") from None
+
+
+def _open(run_dir: Path) -> tuple[Path, dict[str, torch.Tensor], dict]:
+    """(directory, tensors with tied aliases filled in, metadata) of the newest complete state."""
+    d = find_state(run_dir)
+    if d is None:
+        raise StateError(f"{run_dir / STATE_DIR}: no saved state")
+    verify(d)  # sizes as written: catches truncation before safetensors does
+    tensors, meta = _read(d)
+    for alias, name in meta.get("aliases", {}).items():
+        if name not in tensors:
+            raise StateError(f"{d / TENSORS}: no tensor {name!r} (the saved copy of {alias!r})")
+        tensors[alias] = tensors[name]
+    return d, tensors, meta
 
 
 def _read(d: Path) -> tuple[dict[str, torch.Tensor], dict]:

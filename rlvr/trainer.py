@@ -18,6 +18,15 @@ One step is two stages (rlvr.rollout, rlvr.learn) and a record:
 Held-out evaluation of the real goal runs every `eval.every` steps and at the end; the run
 directory (rlvr.rundir) receives metrics, rollouts, warnings, state and checkpoints.
 
+Nothing is lost when a run stops early:
+  * state is saved at each evaluation (or every `train.save_every` steps) and every
+    `train.save_every_minutes` of wall clock, each save crash-safe (rlvr.state);
+  * SIGINT (Ctrl-C) or SIGTERM lets the current step finish, saves state, writes summary.json marked
+    `"interrupted": true` and exits 130 / 143 ("continue with --resume"); a second Ctrl-C exits at once;
+  * an update whose loss or gradient norm is not finite is skipped (`train/skipped_updates`, warned);
+    `STOP_AFTER_SKIPPED_STEPS` steps in a row with every update skipped, or weights that are no longer
+    finite, stop the run with the last saved state kept.
+
 Departures from the GRPO paper, each a config field:
   1. The loss is reduced with `algorithm.agg` (default `token_mean`, as DAPO), not the paper's
      per-sequence mean; see rlvr.losses.AGGREGATIONS.
@@ -29,8 +38,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import random
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +59,42 @@ from rlvr.reward_pool import RewardPool, open_pool
 from rlvr.rollout import Batch, rollout
 from rlvr.run import RunError, Setup, build, price_of, set_threads  # noqa: F401  (RunError: raised to the CLI)
 from rlvr.rundir import RunDir
-from rlvr.state import load_state, save_state
+from rlvr.state import StateError, load_state, save_state
+from rlvr.value import LearnedBaseline
+
+
+STOP_AFTER_SKIPPED_STEPS = 3
+"""Consecutive steps with every update skipped (non-finite loss or gradient norm) that stop the run."""
+
+
+class Interrupts:
+    """SIGINT / SIGTERM during a run: the first asks the loop to stop after the current step (state
+    saved, summary marked interrupted, exit 128 + the signal's number); a second one exits at once,
+    keeping the last saved state. Installed only in the main thread (signals go nowhere else)."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._old: dict = {}
+
+    def __enter__(self) -> "Interrupts":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+    def _handle(self, signum: int, _frame) -> None:
+        name = signal.Signals(signum).name
+        if self.signum is not None:  # os.write, not print: a handler may run in the middle of a print
+            os.write(2, f"\nrlvr: {name} again: exiting now; the last saved state is kept (continue with "
+                        f"--resume)\n".encode())
+            os._exit(128 + signum)
+        self.signum = signum
+        os.write(2, f"\nrlvr: {name}: stopping after the current step and saving state "
+                    f"(Ctrl-C again to exit at once)\n".encode())
 
 
 @dataclass
@@ -77,6 +124,14 @@ class RunState:
     """The step-0 evaluation (eval.at_start), for the summary."""
     pool: RewardPool | None = None
     """Supervised reward workers (task.reward_workers); None scores in this process."""
+    value: LearnedBaseline | None = None
+    """The learned baseline's critic and its optimiser (algorithm.scheme = learned); saved with the run."""
+    saved_step: int | None = None
+    """The step of the state last saved (None before the first save of this session)."""
+    last_save: float = field(default_factory=time.monotonic)
+    """When state was last saved (train.save_every_minutes counts from here)."""
+    skipped_run: int = 0
+    """Consecutive steps, up to this one, whose every update was skipped."""
 
     @property
     def policy(self) -> Policy:
@@ -103,14 +158,19 @@ def new_state(setup: Setup) -> RunState:
     opt = make_optimizer(model.trainable_params(), tc)
     flops = costs.model_flops_per_token(model, setup.limits.prompt_tokens, setup.limits.max_new_tokens)
     learner = Learner(model, opt, make_scheduler(opt, tc), cfg, learn_gen, setup.limits.max_new_tokens, flops)
-    return RunState(setup, learner, reference, prompt_rng, sample_gen)
+    value = (LearnedBaseline(setup.tokenizer.vocab_size, lr=ac.value_lr, seed=tc.seed, device=setup.device)
+             if ac.scheme == "learned" else None)
+    return RunState(setup, learner, reference, prompt_rng, sample_gen, value=value)
 
 
 def save(state: RunState, run_dir: RunDir, wall: float) -> None:
     lr = state.learner
+    value_t, value_meta = state.value.to_tensors() if state.value is not None else ({}, None)
     save_state(run_dir.path, step=state.step, model=lr.policy, opt=lr.opt, sched=lr.sched, ref=state.reference,
                rng=state.prompt_rng, gen=state.sample_gen, learn_gen=lr.generator, cost=state.cost, wall=wall,
-               extra={"version": state.version, "watch": dataclasses.asdict(state.watch)})
+               extra={"version": state.version, "watch": dataclasses.asdict(state.watch), "value": value_meta},
+               extra_tensors={f"value.{k}": v for k, v in value_t.items()})
+    state.saved_step, state.last_save = state.step, time.monotonic()
 
 
 def restore(state: RunState, run_dir: RunDir) -> None:
@@ -118,9 +178,16 @@ def restore(state: RunState, run_dir: RunDir) -> None:
     got = load_state(run_dir.path, model=lr.policy, opt=lr.opt, sched=lr.sched, ref=state.reference,
                      rng=state.prompt_rng, gen=state.sample_gen, learn_gen=lr.generator)
     state.step, state.cost, state.wall_before = got["step"], got["cost"], got["wall"]
+    state.saved_step = state.step
     state.version = got["extra"].get("version", state.step)
     if "watch" in got["extra"]:
         state.watch = Watch(**got["extra"]["watch"])
+    if state.value is not None:
+        try:
+            state.value.load_tensors({k[6:]: v for k, v in got["extra_tensors"].items() if k.startswith("value.")},
+                                     got["extra"]["value"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise StateError(f"{got['dir']}: no usable learned-baseline state ({type(e).__name__}: {e})") from None
     state.best = run_dir.load_best()
 
 
@@ -147,6 +214,9 @@ def step_row(step: int, batch: Batch, stats: dict, state: RunState, t0: float) -
         "train/entropy": float(-(logp_old * mask).sum() / mask.sum().clamp(min=1)),
         "train/truncated_frac": float(batch.rollout.truncated.float().mean()),
         "train/reward_failures": sum(p.failures for p in batch.parts),
+        # each failure status (timeout, crashed, exit, error, ...) counted over the step's rollouts
+        **{f"train/reward_status_{k}": sum(p.status_counts.get(k, 0) for p in batch.parts)
+           for k in batch.parts[0].status_counts if k != "ok"},
         "train/lr": stats["lr"],
         "train/sampled_tokens": state.cost["sampled_tokens"],
         "train/policy_version": batch.version,
@@ -155,6 +225,7 @@ def step_row(step: int, batch: Batch, stats: dict, state: RunState, t0: float) -
         "train/first_step_ratio_mean": stats["first_step_ratio_mean"],
         **{f"train/{k}": v for k, v in stats.items()
            if k not in ("lr", "first_step_ratio_mean", "optimizer_steps", "trained_tokens", "flops")},
+        **{f"train/{k}": v for k, v in batch.stats.items()},   # rollout-stage figures (rlvr.rollout.Batch.stats)
     }
     for name, vals in groups.per_reward.items():
         row[f"train/reward_{name}"] = sum(vals) / len(vals)
@@ -220,8 +291,10 @@ def start(cfg: config_mod.Config, run_dir: RunDir, *, overwrite: bool, resume: b
         if overwrite:
             raise RunError("--resume and --overwrite contradict each other; choose one")
         run_dir.check_resumable(cfg)
+    run_dir.check_writable()
     setup = build(cfg)
     price = price_of(setup)
+    run_dir.check_space(price)
     if not resume:
         run_dir.prepare(overwrite=overwrite)
     run_dir.write_start(cfg, price)
@@ -240,20 +313,86 @@ def train(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, resume:
     """Run the loop; write config.toml, price.json, metrics.jsonl, rollouts.jsonl, state/, checkpoint/, summary.json.
 
     `resume=True` continues a run from its last saved state (`state/`, written at every evaluation,
-    every `train.save_every` steps and at the end) with the same weights, optimizer, scheduler,
-    RNG streams and cost counters, so an interrupted run continues as if it had not stopped.
+    every `train.save_every` steps, every `train.save_every_minutes`, on SIGINT / SIGTERM and at the
+    end) with the same weights, optimizer, scheduler, RNG streams and cost counters, so an
+    interrupted run continues as if it had not stopped. A run stopped by a signal returns its summary
+    with `"interrupted": True` and `"exit_code"` (130 for SIGINT, 143 for SIGTERM).
     """
     _, busy = set_threads(cfg)  # train.threads (0 = this process's cores) and the oversubscription warning
     run_dir = RunDir(out, log=log)
-    state = start(cfg, run_dir, overwrite=overwrite, resume=resume, log=log)
-    if busy:
-        run_dir.warn(state.step, busy)
-    with open_pool(cfg.task, state.setup.task) as state.pool:
-        return loop(run_dir, state, log)
+    with Interrupts() as stop:
+        state = start(cfg, run_dir, overwrite=overwrite, resume=resume, log=log)
+        if busy:
+            run_dir.warn(state.step, busy)
+        try:
+            with open_pool(cfg.task, state.setup.task) as state.pool:
+                return loop(run_dir, state, log, stop)
+        finally:
+            run_dir.close()
 
 
-def loop(run_dir: RunDir, state: RunState, log) -> dict:
-    """Steps from the one after `state.step` to `train.steps`, then `finish`."""
+def advance(state: RunState, step: int) -> tuple[Batch, dict]:
+    """One step: rollout, learn, π_old <- π, reference refresh, cost counters."""
+    cfg = state.setup.cfg
+    try:
+        batch = rollout(state.setup, state.policy, state.reference, state.draw,      # 1.-5.
+                        version=state.version, generator=state.sample_gen, pool=state.pool, value=state.value)
+    except RuntimeError as e:
+        if "inf" not in str(e) and "nan" not in str(e):
+            raise
+        raise RunError(f"step {step}: sampling failed ({' '.join(str(e).split())[:200]}): the weights have "
+                       f"diverged; {kept(state)}; lower train.lr or algorithm.kl_coef") from None
+    stats = learn(state.learner, batch)                                              # 6.
+    state.version += 1                                                               # 7. π_old <- π
+    if state.reference is not None and cfg.algorithm.ref_refresh_every and step % cfg.algorithm.ref_refresh_every == 0:
+        state.reference.load_state_dict(state.policy.state_dict())
+    state.step = step
+    for k in ("sampled_tokens", "forward_tokens", "flops"):
+        state.cost[k] += batch.cost[k]
+    state.cost["trained_tokens"] += stats["trained_tokens"]
+    state.cost["flops"] += stats["flops"]
+    return batch, stats
+
+
+def kept(state: RunState) -> str:
+    """Where the last good state is, for the messages that stop a run."""
+    if state.saved_step is None:
+        return "no state was saved yet"
+    return f"the last saved state (step {state.saved_step}) is kept"
+
+
+def check_updates(run_dir: RunDir, state: RunState, step: int, stats: dict) -> None:
+    """Warn about skipped updates; stop (RunError) after STOP_AFTER_SKIPPED_STEPS steps in a row with
+    every update skipped, or when an applied update left a weight that is not finite."""
+    cfg = state.setup.cfg
+    fix = f"lower train.lr (now {cfg.train.lr:g}) or algorithm.kl_coef (now {cfg.algorithm.kl_coef:g})"
+    if stats.get("skipped_updates"):
+        run_dir.warn(step, f"{stats['skipped_updates']} of {stats['optimizer_steps']} updates skipped: the loss "
+                           f"or the gradient norm was not finite (train/skipped_updates)")
+    every = stats.get("skipped_updates", 0) >= stats["optimizer_steps"]
+    state.skipped_run = state.skipped_run + 1 if every else 0
+    if state.skipped_run >= STOP_AFTER_SKIPPED_STEPS:
+        raise RunError(f"stopped at step {step}: every update of the last {state.skipped_run} steps was skipped "
+                       f"(non-finite loss or gradient norm, see train/skipped_updates in "
+                       f"{run_dir.path / 'metrics.jsonl'}); {kept(state)}; {fix}")
+    if not every and not all(bool(torch.isfinite(p).all()) for p in state.policy.trainable_params()):
+        raise RunError(f"stopped at step {step}: the update left weights that are not finite (inf or nan); "
+                       f"{kept(state)}; {fix}")
+
+
+def due_save(state: RunState, step: int) -> bool:
+    """Save state after `step`? Every train.save_every steps (or each evaluation when 0), and when
+    train.save_every_minutes have passed since the last save. The final step saves in `finish`."""
+    tc, ec = state.setup.cfg.train, state.setup.cfg.eval
+    if step == tc.steps:
+        return False
+    by_step = (tc.save_every and step % tc.save_every == 0) or (not tc.save_every and ec.every and step % ec.every == 0)
+    by_clock = tc.save_every_minutes and time.monotonic() - state.last_save >= 60 * tc.save_every_minutes
+    return bool(by_step or by_clock)
+
+
+def loop(run_dir: RunDir, state: RunState, log, stop: Interrupts | None = None) -> dict:
+    """Steps from the one after `state.step` to `train.steps`, then `finish` (or `interrupted`)."""
     cfg = state.setup.cfg
     tc, ec = cfg.train, cfg.eval
     t_start = time.perf_counter()
@@ -262,30 +401,47 @@ def loop(run_dir: RunDir, state: RunState, log) -> dict:
         log(f"step 0 eval: goal {row['eval/goal']:.3f} reward {row['eval/reward']:.3f} "
             f"on {row['eval/prompts']} held-out prompts")
         state.eval0 = row
+    state.last_save = time.monotonic()
     first = state.step + 1
     for step in range(first, tc.steps + 1):
+        if stop is not None and stop.signum is not None:  # SIGINT / SIGTERM came during the last step
+            return interrupted(run_dir, state, state.wall_before + time.perf_counter() - t_start, log, stop.signum)
         t0 = time.perf_counter()
-        batch = rollout(state.setup, state.policy, state.reference, state.draw,      # 1.-5.
-                        version=state.version, generator=state.sample_gen, pool=state.pool)
-        stats = learn(state.learner, batch)                                          # 6.
-        state.version += 1                                                           # 7. π_old <- π
-        if state.reference is not None and cfg.algorithm.ref_refresh_every and step % cfg.algorithm.ref_refresh_every == 0:
-            state.reference.load_state_dict(state.policy.state_dict())
-        state.step = step
-        for k in ("sampled_tokens", "forward_tokens", "flops"):
-            state.cost[k] += batch.cost[k]
-        state.cost["trained_tokens"] += stats["trained_tokens"]
-        state.cost["flops"] += stats["flops"]
+        batch, stats = advance(state, step)
         row = step_row(step, batch, stats, state, t0)
         record(run_dir, state, step, batch, row)
+        check_updates(run_dir, state, step, stats)
         if ec.every and step % ec.every == 0 and step != tc.steps:
             run_eval(run_dir, state, step)
-        if step != tc.steps and ((tc.save_every and step % tc.save_every == 0)
-                                 or (not tc.save_every and ec.every and step % ec.every == 0)):
+        if due_save(state, step):
             save(state, run_dir, state.wall_before + time.perf_counter() - t_start)
         if step % max(1, cfg.log.print_every) == 0 or step == 1:
             log(progress(state, row, time.perf_counter() - t_start, step - first + 1))
     return finish(run_dir, state, state.wall_before + time.perf_counter() - t_start, log)
+
+
+def interrupted(run_dir: RunDir, state: RunState, wall: float, log, signum: int) -> dict:
+    """Stop after `state.step` on a signal: save state (unless just saved), write summary.json marked
+    interrupted, say how to continue."""
+    if state.saved_step != state.step:
+        save(state, run_dir, wall)
+    cost = state.cost
+    summary = {
+        "interrupted": True,
+        "signal": signal.Signals(signum).name,
+        "exit_code": 128 + signum,
+        "steps": state.step,
+        "steps_planned": state.setup.cfg.train.steps,
+        **{k: v for k, v in state.last_eval.items() if k != "step"},
+        "sampled_tokens": cost["sampled_tokens"],
+        "wall_seconds": wall,
+        **{f"cost/{k}": v for k, v in cost.items()},
+        "cost/wall_seconds": wall,
+        "price": state.price.to_dict(),
+    }
+    run_dir.write_summary(summary)
+    log(f"interrupted after step {state.step}; continue with --resume (rlvr train CONFIG --out {run_dir.path} --resume)")
+    return summary
 
 
 def finish(run_dir: RunDir, state: RunState, wall: float, log) -> dict:

@@ -120,6 +120,26 @@ class LearnedBaseline:
         self.critic.load_state_dict(state["critic"])
         self.opt.load_state_dict(state["opt"])
 
+    def to_tensors(self) -> tuple[dict[str, Tensor], dict]:
+        """The state as flat named tensors and a JSON-able dict (rlvr.state.save_state's
+        extra_tensors and extra): critic weights, Adam moments and step, Adam's param groups."""
+        named = {f"critic.{k}": v for k, v in self.critic.state_dict().items()}
+        opt = self.opt.state_dict()
+        for idx, st in opt["state"].items():
+            for name, v in st.items():
+                named[f"opt.{idx}.{name}"] = torch.as_tensor(v)
+        return named, {"param_groups": opt["param_groups"]}
+
+    def load_tensors(self, named: dict[str, Tensor], meta: dict) -> None:
+        """Restore what `to_tensors` wrote; KeyError / RuntimeError when it does not fit this critic."""
+        self.critic.load_state_dict({k[len("critic."):]: v for k, v in named.items() if k.startswith("critic.")})
+        state: dict[int, dict] = {}
+        for k, v in named.items():
+            if k.startswith("opt."):
+                _, idx, name = k.split(".", 2)
+                state.setdefault(int(idx), {})[name] = v
+        self.opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+
     def _check(self, prompt_ids: Tensor, prompt_mask: Tensor) -> None:
         if prompt_ids.dim() != 2 or tuple(prompt_mask.shape) != tuple(prompt_ids.shape):
             raise ValueError(f"prompt_ids and prompt_mask must both be (P, Lp), got {tuple(prompt_ids.shape)} "

@@ -207,7 +207,7 @@ def test_changed_task_path_refuses_the_old_options_and_lists_the_new_ones(tmp_pa
                    "--task.options=")
     # replacing the table, or merging one option into an empty one, is accepted
     rc, out_text, err = cli("price", EXAMPLE, f"--task.path={task}:reverse", "--task.reward=exact",
-                            "--task.options={}", "--task.options.n=2")
+                            "--task.options={}", "--task.options.n=2", "--train.prompts_per_step=8")
     assert rc == 0, err
     assert "T<=2" in out_text
 
@@ -294,7 +294,8 @@ def test_existing_run_is_refused_then_overwritten(tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert "note" not in summary and summary["steps"] == 1 and "eval/goal" in summary
     assert (run / "checkpoint" / "model.safetensors").is_file()
-    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2  # one step, one final eval
+    # the step-0 evaluation, one step, the final evaluation
+    assert [json.loads(line).get("step") for line in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1, 1]
 
 
 def test_empty_existing_out_dir_is_fine(tmp_path):

@@ -368,3 +368,17 @@ def test_report_html_screenshot_in_headless_chromium(tmp_path):
         # the plots are drawn: matplotlib's default blue (C0, #1f77b4) appears in the page
         assert any(abs(r - 0x1F) < 24 and abs(g - 0x77) < 24 and abs(b - 0xB4) < 24
                    for _, (r, g, b) in rgb.getcolors(maxcolors=1 << 20))
+
+
+def test_an_interrupted_run_is_not_reported_as_finished(tmp_path):
+    run = make_run(tmp_path / "run", finished=False)
+    (run / "summary.json").write_text(json.dumps({"interrupted": True, "signal": "SIGINT", "exit_code": 130,
+                                                  "steps": 4, "sampled_tokens": 192}))
+    rec = report.load_run_records(run)
+    assert rec.summary is not None and not rec.finished
+    out = tmp_path / "rep"
+    rc, _, err = cli("report", run, "--out", out)
+    assert rc == 0, err
+    page = html_of(out)
+    assert "interrupted (Ctrl-C or SIGTERM; continue it with rlvr train --resume)" in page
+    assert "run not finished: it was interrupted" in page

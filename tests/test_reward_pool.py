@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from rlvr.reward_pool import RewardPool, RewardPoolError, available_cores, open_pool
-from rlvr.rewards import STATUSES, Reward, goal_hits, score_batch
+from rlvr.rewards import STATUSES, Reward, goal_hits, score_batch, steps_of
 from rlvr.tasks import load_task, weighted_rewards
 
 TASK = textwrap.dedent('''
@@ -132,6 +132,9 @@ def test_the_same_scores_as_in_process():
         assert goal_hits(task.goal, prompts, responses, answers, pool=p) == goal_hits(task.goal, prompts, responses,
                                                                                       answers)
     assert there == here
+    # a process reward's per-step scores come back from the worker with their mean
+    steps = [steps_of(v) for v in there.per_reward["position_per_token"]]
+    assert steps == [steps_of(v) for v in here.per_reward["position_per_token"]] and all(steps)
 
 
 def test_a_batched_reward_runs_batched_in_the_worker(pool):

@@ -5,6 +5,7 @@ input token, so they work with and without a KV cache and force eos at a known s
 """
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -26,11 +27,16 @@ PAD, BOS, EOS = 0, 1, 2
 class MarkovMock(torch.nn.Module):
     """Next-token logits depend only on the current token: ``logits[b, l] = table[ids[b, l]]``."""
 
+    differentiable_cache = False
+
     def __init__(self, table: torch.Tensor, with_cache: bool = True):
         super().__init__()
         self.table = torch.nn.Parameter(table.float())
-        if with_cache:
-            self.new_cache = lambda batch_size, max_len: _NullCache()
+        self.config = SimpleNamespace(block_size=None)
+        self.with_cache = with_cache
+
+    def new_cache(self, batch_size, max_len):
+        return _NullCache() if self.with_cache else None  # None: generate recomputes the whole sequence
 
     def forward(self, ids, *, attention_mask=None, positions=None, cache=None, logits_to_keep=None):
         logits = self.table[ids]                                  # (B, L, V)
@@ -125,11 +131,16 @@ def test_seeded_generator_is_deterministic():
 
 
 class NoCache(torch.nn.Module):
-    """The tiny model without ``new_cache``: generate must fall back to full recomputation."""
+    """The tiny model whose ``new_cache`` gives None: generate must fall back to full recomputation."""
+
+    differentiable_cache = False
 
     def __init__(self, m):
         super().__init__()
         self.m, self.config = m, m.config
+
+    def new_cache(self, batch_size, max_len):
+        return None
 
     def forward(self, ids, *, attention_mask=None, **_):
         return self.m(ids, attention_mask=attention_mask)

@@ -138,7 +138,7 @@ def test_metrics_one_row_per_step_and_eval_rows(main_run):
     # counted tokens: fixed-length task, so exactly P*G*T per step
     assert [r["train/sampled_tokens"] for r in rows] == [P * G * T * s for s in (1, 2, 3)]
     evals = eval_rows(run)
-    assert [r["step"] for r in evals] == [2, 3]  # eval.every=2, and always at the end
+    assert [r["step"] for r in evals] == [0, 2, 3]  # where it started, eval.every=2, and always at the end
     for r in evals:
         assert 0.0 <= r["eval/goal"] <= 1.0 and 0.0 <= r["eval/reward"] <= 1.0
         assert r["eval/prompts"] == 50 and "eval/pass@2" in r and "eval/mean@2" in r
@@ -437,8 +437,9 @@ def test_failing_reward_is_counted_and_warned(tmp_path):
     path.write_text(FLAKY_TASK)
     out = tmp_path / "run"
     # in-process scoring: the reward counts its calls in a module global, which each worker would hold apart
+    # (no step-0 evaluation either: it would shift the counter's phase and so which error comes first)
     rc, stdout, stderr = train_run(out, *ONE_STEP, "--train.steps=2", f"--task.path={path}:flaky",
-                                   "--task.reward_workers=0")
+                                   "--task.reward_workers=0", "--eval.at_start=false")
     assert rc == 0, stderr
     rows = train_rows(out)
     assert len(rows) == 2
@@ -494,7 +495,9 @@ def test_user_task_by_file_path_trains(tmp_path):
     assert config_mod.load(out / "config.toml").task.path == f"{path}:TASK"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["eval/prompts"] == 5 and summary["sampled_tokens"] <= P * G * 4
-    rc, stdout, stderr = cli("eval", out)  # reloads the task from the file path in config.toml
+    rc, stdout, stderr = cli("eval", out)  # a run directory is data: its task file is not imported unasked
+    assert rc == 2 and "--trust-run-config" in stderr
+    rc, stdout, stderr = cli("eval", out, "--trust-run-config")  # reloads the task from the file in config.toml
     assert rc == 0, stderr
     assert json.loads(stdout)["eval/goal"] == summary["eval/goal"]
 
@@ -522,7 +525,7 @@ def test_config_toml_round_trips_a_reward_name_with_a_dot(tmp_path):
     rc, _, stderr = train_run(out, *overrides)
     assert rc == 0, stderr
     assert config_mod.load(out / "config.toml") == config_mod.load(EXAMPLE, overrides)
-    rc, _, stderr = cli("eval", out)
+    rc, _, stderr = cli("eval", out, "--trust-run-config")
     assert rc == 0, stderr
 
 

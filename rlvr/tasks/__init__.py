@@ -205,6 +205,17 @@ def is_file(target: str) -> bool:
     return target.endswith(".py") or "/" in target or os.sep in target
 
 
+def names_a_file(path: str) -> bool:
+    """True when the task path ``path`` names a Python file (``file.py:NAME``) rather than a module of
+    an installed package (``package.module:NAME``): loading it runs that file's code."""
+    if not isinstance(path, str):
+        return False
+    target, sep, name = path.rpartition(":")
+    if not sep or not target or is_file(name):
+        target = path
+    return is_file(target)
+
+
 def import_file(target: str, path: str):
     """The module in the file ``target``, imported through importlib (never exec'd from a string).
 
