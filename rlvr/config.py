@@ -214,6 +214,9 @@ class TrainConfig:
     the same run twice on the CPU; GPU kernels may not be bitwise deterministic."""
     save_every: int = 0
     """Save resumable state (RUN_DIR/state) every N steps; 0 = at each evaluation and at the end."""
+    memory_check: bool = True
+    """Refuse to start a run whose predicted peak memory (the price's memory line, rlvr.costs.memory)
+    exceeds the machine's available memory (MemAvailable); false = start anyway."""
 
 
 @dataclass
