@@ -32,7 +32,9 @@ Measured
    the library's live model, greedy, 200 prompts).
 3. A phase profile of one rlvr step (sampling prefill, decode, logp forward, backward, optimizer),
    each against its bound on this machine: decode against memory bandwidth (weight bytes read per
-   decode step / the measured copy bandwidth of a large tensor copy), prefill, logp and backward
+   decode step / the measured copy bandwidth of a large tensor copy; with 64 rows a decode step is
+   usually compute-bound instead, so its bound is the larger of that and its FLOPs / the matmul
+   rate, and both are printed), prefill, logp and backward
    against the measured fp32 matmul rate (the step's FLOPs / rate), the optimizer against bandwidth
    (7 x 4 bytes moved per trainable parameter: parameter, gradient and two moments read; parameter
    and moments written).
@@ -280,12 +282,15 @@ def phase_profile(run: RlvrRun, rate: float, bandwidth: float) -> list[dict]:
     bwd_flops = trained_tokens * (2 * n_all + 2 * n_train + 8 * layers * d * keys)
     rows = [
         ("sampling prefill", prefill, P * Lp, P * Lp * fwd_tok / rate, "fp32 matmul rate"),
-        ("sampling decode", decode, P * G * (T - 1), (T - 1) * weight_bytes / bandwidth,
-         "weight bytes per decode step / copy bandwidth"),
+        ("sampling decode", decode, P * G * (T - 1),
+         (T - 1) * max(weight_bytes / bandwidth, P * G * fwd_tok / rate),
+         "max(weight bytes per decode step / copy bandwidth, its FLOPs / matmul rate)"),
         ("logp forward", fwd, trained_tokens, trained_tokens * fwd_tok / rate, "fp32 matmul rate"),
         ("backward", bwd, trained_tokens, bwd_flops / rate, "fp32 matmul rate"),
         ("optimizer", opt, trainable, 7 * 4 * trainable / bandwidth, "7 x 4 bytes per trainable parameter / bandwidth"),
     ]
+    print(f"  decode step: {weight_bytes / 2**20:,.0f} MiB of weights read = {weight_bytes / bandwidth * 1e3:.0f} ms at "
+          f"the copy bandwidth; {P * G * fwd_tok:.3g} FLOP = {P * G * fwd_tok / rate * 1e3:.0f} ms at the matmul rate")
     return [{"phase": name, "seconds": sec, "tokens_or_params": n, "per_s": n / sec, "bound_s": b,
              "bound_per_s": n / b, "x_bound": sec / b, "bound": what} for name, sec, n, b, what in rows]
 
