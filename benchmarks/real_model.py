@@ -243,7 +243,7 @@ def phase_profile(run: RlvrRun, rate: float, bandwidth: float) -> list[dict]:
     from rlvr import costs, sampling
     from rlvr.tokenizer import encode_example
 
-    s, cfg = run.state, run.cfg
+    s = run.state
     policy, setup = s.policy, s.setup
     prompts = [encode_example(setup.tokenizer, ex) for ex in s.draw()]
     Lp = max(len(p) for p in prompts)
