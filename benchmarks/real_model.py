@@ -193,8 +193,9 @@ class TrlRun:
             def on_step_end(self, args, state, control, model=None, **kw):
                 times.append(time.perf_counter() - Clock.t0)
                 spent = sum(times)
-                while pending and spent >= pending[0]:
-                    pending.pop(0)
+                if pending and spent >= pending[0]:      # one evaluation, however many marks a step crossed
+                    while pending and spent >= pending[0]:
+                        pending.pop(0)
                     on_eval(spent, len(times), model)
                 if spent >= budget_s:
                     control.should_training_stop = True
@@ -329,8 +330,9 @@ def accuracy_curves(mdir: Path, a, setup) -> dict:
     r = RlvrRun(mdir, max_steps, a.eval_prompts, a.threads)
     spent, steps, pending = 0.0, 0, list(marks)
     while True:
-        while pending and spent >= pending[0]:
-            pending.pop(0)
+        if pending and spent >= pending[0]:              # one evaluation, however many marks a step crossed
+            while pending and spent >= pending[0]:
+                pending.pop(0)
             curves["rlvr"].append((spent, steps, r.accuracy(a.eval_prompts)))
             print(f"  rlvr: {spent:7.1f} s, {steps:3d} steps, held-out {curves['rlvr'][-1][2]:.3f}", flush=True)
         if spent >= budget or steps >= max_steps:
