@@ -222,6 +222,9 @@ class TrainConfig:
     save_every_minutes: float = 5.0
     """Also save resumable state when this many minutes of wall clock have passed since the last
     save, so a killed run never loses more than that; 0 = off."""
+    memory_check: bool = True
+    """Refuse to start a run whose predicted peak memory (the price's memory line, rlvr.costs.memory)
+    exceeds the machine's available memory (MemAvailable); false = start anyway."""
 
 
 @dataclass

