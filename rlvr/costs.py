@@ -315,6 +315,23 @@ def model_flops_per_token(model, prompt_tokens: int, response_tokens: int) -> tu
     return model.flops_per_token(keys, training=False), model.flops_per_token(keys, training=True)
 
 
+def _check_counts(**counts: int) -> None:
+    """ValueError naming the first count that is not a known positive whole number."""
+    for name, v in counts.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"cannot price the run: {name} must be a known positive number, got {v!r}")
+
+
+def _memory_fields(mem) -> dict:
+    """The `Price` fields of a `memory(...)` prediction."""
+    return dict(
+        memory_baseline_bytes=mem.baseline, memory_gradient_bytes=mem.gradients,
+        memory_activation_bytes=mem.activations, memory_logits_bytes=mem.logits,
+        memory_kv_cache_bytes=mem.kv_cache, memory_eval_kv_cache_bytes=mem.eval_kv_cache,
+        memory_export_bytes=mem.export_copy, memory_peak_bytes=mem.peak,
+        memory_peak_phase=max(mem.phases, key=mem.phases.get))
+
+
 def price(
     *,
     prompts_per_step: int,
@@ -352,12 +369,9 @@ def price(
     evaluation, `export_copy` when export merges LoRA into a copy) adds the predicted memory peak
     (`memory`); without it the memory fields stay 0.
     """
-    for name, v in [("max_new_tokens", max_new_tokens), ("n_params", n_params),
-                    ("prompts_per_step", prompts_per_step), ("samples_per_prompt", samples_per_prompt),
-                    ("steps", steps), ("epochs_per_batch", epochs_per_batch), ("minibatches", minibatches),
-                    ("sampling_rounds", sampling_rounds)]:
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise ValueError(f"cannot price the run: {name} must be a known positive number, got {v!r}")
+    _check_counts(max_new_tokens=max_new_tokens, n_params=n_params, prompts_per_step=prompts_per_step,
+                  samples_per_prompt=samples_per_prompt, steps=steps, epochs_per_batch=epochs_per_batch,
+                  minibatches=minibatches, sampling_rounds=sampling_rounds)
     if not isinstance(prompt_tokens, int) or prompt_tokens < 0:
         raise ValueError(f"cannot price the run: prompt_tokens must be a known number, got {prompt_tokens!r}")
     fwd = flops_fwd_per_token or 2 * n_params
@@ -372,50 +386,26 @@ def price(
     trained = epochs_per_batch * per_forward
     policy = n_params * bytes_per_param
     flops_per_run = float(((sampling_fwd + ref_fwd) * fwd + trained * trn) * steps)
-    mem = None
-    if shape is not None:
-        mem = memory(shape, prompts=P, group=G, prompt_len=Lp, response_len=T, minibatches=minibatches,
-                     n_params=n_params, trainable_params=n_params if trainable_params is None else trainable_params,
-                     has_reference_copy=has_reference and not reference_is_adapter_off, baseline=baseline_bytes,
-                     bytes_per_param=bytes_per_param, shared_prompt=shared_prompt,
-                     logprob_chunk_rows=logprob_chunk_rows, eval_rows=eval_rows, export_copy=export_copy)
-    extra = {} if mem is None else dict(
-        memory_baseline_bytes=mem.baseline, memory_gradient_bytes=mem.gradients,
-        memory_activation_bytes=mem.activations, memory_logits_bytes=mem.logits,
-        memory_kv_cache_bytes=mem.kv_cache, memory_eval_kv_cache_bytes=mem.eval_kv_cache,
-        memory_export_bytes=mem.export_copy, memory_peak_bytes=mem.peak,
-        memory_peak_phase=max(mem.phases, key=mem.phases.get))
+    extra = {} if shape is None else _memory_fields(memory(
+        shape, prompts=P, group=G, prompt_len=Lp, response_len=T, minibatches=minibatches, n_params=n_params,
+        trainable_params=n_params if trainable_params is None else trainable_params,
+        has_reference_copy=has_reference and not reference_is_adapter_off, baseline=baseline_bytes,
+        bytes_per_param=bytes_per_param, shared_prompt=shared_prompt, logprob_chunk_rows=logprob_chunk_rows,
+        eval_rows=eval_rows, export_copy=export_copy))
     return Price(
-        prompts_per_step=P,
-        samples_per_prompt=G,
-        max_new_tokens=T,
-        prompt_tokens=Lp,
-        steps=steps,
-        grad_steps_per_batch=grad_steps,
-        sampling_rounds=sampling_rounds,
-        n_params=n_params,
-        has_reference=has_reference,
-        reference_is_adapter_off=reference_is_adapter_off,
-        sampled_tokens_per_batch=per_batch,
-        sampled_tokens_per_grad_step=per_batch / grad_steps,
-        sampled_tokens_per_run=per_batch * steps,
-        sampled_tokens_per_run_worst=per_batch * steps * sampling_rounds,
-        forward_tokens_sampling_per_batch=sampling_fwd,
-        forward_tokens_logp_old_per_batch=0,
-        forward_tokens_logp_ref_per_batch=ref_fwd,
-        trained_tokens_per_batch=trained,
-        forward_tokens_per_run=(sampling_fwd + ref_fwd) * steps,
-        trained_tokens_per_run=trained * steps,
-        flops_sampling_per_batch=float(sampling_fwd * fwd),
-        flops_logp_ref_per_batch=float(ref_fwd * fwd),
-        flops_train_per_batch=float(trained * trn),
-        flops_per_run=flops_per_run,
-        policy_bytes=policy,
-        optimizer_bytes=2 * (n_params if trainable_params is None else trainable_params) * 4,
+        prompts_per_step=P, samples_per_prompt=G, max_new_tokens=T, prompt_tokens=Lp, steps=steps,
+        grad_steps_per_batch=grad_steps, sampling_rounds=sampling_rounds, n_params=n_params,
+        has_reference=has_reference, reference_is_adapter_off=reference_is_adapter_off,
+        sampled_tokens_per_batch=per_batch, sampled_tokens_per_grad_step=per_batch / grad_steps,
+        sampled_tokens_per_run=per_batch * steps, sampled_tokens_per_run_worst=per_batch * steps * sampling_rounds,
+        forward_tokens_sampling_per_batch=sampling_fwd, forward_tokens_logp_old_per_batch=0,
+        forward_tokens_logp_ref_per_batch=ref_fwd, trained_tokens_per_batch=trained,
+        forward_tokens_per_run=(sampling_fwd + ref_fwd) * steps, trained_tokens_per_run=trained * steps,
+        flops_sampling_per_batch=float(sampling_fwd * fwd), flops_logp_ref_per_batch=float(ref_fwd * fwd),
+        flops_train_per_batch=float(trained * trn), flops_per_run=flops_per_run,
+        policy_bytes=policy, optimizer_bytes=2 * (n_params if trainable_params is None else trainable_params) * 4,
         reference_bytes=policy if has_reference and not reference_is_adapter_off else 0,
-        logp_old_bytes=per_batch * 4,
-        matmul_flops_per_s=float(matmul_flops_per_s),
-        threads=threads,
+        logp_old_bytes=per_batch * 4, matmul_flops_per_s=float(matmul_flops_per_s), threads=threads,
         wall_seconds_estimate=flops_per_run / matmul_flops_per_s if matmul_flops_per_s > 0 else 0.0,
         **extra,
     )
