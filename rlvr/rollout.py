@@ -91,20 +91,29 @@ def score_groups(task: Task, weights: dict[str, float], examples: list, response
 @torch.no_grad()
 def sample_and_score(policy: Policy, tok: Tokenizer, task: Task, examples: list, *, G: int, limits: Limits,
                      weights: dict[str, float], temperature: float, top_p: float,
-                     generator: torch.Generator | None, chunk_prompts: int = 0, pool=None) -> Groups:
+                     generator: torch.Generator | None, chunk_prompts: int = 0, pool=None,
+                     base_seed: int | None = None, first_prompt: int = 0) -> Groups:
     """Sample G responses per example (temperature 0 = greedy), decode them and score them.
 
     A response is decoded up to its end token when the task has one (`limits.eos_id`), and in full
     on fixed-length tasks. `chunk_prompts` > 0 samples that many prompts per generate call (memory);
     the draws come from `generator` in order, so chunking does not change them. `pool`: a
-    rlvr.reward_pool.RewardPool scores in its supervised workers (None: in this process)."""
+    rlvr.reward_pool.RewardPool scores in its supervised workers (None: in this process).
+    Sampling is seeded per prompt (rlvr.sampling.prompt_generators): one base seed is drawn from
+    `generator` per call, or given as `base_seed` with this call's `first_prompt` index (a rollout
+    worker's shard), so a prompt's rows do not depend on how the call's prompts are split."""
+    if base_seed is None and generator is not None:
+        base_seed = sampling.draw_base_seed(generator)
+    device = next(iter(policy.parameters())).device
+    gens = (sampling.prompt_generators(base_seed, first_prompt, len(examples), device)
+            if base_seed is not None else None)
     step = chunk_prompts or len(examples)
     rollouts = []
     for i in range(0, len(examples), step):
         rollouts.append(sampling.generate(
             policy, [encode_example(tok, ex) for ex in examples[i:i + step]], samples_per_prompt=G,
             max_new_tokens=limits.max_new_tokens, temperature=temperature, top_p=top_p,
-            eos_id=limits.eos_id, pad_id=tok.pad_id, generator=generator))
+            eos_id=limits.eos_id, pad_id=tok.pad_id, generators=gens[i:i + step] if gens else None))
     rollout = rollouts[0] if len(rollouts) == 1 else sampling.concat(rollouts, tok.pad_id)
     stop = limits.eos_id is not None
     responses = [tok.decode(r, stop_at_eos=stop) for r in rollout.response_ids.tolist()]
