@@ -175,7 +175,7 @@ def reference_logprobs(policy: Policy, reference: Policy | None, rollout: sampli
 
 
 def rollout(setup, policy: Policy, reference: Policy | None, examples_fn, *, version: int,
-            generator: torch.Generator, pool=None) -> Batch:
+            generator: torch.Generator, pool=None, sampler=None) -> Batch:
     """Steps 1-5 of a training step, no gradient:
 
     1. sample P prompts (`examples_fn()`), G responses each from π_old (the current weights);
@@ -183,6 +183,8 @@ def rollout(setup, policy: Policy, reference: Policy | None, examples_fn, *, ver
     3. Δ from the (P, G) reward matrix with `algorithm.scheme`;
     4. logp_old: the sampler's own log-probs, detached (no second forward, no copy of π_old);
     5. logp_ref under the reference when the KL term is on (`reference`, or the adapter-off policy).
+
+    `sampler(examples) -> Groups` replaces step 1-2's in-process sampling (rlvr.distributed: rollout workers).
     """
     cfg, tok = setup.cfg, setup.tokenizer
     sc, ac, tc = cfg.sampling, cfg.algorithm, cfg.train
@@ -191,6 +193,8 @@ def rollout(setup, policy: Policy, reference: Policy | None, examples_fn, *, ver
     policy.eval()
 
     def sample(examples: list) -> Groups:
+        if sampler is not None:  # rlvr.distributed: sampled and scored by rollout workers
+            return sampler(examples)
         return sample_and_score(policy, tok, setup.task, examples, G=G, limits=setup.limits,
                                 weights=setup.reward_weights, temperature=sc.temperature, top_p=sc.top_p,
                                 generator=generator, pool=pool)

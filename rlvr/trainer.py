@@ -39,6 +39,7 @@ import torch
 
 from rlvr import advantages, config as config_mod, costs
 from rlvr.diagnostics import Watch, length_by_outcome, pass_rate_histogram
+from rlvr.distributed import Distributed, open_distributed
 from rlvr.evaluate import evaluate
 from rlvr.learn import Learner, learn, make_optimizer, make_scheduler
 from rlvr.policy import Policy
@@ -74,6 +75,8 @@ class RunState:
     price: costs.Price | None = None
     pool: RewardPool | None = None
     """Supervised reward workers (task.reward_workers); None scores in this process."""
+    dist: Distributed | None = None
+    """Rollout workers / learner group ([distributed]); None = both stages in this process."""
 
     @property
     def policy(self) -> Policy:
@@ -232,7 +235,8 @@ def train(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, resume:
         torch.set_num_threads(cfg.train.threads)
     run_dir = RunDir(out, log=log)
     state = start(cfg, run_dir, overwrite=overwrite, resume=resume, log=log)
-    with open_pool(cfg.task, state.setup.task) as state.pool:
+    with open_pool(cfg.task, state.setup.task) as state.pool, \
+            open_distributed(cfg, state.setup, state.learner, state.version, state.step, log) as state.dist:
         return loop(run_dir, state, log)
 
 
@@ -243,9 +247,10 @@ def loop(run_dir: RunDir, state: RunState, log) -> dict:
     t_start = time.perf_counter()
     for step in range(state.step + 1, tc.steps + 1):
         t0 = time.perf_counter()
-        batch = rollout(state.setup, state.policy, state.reference, state.draw,      # 1.-5.
-                        version=state.version, generator=state.sample_gen, pool=state.pool)
-        stats = learn(state.learner, batch)                                          # 6.
+        batch = (state.dist.rollout if state.dist else rollout)(                     # 1.-5.
+            state.setup, state.policy, state.reference, state.draw, version=state.version,
+            generator=state.sample_gen, pool=state.pool)
+        stats = (state.dist.learn if state.dist else learn)(state.learner, batch)    # 6. (+ weight sync)
         state.version += 1                                                           # 7. π_old <- π
         if state.reference is not None and cfg.algorithm.ref_refresh_every and step % cfg.algorithm.ref_refresh_every == 0:
             state.reference.load_state_dict(state.policy.state_dict())
