@@ -51,8 +51,10 @@ def start_ray(address: str, cpus_needed: float):
     """Join the cluster at `address` ("auto", "ray://...", "HOST:PORT"), or start a local Ray when it
     is empty (no dashboard; logical CPUs at least `cpus_needed`, so the actors can be placed on a
     small machine). Returns True when this call started Ray (and the caller should shut it down)."""
-    import ray
-
+    try:
+        import ray
+    except ImportError:
+        raise RunError("[distributed] needs Ray: pip install 'rlvr[distributed]'") from None
     if ray.is_initialized():
         return False
     try:
