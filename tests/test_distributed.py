@@ -17,7 +17,7 @@ from rlvr import config as config_mod, losses, run, sampling
 from rlvr.distributed import Distributed, learners as learners_mod, staleness
 from rlvr.distributed.rollout_workers import shards
 from rlvr.learn import Learner, learn, make_optimizer, make_scheduler
-from rlvr.rollout import rollout, sample_and_score
+from rlvr.rollout import Batch, rollout
 from rlvr.tokenizer import encode_example
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sort.toml"
@@ -300,3 +300,21 @@ def test_bounded_staleness_overlaps_and_logs_its_correction(ray_local, tmp_path)
     for r in steps[1:]:
         assert 0 < r["train/is_weight_mean"] <= 2.0 and r["train/is_weight_max"] <= 2.0
         assert "train/is_truncated_frac" in r and "train/clip_frac" in r
+
+
+def test_a_rank_without_groups_adds_nothing(ray_local):
+    # dynamic sampling may keep fewer groups than there are ranks: rank 1 runs one group at weight 0
+    cfg = tiny_cfg("--distributed.learners=2")
+    one, two = run.build(cfg), run.build(cfg)
+    l1, l2 = new_learner(one), new_learner(two)
+    full, G = _uneven_batch(one), cfg.train.samples_per_prompt
+    kept = full.groups.select(torch.tensor([0]), G)
+    batch = Batch(kept, [kept], full.delta[:1], full.logp_old[:G], None, 0)
+    learn(l1, copy.deepcopy(batch))
+    group = learners_mod.LearnerGroup(cfg, l2)
+    try:
+        group.learn(batch)
+    finally:
+        group.close()
+    for p1, p2 in zip(one.model.parameters(), two.model.parameters()):
+        torch.testing.assert_close(p1, p2, rtol=0, atol=1e-6)

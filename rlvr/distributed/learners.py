@@ -93,7 +93,10 @@ def learn_shard(learner: Learner, batch: Batch, *, rank: int = 0, world: int = 1
     for _epoch in range(tc.epochs_per_batch):
         for idx in minibatch_rows(learner, len(batch.groups.examples), G):
             mine = shard_rows(idx, G, rank, world)
-            den = losses.denominator(batch.rollout.mask[mine], agg)
+            empty = mine.numel() == 0  # fewer groups than ranks (dynamic sampling kept few): run one, weigh 0,
+            if empty:                  # since DDP needs a backward from every rank
+                mine = idx[:G]
+            den = losses.denominator(batch.rollout.mask[mine], agg) * (0.0 if empty else 1.0)
             total = _all_reduce(den.clone()) if world > 1 else den
             share = float(den / total.clamp(min=1))
             loss, stats = minibatch_loss(view, batch, mine, delta_rows)
