@@ -225,12 +225,22 @@ def test_a_killed_rollout_worker_is_replaced_and_its_share_sampled_again(ray_loc
     try:
         examples = setup.task.train[:4]
         clean = d.workers.collect(d.workers.submit(examples, torch.Generator().manual_seed(7)))
+        ray_local.kill(d.workers.workers[1])                  # dies; the trainer learns it when it collects
         job = d.workers.submit(examples, torch.Generator().manual_seed(7))
-        ray_local.kill(d.workers.workers[1])                  # dies mid-step, its shard in flight
         got = d.workers.collect(job)
         assert torch.equal(got.rollout.ids, clean.rollout.ids) and torch.equal(got.rewards, clean.rewards)
         assert d.workers.restarts == 1
         assert any("rollout worker 1 died" in m and "sampled its 2 prompts again" in m for m in messages)
+        # a job in flight while newer weights were sent (bounded staleness): the replacement samples the
+        # shard with the job's weights, then takes the newer ones
+        ray_local.kill(d.workers.workers[0])
+        job = d.workers.submit(examples, torch.Generator().manual_seed(7))
+        with torch.no_grad():
+            for p in setup.model.parameters():
+                p.add_(0.3)
+        d.workers.sync(setup.model, 1, wait=False)
+        got = d.workers.collect(job)
+        assert torch.equal(got.rollout.ids, clean.rollout.ids) and d.workers.restarts == 2
         # the replacement has the latest weights: a sync then a step works on both workers
         d.workers.sync(setup.model, 1)
         again = d.workers.collect(d.workers.submit(examples, torch.Generator().manual_seed(7)))

@@ -98,7 +98,8 @@ class Distributed:
         else:
             stats = learn(learner, batch)
         self.version += 1
-        sync_s = self.workers.sync(learner.policy, self.version) if self.workers is not None else 0.0
+        sync_s = (self.workers.sync(learner.policy, self.version, wait=self._pending is None)
+                  if self.workers is not None else 0.0)
         return {**stats, **extra, "sync_s": sync_s,
                 "worker_restarts": float(self.workers.restarts if self.workers is not None else 0)}
 

@@ -90,6 +90,8 @@ class Job:
     version: int
     parts: list  # [(worker index, first, count, ObjectRef)]
     submitted: float
+    weights: object = None
+    """Ray reference of the weights the job was sampled with (None = the initial weights)."""
 
 
 class RolloutWorkers:
@@ -106,22 +108,27 @@ class RolloutWorkers:
         self._threads = sync.actor_threads(d.cpus_per_worker)
         self._init_ref = ray.put(sync.full_state(policy))
         self._latest_ref = None
+        self._acks: list = []
         self.restarts = 0
         self.workers = [self._new() for _ in range(d.rollout_workers)]
         self.sync_bytes = sync.state_bytes(sync.trainable_state(policy))
 
-    def _new(self):
-        w = self._actor.remote(self.cfg, self._init_ref, self.version, self._threads)
-        if self._latest_ref is not None:
-            w.set_weights.remote(self.version, self._latest_ref)
+    def _new(self, job: "Job | None" = None):
+        """A fresh worker with the latest weights; given a `job`, with that job's weights first, so it can
+        sample the job's shard again (a job in flight while a newer version was sent), then the latest."""
+        version, ref = (job.version, job.weights) if job is not None else (self.version, self._latest_ref)
+        w = self._actor.remote(self.cfg, self._init_ref, version, self._threads)
+        if ref is not None:
+            w.set_weights.remote(version, ref)
         return w
 
     def submit(self, examples: list, generator: torch.Generator) -> Job:
         """Start sampling `examples` with the current weights; one base seed drawn from `generator`."""
+        self._check_acks()
         base = sampling.draw_base_seed(generator)
         parts = [(w, first, count, self.workers[w].sample.remote(examples[first:first + count], base, first))
                  for w, (first, count) in enumerate(shards(len(examples), len(self.workers)))]
-        return Job(examples, base, self.version, parts, time.perf_counter())
+        return Job(examples, base, self.version, parts, time.perf_counter(), self._latest_ref)
 
     def collect(self, job: Job) -> Groups:
         """The job's groups, merged in prompt order; a dead or silent worker is replaced and its shard
@@ -142,35 +149,49 @@ class RolloutWorkers:
                     raise RunError(f"rollout worker {w} {what} {MAX_RETRIES + 1} times on prompts {first}-"
                                    f"{first + count - 1}; stopping ({type(e).__name__})") from None
                 ray.kill(self.workers[w], no_restart=True)
-                self.workers[w] = self._new()
+                self.workers[w] = new = self._new(job)
                 self.restarts += 1
                 self.log(f"rollout worker {w} {what} ({type(e).__name__}); started a new one and sampled its "
-                         f"{count} prompts again (same seeds, same rows)")
-                ref = self.workers[w].sample.remote(job.examples[first:first + count], job.base_seed, first)
+                         f"{count} prompts again (same weights, same seeds, same rows)")
+                ref = new.sample.remote(job.examples[first:first + count], job.base_seed, first)
+                if job.weights is not self._latest_ref:  # then the weights sent since the job started
+                    self._acks.append((w, new, new.set_weights.remote(self.version, self._latest_ref)))
                 continue
             if version != job.version:
                 raise RunError(f"rollout worker {w} sampled with policy version {version}, expected {job.version}")
             return groups
         raise AssertionError("unreachable")
 
-    def sync(self, policy, version: int) -> float:
-        """Send the trainable weights of `policy` as `version` to every worker; seconds until all loaded them."""
+    def sync(self, policy, version: int, wait: bool = True) -> float:
+        """Send the trainable weights of `policy` as `version` to every worker; seconds until all loaded
+        them. `wait=False` (a sampling call is in flight: the workers load the weights after it) returns
+        after the send and checks the loads at the next `submit`."""
+        import ray
+
+        t0 = time.perf_counter()
+        self._check_acks()
+        self._latest_ref = ray.put(sync.trainable_state(policy))
+        self.version = version
+        self._acks = [(i, w, w.set_weights.remote(version, self._latest_ref)) for i, w in enumerate(self.workers)]
+        if wait:
+            self._check_acks()
+        return time.perf_counter() - t0
+
+    def _check_acks(self) -> None:
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError
 
-        t0 = time.perf_counter()
-        self._latest_ref = ray.put(sync.trainable_state(policy))
-        self.version = version
-        acks = [w.set_weights.remote(version, self._latest_ref) for w in self.workers]
-        for i, ack in enumerate(acks):
+        acks, self._acks = self._acks, []
+        for i, w, ack in acks:
             try:
                 ray.get(ack, timeout=self.timeout)
             except (RayActorError, GetTimeoutError) as e:
-                ray.kill(self.workers[i], no_restart=True)
+                if self.workers[i] is not w:  # already replaced while sampling
+                    continue
+                ray.kill(w, no_restart=True)
                 self.workers[i] = self._new()  # built from the initial weights + this sync
                 self.restarts += 1
                 self.log(f"rollout worker {i} failed its weight sync ({type(e).__name__}); started a new one")
-        return time.perf_counter() - t0
 
     def close(self) -> None:
         import ray
