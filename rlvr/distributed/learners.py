@@ -208,10 +208,18 @@ class LearnerGroup:
         """One update on every rank; rank 0's statistics (already reduced over the group)."""
         import ray
 
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        from rlvr.run import RunError
+
         b_ref = ray.put(batch)
         refs = [a.learn.remote(b_ref, delta_rows) for a in self.actors]
-        stats = learn_shard(self.learner, batch, rank=0, world=self.world, model=self.model, delta_rows=delta_rows)
-        ray.get(refs, timeout=self.timeout)
+        try:
+            stats = learn_shard(self.learner, batch, rank=0, world=self.world, model=self.model, delta_rows=delta_rows)
+            ray.get(refs, timeout=self.timeout)
+        except (RayActorError, GetTimeoutError) as e:
+            raise RunError(f"the learner group lost a rank during the update ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0][:200]}); continue the run with --resume") from None
         return stats
 
     def close(self) -> None:
