@@ -251,9 +251,9 @@ class DistributedConfig:
     with `ray start --head`; `ray://HOST:PORT` = a remote cluster through Ray Client."""
     max_staleness: int = 0
     """0 = synchronous (step t samples with the weights after update t-1). k > 0 = the rollout workers
-    sample step t+1 while the learners learn step t, so a batch may be up to k versions old (one batch
-    is kept in flight: the measured staleness is at most 1); the update then uses the decoupled
-    truncated importance-sampling correction (rlvr.distributed.staleness). Needs rollout_workers >= 1."""
+    sample steps t+1 .. t+k while the learners learn step t (k batches in flight), so a batch is up to
+    k versions old (logged as train/staleness); the update then uses the decoupled truncated
+    importance-sampling correction (rlvr.distributed.staleness). Needs rollout_workers >= 1."""
     is_cap: float = 2.0
     """Cap C of the truncated importance weight w = min(π_old / π_behav, C) per token that corrects
     stale rows (max_staleness > 0); π_old = the weights at learn time, π_behav = the sampler's."""

@@ -331,3 +331,12 @@ def test_a_rank_without_groups_adds_nothing(ray_local):
         group.close()
     for p1, p2 in zip(one.model.parameters(), two.model.parameters()):
         torch.testing.assert_close(p1, p2, rtol=0, atol=1e-6)
+
+
+def test_two_batches_in_flight_make_the_staleness_two(ray_local, tmp_path):
+    rows = _cli_train(tmp_path / "run", "--distributed.rollout_workers=1", "--distributed.max_staleness=2",
+                      "--train.steps=4")
+    steps = [r for r in rows if "train/reward" in r]
+    # steps 2 and 3 were both sampled with the initial weights while step 1 learned; step 4 after update 1
+    assert [r["train/policy_version"] for r in steps] == [0, 0, 0, 1]
+    assert [r["train/staleness"] for r in steps] == [0.0, 1.0, 2.0, 2.0]

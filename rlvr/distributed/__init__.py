@@ -14,7 +14,8 @@ The loop keeps its two stages; `open_distributed` returns an object with the sam
 - After each update the trainable weights go to the workers as the next policy version
   (rlvr.distributed.sync), timed as `train/sync_s`.
 - `distributed.max_staleness > 0` (rlvr.distributed.staleness): the workers sample step t+1 while
-  the learners learn step t, and the update uses the truncated importance-sampling correction.
+  the learners learn step t (up to k batches in flight), and the update uses the truncated
+  importance-sampling correction.
 
 An engine seam: a worker talks to its policy only through rlvr.policy.Policy (generate, logp) and
 `sync.load_weights`; a vLLM or SGLang worker is one more actor class with `sample` and
@@ -23,6 +24,7 @@ An engine seam: a worker talks to its policy only through rlvr.policy.Policy (ge
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import time
 from typing import Iterator
@@ -43,7 +45,7 @@ class Distributed:
         cpus = d.cpus_per_worker * (d.rollout_workers + d.learners - 1)
         self._own_ray = sync.start_ray(d.address, cpus)
         self.workers = self.group = None
-        self._pending = None      # a Job sampled ahead (max_staleness > 0)
+        self._pending: collections.deque = collections.deque()  # Jobs sampled ahead (max_staleness > 0), oldest first
         self._draw = self._generator = None
         self._sync_s = 0.0
         if d.rollout_workers:
@@ -65,7 +67,7 @@ class Distributed:
         if self.workers is None:
             return rollout(setup, policy, reference, examples_fn, version=version, generator=generator, pool=pool)
         self._draw, self._generator = examples_fn, generator
-        job, self._pending = self._pending, None
+        job = self._pending.popleft() if self._pending else None
         if job is not None:
             examples_fn, version = (lambda: job.examples), job.version
 
@@ -86,8 +88,9 @@ class Distributed:
         from rlvr.distributed import staleness
 
         self.steps_left -= 1
-        if self.cfg.distributed.max_staleness and self.workers is not None and self.steps_left > 0:
-            self._pending = self.workers.submit(self._draw(), self._generator)
+        k = self.cfg.distributed.max_staleness
+        while self.workers is not None and len(self._pending) < min(k, self.steps_left):
+            self._pending.append(self.workers.submit(self._draw(), self._generator))
         batch, delta_rows, extra = staleness.correct(learner.policy, batch, self.cfg, self.version)
         if self.group is not None:
             stats = self.group.learn(batch, delta_rows)
@@ -98,7 +101,7 @@ class Distributed:
         else:
             stats = learn(learner, batch)
         self.version += 1
-        sync_s = (self.workers.sync(learner.policy, self.version, wait=self._pending is None)
+        sync_s = (self.workers.sync(learner.policy, self.version, wait=not self._pending)
                   if self.workers is not None else 0.0)
         return {**stats, **extra, "sync_s": sync_s,
                 "worker_restarts": float(self.workers.restarts if self.workers is not None else 0)}

@@ -3,7 +3,7 @@
 With `distributed.max_staleness = k > 0` the rollout workers sample step t+1 while the learners
 learn step t, so the rows of a batch come from the behaviour policy π_behav (version v_b) while
 the learner is at version v_l ≥ v_b; the measured staleness is v_l − v_b (logged each step as
-`train/staleness`; one batch is kept in flight, so it is at most 1).
+`train/staleness`; k batches are kept in flight, so it is at most k).
 
 Reusing old samples needs explicit treatment: the PPO ratio π_θ / π_behav would measure the
 trust region from a policy the learner has already left, and the plain surrogate is the
