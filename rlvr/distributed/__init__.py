@@ -47,18 +47,21 @@ class Distributed:
         self.workers = self.group = None
         self._pending: collections.deque = collections.deque()  # Jobs sampled ahead (max_staleness > 0), oldest first
         self._draw = self._generator = None
-        self._sync_s = 0.0
-        if d.rollout_workers:
-            from rlvr.distributed.rollout_workers import RolloutWorkers
+        try:
+            if d.rollout_workers:
+                from rlvr.distributed.rollout_workers import RolloutWorkers
 
-            self.workers = RolloutWorkers(cfg, learner.policy, version, setup.tokenizer.pad_id, log)
-            log(f"distributed: {d.rollout_workers} rollout workers ({d.cpus_per_worker:g} CPU, "
-                f"{d.gpus_per_worker:g} GPU each); {self.workers.sync_bytes / 1e6:.2f} MB per weight sync")
-        if d.learners > 1:
-            from rlvr.distributed.learners import LearnerGroup
+                self.workers = RolloutWorkers(cfg, learner.policy, version, setup.tokenizer.pad_id, log)
+                log(f"distributed: {d.rollout_workers} rollout workers ({d.cpus_per_worker:g} CPU, "
+                    f"{d.gpus_per_worker:g} GPU each); {self.workers.sync_bytes / 1e6:.2f} MB per weight sync")
+            if d.learners > 1:
+                from rlvr.distributed.learners import LearnerGroup
 
-            self.group = LearnerGroup(cfg, learner)
-            log(f"distributed: {d.learners} learners (torch.distributed, DDP)")
+                self.group = LearnerGroup(cfg, learner)
+                log(f"distributed: {d.learners} learners (torch.distributed, DDP)")
+        except BaseException:
+            self.close()
+            raise
 
     # ------------------------------------------------------------------ rollout stage
     def rollout(self, setup, policy, reference, examples_fn, *, version: int, generator, pool=None) -> Batch:
