@@ -173,6 +173,24 @@ def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.where(probs.gather(1, tok.unsqueeze(1)).squeeze(1) > 0, tok, probs.argmax(-1))
 
 
+def _prompt_noise(generators: list[torch.Generator] | None, P: int, G: int, T: int, device) -> torch.Tensor | None:
+    """(B, T) uniforms, prompt p's G rows drawn from generators[p]; None without generators."""
+    if generators is None:
+        return None
+    if len(generators) != P:
+        raise ValueError(f"generators: {len(generators)} given for {P} prompts")
+    return torch.cat([torch.rand((G, T), generator=g, device=g.device).to(device) for g in generators])
+
+
+def _next_tokens(logprobs: torch.Tensor, temperature: float, generator, noise_t: torch.Tensor | None) -> torch.Tensor:
+    """(B, V) log-probs -> (B,) tokens: argmax (greedy), inverse CDF of the per-prompt uniforms, or multinomial."""
+    if temperature == 0:
+        return logprobs.argmax(-1)
+    if noise_t is not None:
+        return inverse_cdf_sample(logprobs.exp(), noise_t)
+    return torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(1)
+
+
 # ---------------------------------------------------------------------- generation
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], *, samples_per_prompt: int, max_new_tokens: int,
@@ -226,10 +244,7 @@ def generate(model, prompts: list[list[int]], *, samples_per_prompt: int, max_ne
     prompt_am = prompt_am.repeat_interleave(G, dim=0)               # (B, Lp)
     logits = logits.repeat_interleave(G, dim=0)                     # (B, V)
 
-    if generators is not None:
-        if len(generators) != P:
-            raise ValueError(f"generators: {len(generators)} given for {P} prompts")
-        noise = torch.cat([torch.rand((G, T), generator=g, device=g.device).to(device) for g in generators])  # (B, T)
+    noise = _prompt_noise(generators, P, G, T, device)             # (B, T) or None
     out = torch.full((B, T), pad_id, dtype=torch.long, device=device)
     alive_cols = torch.zeros((B, T), dtype=torch.bool, device=device)
     logp = torch.zeros((B, T), dtype=torch.float32, device=device)
@@ -237,12 +252,7 @@ def generate(model, prompts: list[list[int]], *, samples_per_prompt: int, max_ne
     steps = 0
     for t in range(T):
         logprobs = sampling_logprobs(logits, temperature, top_p)   # (B, V)
-        if temperature == 0:
-            tok = logprobs.argmax(-1)                               # (B,)
-        elif generators is not None:
-            tok = inverse_cdf_sample(logprobs.exp(), noise[:, t])   # (B,)
-        else:
-            tok = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(1)  # (B,)
+        tok = _next_tokens(logprobs, temperature, generator, None if noise is None else noise[:, t])  # (B,)
         alive = ~finished                                           # this token is real
         tok = tok.masked_fill(finished, pad_id)
         out[:, t] = tok
