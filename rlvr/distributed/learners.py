@@ -72,7 +72,8 @@ def _reduce_stats(stats: dict, weight: float, world: int) -> dict:
 
 def learn_shard(learner: Learner, batch: Batch, *, rank: int = 0, world: int = 1, model=None,
                 delta_rows: torch.Tensor | None = None) -> dict:
-    """rlvr.learn.learn on rank `rank` of a group of `world` (same return value; world = 1 is learn).
+    """rlvr.learn.learn on rank `rank` of a group of `world` (same return value; world = 1 is learn, tested
+    bit for bit, so `learn` can become `learn_shard(learner, batch)` and keep one copy of the loop).
 
     `model`: the policy as the forward should see it (a DDPPolicy when world > 1). `delta_rows`:
     (B,) or (B, T) Δ per row or token (default: batch.delta flattened); rlvr.distributed.staleness
