@@ -340,3 +340,11 @@ def test_two_batches_in_flight_make_the_staleness_two(ray_local, tmp_path):
     # steps 2 and 3 were both sampled with the initial weights while step 1 learned; step 4 after update 1
     assert [r["train/policy_version"] for r in steps] == [0, 0, 0, 1]
     assert [r["train/staleness"] for r in steps] == [0.0, 1.0, 2.0, 2.0]
+
+
+def test_more_cpus_than_the_cluster_has_is_refused_before_any_actor(ray_local):
+    cfg = tiny_cfg("--distributed.rollout_workers=2", "--distributed.cpus_per_worker=3")
+    setup = run.build(cfg)
+    with pytest.raises(run.RunError, match="has 4 CPUs; the actors ask for 6"):
+        Distributed(cfg, setup, new_learner(setup), 0, 0, log=lambda *_: None)
+    assert ray_local.is_initialized()  # a Ray this run did not start is left running

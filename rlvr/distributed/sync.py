@@ -56,6 +56,7 @@ def start_ray(address: str, cpus_needed: float):
     except ImportError:
         raise RunError("[distributed] needs Ray: pip install 'rlvr[distributed]'") from None
     if ray.is_initialized():
+        _check_cpus(ray, cpus_needed, started=False)
         return False
     try:
         if address:
@@ -65,9 +66,15 @@ def start_ray(address: str, cpus_needed: float):
                      log_to_driver=False)  # actors inherit this process's environment (PYTHONPATH)
     except (ConnectionError, RuntimeError, ValueError) as e:
         raise RunError(f"distributed.address = {address!r}: cannot start or join Ray: {e}") from None
+    _check_cpus(ray, cpus_needed, started=True)
+    return True
+
+
+def _check_cpus(ray, cpus_needed: float, started: bool) -> None:
+    """RunError (and no actor waiting forever for a CPU) when the cluster has fewer CPUs than asked."""
     have = ray.cluster_resources().get("CPU", 0)
     if have < cpus_needed:
-        ray.shutdown()
+        if started:
+            ray.shutdown()
         raise RunError(f"the Ray cluster has {have:g} CPUs; the actors ask for {cpus_needed:g} "
                        "(distributed.cpus_per_worker × actors): lower cpus_per_worker or add nodes")
-    return True
