@@ -348,3 +348,41 @@ def test_more_cpus_than_the_cluster_has_is_refused_before_any_actor(ray_local):
     with pytest.raises(run.RunError, match="has 4 CPUs; the actors ask for 6"):
         Distributed(cfg, setup, new_learner(setup), 0, 0, log=lambda *_: None)
     assert ray_local.is_initialized()  # a Ray this run did not start is left running
+
+
+@pytest.mark.parametrize("lora", [0, 4])
+def test_two_learners_on_a_hugging_face_model(ray_local, tmp_path, lora):
+    # a Llama's shared-prompt forward runs the model twice per backward through DDP; under LoRA only
+    # the adapter trains and the frozen weights take no part in the all-reduce
+    pytest.importorskip("transformers")
+    import sys
+
+    sys.path.insert(0, str(EXAMPLE.parents[0]))
+    from make_tiny_hf_model import build
+
+    build(tmp_path / "llama", layers=1, hidden=32, heads=2, context=64)
+    extra = [f"--model.path={tmp_path / 'llama'}", "--model.init=", "--distributed.learners=2",
+             "--model.share_prompt_forward=true"] + ([f"--model.lora_r={lora}"] if lora else [])
+    cfg = config_mod.load(EXAMPLE, [x for x in TINY if not x.startswith("--model.n_")] + extra)
+    one, two = run.build(cfg), run.build(cfg)
+    two.model.load_state_dict(one.model.state_dict())  # peft's LoRA init is not seeded by train.seed
+    assert one.model.differentiable_cache
+    l1, l2 = new_learner(one), new_learner(two)
+    batch = _uneven_batch(one)
+    learn(l1, copy.deepcopy(batch))
+    group = learners_mod.LearnerGroup(cfg, l2)
+    try:
+        group.learn(batch)
+    finally:
+        group.close()
+    # the gradient AdamW received (all-reduced over the ranks, clipped) is the one-process gradient to
+    # float rounding. The weights are not compared: Adam's first step is lr · g / (|g| + 1e-8) per
+    # entry, which turns rounding in entries with |g| ~ 1e-9 (this Llama's attention projections; a
+    # fresh LoRA A, whose gradient is 0 while B is 0) into steps of up to lr
+    moved = 0
+    for (name, p1), p2 in zip(one.model.named_parameters(), two.model.parameters()):
+        assert (p1.grad is None) == (p2.grad is None) == (not p1.requires_grad), name
+        if p1.requires_grad:
+            moved += 1
+            torch.testing.assert_close(p1.grad, p2.grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert moved
