@@ -74,9 +74,11 @@ def usable_cores() -> int:
 
 def oversubscribed(threads: int, load: float, cores: int) -> str | None:
     """The warning when `threads` more busy threads on top of a 1-minute load average of `load`
-    exceed `cores`, else None. Two threads on two cores that another process keeps busy ran
-    15-50x slower a step than one thread (the threads wait for each other at every matmul)."""
-    if load + threads <= cores:
+    exceed `cores` by more than one core, else None. Two threads on two cores that another process
+    keeps busy ran 15-50x slower a step than one thread (the threads wait for each other at every
+    matmul). The allowance of one core: the load average also counts this process's own start-up
+    (the matmul-rate probe, building the model): 0.8 was read on an otherwise idle 2-core machine."""
+    if load + threads <= cores + 1:
         return None
     fix = (f"lower train.threads (e.g. --train.threads={max(1, int(cores - load))}) or stop the other job"
            if threads > 1 else "stop the other job (this run already uses one thread)")

@@ -49,7 +49,8 @@ def test_oversubscribed_by_hand():
     assert "--train.threads=1" in msg and "stop the other job" in msg
     assert run.oversubscribed(2, 0.0, 2) is None        # 0 + 2 = 2 cores: fits
     assert run.oversubscribed(1, 0.9, 2) is None        # 0.9 + 1 < 2
-    assert run.oversubscribed(4, 0.5, 4) is not None    # 4.5 > 4
+    assert run.oversubscribed(4, 1.5, 4) is not None    # 5.5 > 4 + 1
+    assert run.oversubscribed(2, 0.8, 2) is None        # this process's own start-up shows in the load
 
 
 def test_threads_default_to_the_usable_cores(monkeypatch):
