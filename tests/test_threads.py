@@ -60,12 +60,12 @@ def test_threads_default_to_the_usable_cores(monkeypatch):
 
 
 def test_explicit_threads_win_and_warn_on_a_busy_machine(monkeypatch):
-    machine(monkeypatch, cores=2, load=1.5)
+    machine(monkeypatch, cores=2, load=2.5)
     threads, busy = run.set_threads(cfg_with(1))
     assert (threads, torch.get_num_threads()) == (1, 1)
-    assert "1-minute load average 1.5 + this run's 1 threads > 2 cores" in busy
+    assert "1-minute load average 2.5 + this run's 1 threads > 2 cores" in busy
     assert "stop the other job (this run already uses one thread)" in busy and "--train.threads" not in busy
-    threads, busy = run.set_threads(cfg_with(0))     # default: both cores, on a machine already 1.5 busy
+    threads, busy = run.set_threads(cfg_with(0))     # default: both cores, on a machine already 2.5 busy
     assert threads == 2 and "+ this run's 2 threads > 2 cores" in busy
 
 
