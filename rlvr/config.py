@@ -270,20 +270,6 @@ class LogConfig:
     project: str = "rlvr"
     """Project (W&B, trackio) or experiment (MLflow) the run is filed under; the run is named after
     its directory."""
-    tensorboard: bool = False
-    """Also write TensorBoard event files to RUN_DIR/tensorboard (`tensorboard --logdir RUN_DIR`);
-    needs the `tensorboard` extra. metrics.jsonl is always written (rlvr.tracking)."""
-    wandb: bool = False
-    """Also log to Weights & Biases (extra `wandb`; run files in RUN_DIR/wandb). Without an account
-    or network set WANDB_MODE=offline and upload later with `wandb sync`."""
-    mlflow: bool = False
-    """Also log to MLflow (extra `mlflow`): to MLFLOW_TRACKING_URI when set, else a local file store
-    in RUN_DIR/mlruns (`mlflow ui --backend-store-uri RUN_DIR/mlruns`)."""
-    trackio: bool = False
-    """Also log to trackio (extra `trackio`), a local dashboard (`trackio show --project PROJECT`)."""
-    project: str = "rlvr"
-    """Project (W&B, trackio) or experiment (MLflow) the run is filed under; the run is named after
-    its directory."""
 
 
 @dataclass
