@@ -55,25 +55,13 @@ from pathlib import Path
 
 import torch
 
+from rlvr.run import matmul_rate
+
 P, G, MAX_NEW, LR, TEMPERATURE, LORA_R, LORA_ALPHA = 8, 8, 16, 3e-4, 0.7, 16, 32.0
 TASK_OPTIONS = {"ops": "+", "digits": 2, "heldout": 200, "seed": 0, "max_new_tokens": MAX_NEW}
 
 
 # ----------------------------------------------------------------------------- machine bounds
-def matmul_rate(n: int = 1024, reps: int = 5, trials: int = 5) -> float:
-    """Best fp32 FLOP/s of an n x n @ n x n product at the current thread count."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    c = torch.empty(n, n)
-    torch.matmul(a, b, out=c)
-    best = float("inf")
-    for _ in range(trials):
-        t = time.perf_counter()
-        for _ in range(reps):
-            torch.matmul(a, b, out=c)
-        best = min(best, (time.perf_counter() - t) / reps)
-    return 2 * n**3 / best
-
-
 def copy_bandwidth(mib: int = 256, trials: int = 5) -> float:
     """Best bytes/s (read + write) of copying a `mib` MiB float32 tensor into another."""
     a = torch.ones(mib * 2**18)
@@ -379,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
 
     mdir = model_dir()
-    rate, bandwidth = matmul_rate(), copy_bandwidth()
+    rate, bandwidth = matmul_rate(torch.device("cpu")), copy_bandwidth()  # rlvr.run's measurement, as the price uses
     print(f"machine: fp32 matmul {rate / 1e9:.1f} GFLOP/s, copy bandwidth {bandwidth / 1e9:.2f} GB/s "
           f"({a.threads} threads; measured now, on whatever else the machine is running)", flush=True)
 
