@@ -273,6 +273,39 @@ class LogConfig:
 
 
 @dataclass
+class DistributedConfig:
+    """Scaling out (rlvr.distributed): rollout workers as Ray actors, learners as a torch.distributed group."""
+
+    rollout_workers: int = 0
+    """Ray actors that sample and score, each with its own copy of the policy, prompts split among them
+    in whole groups; 0 = sample in the trainer process. Sampling is seeded per prompt, so 0, 1 or N
+    workers give the same rows."""
+    learners: int = 1
+    """Processes in the learner group (torch.distributed, gloo on CPU / NCCL on CUDA, DDP); the trainer is
+    rank 0 and the others are Ray actors. Each rank takes whole groups of every minibatch and the loss is
+    divided by the global token (or row) count, so the update equals the one-process update."""
+    address: str = ""
+    """Ray cluster to join: empty = start a local Ray on this machine; `auto` = the cluster started here
+    with `ray start --head`; `ray://HOST:PORT` = a remote cluster through Ray Client."""
+    max_staleness: int = 0
+    """0 = synchronous (step t samples with the weights after update t-1). k > 0 = the rollout workers
+    sample steps t+1 .. t+k while the learners learn step t (k batches in flight), so a batch is up to
+    k versions old (logged as train/staleness); the update then uses the decoupled truncated
+    importance-sampling correction (rlvr.distributed.staleness). Needs rollout_workers >= 1."""
+    is_cap: float = 2.0
+    """Cap C of the truncated importance weight w = min(π_old / π_behav, C) per token that corrects
+    stale rows (max_staleness > 0); π_old = the weights at learn time, π_behav = the sampler's."""
+    cpus_per_worker: float = 1.0
+    """CPUs Ray reserves for each rollout worker and learner actor; each actor also sets its torch
+    threads to this share (at least 1)."""
+    gpus_per_worker: float = 0.0
+    """GPUs Ray reserves for each rollout worker and learner actor (0 = CPU only; 0.5 = two per GPU)."""
+    timeout_s: float = 600.0
+    """Seconds to wait for one actor call (a shard of sampling, a weight sync, a learner step); a rollout
+    worker past it is replaced and its share sampled again."""
+
+
+@dataclass
 class Config:
     """A whole run."""
 
@@ -283,6 +316,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
 SECTIONS: dict[str, type] = {
@@ -293,6 +327,7 @@ SECTIONS: dict[str, type] = {
     "train": TrainConfig,
     "eval": EvalConfig,
     "log": LogConfig,
+    "distributed": DistributedConfig,
 }
 
 
@@ -635,6 +670,7 @@ def validate(cfg: Config, source: str | None = None) -> None:
         bad("sampling.temperature", f"must be > 0 for training (greedy decoding has no usable logp), got {s.temperature}")
     _check_learnable(cfg, bad)
     _check_reward_workers(cfg.task, bad)
+    _check_distributed(cfg, bad)
     if not 0 < s.top_p <= 1:
         bad("sampling.top_p", f"must be in (0, 1], got {s.top_p}")
     _check_algorithm(cfg, bad)
@@ -697,6 +733,36 @@ def _check_reward_workers(tc: TaskConfig, bad) -> None:
         bad("task.reward_timeout_s", f"must be > 0, got {tc.reward_timeout_s}")
     if tc.reward_memory_mb < 0:
         bad("task.reward_memory_mb", f"must be >= 0 (0 = no limit), got {tc.reward_memory_mb}")
+
+
+def _check_distributed(cfg: Config, bad) -> None:
+    d, t = cfg.distributed, cfg.train
+    for key, v in [("distributed.rollout_workers", d.rollout_workers), ("distributed.max_staleness", d.max_staleness),
+                   ("distributed.cpus_per_worker", d.cpus_per_worker), ("distributed.gpus_per_worker", d.gpus_per_worker)]:
+        if v < 0:
+            bad(key, f"must be >= 0, got {v}")
+    if d.learners < 1:
+        bad("distributed.learners", f"must be >= 1 (1 = the trainer process alone), got {d.learners}")
+    if d.rollout_workers > t.prompts_per_step:
+        bad("distributed.rollout_workers", f"{d.rollout_workers} exceeds the {t.prompts_per_step} prompts of a step "
+            "(each worker samples whole groups)")
+    if d.learners * t.minibatches > t.prompts_per_step:
+        bad("distributed.learners", f"{d.learners} learners x train.minibatches = {t.minibatches} exceeds the "
+            f"{t.prompts_per_step} groups of a batch (every rank takes whole groups of every minibatch)")
+    if d.address and d.address != "auto" and not d.address.startswith("ray://") and ":" not in d.address:
+        bad("distributed.address", f"{d.address!r} is not empty (local Ray), 'auto' or a 'ray://HOST:PORT' / "
+            "'HOST:PORT' address")
+    if d.is_cap < 1:
+        bad("distributed.is_cap", f"must be >= 1 (the weight of an on-policy token is 1), got {d.is_cap}")
+    if d.timeout_s <= 0:
+        bad("distributed.timeout_s", f"must be > 0, got {d.timeout_s}")
+    if d.max_staleness and not d.rollout_workers:
+        bad("distributed.max_staleness", "overlapping sampling with learning needs distributed.rollout_workers >= 1")
+    if d.max_staleness and cfg.algorithm.dynamic_sampling:
+        bad("distributed.max_staleness", "dynamic sampling refills a batch with the newest weights, so its rows "
+            "would mix versions; turn one of them off")
+    if d.cpus_per_worker == 0 and d.gpus_per_worker == 0 and (d.rollout_workers or d.learners > 1):
+        bad("distributed.cpus_per_worker", "an actor needs some CPU or GPU (cpus_per_worker > 0)")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ how the batch was sampled cannot change the learner's random stream.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -114,14 +115,23 @@ def minibatch_loss(learner: Learner, batch: Batch, idx: torch.Tensor, delta_rows
     return loss, stats
 
 
-def learn(learner: Learner, batch: Batch) -> dict:
+def learn(learner: Learner, batch: Batch, *, delta_rows: torch.Tensor | None = None, shard=None) -> dict:
     """μ passes over the batch, each split into minibatches of whole groups; one clipped AdamW step
     per minibatch. Returns the mean of each statistic over the minibatches, the first minibatch's
-    ratio (π = π_old there: 1 up to rounding), the last learning rate and the tokens and FLOPs computed."""
+    ratio (π = π_old there: 1 up to rounding), the last learning rate and the tokens and FLOPs computed.
+
+    `delta_rows`: (B,) or (B, T) Δ to use instead of `batch.delta_rows` (rlvr.distributed.staleness
+    passes Δ times a truncated importance weight). `shard`: this process's rank of a learner group
+    (rlvr.distributed.learners.Shard): it takes the rank's whole groups of each minibatch, the loss
+    scale that makes the group's summed gradient the one-process gradient, and the statistics
+    reduced over the ranks. None: one process, the whole minibatch."""
     cfg, policy = learner.cfg, learner.policy
     tc, G = cfg.train, cfg.train.samples_per_prompt
     shared = cfg.model.share_prompt_forward and policy.differentiable_cache
-    delta_rows = batch.delta_rows.to(batch.rollout.mask.device)                         # (B,) or (B, T)
+    if delta_rows is None:
+        delta_rows = batch.delta_rows
+    delta_rows = delta_rows.to(batch.rollout.mask.device)                               # (B,) or (B, T)
+    view = learner if shard is None else dataclasses.replace(learner, policy=shard.model)
     _, train_flops = learner.flops
     params = policy.trainable_params()
     policy.train()
@@ -129,18 +139,21 @@ def learn(learner: Learner, batch: Batch) -> dict:
     first_ratio, lr_used, n_mb, trained, skipped = 1.0, 0.0, 0, 0, 0
     for _epoch in range(tc.epochs_per_batch):
         for idx in minibatch_rows(learner, len(batch.groups.examples), G):
-            loss, stats = minibatch_loss(learner, batch, idx, delta_rows)
+            mine, scale = (idx, None) if shard is None else shard.rows(idx, G, batch.rollout.mask, cfg.algorithm.agg)
+            loss, stats = minibatch_loss(view, batch, mine, delta_rows)
             learner.opt.zero_grad(set_to_none=True)
-            loss.backward()
+            (loss if scale is None else loss * scale).backward()
             gnorm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
+            stats["loss"] = loss.item()
+            if shard is not None:  # the whole minibatch's figures, the same on every rank
+                stats = shard.reduce(stats)
             lr_used = learner.sched.get_last_lr()[0]
-            if math.isfinite(loss.item()) and math.isfinite(float(gnorm)):
+            if math.isfinite(stats["loss"]) and math.isfinite(float(gnorm)):
                 learner.opt.step()
                 learner.sched.step()
             else:  # a non-finite loss or gradient norm: no update (train/skipped_updates)
                 skipped += 1
             trained += forward_tokens(batch.rollout.select(idx), G, shared)
-            stats["loss"] = loss.item()
             stats["grad_norm"] = float(gnorm)
             for k, v in stats.items():
                 acc[k] = acc.get(k, 0.0) + v

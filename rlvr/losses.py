@@ -180,6 +180,20 @@ AGGREGATIONS = {
 }
 
 
+def denominator(mask: Tensor, mode: str) -> Tensor:
+    """What `mode` divides the masked per-token sum by, up to a constant: the token count Σ_b |y_b|
+    for token_mean, the row count B for the others (seq_mean_mean first divides each row by its own
+    length, seq_sum_const also by the fixed max_len). Each mode's loss on rows split over ranks r is
+    Σ_r loss_r · denominator_r / Σ_r denominator_r: the number a learner group all-reduces so that
+    every rank weighs its tokens as one process would (averaging per-rank means would not when the
+    ranks hold different numbers of tokens)."""
+    if mode not in AGGREGATIONS:
+        raise ValueError(f"unknown agg mode {mode!r}; known modes: {', '.join(AGGREGATIONS)}")
+    if mode == "token_mean":
+        return mask.bool().sum().to(torch.float64)
+    return torch.tensor(float(mask.shape[0]), dtype=torch.float64)
+
+
 def aggregate(values: Tensor, mask: Tensor, mode: str, *, max_len: int | None = None) -> Tensor:
     """(B, T) per-token values -> scalar under `mode` (a key of AGGREGATIONS).
 

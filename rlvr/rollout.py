@@ -93,20 +93,29 @@ def score_groups(task: Task, weights: dict[str, float], examples: list, response
 @torch.no_grad()
 def sample_and_score(policy: Policy, tok: Tokenizer, task: Task, examples: list, *, G: int, limits: Limits,
                      weights: dict[str, float], temperature: float, top_p: float,
-                     generator: torch.Generator | None, chunk_prompts: int = 0, pool=None) -> Groups:
+                     generator: torch.Generator | None, chunk_prompts: int = 0, pool=None,
+                     base_seed: int | None = None, first_prompt: int = 0) -> Groups:
     """Sample G responses per example (temperature 0 = greedy), decode them and score them.
 
     A response is decoded up to its end token when the task has one (`limits.eos_id`), and in full
     on fixed-length tasks. `chunk_prompts` > 0 samples that many prompts per generate call (memory);
     the draws come from `generator` in order, so chunking does not change them. `pool`: a
-    rlvr.reward_pool.RewardPool scores in its supervised workers (None: in this process)."""
+    rlvr.reward_pool.RewardPool scores in its supervised workers (None: in this process).
+    Sampling is seeded per prompt (rlvr.sampling.prompt_generators): one base seed is drawn from
+    `generator` per call, or given as `base_seed` with this call's `first_prompt` index (a rollout
+    worker's shard), so a prompt's rows do not depend on how the call's prompts are split."""
+    if base_seed is None and generator is not None:
+        base_seed = sampling.draw_base_seed(generator)
+    device = next(iter(policy.parameters())).device
+    gens = (sampling.prompt_generators(base_seed, first_prompt, len(examples), device)
+            if base_seed is not None else None)
     step = chunk_prompts or len(examples)
     rollouts = []
     for i in range(0, len(examples), step):
         rollouts.append(sampling.generate(
             policy, [encode_example(tok, ex) for ex in examples[i:i + step]], samples_per_prompt=G,
             max_new_tokens=limits.max_new_tokens, temperature=temperature, top_p=top_p,
-            eos_id=limits.eos_id, pad_id=tok.pad_id, generator=generator))
+            eos_id=limits.eos_id, pad_id=tok.pad_id, generators=gens[i:i + step] if gens else None))
     rollout = rollouts[0] if len(rollouts) == 1 else sampling.concat(rollouts, tok.pad_id)
     stop = limits.eos_id is not None
     responses = [tok.decode(r, stop_at_eos=stop) for r in rollout.response_ids.tolist()]
@@ -181,7 +190,8 @@ def reference_logprobs(policy: Policy, reference: Policy | None, rollout: sampli
 
 
 def rollout(setup, policy: Policy, reference: Policy | None, examples_fn, *, version: int,
-            generator: torch.Generator, pool=None, value: LearnedBaseline | None = None) -> Batch:
+            generator: torch.Generator, pool=None, value: LearnedBaseline | None = None,
+            sampler=None) -> Batch:
     """Steps 1-5 of a training step, no gradient on the policy:
 
     1. sample P prompts (`examples_fn()`), G responses each from π_old (the current weights);
@@ -192,6 +202,9 @@ def rollout(setup, policy: Policy, reference: Policy | None, examples_fn, *, ver
     5. Δ (`batch_delta`): the scheme on the (P, G) rewards (`learned`: R - V(S) with `value`, read
        before its own update), per-token Δ from a process reward's per-step scores, and with
        kl_in = "reward" the KL folded into a per-token Δ.
+
+    `sampler(examples) -> Groups` replaces step 1-2's in-process sampling and scoring (rlvr.distributed:
+    rollout workers).
     """
     cfg, tok = setup.cfg, setup.tokenizer
     sc, ac, tc = cfg.sampling, cfg.algorithm, cfg.train
@@ -200,9 +213,12 @@ def rollout(setup, policy: Policy, reference: Policy | None, examples_fn, *, ver
     policy.eval()
 
     def sample(examples: list) -> Groups:
-        got = sample_and_score(policy, tok, setup.task, examples, G=G, limits=setup.limits,
-                               weights=setup.reward_weights, temperature=sc.temperature, top_p=sc.top_p,
-                               generator=generator, pool=pool)
+        if sampler is not None:  # rlvr.distributed: sampled and scored by rollout workers
+            got = sampler(examples)
+        else:
+            got = sample_and_score(policy, tok, setup.task, examples, G=G, limits=setup.limits,
+                                   weights=setup.reward_weights, temperature=sc.temperature, top_p=sc.top_p,
+                                   generator=generator, pool=pool)
         return add_overlong_penalty(got, ac, setup.limits.max_new_tokens) if ac.overlong_buffer else got
 
     if ac.dynamic_sampling:

@@ -166,6 +166,53 @@ def _check_sampling_args(temperature: float, top_p: float) -> None:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
+# ---------------------------------------------------------------------- per-prompt seeding
+_MIX = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads consecutive prompt indices over the seed space
+
+
+def draw_base_seed(generator: torch.Generator) -> int:
+    """One 62-bit number from `generator`: the seed of one sampling call (a step's round of prompts).
+    The per-prompt generators derive from it, so a sharded call draws the same rows."""
+    return int(torch.randint(0, 2 ** 62, (1,), generator=generator, device=generator.device).item())
+
+
+def prompt_generators(base_seed: int, first: int, n: int, device: torch.device | str = "cpu") -> list[torch.Generator]:
+    """Generators of the prompts `first`, ..., `first + n - 1` of a sampling call seeded with
+    `base_seed`: prompt i's seed is a function of (base_seed, i) only, so its G responses do not
+    depend on which other prompts are sampled with it (sharding over rollout workers, chunking)."""
+    return [torch.Generator(device=device).manual_seed((base_seed + _MIX * (first + i + 1)) % 2 ** 63)
+            for i in range(n)]
+
+
+def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """(B, V) probabilities (rows may sum to 1 ± rounding), (B,) uniforms in [0, 1) -> (B,) token ids:
+    the first token whose cumulative mass exceeds u · total. Zero-probability tokens (outside the
+    nucleus) are never drawn: their cumulative mass equals their predecessor's."""
+    cdf = probs.float().cumsum(-1)                                            # (B, V)
+    tok = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)  # (B,)
+    tok = tok.clamp(max=probs.size(1) - 1)
+    # u · total rounding up to the total lands past the last token: take the most likely one instead
+    return torch.where(probs.gather(1, tok.unsqueeze(1)).squeeze(1) > 0, tok, probs.argmax(-1))
+
+
+def _prompt_noise(generators: list[torch.Generator] | None, P: int, G: int, T: int, device) -> torch.Tensor | None:
+    """(B, T) uniforms, prompt p's G rows drawn from generators[p]; None without generators."""
+    if generators is None:
+        return None
+    if len(generators) != P:
+        raise ValueError(f"generators: {len(generators)} given for {P} prompts")
+    return torch.cat([torch.rand((G, T), generator=g, device=g.device).to(device) for g in generators])
+
+
+def _next_tokens(logprobs: torch.Tensor, temperature: float, generator, noise_t: torch.Tensor | None) -> torch.Tensor:
+    """(B, V) log-probs -> (B,) tokens: argmax (greedy), inverse CDF of the per-prompt uniforms, or multinomial."""
+    if temperature == 0:
+        return logprobs.argmax(-1)
+    if noise_t is not None:
+        return inverse_cdf_sample(logprobs.exp(), noise_t)
+    return torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(1)
+
+
 # ---------------------------------------------------------------------- generation
 def _check_generate_args(model, prompts, samples_per_prompt: int, max_new_tokens: int, temperature: float,
                          top_p: float) -> torch.device:
@@ -187,7 +234,8 @@ def _check_generate_args(model, prompts, samples_per_prompt: int, max_new_tokens
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], *, samples_per_prompt: int, max_new_tokens: int,
              temperature: float = 1.0, top_p: float = 1.0, eos_id: int | None, pad_id: int,
-             generator: torch.Generator | None = None) -> Rollout:
+             generator: torch.Generator | None = None,
+             generators: list[torch.Generator] | None = None) -> Rollout:
     """Sample ``samples_per_prompt`` responses per prompt; row b = prompt b // G, sample b % G.
 
     One prefill forward over the P left-padded prompts, whose KV cache is then repeated G times,
@@ -199,6 +247,11 @@ def generate(model, prompts: list[list[int]], *, samples_per_prompt: int, max_ne
     ``repeat_interleave(G)`` to decode incrementally, or None to re-run the whole sequence each step
     (slow; for test oracles and foreign models); ``model.config.block_size`` bounds the context. Draws use ``torch.multinomial(generator=)``,
     so a seeded generator reproduces the rollout (on the same device and thread count).
+
+    ``generators`` (one per prompt, see ``prompt_generators``) replaces ``generator``: prompt p's G
+    rows draw their (G, max_new_tokens) uniforms from ``generators[p]`` up front and each token is
+    ``inverse_cdf_sample``d, so a row depends only on its prompt's generator and the weights, not on
+    the other prompts of the call (what lets rollout workers shard prompts and still draw the same rows).
     """
     device = _check_generate_args(model, prompts, samples_per_prompt, max_new_tokens, temperature, top_p)
     G, T, P = samples_per_prompt, max_new_tokens, len(prompts)
@@ -219,6 +272,7 @@ def generate(model, prompts: list[list[int]], *, samples_per_prompt: int, max_ne
     prompt_am = prompt_am.repeat_interleave(G, dim=0)               # (B, Lp)
     logits = logits.repeat_interleave(G, dim=0)                     # (B, V)
 
+    noise = _prompt_noise(generators, P, G, T, device)             # (B, T) or None
     out = torch.full((B, T), pad_id, dtype=torch.long, device=device)
     alive_cols = torch.zeros((B, T), dtype=torch.bool, device=device)
     logp = torch.zeros((B, T), dtype=torch.float32, device=device)
@@ -228,10 +282,7 @@ def generate(model, prompts: list[list[int]], *, samples_per_prompt: int, max_ne
     steps = 0
     for t in range(T):
         logprobs = sampling_logprobs(logits, temperature, top_p)   # (B, V)
-        if temperature == 0:
-            tok = logprobs.argmax(-1)                               # (B,)
-        else:
-            tok = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(1)  # (B,)
+        tok = _next_tokens(logprobs, temperature, generator, None if noise is None else noise[:, t])  # (B,)
         alive = ~finished                                           # this token is real
         tok = tok.masked_fill(finished, pad_id)
         out[:, t] = tok

@@ -52,6 +52,7 @@ import torch
 from rlvr import advantages, config as config_mod, costs
 from rlvr.diagnostics import (Watch, agreement_breakdown, length_by_outcome, pass_rate_histogram,
                               response_concentration)
+from rlvr.distributed import Distributed, open_distributed
 from rlvr.evaluate import evaluate
 from rlvr.learn import Learner, learn, make_optimizer, make_scheduler
 from rlvr.policy import Policy
@@ -132,6 +133,8 @@ class RunState:
     """When state was last saved (train.save_every_minutes counts from here)."""
     skipped_run: int = 0
     """Consecutive steps, up to this one, whose every update was skipped."""
+    dist: Distributed | None = None
+    """Rollout workers / learner group ([distributed]); None = both stages in this process."""
 
     @property
     def policy(self) -> Policy:
@@ -326,7 +329,8 @@ def train(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, resume:
         if busy:
             run_dir.warn(state.step, busy)
         try:
-            with open_pool(cfg.task, state.setup.task) as state.pool:
+            with open_pool(cfg.task, state.setup.task) as state.pool, \
+                    open_distributed(cfg, state.setup, state.learner, state.version, state.step, log) as state.dist:
                 return loop(run_dir, state, log, stop)
         finally:
             run_dir.close()
@@ -336,14 +340,15 @@ def advance(state: RunState, step: int) -> tuple[Batch, dict]:
     """One step: rollout, learn, π_old <- π, reference refresh, cost counters."""
     cfg = state.setup.cfg
     try:
-        batch = rollout(state.setup, state.policy, state.reference, state.draw,      # 1.-5.
-                        version=state.version, generator=state.sample_gen, pool=state.pool, value=state.value)
+        batch = (state.dist.rollout if state.dist else rollout)(                     # 1.-5.
+            state.setup, state.policy, state.reference, state.draw, version=state.version,
+            generator=state.sample_gen, pool=state.pool, value=state.value)
     except RuntimeError as e:
         if "inf" not in str(e) and "nan" not in str(e):
             raise
         raise RunError(f"step {step}: sampling failed ({' '.join(str(e).split())[:200]}): the weights have "
                        f"diverged; {kept(state)}; lower train.lr or algorithm.kl_coef") from None
-    stats = learn(state.learner, batch)                                              # 6.
+    stats = (state.dist.learn if state.dist else learn)(state.learner, batch)        # 6. (+ weight sync)
     state.version += 1                                                               # 7. π_old <- π
     if state.reference is not None and cfg.algorithm.ref_refresh_every and step % cfg.algorithm.ref_refresh_every == 0:
         state.reference.load_state_dict(state.policy.state_dict())

@@ -1,0 +1,205 @@
+"""The learner group: torch.distributed (gloo on CPU, NCCL on CUDA) with DDP, the update of one process.
+
+Rank 0 is the trainer process (its `Learner` is the one saved and evaluated); ranks 1..N-1 are Ray
+actors (`LearnerActor`) that start from rank 0's weights, optimizer, schedule and minibatch
+generator. Every rank receives the whole batch and draws the same minibatch order from its
+generator, then takes its share of each minibatch in whole groups (`shard_rows`).
+
+The update equals the single-process update because:
+  1. the loss of rank r is rescaled to  world · loss_r · den_r / Σ_r den_r  with den the count its
+     aggregation divides by (rlvr.losses.denominator: the token count for token_mean, the row count
+     otherwise), Σ_r den_r found by an all_reduce of the ranks' mask sums; DDP averages the ranks'
+     gradients (÷ world), so the gradient is Σ_r ∇(loss_r · den_r) / Σ_r den_r: the gradient of the
+     aggregation over the whole minibatch. Averaging per-rank token means instead would weigh a
+     token of a rank with few tokens more than one of a rank with many.
+  2. after DDP's all-reduce every rank holds the same gradient, so the global-norm clip and the
+     AdamW step are the same on every rank and the weights stay equal.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+
+import torch
+import torch.distributed as dist
+
+from rlvr import losses
+from rlvr.learn import Learner, learn
+from rlvr.rollout import Batch
+
+
+class DDPPolicy:
+    """A Policy whose forward goes through DistributedDataParallel (gradient all-reduce in backward);
+    every other member is the wrapped model's."""
+
+    def __init__(self, ddp: torch.nn.parallel.DistributedDataParallel):
+        self._ddp = ddp
+
+    def __call__(self, *args, **kwargs):
+        return self._ddp(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._ddp.module, name)
+
+
+def shard_rows(idx: torch.Tensor, G: int, rank: int, world: int) -> torch.Tensor:
+    """Rank `rank`'s rows of minibatch `idx` (whole groups of G rows, contiguous, as even as possible)."""
+    groups = idx.view(-1, G)                                       # (n_groups, G)
+    base, extra = divmod(groups.shape[0], world)
+    first = rank * base + min(rank, extra)
+    return groups[first:first + base + (1 if rank < extra else 0)].reshape(-1)
+
+
+def _all_reduce(x: torch.Tensor, op=None) -> torch.Tensor:
+    dist.all_reduce(x, op=op or dist.ReduceOp.SUM)
+    return x
+
+
+class Shard:
+    """Rank `rank` of a learner group of `world`, as rlvr.learn.learn's `shard=` sees it: its whole
+    groups of each minibatch, the loss scale of point 1 above, and the statistics reduced over the ranks."""
+
+    def __init__(self, rank: int, world: int, model):
+        self.rank, self.world, self.model = rank, world, model
+        """`model`: the policy as the forward should see it (a DDPPolicy when world > 1)."""
+        self.share = 1.0
+
+    def rows(self, idx: torch.Tensor, G: int, mask: torch.Tensor, agg: str) -> tuple[torch.Tensor, float]:
+        """(this rank's rows of minibatch `idx`, the loss scale world · den_r / Σ_r den_r)."""
+        mine = shard_rows(idx, G, self.rank, self.world)
+        empty = mine.numel() == 0  # fewer groups than ranks (dynamic sampling kept few): run one, weigh 0,
+        if empty:                  # since DDP needs a backward from every rank
+            mine = idx[:G]
+        den = losses.denominator(mask[mine], agg) * (0.0 if empty else 1.0)
+        total = _all_reduce(den.clone()) if self.world > 1 else den
+        self.share = float(den / total.clamp(min=1))
+        return mine, self.world * self.share   # DDP averages over ranks: Σ_r share_r ∇loss_r
+
+    def reduce(self, stats: dict) -> dict:
+        """Statistics of the whole minibatch from the ranks' own: *_min by min, *_max by max, the others
+        as means weighted by each rank's share of the denominator."""
+        if self.world == 1:
+            return stats
+        keys = sorted(stats)
+        mean = _all_reduce(torch.tensor([stats[k] * self.share for k in keys], dtype=torch.float64))
+        lo = _all_reduce(torch.tensor([stats[k] for k in keys], dtype=torch.float64), dist.ReduceOp.MIN)
+        hi = _all_reduce(torch.tensor([stats[k] for k in keys], dtype=torch.float64), dist.ReduceOp.MAX)
+        return {k: float(lo[i] if k.endswith("_min") else hi[i] if k.endswith("_max") else mean[i])
+                for i, k in enumerate(keys)}
+
+
+def free_address() -> str:
+    """tcp://IP:PORT of a free port on this host, reachable by the other ranks (the Ray node IP)."""
+    try:
+        import ray
+
+        host = ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 -- no Ray: a one-machine group
+        host = "127.0.0.1"
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return f"tcp://{host}:{s.getsockname()[1]}"
+
+
+def join_group(learner: Learner, rank: int, world: int, init_method: str, timeout_s: float) -> DDPPolicy:
+    """Join the process group as `rank` and wrap the policy in DDP (whose constructor broadcasts rank 0's
+    weights). gloo on CPU, NCCL when the policy is on CUDA."""
+    device = next(iter(learner.policy.parameters())).device
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method, rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+    ids = [device.index] if device.type == "cuda" else None
+    return DDPPolicy(torch.nn.parallel.DistributedDataParallel(learner.policy, device_ids=ids))
+
+
+def learner_state(learner: Learner) -> dict:
+    """What a new rank copies from rank 0: weights, optimizer, schedule, minibatch generator."""
+    from rlvr.distributed.sync import full_state
+
+    return {"model": full_state(learner.policy), "opt": learner.opt.state_dict(),
+            "sched": {k: v for k, v in learner.sched.state_dict().items() if k != "lr_lambdas"},
+            "gen": learner.generator.get_state()}
+
+
+class LearnerActor:
+    """Ranks 1..N-1 (wrapped with ``ray.remote`` by ``LearnerGroup``): a copy of rank 0's learner."""
+
+    def __init__(self, cfg, threads: int):
+        torch.set_num_threads(threads)
+        from rlvr import run
+        from rlvr.learn import make_optimizer, make_scheduler
+
+        setup = run.build(cfg, log=lambda *_: None)
+        opt = make_optimizer(setup.model.trainable_params(), cfg.train)
+        gen = torch.Generator(device=setup.device).manual_seed(cfg.train.seed + 1)
+        self.learner = Learner(setup.model, opt, make_scheduler(opt, cfg.train), cfg, gen, setup.limits.max_new_tokens)
+        self.model = None
+
+    def join(self, state: dict, rank: int, world: int, init_method: str, timeout_s: float) -> int:
+        from rlvr.distributed.sync import load_weights
+
+        lr = self.learner
+        load_weights(lr.policy, state["model"])
+        lr.opt.load_state_dict(state["opt"])
+        lr.sched.load_state_dict({**state["sched"], "lr_lambdas": [None] * len(lr.opt.param_groups)})
+        lr.generator.set_state(state["gen"])
+        self.rank, self.world = rank, world
+        self.model = join_group(lr, rank, world, init_method, timeout_s)
+        return rank
+
+    def learn(self, batch: Batch, delta_rows) -> dict:
+        return learn(self.learner, batch, delta_rows=delta_rows, shard=Shard(self.rank, self.world, self.model))
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class LearnerGroup:
+    """Rank 0 (the trainer's `learner`, in this process) and N-1 LearnerActors, one process group."""
+
+    def __init__(self, cfg, learner: Learner):
+        import ray
+
+        from rlvr.distributed.sync import actor_threads
+
+        d = cfg.distributed
+        self.learner, self.world, self.timeout = learner, d.learners, d.timeout_s
+        actor = ray.remote(LearnerActor).options(num_cpus=d.cpus_per_worker, num_gpus=d.gpus_per_worker)
+        self.actors = [actor.remote(cfg, actor_threads(d.cpus_per_worker)) for _ in range(self.world - 1)]
+        init = free_address()
+        state = ray.put(learner_state(learner))
+        joins = [a.join.remote(state, r + 1, self.world, init, self.timeout) for r, a in enumerate(self.actors)]
+        self.model = join_group(learner, 0, self.world, init, self.timeout)
+        ray.get(joins, timeout=self.timeout)
+
+    def learn(self, batch: Batch, delta_rows: torch.Tensor | None = None) -> dict:
+        """One update on every rank; rank 0's statistics (already reduced over the group)."""
+        import ray
+
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        from rlvr.run import RunError
+
+        b_ref = ray.put(batch)
+        refs = [a.learn.remote(b_ref, delta_rows) for a in self.actors]
+        try:
+            stats = learn(self.learner, batch, delta_rows=delta_rows, shard=Shard(0, self.world, self.model))
+            ray.get(refs, timeout=self.timeout)
+        except (RayActorError, GetTimeoutError) as e:
+            raise RunError(f"the learner group lost a rank during the update ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0][:200]}); continue the run with --resume") from None
+        return stats
+
+    def close(self) -> None:
+        import ray
+
+        for a in self.actors:
+            try:
+                ray.get(a.close.remote(), timeout=30)
+            except Exception:  # noqa: BLE001 -- closing: an actor already gone is fine
+                pass
+            ray.kill(a)
+        self.actors = []
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,80 @@
+"""Weight sync and actor plumbing: what crosses process boundaries, and how big it is.
+
+A rollout worker holds its own copy of the policy. It is built once from the trainer's full
+``state_dict`` (weights and buffers, CPU tensors, one ``ray.put``); after every update it receives
+only the trainable parameters (``trainable_state``: under LoRA the adapter alone), tagged with the
+policy version they make. The bytes of one sync are Σ numel × element size of those tensors
+(``state_bytes``); every worker reads the same object from Ray's object store.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from rlvr.run import RunError
+
+
+def full_state(policy) -> dict[str, torch.Tensor]:
+    """Every weight and buffer of `policy` as contiguous CPU tensors (a worker's starting copy)."""
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in policy.state_dict().items()}
+
+
+def trainable_state(policy) -> dict[str, torch.Tensor]:
+    """The parameters the optimizer updates, by name, as CPU tensors: what one weight sync sends.
+    A tied parameter appears once (``named_parameters`` drops duplicates)."""
+    return {k: p.detach().to("cpu", copy=True).contiguous() for k, p in policy.named_parameters() if p.requires_grad}
+
+
+def load_weights(policy, state: dict[str, torch.Tensor]) -> None:
+    """Copy `state` (full or trainable only) into `policy`; a name the policy lacks is an error."""
+    missing = set(state) - set(policy.state_dict())
+    if missing:
+        raise RunError(f"weight sync: the worker's policy has no {sorted(missing)[:3]} (a different model?)")
+    with torch.no_grad():
+        policy.load_state_dict(state, strict=False)
+
+
+def state_bytes(state: dict[str, torch.Tensor]) -> int:
+    """Bytes of one sync: parameters × bytes per parameter."""
+    return sum(v.numel() * v.element_size() for v in state.values())
+
+
+def actor_threads(cpus: float) -> int:
+    """torch threads of an actor given `cpus` (its Ray CPU share): at least 1. A policy running more
+    threads than its share fights the other actors for cores (measured 20-50x slower per step)."""
+    return max(1, int(cpus))
+
+
+def start_ray(address: str, cpus_needed: float):
+    """Join the cluster at `address` ("auto", "ray://...", "HOST:PORT"), or start a local Ray when it
+    is empty (no dashboard; logical CPUs at least `cpus_needed`, so the actors can be placed on a
+    small machine). Returns True when this call started Ray (and the caller should shut it down)."""
+    try:
+        import ray
+    except ImportError:
+        raise RunError("[distributed] needs Ray: pip install 'rlvr[distributed]'") from None
+    if ray.is_initialized():
+        _check_cpus(ray, cpus_needed, started=False)
+        return False
+    try:
+        if address:
+            ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        else:
+            ray.init(num_cpus=max(os.cpu_count() or 1, int(cpus_needed + 0.999)), include_dashboard=False,
+                     log_to_driver=False)  # actors inherit this process's environment (PYTHONPATH)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        raise RunError(f"distributed.address = {address!r}: cannot start or join Ray: {e}") from None
+    _check_cpus(ray, cpus_needed, started=True)
+    return True
+
+
+def _check_cpus(ray, cpus_needed: float, started: bool) -> None:
+    """RunError (and no actor waiting forever for a CPU) when the cluster has fewer CPUs than asked."""
+    have = ray.cluster_resources().get("CPU", 0)
+    if have < cpus_needed:
+        if started:
+            ray.shutdown()
+        raise RunError(f"the Ray cluster has {have:g} CPUs; the actors ask for {cpus_needed:g} "
+                       "(distributed.cpus_per_worker × actors): lower cpus_per_worker or add nodes")
