@@ -1,10 +1,14 @@
 """One table that tests the claims rlvr's design rests on, on the sort task with the built-in model.
 
-    python benchmarks/seed_claims.py [--seeds 3] [--out runs/seed_claims] [--json runs/seed_claims.json]
+    python benchmarks/seed_claims.py [--seeds 3] [--jobs 2] [--out runs/seed_claims] [--json runs/seed_claims.json]
     python benchmarks/seed_claims.py --quick        # a smoke run: tiny model, 3-digit lists, few steps, 1 seed
 
-Every row is a real `rlvr train` run (in this process, one after the other) of examples/sort.toml
-with a few overrides, repeated over seeds; variants of one claim get the same budget of SAMPLED
+Every row is a real `rlvr train` run of examples/sort.toml with a few overrides, repeated over
+seeds; `--jobs N` runs N of them at once in separate processes, each with cores / N threads (on 2
+cores, 2 one-thread runs finish a table sooner than one 2-thread run after the other). Variants
+that resolve to the same configuration (the base run appears in several claims) are run once, and
+a run whose directory already holds a finished run of the same configuration is read, not re-run,
+so an interrupted table continues where it stopped; variants of one claim get the same budget of SAMPLED
 TOKENS (P · G · steps · T is held fixed, so G = 16 samples fewer prompts than G = 2). For each it
 prints the held-out goal at the end and at its best, the sampled tokens by which the held-out goal
 first reached the target (0.99; "-" and the best reached when it never did), and the figure the claim
@@ -25,11 +29,13 @@ Claims:
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
+import concurrent.futures
 import json
+import os
 import statistics
+import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 BASE = {"P": 64, "G": 8, "steps": 800}          # examples/sort.toml
@@ -58,18 +64,30 @@ def variants(base: dict) -> dict[str, list[tuple[str, dict]]]:
     }
 
 
-def train(out: Path, config: str, overrides: dict, seed: int, extra: list[str]) -> list[dict]:
-    """One `rlvr train` run; its metrics rows."""
-    from rlvr.cli import main
+def resolved(config: str, overrides: dict, seed: int, extra: list[str]) -> dict:
+    """The full configuration a run of these overrides trains with (what makes two variants the same run)."""
+    from rlvr import config as config_mod
 
+    cfg = config_mod.load(config, [f"--train.seed={seed}", *extra, *(f"--{k}={v}" for k, v in overrides.items())])
+    return config_mod.to_dict(cfg)
+
+
+def train(out: Path, config: str, overrides: dict, seed: int, extra: list[str], threads: int) -> list[dict]:
+    """One `rlvr train` run in its own process (or the finished run already in `out`); its metrics rows."""
     argv = ["train", config, "--out", str(out), "--overwrite", f"--train.seed={seed}", *extra,
             *(f"--{k}={v}" for k, v in overrides.items())]
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
-        rc = main(argv)
-    if rc != 0:
-        raise SystemExit(f"rlvr {' '.join(argv)} failed:\n{buf.getvalue()[-2000:]}")
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    if threads:
+        argv.append(f"--train.threads={threads}")
+    metrics, summary = out / "metrics.jsonl", out / "summary.json"
+    if summary.exists() and not json.loads(summary.read_text()).get("interrupted"):
+        done = tomllib.loads((out / "config.toml").read_text()) if (out / "config.toml").exists() else None
+        if done is not None and done.get("train", {}).get("seed") == seed:
+            return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    proc = subprocess.run([sys.executable, "-c", "import sys; from rlvr.cli import main; sys.exit(main(sys.argv[1:]))",
+                           *argv], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"rlvr {' '.join(argv)} failed:\n{(proc.stdout + proc.stderr)[-2000:]}")
+    return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
 
 
 def figures(rows: list[dict], target: float) -> dict:
@@ -158,6 +176,7 @@ def main() -> int:
     ap.add_argument("--target-goal", type=float, default=0.99)
     ap.add_argument("--claims", nargs="+", default=None, help="a subset of the claims (default: all)")
     ap.add_argument("--quick", action="store_true", help="tiny model, 3-digit lists, 6 steps, 1 seed (a smoke run)")
+    ap.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own process with cores / jobs threads")
     ap.add_argument("--json", default="")
     args, extra = ap.parse_known_args()
     base = QUICK if args.quick else BASE
@@ -165,22 +184,34 @@ def main() -> int:
     extra = ([*QUICK_ARGS, f"--train.steps={base['steps']}", f"--train.prompts_per_step={base['P']}",
               f"--train.samples_per_prompt={base['G']}"] if args.quick else []) + extra
     table = variants(base)
-    cache: dict[tuple, list[dict]] = {}
-    results: dict[str, dict[str, dict]] = {}
+    jobs = max(1, args.jobs)
+    threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else 0
+    # every distinct (configuration, seed) once; the first variant naming it gives its directory
+    planned: dict[str, tuple[Path, dict, int]] = {}
+    keys: dict[tuple[str, str], list[str]] = {}
     for claim, vs in table.items():
         if args.claims and claim not in args.claims:
             continue
-        results[claim] = {}
         for name, overrides in vs:
-            key = tuple(sorted(overrides.items()))
-            if key not in cache:
-                runs = []
-                for seed in range(seeds):
-                    out = Path(args.out) / claim / name.replace(" ", "_").replace("=", "") / f"seed{seed}"
-                    print(f"{claim:<8} {name:<20} seed {seed}", file=sys.stderr, flush=True)
-                    runs.append(figures(train(out, args.config, overrides, seed, extra), args.target_goal))
-                cache[key] = runs
-            results[claim][name] = summarise(cache[key])
+            keys[claim, name] = []
+            for seed in range(seeds):
+                key = json.dumps(resolved(args.config, overrides, seed, extra), sort_keys=True, default=str)
+                out = Path(args.out) / claim / name.replace(" ", "_").replace("=", "") / f"seed{seed}"
+                planned.setdefault(key, (out, overrides, seed))
+                keys[claim, name].append(key)
+    print(f"{len(planned)} distinct runs, {jobs} at a time", file=sys.stderr, flush=True)
+
+    def run_one(key: str) -> tuple[str, dict]:
+        out, overrides, seed = planned[key]
+        rows = train(out, args.config, overrides, seed, extra, threads)
+        print(f"done {out}", file=sys.stderr, flush=True)
+        return key, figures(rows, args.target_goal)
+
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        figs = dict(pool.map(run_one, list(planned)))
+    results: dict[str, dict[str, dict]] = {}
+    for (claim, name), ks in keys.items():
+        results.setdefault(claim, {})[name] = summarise([figs[k] for k in ks])
 
     print(f"\n{'claim':<8} {'variant':<20} {'held-out goal':>15} {'best':>6} {'reached':>7} {'tokens to target':>16} "
           f"{'nonzero Δ':>9} {'clip':>6} {'gamed':>5}")
