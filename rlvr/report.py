@@ -443,13 +443,18 @@ def _table(head: list[str] | None, rows: list[list[str]], cls: str = "") -> str:
 def cost_rows(records: RunRecords) -> list[tuple[str, object, object]]:
     """(figure X, price of X_per_run or None, counted cost/X or None), matched by name.
 
-    A counted figure without a price, and a price without a count, each get a row. Before cost/*
-    keys existed, summary.json carried the counted sampled tokens as `sampled_tokens`; that is
-    used for `sampled_tokens` when `cost/sampled_tokens` is absent."""
+    A counted figure without a price, and a price without a count, each get a row. The wall time is
+    the counted `wall_seconds` against the price's `wall_seconds_estimate` (its ratio is the
+    summary's `cost/wall_vs_estimate`, so that is not a row of its own). Before cost/* keys existed,
+    summary.json carried the counted sampled tokens as `sampled_tokens`; that is used for
+    `sampled_tokens` when `cost/sampled_tokens` is absent."""
     price = records.price or {}
     summary = records.summary or {}
     priced = {k[: -len("_per_run")]: v for k, v in price.items() if k.endswith("_per_run")}
-    counted = {k[len("cost/"):]: v for k, v in summary.items() if k.startswith("cost/")}
+    if _num(price.get("wall_seconds_estimate")) and price["wall_seconds_estimate"] > 0:
+        priced["wall_seconds"] = price["wall_seconds_estimate"]
+    counted = {k[len("cost/"):]: v for k, v in summary.items()
+               if k.startswith("cost/") and k != "cost/wall_vs_estimate"}
     if "sampled_tokens" not in counted and _num(summary.get("sampled_tokens")):
         counted["sampled_tokens"] = summary["sampled_tokens"]
     names = list(priced) + [k for k in counted if k not in priced]

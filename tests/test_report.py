@@ -64,11 +64,13 @@ def make_run(d: Path, *, steps: int = 4, finished: bool = True, price: bool = Tr
                                 "rewards": [1.0, 0.33, 0.0, 0.0], "delta": [1.2, 0.1, -0.65, -0.65]}) + "\n")
     if price:
         (d / "price.json").write_text(json.dumps({"steps": steps, "sampled_tokens_per_run": 192,
-                                                  "sampled_tokens_per_grad_step": 48.0, "flops_per_run": 123456789}))
+                                                  "sampled_tokens_per_grad_step": 48.0, "flops_per_run": 123456789,
+                                                  "wall_seconds_estimate": 40.0}))
     if finished:
         (d / "summary.json").write_text(json.dumps({"eval/goal": 0.8, "eval/reward": 0.84, "steps": steps,
                                                     "sampled_tokens": 180, "cost/sampled_tokens": 180,
-                                                    "cost/flops": 98765432, "cost/trained_tokens": 77}))
+                                                    "cost/flops": 98765432, "cost/trained_tokens": 77,
+                                                    "cost/wall_seconds": 50.0, "cost/wall_vs_estimate": 1.25}))
         (d / "checkpoint").mkdir()
     return d
 
@@ -116,9 +118,11 @@ def test_price_against_counted_table(tmp_path):
     assert rows["sampled_tokens"] == (192, 180)
     assert rows["flops"] == (123456789, 98765432)
     assert rows["trained_tokens"] == (None, 77)             # counted without a price still gets a row
+    assert rows["wall_seconds"] == (40.0, 50.0)             # the wall-time estimate against the real wall time
+    assert "wall_vs_estimate" not in rows                   # that ratio is the row's counted / price
     page = report.render_html(rec, [])
     section = page.split("Price against counted cost")[1].split("<h2>")[0]
-    for figure in ("192", "180", "123,456,789", "98,765,432", "0.9375"):
+    for figure in ("192", "180", "123,456,789", "98,765,432", "0.9375", "1.25"):
         assert figure in section
     assert "sampled_tokens_per_grad_step" in section        # the other price fields
 
