@@ -281,9 +281,20 @@ class DistributedConfig:
     in whole groups; 0 = sample in the trainer process. Sampling is seeded per prompt, so 0, 1 or N
     workers give the same rows."""
     learners: int = 1
-    """Processes in the learner group (torch.distributed, gloo on CPU / NCCL on CUDA, DDP); the trainer is
+    """Processes in the learner group (torch.distributed, gloo on CPU / NCCL on CUDA, DDP or FSDP2: see
+    `sharding`); the trainer is
     rank 0 and the others are Ray actors. Each rank takes whole groups of every minibatch and the loss is
     divided by the global token (or row) count, so the update equals the one-process update."""
+    sharding: Literal["ddp", "fsdp2"] = "ddp"
+    """How the learner ranks hold the model. `ddp`: every rank keeps the full weights, gradients and AdamW
+    state (16 bytes per fp32 parameter) and the gradients are all-reduced. `fsdp2` (torch
+    `fully_shard`, for a model whose weights + gradients + optimizer state do not fit one device): the
+    parameters, gradients and AdamW state are split over the learner ranks (16 / N bytes per parameter
+    and rank), each transformer block gathering its full weights for its forward and backward only, and
+    the gradients reduce-scattered. Rank 0 (the trainer) also keeps an ordinary full copy of the weights
+    for sampling, evaluation, saving and the weight sync, refreshed after every update. Same update as
+    `ddp` and as one process; `--resume` works and the saved state has the one-process format. Needs
+    learners >= 2 and a torch with `torch.distributed.fsdp.fully_shard` (2.6 or later)."""
     address: str = ""
     """Ray cluster to join: empty = start a local Ray on this machine; `auto` = the cluster started here
     with `ray start --head`; `ray://HOST:PORT` = a remote cluster through Ray Client."""
@@ -735,6 +746,17 @@ def _check_reward_workers(tc: TaskConfig, bad) -> None:
         bad("task.reward_memory_mb", f"must be >= 0 (0 = no limit), got {tc.reward_memory_mb}")
 
 
+def _no_fully_shard() -> str:
+    """Why this torch cannot run distributed.sharding = "fsdp2" ("" when it can)."""
+    import torch
+
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError as e:
+        return f"torch {torch.__version__}: {e}"
+    return ""
+
+
 def _check_distributed(cfg: Config, bad) -> None:
     d, t = cfg.distributed, cfg.train
     for key, v in [("distributed.rollout_workers", d.rollout_workers), ("distributed.max_staleness", d.max_staleness),
@@ -743,6 +765,11 @@ def _check_distributed(cfg: Config, bad) -> None:
             bad(key, f"must be >= 0, got {v}")
     if d.learners < 1:
         bad("distributed.learners", f"must be >= 1 (1 = the trainer process alone), got {d.learners}")
+    if d.sharding == "fsdp2" and d.learners < 2:
+        bad("distributed.sharding", f"'fsdp2' splits the model over the learner ranks and needs "
+            f"distributed.learners >= 2, got {d.learners}")
+    if d.sharding == "fsdp2" and (missing := _no_fully_shard()):
+        bad("distributed.sharding", f"'fsdp2' needs torch.distributed.fsdp.fully_shard (torch 2.6 or later): {missing}")
     if d.rollout_workers > t.prompts_per_step:
         bad("distributed.rollout_workers", f"{d.rollout_workers} exceeds the {t.prompts_per_step} prompts of a step "
             "(each worker samples whole groups)")

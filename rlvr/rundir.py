@@ -26,9 +26,10 @@ from rlvr.run import RunError, save_checkpoint
 from rlvr.state import STATE_DIR, atomic_dir, find_complete, find_state
 
 RESUMABLE_KEYS = {"train.steps", "train.threads", "train.save_every", "train.save_every_minutes", "task.reward_workers",
-                  "task.reward_timeout_s", "task.reward_memory_mb"}
+                  "task.reward_timeout_s", "task.reward_memory_mb", "distributed.learners", "distributed.sharding"}
 """Keys a resumed run may change; sections [eval] and [log] may change too. Note that the
-learning-rate schedule is laid out over train.steps, so a longer resumed run decays later."""
+learning-rate schedule is laid out over train.steps, so a longer resumed run decays later. The
+learner layout may change: every layout makes the one-process update and saves the one-process state."""
 
 
 def resume_conflicts(saved: config_mod.Config, cfg: config_mod.Config) -> list[str]:

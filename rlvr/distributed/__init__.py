@@ -9,8 +9,9 @@ The loop keeps its two stages; `open_distributed` returns an object with the sam
 - `distributed.rollout_workers = N` (rlvr.distributed.rollout_workers): the step's prompts are
   sampled and scored by N Ray actors; the merged rows are the rows one process would draw (sampling
   is seeded per prompt). Δ, logp_ref and the record stay in the trainer.
-- `distributed.learners = N` (rlvr.distributed.learners): the update runs on N ranks with DDP and
-  the global token count; the weights equal the one-process update's.
+- `distributed.learners = N` (rlvr.distributed.learners): the update runs on N ranks with DDP (or
+  FSDP2, `distributed.sharding = "fsdp2"`: rlvr.distributed.fsdp) and the global token count; the
+  weights equal the one-process update's.
 - After each update the trainable weights go to the workers as the next policy version
   (rlvr.distributed.sync), timed as `train/sync_s`.
 - `distributed.max_staleness > 0` (rlvr.distributed.staleness): the workers sample step t+1 while
@@ -58,7 +59,7 @@ class Distributed:
                 from rlvr.distributed.learners import LearnerGroup
 
                 self.group = LearnerGroup(cfg, learner)
-                log(f"distributed: {d.learners} learners (torch.distributed, DDP)")
+                log(f"distributed: {d.learners} learners (torch.distributed, {d.sharding.upper()})")
         except BaseException:
             self.close()
             raise

@@ -1,4 +1,4 @@
-"""The learner group: torch.distributed (gloo on CPU, NCCL on CUDA) with DDP, the update of one process.
+"""The learner group: torch.distributed (gloo on CPU, NCCL on CUDA) with DDP or FSDP2, the update of one process.
 
 Rank 0 is the trainer process (its `Learner` is the one saved and evaluated); ranks 1..N-1 are Ray
 actors (`LearnerActor`) that start from rank 0's weights, optimizer, schedule and minibatch
@@ -14,6 +14,11 @@ The update equals the single-process update because:
      token of a rank with few tokens more than one of a rank with many.
   2. after DDP's all-reduce every rank holds the same gradient, so the global-norm clip and the
      AdamW step are the same on every rank and the weights stay equal.
+
+With `distributed.sharding = "fsdp2"` (rlvr.distributed.fsdp) the ranks train sharded copies instead:
+FSDP2's reduce-scatter averages the gradients over the ranks as DDP does, so point 1 holds as it is;
+each rank then holds its rows of the averaged gradient, the clip uses the global norm, and AdamW
+steps each rank's rows. Rank 0 gathers the full weights into the trainer's policy after the update.
 """
 
 from __future__ import annotations
@@ -102,12 +107,17 @@ def free_address() -> str:
         return f"tcp://{host}:{s.getsockname()[1]}"
 
 
-def join_group(learner: Learner, rank: int, world: int, init_method: str, timeout_s: float) -> DDPPolicy:
-    """Join the process group as `rank` and wrap the policy in DDP (whose constructor broadcasts rank 0's
-    weights). gloo on CPU, NCCL when the policy is on CUDA."""
-    device = next(iter(learner.policy.parameters())).device
+def init_group(device: torch.device, rank: int, world: int, init_method: str, timeout_s: float) -> None:
+    """Join the process group as `rank`: gloo on CPU, NCCL when the policy is on CUDA."""
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method, rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def join_group(learner: Learner, rank: int, world: int, init_method: str, timeout_s: float) -> DDPPolicy:
+    """Join the process group as `rank` and wrap the policy in DDP (whose constructor broadcasts rank 0's
+    weights)."""
+    device = next(iter(learner.policy.parameters())).device
+    init_group(device, rank, world, init_method, timeout_s)
     ids = [device.index] if device.type == "cuda" else None
     return DDPPolicy(torch.nn.parallel.DistributedDataParallel(learner.policy, device_ids=ids))
 
@@ -122,33 +132,53 @@ def learner_state(learner: Learner) -> dict:
 
 
 class LearnerActor:
-    """Ranks 1..N-1 (wrapped with ``ray.remote`` by ``LearnerGroup``): a copy of rank 0's learner."""
+    """Ranks 1..N-1 (wrapped with ``ray.remote`` by ``LearnerGroup``): a copy of rank 0's learner, whole
+    (DDP) or sharded (FSDP2, rlvr.distributed.fsdp)."""
 
     def __init__(self, cfg, threads: int):
         torch.set_num_threads(threads)
         from rlvr import run
-        from rlvr.learn import make_optimizer, make_scheduler
 
-        setup = run.build(cfg, log=lambda *_: None)
-        opt = make_optimizer(setup.model.trainable_params(), cfg.train)
-        gen = torch.Generator(device=setup.device).manual_seed(cfg.train.seed + 1)
-        self.learner = Learner(setup.model, opt, make_scheduler(opt, cfg.train), cfg, gen, setup.limits.max_new_tokens)
-        self.model = None
+        self.cfg, self.setup = cfg, run.build(cfg, log=lambda *_: None)
+        self.learner = self.model = None
+        self.fsdp = cfg.distributed.sharding == "fsdp2"
 
     def join(self, state: dict, rank: int, world: int, init_method: str, timeout_s: float) -> int:
+        from rlvr.distributed import fsdp
         from rlvr.distributed.sync import load_weights
+        from rlvr.learn import make_optimizer, make_scheduler
 
-        lr = self.learner
-        load_weights(lr.policy, state["model"])
-        lr.opt.load_state_dict(state["opt"])
-        lr.sched.load_state_dict({**state["sched"], "lr_lambdas": [None] * len(lr.opt.param_groups)})
-        lr.generator.set_state(state["gen"])
+        cfg, setup = self.cfg, self.setup
+        load_weights(setup.model, state["model"])
+        gen = torch.Generator(device=setup.device)
+        gen.set_state(state["gen"])
         self.rank, self.world = rank, world
-        self.model = join_group(lr, rank, world, init_method, timeout_s)
+        if self.fsdp:
+            init_group(setup.device, rank, world, init_method, timeout_s)
+            self.learner = fsdp.sharded_learner(setup.model, cfg, state, gen, setup.limits.max_new_tokens)
+            self.model = self.learner.policy
+            return rank
+        opt = make_optimizer(setup.model.trainable_params(), cfg.train)
+        opt.load_state_dict(state["opt"])
+        sched = make_scheduler(opt, cfg.train)
+        sched.load_state_dict({**state["sched"], "lr_lambdas": [None] * len(opt.param_groups)})
+        self.learner = Learner(setup.model, opt, sched, cfg, gen, setup.limits.max_new_tokens)
+        self.model = join_group(self.learner, rank, world, init_method, timeout_s)
         return rank
 
     def learn(self, batch: Batch, delta_rows) -> dict:
-        return learn(self.learner, batch, delta_rows=delta_rows, shard=Shard(self.rank, self.world, self.model))
+        from rlvr.distributed import fsdp
+
+        stats = learn(self.learner, batch, delta_rows=delta_rows, shard=Shard(self.rank, self.world, self.model))
+        if self.fsdp:
+            fsdp.gather_weights(self.model)  # rank 0 keeps them
+        return stats
+
+    def optimizer_state(self) -> None:
+        """This rank's part of the gathering of the whole optimizer state (FSDP2; rank 0 keeps it)."""
+        from rlvr.distributed import fsdp
+
+        fsdp.full_optimizer_state(self.model, self.learner.opt)
 
     def close(self) -> None:
         if dist.is_initialized():
@@ -156,40 +186,81 @@ class LearnerActor:
 
 
 class LearnerGroup:
-    """Rank 0 (the trainer's `learner`, in this process) and N-1 LearnerActors, one process group."""
+    """Rank 0 (the trainer's `learner`, in this process) and N-1 LearnerActors, one process group.
+
+    With `distributed.sharding = "fsdp2"` rank 0 trains a sharded copy (`self.train`) and the trainer's
+    `learner` changes: its policy receives the full weights after every update, its `opt` becomes a
+    rlvr.distributed.fsdp.GatheredOptimizer (saving gathers the whole optimizer state) and its `sched`
+    the sharded copy's scheduler."""
 
     def __init__(self, cfg, learner: Learner):
+        import copy
+
         import ray
 
+        from rlvr.distributed import fsdp
         from rlvr.distributed.sync import actor_threads
 
         d = cfg.distributed
         self.learner, self.world, self.timeout = learner, d.learners, d.timeout_s
+        self.fsdp = d.sharding == "fsdp2"
         actor = ray.remote(LearnerActor).options(num_cpus=d.cpus_per_worker, num_gpus=d.gpus_per_worker)
         self.actors = [actor.remote(cfg, actor_threads(d.cpus_per_worker)) for _ in range(self.world - 1)]
         init = free_address()
-        state = ray.put(learner_state(learner))
-        joins = [a.join.remote(state, r + 1, self.world, init, self.timeout) for r, a in enumerate(self.actors)]
-        self.model = join_group(learner, 0, self.world, init, self.timeout)
-        ray.get(joins, timeout=self.timeout)
+        state = learner_state(learner)
+        ref = ray.put(state)
+        joins = [a.join.remote(ref, r + 1, self.world, init, self.timeout) for r, a in enumerate(self.actors)]
+        if self.fsdp:
+            init_group(next(iter(learner.policy.parameters())).device, 0, self.world, init, self.timeout)
+            self.train = fsdp.sharded_learner(copy.deepcopy(learner.policy), cfg, state, learner.generator,
+                                              learner.max_len, learner.flops)
+            self.model = self.train.policy
+            learner.opt, learner.sched = fsdp.GatheredOptimizer(self.full_optimizer_state, self.train.opt), self.train.sched
+        else:
+            self.train, self.model = learner, join_group(learner, 0, self.world, init, self.timeout)
+        del state
+        self._wait(joins, "start")
 
-    def learn(self, batch: Batch, delta_rows: torch.Tensor | None = None) -> dict:
-        """One update on every rank; rank 0's statistics (already reduced over the group)."""
+    def _wait(self, refs: list, what: str):
+        """ray.get(refs) within the timeout; a lost rank is a RunError that says to resume."""
         import ray
-
         from ray.exceptions import GetTimeoutError, RayActorError
 
         from rlvr.run import RunError
 
+        try:
+            return ray.get(refs, timeout=self.timeout)
+        except (RayActorError, GetTimeoutError) as e:
+            raise RunError(f"the learner group lost a rank during the {what} ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0][:200]}); continue the run with --resume") from None
+
+    def learn(self, batch: Batch, delta_rows: torch.Tensor | None = None) -> dict:
+        """One update on every rank (then, with FSDP2, the full weights into the trainer's policy); rank
+        0's statistics (already reduced over the group)."""
+        import ray
+
+        from rlvr.distributed import fsdp
+
         b_ref = ray.put(batch)
         refs = [a.learn.remote(b_ref, delta_rows) for a in self.actors]
-        try:
-            stats = learn(self.learner, batch, delta_rows=delta_rows, shard=Shard(0, self.world, self.model))
-            ray.get(refs, timeout=self.timeout)
-        except (RayActorError, GetTimeoutError) as e:
-            raise RunError(f"the learner group lost a rank during the update ({type(e).__name__}: "
-                           f"{str(e).splitlines()[0][:200]}); continue the run with --resume") from None
+        stats = learn(self.train, batch, delta_rows=delta_rows, shard=Shard(0, self.world, self.model))
+        if self.fsdp:
+            fsdp.gather_weights(self.model, into=self.learner.policy)
+        self._wait(refs, "update")
         return stats
+
+    def full_optimizer_state(self) -> dict:
+        """The whole optimizer state in the one-process format, gathered from the ranks' shards (FSDP2;
+        what saving reads through the trainer's `learner.opt`)."""
+        from rlvr.distributed import fsdp
+        from rlvr.run import RunError
+
+        if not self.actors:
+            raise RunError("the FSDP2 learner group is closed: its optimizer state is gone")
+        refs = [a.optimizer_state.remote() for a in self.actors]
+        sd = fsdp.full_optimizer_state(self.model, self.train.opt)
+        self._wait(refs, "optimizer state gathering")
+        return sd
 
     def close(self) -> None:
         import ray

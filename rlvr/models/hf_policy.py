@@ -87,6 +87,15 @@ def no_progress_bars():
 
 
 # ---------------------------------------------------------------------- policy
+def _layers_sharded(hf_model: nn.Module) -> bool:
+    """True when the decoder layers are wrapped with FSDP2's `fully_shard` (a learner group's training copy)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return False  # no process group, no sharding
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(layer, FSDPModule) for layer in hf_model.model.layers[:1])
+
+
 class HFPolicy(nn.Module):
     """A ``transformers`` causal LM (optionally a peft LoRA model) with the rlvr policy surface."""
 
@@ -209,7 +218,11 @@ class HFPolicy(nn.Module):
         if not self.fast_path or self.fast_unsupported is not None:
             return False
         # gradient checkpointing lives in transformers' layer call; honour it by falling back
-        return not (self.training and getattr(self._hf_model().model, "gradient_checkpointing", False))
+        if self.training and getattr(self._hf_model().model, "gradient_checkpointing", False):
+            return False
+        # so does FSDP2's gathering of a sharded layer's weights (rlvr.distributed.fsdp): the lean
+        # forward calls a layer's parts, never the layer, so its hooks would not run
+        return not _layers_sharded(self._hf_model())
 
     # ------------------------------------------------------------------ LoRA reference
     @contextlib.contextmanager
