@@ -98,14 +98,17 @@ def test_two_fsdp2_learners_make_the_one_learner_update(ray_local, agg):
         l2.opt.state_dict()
 
 
-def test_two_fsdp2_learners_on_a_hugging_face_model(ray_local, tmp_path):
+@pytest.mark.parametrize("lora", [0, 4])
+def test_two_fsdp2_learners_on_a_hugging_face_model(ray_local, tmp_path, lora):
     # a 2-layer Llama with the shared-prompt forward (two forwards per backward through the sharded
     # layers, in transformers' forward: the lean one bypasses the layer calls FSDP2 hooks). The weights
     # are not compared (see test_two_learners_on_a_hugging_face_model: Adam's first step turns rounding
     # in gradients of ~1e-9 into steps of up to lr); after one step AdamW's first moment is
-    # (1 - β1) × the clipped gradient, gathered from both ranks: it is the one-process gradient to rounding
-    cfg = tiny_llama(tmp_path, *FSDP, "--model.share_prompt_forward=true")
+    # (1 - β1) × the clipped gradient, gathered from both ranks: it is the one-process gradient to rounding.
+    # Under LoRA the frozen weights are sharded too and only the adapter is gathered back
+    cfg = tiny_llama(tmp_path, *FSDP, "--model.share_prompt_forward=true", f"--model.lora_r={lora}")
     one, two = run.build(cfg), run.build(cfg)
+    two.model.load_state_dict(one.model.state_dict())  # peft's LoRA init is not seeded by train.seed
     assert one.model.differentiable_cache and one.model.uses_fast_path
     l1, l2 = new_learner(one), new_learner(two)
     batch = _uneven_batch(one)
