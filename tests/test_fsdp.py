@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from rlvr import config as config_mod, losses, run
 from rlvr.distributed import fsdp, learners as learners_mod
 from rlvr.learn import learn
+from rlvr.rollout import Batch
 
 from test_distributed import EXAMPLE, TINY, _cli_train, _uneven_batch, new_learner, ray_local, tiny_cfg  # noqa: F401
 
@@ -96,6 +97,25 @@ def test_two_fsdp2_learners_make_the_one_learner_update(ray_local, agg):
     assert s2["optimizer_steps"] == 2 and l2.sched.last_epoch == l1.sched.last_epoch == 2
     with pytest.raises(run.RunError, match="closed"):
         l2.opt.state_dict()
+
+
+def test_an_fsdp2_rank_without_groups_adds_nothing(ray_local):
+    # one group for two ranks (dynamic sampling may keep so few): rank 1 runs it at weight 0, since the
+    # sharded forward and backward are collectives every rank must join
+    cfg = tiny_cfg(*FSDP)
+    one, two = run.build(cfg), run.build(cfg)
+    l1, l2 = new_learner(one), new_learner(two)
+    full, G = _uneven_batch(one), cfg.train.samples_per_prompt
+    kept = full.groups.select(torch.tensor([0]), G)
+    batch = Batch(kept, [kept], full.delta[:1], full.logp_old[:G], None, 0)
+    learn(l1, copy.deepcopy(batch))
+    group = learners_mod.LearnerGroup(cfg, l2)
+    try:
+        group.learn(batch)
+    finally:
+        group.close()
+    for p1, p2 in zip(one.model.parameters(), two.model.parameters()):
+        torch.testing.assert_close(p1, p2, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("lora", [0, 4])
