@@ -132,7 +132,8 @@ class LearnerActor:
         setup = run.build(cfg, log=lambda *_: None)
         opt = make_optimizer(setup.model.trainable_params(), cfg.train)
         gen = torch.Generator(device=setup.device).manual_seed(cfg.train.seed + 1)
-        self.learner = Learner(setup.model, opt, make_scheduler(opt, cfg.train), cfg, gen, setup.limits.max_new_tokens)
+        self.learner = Learner(setup.model, opt, make_scheduler(opt, cfg.train), cfg, gen, setup.limits.max_new_tokens,
+                               autocast=setup.numerics.context)
         self.model = None
 
     def join(self, state: dict, rank: int, world: int, init_method: str, timeout_s: float) -> int:
