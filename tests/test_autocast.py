@@ -21,11 +21,11 @@ import pytest
 import torch
 
 from rlvr import config as config_mod, costs, losses, run, sampling
-from rlvr.distributed import staleness
+from rlvr.distributed import resolved_numerics, staleness
 from rlvr.learn import Learner, learn, make_optimizer, make_scheduler
 from rlvr.rollout import Batch, Groups, recompute_logp_old, rollout, sample_and_score
 from rlvr.run import autocast_timings as real_autocast_timings  # before tests/conftest.py patches it
-from test_distributed import EXAMPLE, TINY
+from test_distributed import EXAMPLE, TINY, ray_local  # noqa: F401  (ray_local: a fixture)
 
 torch.set_num_threads(1)
 CPU = torch.device("cpu")
@@ -341,3 +341,32 @@ def test_train_with_bf16_and_recompute_from_the_command_line(tmp_path, monkeypat
     summary = json.loads((out / "summary.json").read_text())
     assert summary["cost/forward_tokens"] == summary["price"]["forward_tokens_per_run"]   # the extra forward, priced
     assert price["forward_tokens_logp_old_per_batch"] > 0
+
+
+def test_the_actors_get_the_choice_not_the_question(monkeypatch):
+    """Rollout workers and learner actors build their own copy of the run: under `auto` they get the
+    trainer's decision, so none of them measures again and samples or learns in other numerics."""
+    monkeypatch.setattr(run, "autocast_timings", lambda device, *shape, **kw: (2.0, 1.0))
+    setup = tiny_setup("--model.autocast=auto")
+    assert resolved_numerics(setup.cfg, setup).model.autocast == "bf16"
+    assert setup.cfg.model.autocast == "auto"                   # the run's own config is unchanged
+    monkeypatch.setattr(run, "autocast_timings", lambda device, *shape, **kw: (1.0, 2.0))
+    setup = tiny_setup("--model.autocast=auto")
+    assert resolved_numerics(setup.cfg, setup).model.autocast == "off"
+
+
+def test_recompute_with_stale_rollout_workers(ray_local, tmp_path):  # noqa: F811
+    """bf16 and recompute with a rollout worker sampling one step ahead: every batch is scored by the
+    learner's weights in the rollout stage, so each first ratio is exactly 1 and the staleness
+    correction adds no second forward or weight."""
+    from rlvr import cli
+
+    out = tmp_path / "run"
+    assert cli.main(["train", str(EXAMPLE), "--out", str(out), *TINY, "--model.autocast=bf16",
+                     "--algorithm.logp_old=recompute", "--distributed.rollout_workers=1",
+                     "--distributed.max_staleness=1"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if "train/reward" in r]
+    assert [r["train/staleness"] for r in steps] == [0.0, 1.0, 1.0]
+    assert all(r["train/first_step_ratio_mean"] == 1.0 and "train/sampler_is_weight_mean" in r for r in steps)
+    assert all("train/is_weight_mean" not in r for r in steps[1:])
