@@ -64,13 +64,14 @@ class ModelConfig:
     """Weights dtype of a Hugging Face model (logits are always float32)."""
     autocast: Literal["auto", "bf16", "off"] = "auto"
     """bf16 matrix products under torch.autocast in the policy's forwards (sampling, the training
-    forward, the reference and evaluation); the weights, the optimizer and every log-softmax stay
-    float32. `auto`: at start-up time one product of the model's own shape (256 token rows x hidden
-    size x MLP width; 4096 rows on a GPU) in fp32 and under bf16 autocast on the run's device, and use
-    bf16 only when it is at least 1.2x faster (CPUs differ: 4x faster on one with AVX512-BF16,
-    many times slower on others); the decision and both times are a price line and in price.json (`numerics`). `bf16`:
-    always; `off`: never. bf16 log-probs of sampler and trainer differ by more than rounding: see
-    algorithm.logp_old. Set bf16 or off when runs on different machines must compute the same."""
+    forward, the reference, evaluation during training); the weights, the optimizer and every
+    log-softmax stay float32. `auto`: at start-up time one product of the model's own shape (256
+    token rows x hidden size x MLP width; 4096 rows on a GPU) in fp32 and under bf16 autocast on the
+    run's device, and use bf16 only when it is at least 1.2x faster (CPUs differ: 4x faster on one
+    with AVX512-BF16, many times slower on others); the decision and both times are a price line and
+    `numerics` in price.json. `bf16`: always; `off`: never. Under bf16 the sampler's log-probs and
+    the trainer's may differ by more than rounding: see algorithm.logp_old. Set bf16 or off when runs
+    on different machines must compute the same."""
     lora_r: int = 0
     """LoRA rank (peft); 0 = train every weight. With LoRA the reference is the adapter disabled."""
     lora_alpha: float = 16.0
