@@ -62,6 +62,16 @@ class ModelConfig:
     that later runs load directly."""
     dtype: Literal["fp32", "bf16"] = "fp32"
     """Weights dtype of a Hugging Face model (logits are always float32)."""
+    autocast: Literal["auto", "bf16", "off"] = "auto"
+    """bf16 matrix products under torch.autocast in the policy's forwards (sampling, the training
+    forward, the reference, evaluation during training); the weights, the optimizer and every
+    log-softmax stay float32. `auto`: at start-up time one product of the model's own shape (256
+    token rows x hidden size x MLP width; 4096 rows on a GPU) in fp32 and under bf16 autocast on the
+    run's device, and use bf16 only when it is at least 1.2x faster (CPUs differ: 4x faster on one
+    with AVX512-BF16, many times slower on others); the decision and both times are a price line and
+    `numerics` in price.json. `bf16`: always; `off`: never. Under bf16 the sampler's log-probs and
+    the trainer's may differ by more than rounding: see algorithm.logp_old. Set bf16 or off when runs
+    on different machines must compute the same."""
     lora_r: int = 0
     """LoRA rank (peft); 0 = train every weight. With LoRA the reference is the adapter disabled."""
     lora_alpha: float = 16.0
@@ -144,6 +154,19 @@ class AlgorithmConfig:
     """Upper clip 1 + clip_eps_high; 0 = same as clip_eps."""
     ratio_level: Literal["token", "sequence"] = "token"
     """Token ratios (PPO/GRPO) or one length-normalised ratio per sequence (GSPO)."""
+    logp_old: Literal["sampler", "recompute"] = "sampler"
+    """Where logp_old (the ratio's denominator) comes from. `sampler`: the log-probs the sampler
+    stored while decoding (no extra forward; equal to the training forward's up to float rounding
+    when both run in fp32, so the first minibatch's ratio is 1 to ~1e-6). `recompute`: one no-grad
+    forward of the policy under the training numerics before the update gives logp_old (the first
+    minibatch's ratio is exactly 1), and each token's Δ is multiplied by the truncated importance
+    weight w = min(π_train / π_sampler, is_cap), which corrects for sampling from a slightly
+    different distribution than the one trained (bf16 autocast, or a separate inference engine).
+    Use recompute with model.autocast = bf16 (or auto choosing it) when train/sampler_logp_absdiff
+    is large against the policy's per-step change; it costs one forward per batch (in the price)."""
+    is_cap: float = 2.0
+    """Cap C of the truncated importance weight min(π_train / π_sampler, C) of logp_old = recompute
+    (>= 1; a token whose probability the trainer puts higher than the sampler did counts at most C times)."""
     objective: Literal["ppo_clip", "cispo"] = "ppo_clip"
     """Per-token loss (rlvr.losses.OBJECTIVES): ppo_clip = -min(ratio·Δ, clip(ratio)·Δ); cispo =
     -sg(clip(ratio))·Δ·logp (MiniMax-M1), which keeps every token's gradient; give cispo a wide
@@ -305,7 +328,9 @@ class DistributedConfig:
     importance-sampling correction (rlvr.distributed.staleness). Needs rollout_workers >= 1."""
     is_cap: float = 2.0
     """Cap C of the truncated importance weight w = min(π_old / π_behav, C) per token that corrects
-    stale rows (max_staleness > 0); π_old = the weights at learn time, π_behav = the sampler's."""
+    stale rows (max_staleness > 0); π_old = the weights at learn time, π_behav = the sampler's. With
+    algorithm.logp_old = recompute the rollout stage already scores every batch with the learner's
+    weights, so its one weight (capped at algorithm.is_cap) covers the staleness too and this cap is unused."""
     cpus_per_worker: float = 1.0
     """CPUs Ray reserves for each rollout worker and learner actor; each actor also sets its torch
     threads to this share (at least 1)."""
@@ -711,6 +736,8 @@ def _check_algorithm(cfg: Config, bad) -> None:
             "use centered, normalized or loo (the group is the baseline), or learned (a critic V(S))")
     if a.value_lr <= 0:
         bad("algorithm.value_lr", f"must be > 0, got {a.value_lr}")
+    if a.is_cap < 1:
+        bad("algorithm.is_cap", f"must be >= 1 (the weight of a token both passes score alike is 1), got {a.is_cap}")
     if a.scheme == "loo" and t.samples_per_prompt < 2:
         bad("algorithm.scheme", "'loo' needs train.samples_per_prompt >= 2")
     if a.top_k > t.samples_per_prompt:

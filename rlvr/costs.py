@@ -7,7 +7,8 @@ G samples, T the response-length bound, Lp the longest prompt, μ passes, M mini
     sampled tokens per gradient step  = P * G * T / (μ * M)
     sampled tokens per run            = steps * P * G * T
     forward tokens, sampling          = P * Lp (prefill, once per prompt) + P * G * T (decode, KV cache)
-    forward tokens, logp_old          = 0: the sampler's own log-probs are stored (rlvr.trainer)
+    forward tokens, logp_old          = 0: the sampler's own log-probs are stored (rlvr.trainer);
+                                        P * G * (Lp + T) with algorithm.logp_old = "recompute"
     forward tokens, logp_ref          = P * G * (Lp + T) when the KL term is on
     trained tokens (fwd + bwd)        = μ * P * G * (Lp + T)
     (with the prompt shared by its group, P * G * (Lp + T) becomes P * Lp + P * G * T)
@@ -217,6 +218,10 @@ class Price:
     memory_peak_bytes: int = 0
     """Predicted peak resident bytes (0 = not predicted: no model shape given)."""
     memory_peak_phase: str = ""
+    flops_logp_old_per_batch: float = 0.0
+    """FLOPs of the logp_old forward (algorithm.logp_old = recompute; 0 = the sampler's log-probs)."""
+    numerics: str = ""
+    """How the policy's forwards compute (model.autocast resolved, with the measured times); "" = not given."""
 
     def memory_line(self) -> str:
         """The predicted peak and its parts, in MiB."""
@@ -247,6 +252,8 @@ class Price:
             f"stored logp_old {self.logp_old_bytes * mib:.3f} MiB instead of a π_old copy "
             f"({self.policy_bytes * mib:.2f} MiB, saving {(self.policy_bytes - self.logp_old_bytes) * mib:.2f} MiB)"
         )
+        logp_old = (f"{self.flops_logp_old_per_batch:.3g} FLOP, recomputed under the training numerics"
+                    if self.forward_tokens_logp_old_per_batch else "stored from the sampler")
         return [
             f"price: sampled tokens per gradient step = {self.sampled_tokens_per_grad_step:,.0f} "
             f"(P={self.prompts_per_step} x G={self.samples_per_prompt} x T<={self.max_new_tokens} "
@@ -255,13 +262,13 @@ class Price:
             f"per run ({self.steps} steps) = {self.sampled_tokens_per_run:,}{worst}",
             f"price: forward tokens per batch: sampling {self.forward_tokens_sampling_per_batch:,} "
             f"({self.flops_sampling_per_batch:.3g} FLOP), logp_old {self.forward_tokens_logp_old_per_batch:,} "
-            f"(stored from the sampler), logp_ref {self.forward_tokens_logp_ref_per_batch:,} "
+            f"({logp_old}), logp_ref {self.forward_tokens_logp_ref_per_batch:,} "
             f"({self.flops_logp_ref_per_batch:.3g} FLOP); trained tokens {self.trained_tokens_per_batch:,} "
             f"({self.flops_train_per_batch:.3g} FLOP)",
             f"price: per run: {self.forward_tokens_per_run:,} forward + {self.trained_tokens_per_run:,} trained tokens, "
             f"{self.flops_per_run:.3g} FLOP",
             f"price: model copies held: {'; '.join(copies)}; parameters {self.n_params:,}",
-        ] + ([self.wall_line()] if self.matmul_flops_per_s else []) + ([self.memory_line()] if self.memory_peak_bytes else [])
+        ] + ([f"price: numerics: {self.numerics}"] if self.numerics else []) + ([self.wall_line()] if self.matmul_flops_per_s else []) + ([self.memory_line()] if self.memory_peak_bytes else [])
 
     def wall_line(self) -> str:
         worst = (f" ({self.wall_seconds_estimate * self.sampling_rounds:,.1f} s in the worst case of dynamic sampling)"
@@ -357,6 +364,8 @@ def price(
     logprob_chunk_rows: int = 0,
     eval_rows: int = 0,
     export_copy: bool = False,
+    recompute_logp_old: bool = False,
+    numerics: str = "",
 ) -> Price:
     """Price a run from its shape; refuses, naming the number, when one it needs is missing.
 
@@ -367,7 +376,8 @@ def price(
     `matmul_flops_per_s` (measured with `threads` torch threads) gives the wall-time lower bound.
     `shape` (with `baseline_bytes`, `logprob_chunk_rows`, `eval_rows` rows decoded together in
     evaluation, `export_copy` when export merges LoRA into a copy) adds the predicted memory peak
-    (`memory`); without it the memory fields stay 0.
+    (`memory`); without it the memory fields stay 0. `recompute_logp_old` (algorithm.logp_old =
+    recompute) adds one log-prob forward per batch; `numerics` is the model.autocast line.
     """
     _check_counts(max_new_tokens=max_new_tokens, n_params=n_params, prompts_per_step=prompts_per_step,
                   samples_per_prompt=samples_per_prompt, steps=steps, epochs_per_batch=epochs_per_batch,
@@ -383,9 +393,10 @@ def price(
     sampling_fwd = sampling_forward_tokens(P, Lp, rows * T)
     per_forward = logp_forward_tokens(rows, G, Lp, T, shared_prompt=shared_prompt)
     ref_fwd = per_forward if has_reference else 0
+    old_fwd = per_forward if recompute_logp_old else 0
     trained = epochs_per_batch * per_forward
     policy = n_params * bytes_per_param
-    flops_per_run = float(((sampling_fwd + ref_fwd) * fwd + trained * trn) * steps)
+    flops_per_run = float(((sampling_fwd + ref_fwd + old_fwd) * fwd + trained * trn) * steps)
     extra = {} if shape is None else _memory_fields(memory(
         shape, prompts=P, group=G, prompt_len=Lp, response_len=T, minibatches=minibatches, n_params=n_params,
         trainable_params=n_params if trainable_params is None else trainable_params,
@@ -398,14 +409,15 @@ def price(
         has_reference=has_reference, reference_is_adapter_off=reference_is_adapter_off,
         sampled_tokens_per_batch=per_batch, sampled_tokens_per_grad_step=per_batch / grad_steps,
         sampled_tokens_per_run=per_batch * steps, sampled_tokens_per_run_worst=per_batch * steps * sampling_rounds,
-        forward_tokens_sampling_per_batch=sampling_fwd, forward_tokens_logp_old_per_batch=0,
+        forward_tokens_sampling_per_batch=sampling_fwd, forward_tokens_logp_old_per_batch=old_fwd,
         forward_tokens_logp_ref_per_batch=ref_fwd, trained_tokens_per_batch=trained,
-        forward_tokens_per_run=(sampling_fwd + ref_fwd) * steps, trained_tokens_per_run=trained * steps,
+        forward_tokens_per_run=(sampling_fwd + ref_fwd + old_fwd) * steps, trained_tokens_per_run=trained * steps,
         flops_sampling_per_batch=float(sampling_fwd * fwd), flops_logp_ref_per_batch=float(ref_fwd * fwd),
         flops_train_per_batch=float(trained * trn), flops_per_run=flops_per_run,
         policy_bytes=policy, optimizer_bytes=2 * (n_params if trainable_params is None else trainable_params) * 4,
         reference_bytes=policy if has_reference and not reference_is_adapter_off else 0,
         logp_old_bytes=per_batch * 4, matmul_flops_per_s=float(matmul_flops_per_s), threads=threads,
         wall_seconds_estimate=flops_per_run / matmul_flops_per_s if matmul_flops_per_s > 0 else 0.0,
+        flops_logp_old_per_batch=float(old_fwd * fwd), numerics=numerics,
         **extra,
     )

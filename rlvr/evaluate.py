@@ -10,6 +10,8 @@ prompts the policy never trained on.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from rlvr.policy import Policy, Tokenizer
@@ -20,18 +22,21 @@ from rlvr.tasks import Task
 
 def evaluate(model: Policy, tok: Tokenizer, task: Task, *, reward_weights: dict[str, float], limits: Limits,
              prompts: int = 0, batch_size: int = 1000, pass_k: int = 0, pass_k_prompts: int = 200,
-             temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, pool=None) -> dict:
+             temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, pool=None,
+             autocast=contextlib.nullcontext) -> dict:
     """Goal and reward of greedy responses on held-out prompts, plus pass@k when asked.
 
     ``pool``: a :class:`rlvr.reward_pool.RewardPool` holding this task scores the responses in its
-    workers (time- and memory-limited, in parallel); None scores in this process."""
+    workers (time- and memory-limited, in parallel); None scores in this process. ``autocast()``: the
+    context the sampling forwards run in (a training run's numerics, rlvr.run.Numerics.context)."""
     was_training = model.training
     model.eval()
     examples = list(task.heldout[:prompts] if prompts else task.heldout)
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed + 12345)
     greedy = sample_and_score(model, tok, task, examples, G=1, limits=limits, weights=reward_weights,
-                              temperature=0.0, top_p=1.0, generator=gen, chunk_prompts=max(1, batch_size), pool=pool)
+                              temperature=0.0, top_p=1.0, generator=gen, chunk_prompts=max(1, batch_size), pool=pool,
+                              autocast=autocast)
     res = {
         "goal": _mean(greedy.hits.view(-1).tolist()),
         "reward": _mean(greedy.totals),
@@ -42,7 +47,7 @@ def evaluate(model: Policy, tok: Tokenizer, task: Task, *, reward_weights: dict[
     if pass_k:
         sampled = sample_and_score(model, tok, task, examples[:pass_k_prompts], G=pass_k, limits=limits,
                                    weights=reward_weights, temperature=temperature, top_p=top_p, generator=gen,
-                                   chunk_prompts=max(1, batch_size // pass_k), pool=pool)
+                                   chunk_prompts=max(1, batch_size // pass_k), pool=pool, autocast=autocast)
         res[f"pass@{pass_k}"] = _mean(sampled.hits.any(dim=1).tolist())
         res[f"mean@{pass_k}"] = _mean(sampled.hits.view(-1).tolist())
     model.train(was_training)

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -65,6 +66,9 @@ class Learner:
     """The response bound (`seq_sum_const` divides by it)."""
     flops: tuple[int, int] = (0, 0)
     """(forward, training) FLOPs per token at the run's lengths (rlvr.costs.model_flops_per_token)."""
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    """The training numerics: a new context per call that the training forward runs in
+    (rlvr.run.Numerics.context: bf16 autocast, or nothing); the backward runs outside it."""
 
 
 def minibatch_rows(learner: Learner, n_groups: int, G: int) -> list[torch.Tensor]:
@@ -78,7 +82,8 @@ def minibatch_rows(learner: Learner, n_groups: int, G: int) -> list[torch.Tensor
 
 def minibatch_loss(learner: Learner, batch: Batch, idx: torch.Tensor, delta_rows: torch.Tensor
                    ) -> tuple[torch.Tensor, dict]:
-    """Step 6 on the rows `idx`: recompute logp, ratio against logp_old, the objective with Δ, then
+    """Step 6 on the rows `idx`: recompute logp (under `learner.autocast()`; the log-softmax in
+    float32), ratio against logp_old, the objective with Δ, then
 
         loss = policy_loss(objective, dual_clip_c) + β·kl_loss   (kl_in = "loss")
                                                    - entropy_coef · entropy_bonus
@@ -91,11 +96,14 @@ def minibatch_loss(learner: Learner, batch: Batch, idx: torch.Tensor, delta_rows
     ac, sc, G = cfg.algorithm, cfg.sampling, cfg.train.samples_per_prompt
     sub = batch.rollout.select(idx)
     kl_on, bonus_on = batch.logp_ref is not None, ac.entropy_coef > 0
-    out = sampling.sequence_token_logprobs(learner.policy, sub, temperature=sc.temperature, top_p=sc.top_p,
-                                           chunk_rows=cfg.model.logprob_chunk_rows or None,
-                                           group_size=G if cfg.model.share_prompt_forward else None,
-                                           return_full=kl_on, return_entropy=bonus_on)
+    with learner.autocast():
+        out = sampling.sequence_token_logprobs(learner.policy, sub, temperature=sc.temperature, top_p=sc.top_p,
+                                               chunk_rows=cfg.model.logprob_chunk_rows or None,
+                                               group_size=G if cfg.model.share_prompt_forward else None,
+                                               return_full=kl_on, return_entropy=bonus_on)
     logp = out if isinstance(out, torch.Tensor) else out.logp                          # (B', T)
+    m = sub.mask.bool()                                                                # (B', T)
+    absdiff = (logp.detach() - batch.logp_old[idx]).abs()[m].mean() if m.any() else torch.zeros(())
     loss, stats = losses.policy_loss(
         logp, batch.logp_old[idx], delta_rows[idx], sub.mask, clip_eps=ac.clip_eps,
         clip_eps_high=ac.clip_eps_high or None, level=ac.ratio_level, agg=ac.agg, max_len=learner.max_len,
@@ -112,6 +120,7 @@ def minibatch_loss(learner: Learner, batch: Batch, idx: torch.Tensor, delta_rows
         bonus = losses.entropy_bonus(out.entropy, sub.mask, ac.agg, max_len=learner.max_len)
         loss = loss - ac.entropy_coef * bonus
         stats["policy_entropy"] = bonus.item()
+    stats["logp_old_absdiff"] = float(absdiff)   # mean |logp - logp_old|; learn reports the first minibatch's
     return loss, stats
 
 
@@ -119,6 +128,9 @@ def learn(learner: Learner, batch: Batch, *, delta_rows: torch.Tensor | None = N
     """μ passes over the batch, each split into minibatches of whole groups; one clipped AdamW step
     per minibatch. Returns the mean of each statistic over the minibatches, the first minibatch's
     ratio (π = π_old there: 1 up to rounding), the last learning rate and the tokens and FLOPs computed.
+    When logp_old is the sampler's own (`batch.logp_old_version` None), also sampler_logp_absdiff:
+    the first minibatch's mean |logp_sampler - logp_train| over generated tokens, the two passes'
+    disagreement at equal weights (with logp_old recomputed, the rollout stage reports it).
 
     `delta_rows`: (B,) or (B, T) Δ to use instead of `batch.delta_rows` (rlvr.distributed.staleness
     passes Δ times a truncated importance weight). `shard`: this process's rank of a learner group
@@ -136,7 +148,7 @@ def learn(learner: Learner, batch: Batch, *, delta_rows: torch.Tensor | None = N
     params = policy.trainable_params()
     policy.train()
     acc: dict[str, float] = {}
-    first_ratio, lr_used, n_mb, trained, skipped = 1.0, 0.0, 0, 0, 0
+    first_ratio, first_absdiff, lr_used, n_mb, trained, skipped = 1.0, 0.0, 0.0, 0, 0, 0
     for _epoch in range(tc.epochs_per_batch):
         for idx in minibatch_rows(learner, len(batch.groups.examples), G):
             mine, scale = (idx, None) if shard is None else shard.rows(idx, G, batch.rollout.mask, cfg.algorithm.agg)
@@ -155,10 +167,13 @@ def learn(learner: Learner, batch: Batch, *, delta_rows: torch.Tensor | None = N
                 skipped += 1
             trained += forward_tokens(batch.rollout.select(idx), G, shared)
             stats["grad_norm"] = float(gnorm)
+            absdiff = stats.pop("logp_old_absdiff")
             for k, v in stats.items():
                 acc[k] = acc.get(k, 0.0) + v
             if n_mb == 0:  # the first optimizer step of a batch sees π = π_old: ratio 1
-                first_ratio = stats["ratio_mean"]
+                first_ratio, first_absdiff = stats["ratio_mean"], absdiff
             n_mb += 1
+    sampler = {"sampler_logp_absdiff": first_absdiff} if batch.logp_old_version is None else {}
     return {**{k: v / n_mb for k, v in acc.items()}, "first_step_ratio_mean": first_ratio, "lr": lr_used,
-            "optimizer_steps": n_mb, "skipped_updates": skipped, "trained_tokens": trained, "flops": trained * train_flops}
+            "optimizer_steps": n_mb, "skipped_updates": skipped, "trained_tokens": trained,
+            "flops": trained * train_flops, **sampler}

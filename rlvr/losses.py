@@ -356,6 +356,30 @@ def _policy_stats(ratio, delta, log_ratio, m, eps_low, eps_high, objective, dual
 # --- entropy bonus --------------------------------------------------------------------------
 
 
+# --- off-policy correction ------------------------------------------------------------------
+
+
+def truncated_is_weight(logp_old: Tensor, logp_behav: Tensor, mask: Tensor, cap: float) -> tuple[Tensor, dict]:
+    """(B, T) w = min(exp(logp_old - logp_behav), cap) on generated tokens (1 elsewhere), and its statistics.
+
+    The truncated importance weight of a token sampled from π_behav but learned as if from π_old
+    (stop-gradient: both are constants). Since w ≥ 0 scales every objective linearly, it is folded
+    into a per-token Δ (loss_t = objective(ratio_t, w_t · Δ_t)); the cap bounds the variance a token
+    whose probability rose a lot adds, at the price of a bias toward π_behav on those tokens
+    (`is_truncated_frac` says how many). Uses: stale batches (rlvr.distributed.staleness) and a
+    sampler whose numerics differ from the trainer's (algorithm.logp_old = recompute)."""
+    m = mask.bool()                                                           # (B, T)
+    log_w = torch.where(m, logp_old - logp_behav, torch.zeros_like(logp_old))  # (B, T)
+    raw = torch.exp(log_w)                                                    # (B, T) π_old / π_behav
+    w = raw.clamp(max=cap)                                                    # (B, T)
+    if not m.any():
+        return w, {"is_weight_mean": 1.0, "is_weight_max": 1.0, "is_truncated_frac": 0.0,
+                   "behav_ratio_min": 1.0, "behav_ratio_max": 1.0}
+    return w, {"is_weight_mean": float(w[m].mean()), "is_weight_max": float(w[m].max()),
+               "is_truncated_frac": float((raw[m] > cap).float().mean()),
+               "behav_ratio_min": float(raw[m].min()), "behav_ratio_max": float(raw[m].max())}
+
+
 def entropy_from_logits(logits: Tensor, *, temperature: float = 1.0, chunk_rows: int | None = None) -> Tensor:
     """Per-position entropy H = -Σ_v p_v log p_v of softmax(logits / temperature): (B, T, V) -> (B, T).
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlvr import advantages, costs, sampling
+from rlvr import advantages, costs, losses, sampling
 from rlvr.policy import Policy, Tokenizer
 from rlvr.rewards import goal_hits, score_batch, steps_of
 from rlvr.run import Limits
@@ -94,7 +94,8 @@ def score_groups(task: Task, weights: dict[str, float], examples: list, response
 def sample_and_score(policy: Policy, tok: Tokenizer, task: Task, examples: list, *, G: int, limits: Limits,
                      weights: dict[str, float], temperature: float, top_p: float,
                      generator: torch.Generator | None, chunk_prompts: int = 0, pool=None,
-                     base_seed: int | None = None, first_prompt: int = 0) -> Groups:
+                     base_seed: int | None = None, first_prompt: int = 0,
+                     autocast=contextlib.nullcontext) -> Groups:
     """Sample G responses per example (temperature 0 = greedy), decode them and score them.
 
     A response is decoded up to its end token when the task has one (`limits.eos_id`), and in full
@@ -103,7 +104,9 @@ def sample_and_score(policy: Policy, tok: Tokenizer, task: Task, examples: list,
     rlvr.reward_pool.RewardPool scores in its supervised workers (None: in this process).
     Sampling is seeded per prompt (rlvr.sampling.prompt_generators): one base seed is drawn from
     `generator` per call, or given as `base_seed` with this call's `first_prompt` index (a rollout
-    worker's shard), so a prompt's rows do not depend on how the call's prompts are split."""
+    worker's shard), so a prompt's rows do not depend on how the call's prompts are split.
+    `autocast()`: the context the sampling forwards run in (rlvr.run.Numerics.context; the
+    log-softmax of the sampling distribution is taken in float32 either way)."""
     if base_seed is None and generator is not None:
         base_seed = sampling.draw_base_seed(generator)
     device = next(iter(policy.parameters())).device
@@ -112,10 +115,11 @@ def sample_and_score(policy: Policy, tok: Tokenizer, task: Task, examples: list,
     step = chunk_prompts or len(examples)
     rollouts = []
     for i in range(0, len(examples), step):
-        rollouts.append(sampling.generate(
-            policy, [encode_example(tok, ex) for ex in examples[i:i + step]], samples_per_prompt=G,
-            max_new_tokens=limits.max_new_tokens, temperature=temperature, top_p=top_p,
-            eos_id=limits.eos_id, pad_id=tok.pad_id, generators=gens[i:i + step] if gens else None))
+        with autocast():
+            rollouts.append(sampling.generate(
+                policy, [encode_example(tok, ex) for ex in examples[i:i + step]], samples_per_prompt=G,
+                max_new_tokens=limits.max_new_tokens, temperature=temperature, top_p=top_p,
+                eos_id=limits.eos_id, pad_id=tok.pad_id, generators=gens[i:i + step] if gens else None))
     rollout = rollouts[0] if len(rollouts) == 1 else sampling.concat(rollouts, tok.pad_id)
     stop = limits.eos_id is not None
     responses = [tok.decode(r, stop_at_eos=stop) for r in rollout.response_ids.tolist()]
@@ -133,6 +137,8 @@ class Batch:
     delta: torch.Tensor                # (P', G)
     """One Δ per response (for a process reward: the mean of its tokens' Δ; logged, see delta_tokens)."""
     logp_old: torch.Tensor             # (B, T) under the distribution sampled from
+    """The ratio's denominator: the sampler's log-probs, or (algorithm.logp_old = recompute, or a
+    stale batch corrected by rlvr.distributed.staleness) a no-grad training forward's; see logp_old_version."""
     logp_ref: torch.Tensor | None      # (B, T) under the reference (tempered, no nucleus), when the KL term is on
     version: int
     """Policy version that sampled these rows (number of updates applied before sampling)."""
@@ -145,7 +151,12 @@ class Batch:
     stats: dict = field(default_factory=dict)
     """Figures of this stage for the step's row (logged as train/<name>): value_loss and
     baseline_mean, step_mismatch_frac, kl_in_reward (the sequence k1 charged in the reward);
-    nonzero_delta_frac when Δ is per token. (The overlong penalty is in groups.per_reward.)"""
+    nonzero_delta_frac when Δ is per token; with algorithm.logp_old = recompute
+    sampler_logp_absdiff and the IS weight's sampler_is_weight_mean / _max, sampler_is_truncated_frac,
+    sampler_behav_ratio_min / _max. (The overlong penalty is in groups.per_reward.)"""
+    logp_old_version: int | None = None
+    """The policy version whose no-grad training forward gave `logp_old` (the weights when it was
+    computed); None: `logp_old` is the sampler's own, from version `version`."""
 
     @property
     def rollout(self) -> sampling.Rollout:
@@ -178,12 +189,14 @@ def dynamic_sample(sample, draw, P: int, G: int, rounds: int, pad_id: int) -> tu
 
 
 def reference_logprobs(policy: Policy, reference: Policy | None, rollout: sampling.Rollout, *, temperature: float,
-                       chunk_rows: int | None, group_size: int | None) -> torch.Tensor:
-    """(B, T) logp_ref: a frozen copy `reference`, or (None) the policy with its adapter disabled.
+                       chunk_rows: int | None, group_size: int | None,
+                       autocast=contextlib.nullcontext) -> torch.Tensor:
+    """(B, T) logp_ref: a frozen copy `reference`, or (None) the policy with its adapter disabled,
+    under the training numerics `autocast()` (so the KL is 0 at π = π_ref).
 
     Scored without a nucleus: a token outside π_ref's own nucleus would get the floor log-prob and
     a huge, meaningless KL (see rlvr.sampling.OUTSIDE_NUCLEUS_LOGP)."""
-    with torch.no_grad(), (policy.adapter_disabled() if reference is None else contextlib.nullcontext()):
+    with torch.no_grad(), (policy.adapter_disabled() if reference is None else contextlib.nullcontext()), autocast():
         return sampling.sequence_token_logprobs(reference if reference is not None else policy, rollout,
                                                 temperature=temperature, top_p=1.0, chunk_rows=chunk_rows,
                                                 group_size=group_size)
@@ -191,8 +204,8 @@ def reference_logprobs(policy: Policy, reference: Policy | None, rollout: sampli
 
 def rollout(setup, policy: Policy, reference: Policy | None, examples_fn, *, version: int,
             generator: torch.Generator, pool=None, value: LearnedBaseline | None = None,
-            sampler=None) -> Batch:
-    """Steps 1-5 of a training step, no gradient on the policy:
+            sampler=None, policy_version: int | None = None) -> Batch:
+    """The rollout stage of a training step (the trainer's steps 1-5), no gradient on the policy:
 
     1. sample P prompts (`examples_fn()`), G responses each from π_old (the current weights);
     2. score them (failures counted, never fatal); DAPO's overlong penalty is added to the rewards
@@ -201,10 +214,14 @@ def rollout(setup, policy: Policy, reference: Policy | None, examples_fn, *, ver
     4. logp_ref under the reference when the KL term is on (`reference`, or the adapter-off policy);
     5. Δ (`batch_delta`): the scheme on the (P, G) rewards (`learned`: R - V(S) with `value`, read
        before its own update), per-token Δ from a process reward's per-step scores, and with
-       kl_in = "reward" the KL folded into a per-token Δ.
+       kl_in = "reward" the KL folded into a per-token Δ;
+    6. algorithm.logp_old = "recompute": logp_old from a no-grad training forward of `policy` and Δ
+       per token times the truncated IS weight min(π_train / π_sampler, is_cap) (`recompute_logp_old`).
 
+    Every forward runs under the run's numerics (`setup.numerics`, model.autocast).
     `sampler(examples) -> Groups` replaces step 1-2's in-process sampling and scoring (rlvr.distributed:
-    rollout workers).
+    rollout workers). `policy_version`: the version of `policy`'s weights now (default `version`;
+    newer when the rows were sampled ahead by rollout workers).
     """
     cfg, tok = setup.cfg, setup.tokenizer
     sc, ac, tc = cfg.sampling, cfg.algorithm, cfg.train
@@ -218,7 +235,7 @@ def rollout(setup, policy: Policy, reference: Policy | None, examples_fn, *, ver
         else:
             got = sample_and_score(policy, tok, setup.task, examples, G=G, limits=setup.limits,
                                    weights=setup.reward_weights, temperature=sc.temperature, top_p=sc.top_p,
-                                   generator=generator, pool=pool)
+                                   generator=generator, pool=pool, autocast=setup.numerics.context)
         return add_overlong_penalty(got, ac, setup.limits.max_new_tokens) if ac.overlong_buffer else got
 
     if ac.dynamic_sampling:
@@ -238,16 +255,67 @@ def rollout(setup, policy: Policy, reference: Policy | None, examples_fn, *, ver
 
     logp_old = groups.rollout.logp.detach()                                           # (B, T)
     logp_ref = None
+    shared = cfg.model.share_prompt_forward and policy.differentiable_cache
     if ac.kl_coef > 0:
-        shared = cfg.model.share_prompt_forward and policy.differentiable_cache
         logp_ref = reference_logprobs(policy, reference, groups.rollout, temperature=sc.temperature,
                                       chunk_rows=cfg.model.logprob_chunk_rows or None,
-                                      group_size=G if cfg.model.share_prompt_forward else None)
+                                      group_size=G if cfg.model.share_prompt_forward else None,
+                                      autocast=setup.numerics.context)
         n_tok = forward_tokens(groups.rollout, G, shared)
         cost["forward_tokens"] += n_tok
         cost["flops"] += n_tok * fwd_flops
     delta, delta_tokens, stats = batch_delta(setup, groups, logp_ref, value)
-    return Batch(groups, parts, delta, logp_old, logp_ref, version, sample_s, cost, delta_tokens, stats)
+    batch = Batch(groups, parts, delta, logp_old, logp_ref, version, sample_s, cost, delta_tokens, stats)
+    if ac.logp_old == "recompute":
+        batch = recompute_logp_old(setup, policy, batch, version if policy_version is None else policy_version)
+        n_tok = forward_tokens(groups.rollout, G, shared)
+        cost["forward_tokens"] += n_tok
+        cost["flops"] += n_tok * fwd_flops
+    return batch
+
+
+@torch.no_grad()
+def off_policy_correction(policy: Policy, batch: Batch, cfg, cap: float, autocast=contextlib.nullcontext
+                          ) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(logp_old (B, T), Δ·w (B, T), the weight's figures) to learn `batch` from the current weights of
+    `policy` when its rows were drawn from another distribution π_behav (`batch.logp_old`):
+
+        logp_old = log π_old(y_t)    one no-grad forward under the training numerics `autocast()`
+        w_t      = min(π_old(y_t) / π_behav(y_t), cap)       (rlvr.losses.truncated_is_weight)
+        Δ_t      = batch.delta_rows (per row or per token) · w_t
+
+    The one correction behind algorithm.logp_old = recompute (π_behav = the sampler's numerics) and
+    the staleness correction (π_behav = an older policy's sampler, rlvr.distributed.staleness).
+    Off the response mask w = 1 and Δ is left as it was (the loss never reads it there)."""
+    sc, G = cfg.sampling, cfg.train.samples_per_prompt
+    policy.eval()
+    with autocast():
+        logp_old = sampling.sequence_token_logprobs(policy, batch.rollout, temperature=sc.temperature, top_p=sc.top_p,
+                                                    chunk_rows=cfg.model.logprob_chunk_rows or None,
+                                                    group_size=G if cfg.model.share_prompt_forward else None)  # (B, T)
+    w, stats = losses.truncated_is_weight(logp_old, batch.logp_old, batch.rollout.mask, cap)
+    d = batch.delta_rows.to(w.device)                                         # (B,) or (B, T)
+    return logp_old.detach(), (d.unsqueeze(1) if d.dim() == 1 else d) * w, stats
+
+
+def recompute_logp_old(setup, policy: Policy, batch: Batch, policy_version: int) -> Batch:
+    """algorithm.logp_old = "recompute": `batch` with logp_old from a no-grad forward of `policy` (version
+    `policy_version`) under the run's training numerics, and delta_tokens = Δ · min(π_train / π_sampler,
+    algorithm.is_cap) per token (0 off the mask) (`off_policy_correction`). The first minibatch of the
+    update then sees ratio exactly 1, and the tokens the sampler under-weighted are weighted up.
+
+    Adds to the batch's figures sampler_logp_absdiff = mean |logp_sampler - logp_train| over generated
+    tokens, and the weight's figures as sampler_is_weight_mean / _max, sampler_is_truncated_frac,
+    sampler_behav_ratio_min / _max. On rows sampled ahead by older weights (rlvr.distributed) the one
+    weight covers their staleness too (π_train is the current policy)."""
+    mask = batch.rollout.mask                                                 # (B, T)
+    logp_train, delta_w, w_stats = off_policy_correction(policy, batch, setup.cfg, setup.cfg.algorithm.is_cap,
+                                                         setup.numerics.context)
+    m = mask.bool()
+    absdiff = float((logp_train - batch.logp_old).abs()[m].mean()) if m.any() else 0.0
+    stats = {**batch.stats, "sampler_logp_absdiff": absdiff, **{f"sampler_{k}": v for k, v in w_stats.items()}}
+    return dataclasses.replace(batch, logp_old=logp_train, delta_tokens=delta_w * mask.to(delta_w.dtype),
+                               stats=stats, logp_old_version=policy_version)
 
 
 OVERLONG = "overlong_penalty"

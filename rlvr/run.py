@@ -62,6 +62,12 @@ class Setup:
     baseline_bytes: int = 0
     """This process's resident set just before the policy was loaded (torch, transformers, the
     task): the memory prediction's baseline (rlvr.costs.memory)."""
+    numerics: Numerics | None = None
+    """How the policy's forwards compute (`model.autocast` resolved at build time); None given = fp32."""
+
+    def __post_init__(self):
+        if self.numerics is None:
+            self.numerics = Numerics(False, "off", self.device.type)
 
 
 def usable_cores() -> int:
@@ -123,6 +129,100 @@ def matmul_rate(device: torch.device, seconds: float = 1.0) -> float:
                 break
         _MATMUL_RATES[key] = 2 * n**3 * count / elapsed
     return _MATMUL_RATES[key]
+
+
+AUTOCAST_MIN_SPEEDUP = 1.2
+"""`model.autocast = auto` picks bf16 when one product runs at least this many times faster under it."""
+_AUTOCAST_TIMINGS: dict[tuple, tuple[float, float]] = {}
+
+
+def autocast_context(enabled: bool, device_type: str) -> contextlib.AbstractContextManager:
+    """torch.autocast to bf16 on `device_type` when `enabled`, else a context that changes nothing.
+    A new object per call (use one per `with`)."""
+    return torch.autocast(device_type, dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
+
+
+def autocast_timings(device: torch.device, rows: int, inner: int, outer: int, budget_s: float = 0.2,
+                     reps: int = 5) -> tuple[float, float]:
+    """(fp32 seconds, bf16 seconds) of one (rows, inner) x (inner, outer) product as a Linear layer
+    computes it (the weight cast to bf16 included), plain and under bf16 autocast on `device`: the
+    best of up to `reps` timed calls of each after a warm-up call, in about `budget_s`. Stops early
+    when bf16 is clearly slower (above 1.5x fp32's time, or a warm-up past the budget). Measured
+    once per process and thread count (a few ms when cached); on a GPU each timing is 10 calls."""
+    key = (str(device), rows, inner, outer, torch.get_num_threads())
+    if key in _AUTOCAST_TIMINGS:
+        return _AUTOCAST_TIMINGS[key]
+    x, w = torch.randn(rows, inner, device=device), torch.randn(outer, inner, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    calls = 10 if device.type == "cuda" else 1
+
+    def timed(bf16: bool) -> float:
+        with torch.no_grad(), autocast_context(bf16, device.type):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                torch.nn.functional.linear(x, w)
+            sync()
+            return (time.perf_counter() - t0) / calls
+
+    start = time.perf_counter()
+    fp32, bf16 = timed(False), timed(True)                       # warm-up (kernel choice, first casts)
+    if bf16 * calls < budget_s:
+        fp32, bf16 = float("inf"), float("inf")
+        for _ in range(reps):
+            fp32, bf16 = min(fp32, timed(False)), min(bf16, timed(True))
+            if bf16 > 1.5 * fp32 or time.perf_counter() - start > budget_s:
+                break
+    _AUTOCAST_TIMINGS[key] = (fp32, bf16)
+    return fp32, bf16
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """How the policy's forwards compute (`model.autocast`): fp32, or bf16 products under torch.autocast
+    (weights, optimizer and log-softmax stay float32)."""
+
+    bf16: bool
+    """True: the forwards run under bf16 autocast."""
+    asked: str = "off"
+    """model.autocast as configured: auto, bf16 or off."""
+    device_type: str = "cpu"
+    fp32_s: float = 0.0
+    """Measured seconds of the probe product in fp32 (auto only; 0 = not measured)."""
+    bf16_s: float = 0.0
+    """The same product under bf16 autocast."""
+    shape: tuple[int, int, int] = (0, 0, 0)
+    """(rows, inner, outer) of the probe product."""
+
+    def context(self) -> contextlib.AbstractContextManager:
+        """The context the policy's forwards run in (a new one per call)."""
+        return autocast_context(self.bf16, self.device_type)
+
+    def describe(self) -> str:
+        """One line for the price: what was chosen and why, with both measured times."""
+        what = "bf16 autocast" if self.bf16 else "fp32"
+        if not self.fp32_s:
+            return f"{what} (model.autocast = {self.asked})"
+        rows, inner, outer = self.shape
+        return (f"{what} (model.autocast = auto: bf16 {self.fp32_s / self.bf16_s:.2f}x fp32 here, "
+                f"{self.bf16_s * 1e3:.3g} ms against {self.fp32_s * 1e3:.3g} ms for a {rows} x {inner} x {outer} "
+                f"product; bf16 needs >= {AUTOCAST_MIN_SPEEDUP}x)")
+
+
+def choose_numerics(mode: str, device: torch.device, shape: tuple[int, int, int]) -> Numerics:
+    """`model.autocast` resolved: `bf16` and `off` as said; `auto` times one (rows, inner, outer)
+    product with `autocast_timings` and takes bf16 when fp32 time / bf16 time >= AUTOCAST_MIN_SPEEDUP."""
+    if mode != "auto":
+        return Numerics(mode == "bf16", mode, device.type)
+    fp32_s, bf16_s = autocast_timings(device, *shape)
+    return Numerics(fp32_s >= AUTOCAST_MIN_SPEEDUP * bf16_s, mode, device.type, fp32_s, bf16_s, tuple(shape))
+
+
+def probe_shape(model: Policy, device: torch.device) -> tuple[int, int, int]:
+    """(rows, inner, outer) of the autocast probe: 256 token rows (4096 on a GPU, where small products
+    time only the launch) x the hidden size x the MLP width of `model` (1024 x 1024 when unknown)."""
+    rows = 256 if device.type == "cpu" else 4096
+    shape = model_shape(model)
+    return (rows, shape.hidden, shape.mlp) if shape is not None else (rows, 1024, 1024)
 
 
 def reward_weights(cfg: config_mod.Config, task: Task) -> dict[str, float]:
@@ -226,7 +326,8 @@ def build(cfg: config_mod.Config, log=print) -> Setup:
     baseline = costs.resident_bytes()
     model, tokenizer = _hf_policy(cfg, device, log) if cfg.model.path else _built_in(cfg, task)
     lim = limits(cfg, task, tokenizer, model)
-    return Setup(cfg, task, tokenizer, model.to(device), weights, lim, device, baseline)
+    numerics = choose_numerics(cfg.model.autocast, device, probe_shape(model, device))
+    return Setup(cfg, task, tokenizer, model.to(device), weights, lim, device, baseline, numerics)
 
 
 def model_shape(model: Policy) -> costs.ModelShape | None:
@@ -285,7 +386,8 @@ def price_of(setup: Setup, rate: float | None = None) -> costs.Price:
         matmul_flops_per_s=matmul_rate(setup.device) if rate is None else rate, threads=torch.get_num_threads(),
         shape=model_shape(model) if on_cpu else None, baseline_bytes=baseline,
         logprob_chunk_rows=cfg.model.logprob_chunk_rows, eval_rows=eval_rows(setup),
-        export_copy=model.has_adapter,
+        export_copy=model.has_adapter, recompute_logp_old=cfg.algorithm.logp_old == "recompute",
+        numerics=setup.numerics.describe(),
     )
 
 

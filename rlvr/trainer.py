@@ -31,7 +31,9 @@ Departures from the GRPO paper, each a config field:
   1. The loss is reduced with `algorithm.agg` (default `token_mean`, as DAPO), not the paper's
      per-sequence mean; see rlvr.losses.AGGREGATIONS.
   2. logp_old is the sampler's own log-prob (same model code, same distribution) rather than a
-     fresh forward pass; the two agree to float rounding, which a test checks.
+     fresh forward pass; the two agree to float rounding in fp32, which a test checks. Under bf16
+     autocast (`model.autocast`) they differ by more: `algorithm.logp_old = "recompute"` then takes
+     logp_old from a training forward and weighs Δ by min(π_train / π_sampler, algorithm.is_cap).
 """
 
 from __future__ import annotations
@@ -160,7 +162,8 @@ def new_state(setup: Setup) -> RunState:
         reference = copy.deepcopy(model).requires_grad_(False).eval()
     opt = make_optimizer(model.trainable_params(), tc)
     flops = costs.model_flops_per_token(model, setup.limits.prompt_tokens, setup.limits.max_new_tokens)
-    learner = Learner(model, opt, make_scheduler(opt, tc), cfg, learn_gen, setup.limits.max_new_tokens, flops)
+    learner = Learner(model, opt, make_scheduler(opt, tc), cfg, learn_gen, setup.limits.max_new_tokens, flops,
+                      autocast=setup.numerics.context)
     value = (LearnedBaseline(setup.tokenizer.vocab_size, lr=ac.value_lr, seed=tc.seed, device=setup.device)
              if ac.scheme == "learned" else None)
     return RunState(setup, learner, reference, prompt_rng, sample_gen, value=value)
@@ -258,7 +261,7 @@ def run_eval(run_dir: RunDir, state: RunState, step: int) -> dict:
                    limits=setup.limits, prompts=cfg.eval.prompts, batch_size=cfg.eval.batch_size,
                    pass_k=cfg.eval.pass_k, pass_k_prompts=cfg.eval.pass_k_prompts,
                    temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, seed=cfg.train.seed,
-                   pool=state.pool)
+                   pool=state.pool, autocast=setup.numerics.context)
     row = {"step": step, **{f"eval/{k}": v for k, v in res.items()}}
     run_dir.metrics(row)
     for msg in state.watch.after_eval(step, row["eval/goal"]):

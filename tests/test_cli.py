@@ -110,6 +110,8 @@ def test_installed_console_command_prices_a_run():
     measured = ("matmul_flops_per_s", "wall_seconds_estimate", "memory_baseline_bytes", "memory_peak_bytes")
     got, want = json.loads(proc.stdout), json.loads(cli("price", EXAMPLE, *PRICED, "--json")[1])
     assert all(got.pop(k) > 0 and want.pop(k) > 0 for k in measured)
+    for p in (got, want):  # model.autocast = auto times bf16 against fp32 in each process too
+        assert p.pop("numerics").startswith(("fp32 (model.autocast = auto: ", "bf16 autocast (model.autocast = auto: "))
     assert got == want
 
 

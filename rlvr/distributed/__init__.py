@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import time
 from typing import Iterator
 
@@ -42,6 +43,7 @@ class Distributed:
 
         d = cfg.distributed
         self.cfg, self.log, self.version = cfg, log, version
+        actors_cfg = resolved_numerics(cfg, setup)
         self.steps_left = cfg.train.steps - first_step
         cpus = d.cpus_per_worker * (d.rollout_workers + d.learners - 1)
         self._own_ray = sync.start_ray(d.address, cpus)
@@ -52,13 +54,13 @@ class Distributed:
             if d.rollout_workers:
                 from rlvr.distributed.rollout_workers import RolloutWorkers
 
-                self.workers = RolloutWorkers(cfg, learner.policy, version, setup.tokenizer.pad_id, log)
+                self.workers = RolloutWorkers(actors_cfg, learner.policy, version, setup.tokenizer.pad_id, log)
                 log(f"distributed: {d.rollout_workers} rollout workers ({d.cpus_per_worker:g} CPU, "
                     f"{d.gpus_per_worker:g} GPU each); {self.workers.sync_bytes / 1e6:.2f} MB per weight sync")
             if d.learners > 1:
                 from rlvr.distributed.learners import LearnerGroup
 
-                self.group = LearnerGroup(cfg, learner)
+                self.group = LearnerGroup(actors_cfg, learner)
                 log(f"distributed: {d.learners} learners (torch.distributed, {d.sharding.upper()})")
         except BaseException:
             self.close()
@@ -73,6 +75,7 @@ class Distributed:
             return rollout(setup, policy, reference, examples_fn, version=version, generator=generator, pool=pool,
                            value=value)
         self._draw, self._generator = examples_fn, generator
+        now = version  # the trainer's weights: algorithm.logp_old = recompute scores the rows with them
         job = self._pending.popleft() if self._pending else None
         if job is not None:
             examples_fn, version = (lambda: job.examples), job.version
@@ -84,7 +87,7 @@ class Distributed:
             return self.workers.collect(job)
 
         return rollout(setup, policy, reference, examples_fn, version=version, generator=generator, pool=pool,
-                       value=value, sampler=sample)
+                       value=value, sampler=sample, policy_version=now)
 
     # ------------------------------------------------------------------ learn stage
     def learn(self, learner: Learner, batch: Batch) -> dict:
@@ -97,7 +100,7 @@ class Distributed:
         k = self.cfg.distributed.max_staleness
         while self.workers is not None and len(self._pending) < min(k, self.steps_left):
             self._pending.append(self.workers.submit(self._draw(), self._generator))
-        batch, delta_rows, extra = staleness.correct(learner.policy, batch, self.cfg, self.version)
+        batch, delta_rows, extra = staleness.correct(learner.policy, batch, self.cfg, self.version, learner.autocast)
         if self.group is not None:
             stats = self.group.learn(batch, delta_rows)
         else:
@@ -117,6 +120,14 @@ class Distributed:
             self.group.close()
         if self._own_ray:
             ray.shutdown()
+
+
+def resolved_numerics(cfg, setup):
+    """`cfg` with model.autocast set to what this process chose (bf16 or off), for the actors: each
+    builds its own copy of the run, and `auto` must not measure again and perhaps choose otherwise
+    (a sampler and a learner in different numerics)."""
+    mode = "bf16" if setup.numerics.bf16 else "off"
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, autocast=mode))
 
 
 def is_distributed(cfg) -> bool:

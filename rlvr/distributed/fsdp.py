@@ -30,6 +30,8 @@ every rank loads the one-process state into its shard (`set_optimizer_state_dict
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import Callable
 
 import torch
@@ -69,7 +71,7 @@ def shard(model: nn.Module) -> nn.Module:
 
 
 def sharded_learner(model, cfg, state: dict, generator: torch.Generator, max_len: int,
-                    flops: tuple[int, int] = (0, 0)) -> Learner:
+                    flops: tuple[int, int] = (0, 0), autocast=contextlib.nullcontext) -> Learner:
     """A rank's training learner: `model` (holding rank 0's weights) sharded, AdamW and the schedule over
     its shards, rank 0's optimizer state (`state["opt"]`, one-process format) and schedule
     (`state["sched"]`) loaded. Every rank of the group calls it at the same time (collectives)."""
@@ -78,7 +80,7 @@ def sharded_learner(model, cfg, state: dict, generator: torch.Generator, max_len
     load_optimizer_state(model, opt, state["opt"])
     sched = make_scheduler(opt, cfg.train)
     sched.load_state_dict({**state["sched"], "lr_lambdas": [None] * len(opt.param_groups)})
-    return Learner(model, opt, sched, cfg, generator, max_len, flops)
+    return Learner(model, opt, sched, cfg, generator, max_len, flops, autocast=autocast)
 
 
 def _names(model: nn.Module, opt: torch.optim.Optimizer) -> list[str]:

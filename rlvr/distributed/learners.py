@@ -155,14 +155,16 @@ class LearnerActor:
         self.rank, self.world = rank, world
         if self.fsdp:
             init_group(setup.device, rank, world, init_method, timeout_s)
-            self.learner = fsdp.sharded_learner(setup.model, cfg, state, gen, setup.limits.max_new_tokens)
+            self.learner = fsdp.sharded_learner(setup.model, cfg, state, gen, setup.limits.max_new_tokens,
+                                                autocast=setup.numerics.context)
             self.model = self.learner.policy
             return rank
         opt = make_optimizer(setup.model.trainable_params(), cfg.train)
         opt.load_state_dict(state["opt"])
         sched = make_scheduler(opt, cfg.train)
         sched.load_state_dict({**state["sched"], "lr_lambdas": [None] * len(opt.param_groups)})
-        self.learner = Learner(setup.model, opt, sched, cfg, gen, setup.limits.max_new_tokens)
+        self.learner = Learner(setup.model, opt, sched, cfg, gen, setup.limits.max_new_tokens,
+                               autocast=setup.numerics.context)
         self.model = join_group(self.learner, rank, world, init_method, timeout_s)
         return rank
 
@@ -213,7 +215,7 @@ class LearnerGroup:
         if self.fsdp:
             init_group(next(iter(learner.policy.parameters())).device, 0, self.world, init, self.timeout)
             self.train = fsdp.sharded_learner(copy.deepcopy(learner.policy), cfg, state, learner.generator,
-                                              learner.max_len, learner.flops)
+                                              learner.max_len, learner.flops, autocast=learner.autocast)
             self.model = self.train.policy
             learner.opt, learner.sched = fsdp.GatheredOptimizer(self.full_optimizer_state, self.train.opt), self.train.sched
         else:

@@ -62,7 +62,7 @@ class RolloutWorker:
         groups = sample_and_score(s.model, s.tokenizer, s.task, examples, G=cfg.train.samples_per_prompt,
                                   limits=s.limits, weights=s.reward_weights, temperature=cfg.sampling.temperature,
                                   top_p=cfg.sampling.top_p, generator=None, pool=self.pool, base_seed=base_seed,
-                                  first_prompt=first_prompt)
+                                  first_prompt=first_prompt, autocast=s.numerics.context)
         return self.version, groups
 
     def close(self) -> None:

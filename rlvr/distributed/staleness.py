@@ -23,46 +23,38 @@ price of a bias toward π_behav on those tokens (`is_truncated_frac` says how ma
 batch (staleness 0) π_old = π_behav, w = 1 and nothing changes: the synchronous update.
 Logged: staleness, the mean and max of w, the truncated fraction and the spread of
 π_old / π_behav; the clip fractions and ratio spread come from the loss as always.
+
+The same correction (rlvr.rollout.off_policy_correction) serves `algorithm.logp_old = "recompute"`,
+where π_behav is the sampler's numerics (bf16 autocast, incremental decoding) rather than older
+weights. With both on, the rollout stage already scores each batch with the learner's current
+weights (the workers sampled ahead with older ones), so its one weight min(π_old / π_sampler,
+algorithm.is_cap) covers staleness and numerics together, and `correct` adds no second forward.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
 
-from rlvr import sampling
-from rlvr.rollout import Batch
+from rlvr.losses import truncated_is_weight  # noqa: F401  (the weight; defined beside the other loss terms)
+from rlvr.rollout import Batch, off_policy_correction
 
 
-def truncated_is_weight(logp_old: torch.Tensor, logp_behav: torch.Tensor, mask: torch.Tensor, cap: float
-                        ) -> tuple[torch.Tensor, dict]:
-    """(B, T) w = min(exp(logp_old - logp_behav), cap) on generated tokens (1 elsewhere), and its statistics."""
-    m = mask.bool()                                                           # (B, T)
-    log_w = torch.where(m, logp_old - logp_behav, torch.zeros_like(logp_old))  # (B, T)
-    raw = torch.exp(log_w)                                                    # (B, T) π_old / π_behav
-    w = raw.clamp(max=cap)                                                    # (B, T)
-    if not m.any():
-        return w, {"is_weight_mean": 1.0, "is_weight_max": 1.0, "is_truncated_frac": 0.0,
-                   "behav_ratio_min": 1.0, "behav_ratio_max": 1.0}
-    return w, {"is_weight_mean": float(w[m].mean()), "is_weight_max": float(w[m].max()),
-               "is_truncated_frac": float((raw[m] > cap).float().mean()),
-               "behav_ratio_min": float(raw[m].min()), "behav_ratio_max": float(raw[m].max())}
-
-
-@torch.no_grad()
-def correct(policy, batch: Batch, cfg, learner_version: int) -> tuple[Batch, torch.Tensor | None, dict]:
+def correct(policy, batch: Batch, cfg, learner_version: int, autocast=contextlib.nullcontext
+            ) -> tuple[Batch, torch.Tensor | None, dict]:
     """(batch with logp_old = π_old's log-probs, per-token Δ·w or None, stats) for a batch sampled at
-    `batch.version` and learned at `learner_version`. A fresh batch is returned as it is."""
+    `batch.version` and learned at `learner_version` (rlvr.rollout.off_policy_correction, π_old's
+    forward under the training numerics `autocast()`, C = distributed.is_cap). A fresh batch is
+    returned as it is; so is one whose logp_old a forward of the learner's weights already gave
+    (algorithm.logp_old = recompute: its Δ already carries the one weight min(π_old / π_sampler,
+    algorithm.is_cap), which covers the staleness as well)."""
     staleness = learner_version - batch.version
     if staleness == 0:
         return batch, None, {"staleness": 0.0, "is_weight_mean": 1.0, "is_weight_max": 1.0, "is_truncated_frac": 0.0}
-    sc, G = cfg.sampling, cfg.train.samples_per_prompt
-    policy.eval()
-    logp_old = sampling.sequence_token_logprobs(policy, batch.rollout, temperature=sc.temperature, top_p=sc.top_p,
-                                                chunk_rows=cfg.model.logprob_chunk_rows or None,
-                                                group_size=G if cfg.model.share_prompt_forward else None)  # (B, T)
-    w, stats = truncated_is_weight(logp_old, batch.logp_old, batch.rollout.mask, cfg.distributed.is_cap)
-    d = batch.delta_rows.to(w.device)                                         # (B,) or (B, T) (per-token Δ)
-    delta_rows = (d.unsqueeze(1) if d.dim() == 1 else d) * w                  # (B, T)
-    return dataclasses.replace(batch, logp_old=logp_old.detach()), delta_rows, {"staleness": float(staleness), **stats}
+    if batch.logp_old_version == learner_version:
+        return batch, None, {"staleness": float(staleness)}
+    logp_old, delta_rows, stats = off_policy_correction(policy, batch, cfg, cfg.distributed.is_cap, autocast)
+    batch = dataclasses.replace(batch, logp_old=logp_old, logp_old_version=learner_version)
+    return batch, delta_rows, {"staleness": float(staleness), **stats}

@@ -1,0 +1,372 @@
+"""bf16 autocast (`model.autocast`) and where logp_old comes from (`algorithm.logp_old`).
+
+The choice of numerics (auto / bf16 / off, from timings given here, never from the machine running
+the tests), that autocast reaches sampling, the training forward and evaluation while every
+log-softmax stays float32, and that `recompute` makes logp_old the training forward's own, weighs Δ
+by min(π_train / π_sampler, is_cap) and so changes the update.
+
+On the CPUs these tests were written on, the bf16 sampler and the bf16 training forward agree bit
+for bit at these small shapes (the per-row bf16 products and their fp32 accumulation are the same in
+incremental decoding and in the full forward), so a mismatch between the two passes is simulated
+where a test needs one: an engine whose stored log-probs are a known amount lower on every token.
+"""
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rlvr import config as config_mod, costs, losses, run, sampling
+from rlvr.distributed import resolved_numerics, staleness
+from rlvr.learn import Learner, learn, make_optimizer, make_scheduler
+from rlvr.rollout import Batch, Groups, recompute_logp_old, rollout, sample_and_score
+from rlvr.run import autocast_timings as real_autocast_timings  # before tests/conftest.py patches it
+from test_distributed import EXAMPLE, TINY, ray_local  # noqa: F401  (ray_local: a fixture)
+
+torch.set_num_threads(1)
+CPU = torch.device("cpu")
+
+
+def tiny_setup(*extra: str):
+    """The 3-digit sort task on a 1-layer built-in model (d = 32), P = G = 4, one thread."""
+    return run.build(config_mod.load(EXAMPLE, TINY + list(extra)), log=lambda *_: None)
+
+
+def new_learner(setup) -> Learner:
+    cfg = setup.cfg
+    opt = make_optimizer(setup.model.trainable_params(), cfg.train)
+    gen = torch.Generator().manual_seed(cfg.train.seed + 1)
+    return Learner(setup.model, opt, make_scheduler(opt, cfg.train), cfg, gen, setup.limits.max_new_tokens,
+                   autocast=setup.numerics.context)
+
+
+def sample(setup, **kw) -> Batch:
+    return rollout(setup, setup.model, None, lambda: list(setup.task.train[:4]), version=0,
+                   generator=torch.Generator().manual_seed(0), **kw)
+
+
+def training_forward_logp(setup, roll) -> torch.Tensor:
+    """(B, T) log-probs of a fresh no-grad forward under the run's training numerics."""
+    cfg = setup.cfg
+    with torch.no_grad(), setup.numerics.context():
+        return sampling.sequence_token_logprobs(
+            setup.model, roll, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
+            group_size=cfg.train.samples_per_prompt if cfg.model.share_prompt_forward else None)
+
+
+def lower_engine(setup, shift: float):
+    """A `sampler=` for rollout: samples and scores as the trainer does, then stores log-probs `shift`
+    lower on every generated token (a sampling engine whose numerics differ from the trainer's)."""
+    def sampler(examples: list) -> Groups:
+        sc = setup.cfg.sampling
+        got = sample_and_score(setup.model, setup.tokenizer, setup.task, examples, G=setup.cfg.train.samples_per_prompt,
+                               limits=setup.limits, weights=setup.reward_weights, temperature=sc.temperature,
+                               top_p=sc.top_p, generator=torch.Generator().manual_seed(0),
+                               autocast=setup.numerics.context)
+        roll = got.rollout
+        return dataclasses.replace(got, rollout=dataclasses.replace(roll, logp=roll.logp - shift * roll.mask))
+    return sampler
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    pytest.importorskip("transformers")
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "configs"))
+    from make_tiny_hf_model import build
+
+    return build(tmp_path_factory.mktemp("hf") / "llama", layers=1, hidden=32, heads=2, context=64)
+
+
+# ----------------------------------------------------------------------------------- the choice
+
+
+@pytest.mark.parametrize("fp32_s,bf16_s,want", [
+    (2.0, 1.0, True),      # bf16 2x faster
+    (1.2, 1.0, True),      # exactly the 1.2x needed
+    (1.1, 1.0, False),     # 1.1x: not worth the rounding
+    (0.5, 1.0, False),     # bf16 2x slower (a CPU without bf16 units)
+])
+def test_auto_takes_bf16_only_when_it_is_at_least_1_2x_faster(monkeypatch, fp32_s, bf16_s, want):
+    asked = []
+    monkeypatch.setattr(run, "autocast_timings", lambda device, *shape, **kw: asked.append(shape) or (fp32_s, bf16_s))
+    got = run.choose_numerics("auto", CPU, (256, 32, 128))
+    assert asked == [(256, 32, 128)]
+    assert got.bf16 is want and (got.fp32_s, got.bf16_s) == (fp32_s, bf16_s)
+    assert got.describe().startswith("bf16 autocast" if want else "fp32")
+    assert f"bf16 {fp32_s / bf16_s:.2f}x fp32 here" in got.describe()
+
+
+@pytest.mark.parametrize("mode,want", [("bf16", True), ("off", False)])
+def test_bf16_and_off_force_the_choice_without_measuring(monkeypatch, mode, want):
+    def never(*a, **kw):
+        raise AssertionError("measured although model.autocast is forced")
+
+    monkeypatch.setattr(run, "autocast_timings", never)
+    got = run.choose_numerics(mode, CPU, (256, 32, 128))
+    assert got.bf16 is want and got.describe() == f"{'bf16 autocast' if want else 'fp32'} (model.autocast = {mode})"
+    with got.context():
+        assert torch.is_autocast_enabled("cpu") is want
+
+
+def test_build_measures_the_models_own_shape_and_the_price_records_the_choice(monkeypatch):
+    asked = []
+    monkeypatch.setattr(run, "autocast_timings", lambda device, *shape, **kw: asked.append(shape) or (3e-3, 1e-3))
+    setup = tiny_setup("--model.autocast=auto")
+    assert asked == [(256, 32, 4 * 32)]                  # 256 token rows x hidden x MLP width of d = 32
+    assert setup.numerics.bf16
+    price = run.price_of(setup, rate=1e9)
+    assert price.numerics.startswith("bf16 autocast (model.autocast = auto: bf16 3.00x fp32 here, 1 ms against 3 ms")
+    assert f"price: numerics: {price.numerics}" in price.lines()
+    assert price.to_dict()["numerics"] == price.numerics
+
+
+def test_the_measurement_returns_both_times_once_per_process(monkeypatch):
+    monkeypatch.setattr(run, "_AUTOCAST_TIMINGS", {})
+    fp32_s, bf16_s = real_autocast_timings(CPU, 16, 8, 8, budget_s=0.05)
+    assert 0 < fp32_s < math.inf and 0 < bf16_s < math.inf
+    assert real_autocast_timings(CPU, 16, 8, 8, budget_s=0.05) == (fp32_s, bf16_s)   # cached
+
+
+def test_the_keys_are_in_help_and_bad_values_are_refused():
+    text = config_mod.help_text()
+    for key in ("--model.autocast='auto'", "--algorithm.logp_old='sampler'", "--algorithm.is_cap=2.0"):
+        assert key in text
+    with pytest.raises(config_mod.ConfigError, match="model.autocast = 'fp16'.*must be one of 'auto', 'bf16', 'off'"):
+        config_mod.load(EXAMPLE, ["--model.autocast=fp16"])
+    with pytest.raises(config_mod.ConfigError, match="algorithm.logp_old = 'trainer'"):
+        config_mod.load(EXAMPLE, ["--algorithm.logp_old=trainer"])
+    with pytest.raises(config_mod.ConfigError, match=r"algorithm.is_cap: must be >= 1.*got 0.5 \(command line\)"):
+        config_mod.load(EXAMPLE, ["--algorithm.is_cap=0.5"])
+
+
+# ----------------------------------------------------------------------------------- autocast reaches the forwards
+
+
+@pytest.mark.parametrize("family", ["builtin", "llama"])
+@pytest.mark.parametrize("mode,dtype", [("bf16", torch.bfloat16), ("off", torch.float32)])
+def test_autocast_reaches_sampling_and_the_training_forward(request, family, mode, dtype):
+    extra = [f"--model.autocast={mode}"]
+    if family == "llama":
+        llama = request.getfixturevalue("llama_dir")
+        extra += [f"--model.path={llama}", "--model.share_prompt_forward=true"]
+    cfg = config_mod.load(EXAMPLE, [x for x in TINY if family == "builtin" or not x.startswith("--model.n_")] + extra)
+    setup = run.build(cfg, log=lambda *_: None)
+    linear = next(m for m in setup.model.modules() if isinstance(m, torch.nn.Linear))
+    seen: list[torch.dtype] = []
+    linear.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
+
+    batch = sample(setup)
+    assert seen and set(seen) == {dtype}                          # every sampling forward
+    assert batch.rollout.logp.dtype == torch.float32              # the log-softmax in float32
+    seen.clear()
+    stats = learn(new_learner(setup), batch)
+    assert seen and set(seen) == {dtype}                          # the training forward
+    assert all(p.dtype == torch.float32 for p in setup.model.parameters())   # master weights stay fp32
+    assert math.isfinite(stats["loss"])
+
+
+def test_evaluation_samples_under_the_numerics_it_is_given():
+    setup = tiny_setup("--model.autocast=bf16")
+    from rlvr.evaluate import evaluate
+
+    seen: list[torch.dtype] = []
+    setup.model.blocks[0].mlp.c_fc.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
+    kw = dict(reward_weights=setup.reward_weights, limits=setup.limits, prompts=4, pass_k=2, pass_k_prompts=2)
+    evaluate(setup.model, setup.tokenizer, setup.task, autocast=setup.numerics.context, **kw)
+    assert seen and set(seen) == {torch.bfloat16}
+    seen.clear()
+    evaluate(setup.model, setup.tokenizer, setup.task, **kw)      # `rlvr eval`: fp32
+    assert set(seen) == {torch.float32}
+
+
+# ----------------------------------------------------------------------------------- logp_old = recompute
+
+
+@pytest.mark.parametrize("family", ["builtin", "llama"])
+def test_recompute_gives_the_training_forwards_logp_old_and_a_first_ratio_of_exactly_1(request, family):
+    extra = ["--model.autocast=bf16", "--algorithm.logp_old=recompute"]
+    if family == "llama":
+        extra += [f"--model.path={request.getfixturevalue('llama_dir')}", "--model.share_prompt_forward=true"]
+    cfg = config_mod.load(EXAMPLE, [x for x in TINY if family == "builtin" or not x.startswith("--model.n_")] + extra)
+    setup = run.build(cfg, log=lambda *_: None)
+    batch = sample(setup)
+    assert torch.equal(batch.logp_old, training_forward_logp(setup, batch.rollout))    # bit for bit
+    assert batch.logp_old_version == 0
+    assert batch.delta_tokens.shape == batch.rollout.mask.shape
+    assert "sampler_logp_absdiff" in batch.stats and "sampler_is_weight_mean" in batch.stats
+    stats = learn(new_learner(setup), batch)
+    assert stats["first_step_ratio_mean"] == 1.0                  # exactly, not up to rounding
+    assert "sampler_logp_absdiff" not in stats                    # the rollout stage reported it
+
+
+def test_sampler_logp_absdiff_is_the_gap_between_sampler_and_trainer():
+    """sampler: the first minibatch's mean |logp_sampler - logp_train| from the training forward the
+    update runs anyway; recompute: the same over the batch, from its own forward."""
+    setup = tiny_setup("--model.autocast=bf16")
+    plain = sample(setup)
+    want = float((training_forward_logp(setup, plain.rollout) - plain.logp_old).abs()[plain.rollout.mask.bool()].mean())
+    assert learn(new_learner(tiny_setup("--model.autocast=bf16")), plain)["sampler_logp_absdiff"] == pytest.approx(want, abs=1e-7)
+    # an engine 0.25 lower on every token: the gap is 0.25 (+ whatever the two passes differ by here)
+    setup = tiny_setup("--model.autocast=bf16")
+    lowered = sample(setup, sampler=lower_engine(setup, 0.25))
+    train = training_forward_logp(setup, lowered.rollout)
+    want = float((train - lowered.logp_old).abs()[lowered.rollout.mask.bool()].mean())
+    assert want == pytest.approx(0.25, abs=1e-3)
+    assert learn(new_learner(setup), lowered)["sampler_logp_absdiff"] == pytest.approx(want, rel=1e-5)
+    setup = tiny_setup("--model.autocast=bf16", "--algorithm.logp_old=recompute")
+    again = sample(setup, sampler=lower_engine(setup, 0.25))
+    assert again.stats["sampler_logp_absdiff"] == pytest.approx(want, rel=1e-5)
+    # π_train / π_sampler = e^0.25 = 1.284 on every token, under the cap of 2
+    assert again.stats["sampler_is_weight_mean"] == pytest.approx(math.exp(0.25), rel=1e-3)
+    assert again.stats["sampler_is_truncated_frac"] == 0.0
+
+
+def test_the_is_weight_folds_into_delta_by_hand(monkeypatch):
+    """One row of three tokens, Δ = 1: the sampler gave them 0.1, 0.4, 0.5, the training forward gives
+    0.3, 0.2, 0.5; the third is past the end of the response (mask 0). w = min(π_train / π_sampler, 2)
+    = min(3, 2), 0.5: Δ per token 2, 0.5, 0; logp_old becomes the trainer's. At ratio 1 the token_mean
+    loss is -(2 + 0.5) / 2 = -1.25, where the sampler's logp_old would give ratio 3 and 0.5, clipped to
+    1.2 and 0.8: -(1.2 + 0.5) / 2 = -0.85."""
+    sampler_p, train_p = torch.tensor([[0.1, 0.4, 0.5]]), torch.tensor([[0.3, 0.2, 0.5]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    roll = sampling.Rollout(ids=torch.tensor([[5, 1, 2, 3]]), attention_mask=torch.tensor([[1, 1, 1, 0]]),
+                            prompt_len=1, mask=mask, logp=sampler_p.log() * mask, truncated=torch.tensor([False]))
+    groups = Groups(examples=[None], rollout=roll, responses=["ab"], rewards=torch.ones(1, 1),
+                    hits=torch.zeros(1, 1, dtype=torch.bool), per_reward={}, failures=0, status_counts={}, errors=[])
+    batch = Batch(groups, [groups], delta=torch.ones(1, 1), logp_old=roll.logp, logp_ref=None, version=0)
+    cfg = config_mod.load(EXAMPLE, TINY + ["--algorithm.logp_old=recompute", "--algorithm.is_cap=2",
+                                           "--train.samples_per_prompt=1", "--algorithm.scheme=raw"])
+    calls = []
+
+    def train_forward(model, rollout, **kw):
+        calls.append(torch.is_autocast_enabled("cpu"))
+        return train_p.log() * mask
+
+    monkeypatch.setattr(sampling, "sequence_token_logprobs", train_forward)
+    setup = SimpleNamespace(cfg=cfg, numerics=run.Numerics(True, "bf16", "cpu"))
+    got = recompute_logp_old(setup, SimpleNamespace(eval=lambda: None), batch, policy_version=0)
+    assert calls == [True]                                         # one forward, under the training numerics
+    torch.testing.assert_close(got.delta_tokens, torch.tensor([[2.0, 0.5, 0.0]]))
+    torch.testing.assert_close(got.logp_old, train_p.log() * mask)
+    assert got.stats["sampler_is_truncated_frac"] == 0.5 and got.stats["sampler_is_weight_max"] == 2.0
+    assert got.stats["sampler_logp_absdiff"] == pytest.approx((math.log(3) + math.log(2)) / 2, rel=1e-6)
+    assert got.stats["sampler_behav_ratio_max"] == pytest.approx(3.0, rel=1e-6)
+    loss, _ = losses.policy_loss(got.logp_old, got.logp_old, got.delta_rows, mask, agg="token_mean")
+    assert float(loss) == pytest.approx(-1.25, rel=1e-6)
+    loss, _ = losses.policy_loss(got.logp_old, batch.logp_old, batch.delta_rows, mask, agg="token_mean")
+    assert float(loss) == pytest.approx(-0.85, rel=1e-6)
+
+
+def test_the_option_reaches_the_update():
+    """bf16, an engine 0.25 lower on every token: with `sampler` the first ratio is e^0.25 = 1.28, past
+    the clip of 1.2, so the tokens with Δ > 0 give no gradient; with `recompute` the ratio is 1 and
+    every token's Δ is weighted by 1.28. One update apart, the weights differ."""
+    after = {}
+    for mode in ("sampler", "recompute"):
+        setup = tiny_setup("--model.autocast=bf16", f"--algorithm.logp_old={mode}")
+        batch = sample(setup, sampler=lower_engine(setup, 0.25))
+        stats = learn(new_learner(setup), batch)
+        after[mode] = torch.cat([p.detach().reshape(-1) for p in setup.model.parameters()])
+        assert stats["first_step_ratio_mean"] == (1.0 if mode == "recompute" else pytest.approx(math.exp(0.25), rel=1e-3))
+        assert (stats["clip_frac_high"] > 0) is (mode == "sampler")
+    assert (after["sampler"] - after["recompute"]).abs().max() > 1e-3
+
+
+def test_a_recomputed_stale_batch_is_not_corrected_twice():
+    """Rows sampled ahead (version 3) and scored by the learner's weights (version 4) in the rollout
+    stage: the staleness correction finds logp_old already at the learner's version and adds no
+    second weight; a sampler-mode stale batch is corrected as before and reports no sampler gap."""
+    setup = tiny_setup("--model.autocast=bf16", "--algorithm.logp_old=recompute")
+    batch = rollout(setup, setup.model, None, lambda: list(setup.task.train[:4]), version=3,
+                    generator=torch.Generator().manual_seed(0), policy_version=4)
+    assert batch.logp_old_version == 4
+    same, delta_rows, stats = staleness.correct(setup.model, batch, setup.cfg, 4, setup.numerics.context)
+    assert same is batch and delta_rows is None and stats == {"staleness": 1.0}
+    setup = tiny_setup("--model.autocast=bf16")
+    batch = rollout(setup, setup.model, None, lambda: list(setup.task.train[:4]), version=3,
+                    generator=torch.Generator().manual_seed(0))
+    got, delta_rows, stats = staleness.correct(setup.model, batch, setup.cfg, 4, setup.numerics.context)
+    assert got.logp_old_version == 4 and delta_rows is not None and stats["staleness"] == 1.0
+    assert "sampler_logp_absdiff" not in learn(new_learner(setup), got, delta_rows=delta_rows)
+
+
+# ----------------------------------------------------------------------------------- the price and a real run
+
+
+def test_the_price_counts_the_recompute_forward():
+    base = dict(prompts_per_step=4, samples_per_prompt=4, max_new_tokens=3, prompt_tokens=4, steps=10,
+                epochs_per_batch=2, minibatches=2, n_params=1000, has_reference=True,
+                flops_fwd_per_token=10.0, flops_train_per_token=30.0)
+    plain, again = costs.price(**base), costs.price(**base, recompute_logp_old=True)
+    assert plain.forward_tokens_logp_old_per_batch == 0
+    assert again.forward_tokens_logp_old_per_batch == 16 * (4 + 3)        # every row, prompt + response, like logp_ref
+    assert again.flops_logp_old_per_batch == 112 * 10.0
+    assert again.forward_tokens_per_run == plain.forward_tokens_per_run + 10 * 112
+    assert again.flops_per_run == plain.flops_per_run + 10 * 112 * 10.0
+    assert "logp_old 112 (1.12e+03 FLOP, recomputed under the training numerics)" in again.lines()[2]
+    assert "logp_old 0 (stored from the sampler)" in plain.lines()[2]
+
+
+def test_train_with_bf16_and_recompute_from_the_command_line(tmp_path, monkeypatch):
+    from rlvr import cli, evaluate as evaluate_mod
+
+    eval_autocast = []
+    original = evaluate_mod.sample_and_score
+
+    def recording(*a, autocast, **kw):
+        with autocast():
+            eval_autocast.append(torch.is_autocast_enabled("cpu"))
+        return original(*a, autocast=autocast, **kw)
+
+    monkeypatch.setattr(evaluate_mod, "sample_and_score", recording)
+    out = tmp_path / "run"
+    rc = cli.main(["train", str(EXAMPLE), "--out", str(out), *TINY, "--train.steps=2", "--model.autocast=bf16",
+                   "--algorithm.logp_old=recompute"])
+    assert rc == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if "train/reward" in r]
+    assert len(steps) == 2
+    for r in steps:
+        assert r["train/sampler_logp_absdiff"] >= 0 and r["train/sampler_is_weight_mean"] > 0
+        assert r["train/first_step_ratio_mean"] == 1.0
+    assert eval_autocast and all(eval_autocast)                 # evaluation sampled under bf16 too
+    price = json.loads((out / "price.json").read_text())
+    assert price["numerics"] == "bf16 autocast (model.autocast = bf16)"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["cost/forward_tokens"] == summary["price"]["forward_tokens_per_run"]   # the extra forward, priced
+    assert price["forward_tokens_logp_old_per_batch"] > 0
+
+
+def test_the_actors_get_the_choice_not_the_question(monkeypatch):
+    """Rollout workers and learner actors build their own copy of the run: under `auto` they get the
+    trainer's decision, so none of them measures again and samples or learns in other numerics."""
+    monkeypatch.setattr(run, "autocast_timings", lambda device, *shape, **kw: (2.0, 1.0))
+    setup = tiny_setup("--model.autocast=auto")
+    assert resolved_numerics(setup.cfg, setup).model.autocast == "bf16"
+    assert setup.cfg.model.autocast == "auto"                   # the run's own config is unchanged
+    monkeypatch.setattr(run, "autocast_timings", lambda device, *shape, **kw: (1.0, 2.0))
+    setup = tiny_setup("--model.autocast=auto")
+    assert resolved_numerics(setup.cfg, setup).model.autocast == "off"
+
+
+def test_recompute_with_stale_rollout_workers(ray_local, tmp_path):  # noqa: F811
+    """bf16 and recompute with a rollout worker sampling one step ahead: every batch is scored by the
+    learner's weights in the rollout stage, so each first ratio is exactly 1 and the staleness
+    correction adds no second forward or weight."""
+    from rlvr import cli
+
+    out = tmp_path / "run"
+    assert cli.main(["train", str(EXAMPLE), "--out", str(out), *TINY, "--model.autocast=bf16",
+                     "--algorithm.logp_old=recompute", "--distributed.rollout_workers=1",
+                     "--distributed.max_staleness=1"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if "train/reward" in r]
+    assert [r["train/staleness"] for r in steps] == [0.0, 1.0, 1.0]
+    assert all(r["train/first_step_ratio_mean"] == 1.0 and "train/sampler_is_weight_mean" in r for r in steps)
+    assert all("train/is_weight_mean" not in r for r in steps[1:])
