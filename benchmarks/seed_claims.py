@@ -35,7 +35,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 BASE = {"P": 64, "G": 8, "steps": 800}          # examples/sort.toml
@@ -79,9 +78,11 @@ def train(out: Path, config: str, overrides: dict, seed: int, extra: list[str], 
     if threads:
         argv.append(f"--train.threads={threads}")
     metrics, summary = out / "metrics.jsonl", out / "summary.json"
-    if summary.exists() and not json.loads(summary.read_text()).get("interrupted"):
-        done = tomllib.loads((out / "config.toml").read_text()) if (out / "config.toml").exists() else None
-        if done is not None and done.get("train", {}).get("seed") == seed:
+    if summary.exists() and not json.loads(summary.read_text()).get("interrupted") and (out / "config.toml").exists():
+        from rlvr import config as config_mod
+
+        want = resolved(config, overrides, seed, [*extra, *([f"--train.threads={threads}"] if threads else [])])
+        if config_mod.to_dict(config_mod.load(out / "config.toml")) == want:   # the same run, finished
             return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     proc = subprocess.run([sys.executable, "-c", "import sys; from rlvr.cli import main; sys.exit(main(sys.argv[1:]))",
                            *argv], capture_output=True, text=True)
