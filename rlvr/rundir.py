@@ -65,6 +65,15 @@ class RunDir:
         self._tracker = None
 
     # ------------------------------------------------------------------ before the run
+    def recorded_autocast(self) -> str | None:
+        """"bf16" or "off" as the run's first start chose under model.autocast = auto (its price.json),
+        so a resumed run keeps the numerics it started with; None when not recorded."""
+        try:
+            numerics = json.loads((self.path / "price.json").read_text()).get("numerics", "")
+        except (OSError, ValueError):
+            return None
+        return "bf16" if numerics.startswith("bf16") else "off" if numerics.startswith("fp32") else None
+
     def check_resumable(self, cfg: config_mod.Config) -> None:
         """Refuse --resume on a directory without state, or with a config that changed a key that matters."""
         out = self.path

@@ -370,3 +370,24 @@ def test_recompute_with_stale_rollout_workers(ray_local, tmp_path):  # noqa: F81
     assert [r["train/staleness"] for r in steps] == [0.0, 1.0, 1.0]
     assert all(r["train/first_step_ratio_mean"] == 1.0 and "train/sampler_is_weight_mean" in r for r in steps)
     assert all("train/is_weight_mean" not in r for r in steps[1:])
+
+
+def test_a_resumed_auto_run_keeps_the_numerics_it_started_with(tmp_path, monkeypatch):
+    # the first start measures bf16 3x faster and takes it; by the resume the machine measures bf16
+    # slower, yet the resumed run keeps bf16 (its price.json's decision), not a new measurement
+    from rlvr import cli
+
+    monkeypatch.setattr(run, "autocast_timings", lambda device, *shape, **kw: (3e-3, 1e-3))
+    out = tmp_path / "run"
+    assert cli.main(["train", str(EXAMPLE), "--out", str(out), *TINY, "--train.steps=2", "--model.autocast=auto"]) == 0
+    assert json.loads((out / "price.json").read_text())["numerics"].startswith("bf16 autocast")
+
+    def never(*a, **kw):
+        raise AssertionError("a resumed run measured again")
+
+    monkeypatch.setattr(run, "autocast_timings", never)
+    assert cli.main(["train", str(EXAMPLE), "--out", str(out), *TINY, "--train.steps=3", "--model.autocast=auto",
+                     "--resume"]) == 0
+    assert json.loads((out / "price.json").read_text())["numerics"] == "bf16 autocast (model.autocast = bf16)"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["step"] for r in rows if "train/reward" in r] == [1, 2, 3]
