@@ -18,7 +18,7 @@ import torch
 from rlvr import advantages, costs, losses, sampling
 from rlvr.policy import Policy, Tokenizer
 from rlvr.rewards import goal_hits, score_batch, steps_of
-from rlvr.run import Limits
+from rlvr.run import Limits, RunError
 from rlvr.tasks import Task, weighted_rewards
 from rlvr.tokenizer import encode_example
 from rlvr.value import LearnedBaseline
@@ -390,6 +390,11 @@ def process_token_delta(setup, groups: Groups, stats: dict) -> tuple[torch.Tenso
     if not names:
         return None, groups.rewards
     roll, G, ac = groups.rollout, setup.cfg.train.samples_per_prompt, setup.cfg.algorithm
+    if G < 2:  # centred across a group of one, every step's Δ would be 0: nothing would be learned from them
+        raise RunError(f"task.reward: {', '.join(names)} returned per-step scores (a process reward), whose "
+                       f"per-token Δ is centred across a prompt's samples; train.samples_per_prompt = 1 makes it "
+                       f"0 for every token. Use train.samples_per_prompt >= 2 (algorithm.process_delta = "
+                       f"{ac.process_delta})")
     B, T = roll.mask.shape
     token_step = advantages.token_steps(token_texts(setup.tokenizer, roll, setup.limits.eos_id is not None),
                                         setup.task.step_delimiter, T)                  # (B, T)

@@ -329,3 +329,16 @@ def test_run_with_the_overlong_penalty_on_an_eos_task(tmp_path):
                                                     abs=1e-6)
     rollouts = read_jsonl(tmp_path / "long" / "rollouts.jsonl")
     assert rollouts and all(len(r["delta"]) == 4 for r in rollouts)
+
+
+def test_a_process_reward_with_one_sample_per_prompt_stops_with_a_clear_error(tmp_path, capsys):
+    # centred across a group of one, a process reward's per-token Δ is 0 everywhere: refused, not trained on
+    from rlvr import cli
+    from test_distributed import EXAMPLE, TINY
+
+    out = tmp_path / "run"
+    rc = cli.main(["train", str(EXAMPLE), "--out", str(out), *TINY, "--task.reward=position_per_token",
+                   "--algorithm.scheme=learned", "--train.samples_per_prompt=1", "--train.steps=2"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "position_per_token" in err and "train.samples_per_prompt = 1" in err and ">= 2" in err
