@@ -104,6 +104,9 @@ class Watch:
     flat_goal: float = 0.01
     goal_drop: float = 0.02
     saturated: float = 0.95
+    stuck_partial: float = 0.2
+    """Groups agreeing at one partial reward, as a fraction of all groups, that the "too easy" warning
+    names as well (the rest of the batch solved, these stuck: a token the policy no longer samples)."""
     window: int = 10
     cooldown: int = 100
     _rows: list = field(default_factory=list)
@@ -157,8 +160,16 @@ class Watch:
         kinds = {k: v for k, v in (("zero", zero), ("solved", solved), ("partial", partial)) if v is not None}
         top = max(kinds, key=kinds.get) if kinds else None
         if top == "solved" and solved >= 0.5 * agree:
+            stuck = ""
+            if partial is not None and partial >= self.stuck_partial:
+                value = self._recent("partial_reward")
+                stuck = (f"; but {partial:.0%} of groups agree at the same partial reward"
+                         f"{f' {value:.3g}' if value is not None else ''} without solving: the policy may have "
+                         f"stopped writing something those prompts need (no sample draws it, so nothing teaches "
+                         f"it back); see rollouts.jsonl, and keep every token in play with an entropy bonus "
+                         f"(algorithm.entropy_coef, e.g. 0.01) or more samples per prompt")
             return (f"{head}; most are fully solved: the training prompts are now too easy (use harder prompts, "
-                    f"or stop if eval/goal has reached its target)")
+                    f"or stop if eval/goal has reached its target){stuck}")
         if top == "partial" and partial >= 0.5 * agree:
             value = self._recent("partial_reward")
             return (f"{head}; most agree at the same partial reward{f' {value:.3g}' if value is not None else ''} "

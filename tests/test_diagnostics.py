@@ -204,6 +204,11 @@ def test_groups_agreeing_at_zero_full_and_partial_reward_get_different_warnings(
     assert "samples_per_prompt" in zero[0] and "dynamic_sampling" in zero[0]
     solved = first_warning(Watch(window=2), agreeing_row(solved=0.85, zero=0.05))
     assert "fully solved" in solved[0] and "too easy" in solved[0] and "samples_per_prompt" not in solved[0]
+    # mostly solved, but a third stuck at one partial reward (a digit the policy stopped writing): both said
+    mixed = first_warning(Watch(window=2), agreeing_row(solved=0.55, partial=0.35, partial_reward=0.8))
+    assert "fully solved" in mixed[0] and "35% of groups agree at the same partial reward 0.8" in mixed[0]
+    assert "entropy_coef" in mixed[0] and "rollouts.jsonl" in mixed[0]
+    assert "partial reward" not in solved[0]                 # 0 partial groups: the plain "too easy"
     partial = first_warning(Watch(window=2), agreeing_row(partial=0.9, partial_reward=0.05))
     assert "same partial reward 0.05 without solving the task" in partial[0]
     assert "more samples will not help" in partial[0] and "rollouts.jsonl" in partial[0] and "rlvr audit" in partial[0]
