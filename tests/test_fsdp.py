@@ -91,7 +91,10 @@ def test_two_fsdp2_learners_make_the_one_learner_update(ray_local, agg):
     assert s1["grad_norm"] > 0.05
     for (name, p1), p2 in zip(one.model.named_parameters(), two.model.parameters()):
         assert type(p2) is torch.nn.Parameter
-        torch.testing.assert_close(p1, p2, rtol=0, atol=1e-6, msg=f"{agg}: {name}")
+        # the moments agree to 1e-7 above; AdamW divides m by sqrt(v) + eps, which magnifies the reduce-scatter's
+        # different summation order on an element whose gradient is near 0 (seen: seq_sum_const, 1 element of
+        # 4096 off by 1.04e-6 of a weight of 0.063), hence 1e-4 of the weight beside the absolute 1e-6
+        torch.testing.assert_close(p1, p2, rtol=1e-4, atol=1e-6, msg=lambda m: f"{agg}: {name}: {m}")
     assert math.isclose(s1["loss"], s2["loss"], rel_tol=1e-5, abs_tol=1e-6)
     assert math.isclose(s1["grad_norm"], s2["grad_norm"], rel_tol=1e-5)
     assert s2["optimizer_steps"] == 2 and l2.sched.last_epoch == l1.sched.last_epoch == 2
