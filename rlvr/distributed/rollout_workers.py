@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from rlvr import sampling
-from rlvr.distributed import sync
+from rlvr.distributed.sync import actor_threads, full_state, load_weights, state_bytes, trainable_state
 from rlvr.rollout import Groups, merge, sample_and_score
 from rlvr.run import RunError
 
@@ -43,14 +43,14 @@ class RolloutWorker:
         from rlvr.reward_pool import open_pool
 
         self.setup = run.build(cfg, log=lambda *_: None)
-        sync.load_weights(self.setup.model, weights)
+        load_weights(self.setup.model, weights)
         self.version = version
         self._stack = contextlib.ExitStack()
         self.pool = self._stack.enter_context(open_pool(cfg.task, self.setup.task))
 
     def set_weights(self, version: int, weights: dict) -> int:
         """Load a sync (trainable parameters) and take its version."""
-        sync.load_weights(self.setup.model, weights)
+        load_weights(self.setup.model, weights)
         self.version = version
         return version
 
@@ -105,13 +105,13 @@ class RolloutWorkers:
         self.timeout = d.timeout_s
         self._actor = ray.remote(RolloutWorker).options(num_cpus=d.cpus_per_worker, num_gpus=d.gpus_per_worker,
                                                          max_restarts=0)
-        self._threads = sync.actor_threads(d.cpus_per_worker)
-        self._init_ref = ray.put(sync.full_state(policy))
+        self._threads = actor_threads(d.cpus_per_worker)
+        self._init_ref = ray.put(full_state(policy))
         self._latest_ref = None
         self._acks: list = []
         self.restarts = 0
         self.workers = [self._new() for _ in range(d.rollout_workers)]
-        self.sync_bytes = sync.state_bytes(sync.trainable_state(policy))
+        self.sync_bytes = state_bytes(trainable_state(policy))
 
     def _new(self, job: "Job | None" = None):
         """A fresh worker with the latest weights; given a `job`, with that job's weights first, so it can
@@ -170,7 +170,7 @@ class RolloutWorkers:
 
         t0 = time.perf_counter()
         self._check_acks()
-        self._latest_ref = ray.put(sync.trainable_state(policy))
+        self._latest_ref = ray.put(trainable_state(policy))
         self.version = version
         self._acks = [(i, w, w.set_weights.remote(version, self._latest_ref)) for i, w in enumerate(self.workers)]
         if wait:
