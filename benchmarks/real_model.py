@@ -30,8 +30,9 @@ Measured
    each library for ``--minutes`` of training (evaluation excluded), evaluated at step 0 and then
    every ``--eval-every`` minutes of training by the SAME evaluator (``rlvr.evaluate.evaluate`` on
    the library's live model, greedy, 200 prompts).
-3. A phase profile of one rlvr step (sampling prefill, decode, logp forward, backward, optimizer),
-   each against its bound on this machine: decode against memory bandwidth (weight bytes read per
+3. A phase profile of an rlvr step (sampling prefill, decode, logp forward, backward, optimizer),
+   timed ``--profile-reps`` times (the median of each phase is printed, with every timing), each
+   against its bound on this machine: decode against memory bandwidth (weight bytes read per
    decode step / the measured copy bandwidth of a large tensor copy; with 64 rows a decode step is
    usually compute-bound instead, so its bound is the larger of that and its FLOPs / the matmul
    rate, and both are printed), prefill, logp and backward
@@ -227,8 +228,21 @@ def trl_accuracy(model, setup, prompts: int) -> float:
 
 
 # ----------------------------------------------------------------------------- phase profile
-def phase_profile(run: RlvrRun, rate: float, bandwidth: float) -> list[dict]:
-    """Time each phase of one rlvr step on fresh prompts and set it against its bound."""
+def phase_profile(run: RlvrRun, rate: float, bandwidth: float, reps: int = 3) -> list[dict]:
+    """Time each phase of an rlvr step on fresh prompts `reps` times and keep each phase's median
+    (single timings on a shared 2-core machine vary by tens of percent), set against its bound."""
+    runs = [phase_times(run, rate, bandwidth, say=i == 0) for i in range(reps)]
+    out = []
+    for i, row in enumerate(runs[0]):
+        every = [r[i]["seconds"] for r in runs]
+        sec = statistics.median(every)
+        out.append(row | {"seconds": sec, "per_s": row["tokens_or_params"] / sec, "x_bound": sec / row["bound_s"],
+                          "all_seconds": every})
+    return out
+
+
+def phase_times(run: RlvrRun, rate: float, bandwidth: float, say: bool = False) -> list[dict]:
+    """One timing of each phase of an rlvr step (one optimizer step included) and its bound."""
     from rlvr import costs, sampling
     from rlvr.tokenizer import encode_example
 
@@ -245,8 +259,9 @@ def phase_profile(run: RlvrRun, rate: float, bandwidth: float) -> list[dict]:
         policy(ids, attention_mask=am, cache=policy.new_cache(P, Lp + MAX_NEW), logits_to_keep=1)
         prefill = time.perf_counter() - t
         t = time.perf_counter()
+        gens = sampling.prompt_generators(sampling.draw_base_seed(s.sample_gen), 0, P)  # as rlvr.rollout draws
         ro = sampling.generate(policy, prompts, samples_per_prompt=G, max_new_tokens=MAX_NEW, temperature=TEMPERATURE,
-                               eos_id=None, pad_id=pad, generator=s.sample_gen)
+                               eos_id=None, pad_id=pad, generators=gens)
         decode = time.perf_counter() - t - prefill
     T = ro.mask.shape[1]
     policy.train()
@@ -278,8 +293,9 @@ def phase_profile(run: RlvrRun, rate: float, bandwidth: float) -> list[dict]:
         ("backward", bwd, trained_tokens, bwd_flops / rate, "fp32 matmul rate"),
         ("optimizer", opt, trainable, 7 * 4 * trainable / bandwidth, "7 x 4 bytes per trainable parameter / bandwidth"),
     ]
-    print(f"  decode step: {weight_bytes / 2**20:,.0f} MiB of weights read = {weight_bytes / bandwidth * 1e3:.0f} ms at "
-          f"the copy bandwidth; {P * G * fwd_tok:.3g} FLOP = {P * G * fwd_tok / rate * 1e3:.0f} ms at the matmul rate")
+    if say:
+        print(f"  decode step: {weight_bytes / 2**20:,.0f} MiB of weights read = {weight_bytes / bandwidth * 1e3:.0f} ms at "
+              f"the copy bandwidth; {P * G * fwd_tok:.3g} FLOP = {P * G * fwd_tok / rate * 1e3:.0f} ms at the matmul rate")
     return [{"phase": name, "seconds": sec, "tokens_or_params": n, "per_s": n / sec, "bound_s": b,
              "bound_per_s": n / b, "x_bound": sec / b, "bound": what} for name, sec, n, b, what in rows]
 
@@ -357,12 +373,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1, help="1 = one dropped warm-up block of each library first")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--profile-reps", type=int, default=3, help="timings of each phase (the median is reported)")
     ap.add_argument("--quick", action="store_true", help="2 steps each, 20 held-out prompts, no warm-up")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
     a.curve_steps = 0
     if a.quick:
-        a.blocks, a.block_steps, a.warmup, a.eval_prompts, a.curve_steps = 1, 2, 0, 20, 2
+        a.blocks, a.block_steps, a.warmup, a.eval_prompts, a.curve_steps, a.profile_reps = 1, 2, 0, 20, 2, 1
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
 
@@ -378,10 +395,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{setup.limits.prompt_tokens} tokens", flush=True)
 
     print("phase profile of one rlvr step (P=8, G=8, 16 new tokens):", flush=True)
-    profile = phase_profile(probe, rate, bandwidth)
+    profile = phase_profile(probe, rate, bandwidth, a.profile_reps)
     for p in profile:
         print(f"  {p['phase']:<17} {p['seconds'] * 1e3:8.0f} ms  {p['per_s']:10,.0f}/s  bound {p['bound_s'] * 1e3:7.0f} ms "
-              f"({p['bound_per_s']:,.0f}/s)  {p['x_bound']:5.1f}x bound  [{p['bound']}]", flush=True)
+              f"({p['bound_per_s']:,.0f}/s)  {p['x_bound']:5.1f}x bound  [{p['bound']}]  "
+              f"(median of {', '.join(f'{x * 1e3:.0f}' for x in p['all_seconds'])} ms)", flush=True)
     del probe
 
     print(f"step time, alternated ({a.blocks} rounds of {a.block_steps} steps{', after a warm-up block' if a.warmup else ''}):",

@@ -285,6 +285,34 @@ def test_two_learners_make_the_one_learner_update(ray_local, agg):
     assert s2["optimizer_steps"] == 2
 
 
+def test_a_learner_group_that_fails_to_start_leaves_no_process_group(ray_local, monkeypatch):
+    """A rank lost during the start (here: the wait for the other ranks' join fails) ends in a RunError
+    with this process's process group destroyed and the actors gone, so a later group can start."""
+    import torch.distributed as dist
+
+    from rlvr.run import RunError
+
+    cfg = tiny_cfg("--distributed.learners=2")
+    setup = run.build(cfg)
+    started = []
+
+    def lost(self, refs, what):
+        started.append((dist.is_initialized(), len(self.actors)))
+        raise RunError(f"the learner group lost a rank during the {what}")
+
+    monkeypatch.setattr(learners_mod.LearnerGroup, "_wait", lost)
+    with pytest.raises(RunError, match="during the start"):
+        learners_mod.LearnerGroup(cfg, new_learner(setup))
+    assert started == [(True, 1)]                        # it had joined rank 0 and started one actor
+    assert not dist.is_initialized()
+    monkeypatch.undo()
+    group = learners_mod.LearnerGroup(cfg, new_learner(run.build(cfg)))
+    try:
+        assert group.learn(_uneven_batch(setup))["optimizer_steps"] == 1
+    finally:
+        group.close()
+
+
 def _cli_train(out: Path, *overrides: str) -> list[dict]:
     from rlvr import cli
 
@@ -386,3 +414,26 @@ def test_two_learners_on_a_hugging_face_model(ray_local, tmp_path, lora):
             moved += 1
             torch.testing.assert_close(p1.grad, p2.grad, rtol=1e-5, atol=1e-7, msg=name)
     assert moved
+
+
+def test_tempered_inverse_cdf_by_hand():
+    """softmax([log .2, log .3, log .5] / 1) = (.2, .3, .5): cdf .2, .5, 1.0; temperature 0.5 squares
+    and renormalises: (.04, .09, .25) / .38. The log-probs are the log-softmax's at the chosen token."""
+    logits = torch.tensor([[0.2, 0.3, 0.5]]).log().expand(4, 3)
+    u = torch.tensor([0.1, 0.2, 0.6, 0.999999])
+    tok, lp = sampling.tempered_inverse_cdf(logits, 1.0, u)
+    assert tok.tolist() == [0, 1, 2, 2]
+    torch.testing.assert_close(lp, torch.tensor([0.2, 0.3, 0.5, 0.5]).log(), rtol=0, atol=1e-6)
+    tok, lp = sampling.tempered_inverse_cdf(logits, 0.5, torch.tensor([0.1, 0.2, 0.4, 0.9]))
+    assert tok.tolist() == [0, 1, 2, 2]                     # cdf .105, .342, 1.0
+    torch.testing.assert_close(lp, (torch.tensor([0.04, 0.09, 0.25, 0.25]) / 0.38).log(), rtol=0, atol=1e-6)
+    # a last token whose probability underflows to 0 is never drawn, even at u just below 1
+    tok, _ = sampling.tempered_inverse_cdf(torch.tensor([[0.0, 0.0, -1e4]]), 1.0, torch.tensor([1 - 2 ** -24]))
+    assert tok.tolist() == [1]
+    # the same draws as inverse_cdf_sample on the normalised probabilities
+    z = torch.randn(64, 50, generator=torch.Generator().manual_seed(0)) * 3
+    u = torch.rand(64, generator=torch.Generator().manual_seed(1))
+    tok, lp = sampling.tempered_inverse_cdf(z, 0.7, u)
+    want = torch.log_softmax(z / 0.7, -1)
+    assert torch.equal(tok, sampling.inverse_cdf_sample(want.exp(), u))
+    torch.testing.assert_close(lp, want.gather(1, tok[:, None]).squeeze(1), rtol=0, atol=1e-5)

@@ -411,6 +411,10 @@ def test_fast_cached_decoding_matches_transformers(fast_variant, attention_kind)
             parts.append(policy(steps[:, t:t + 1], attention_mask=step_am[:, t:t + 1], cache=cache))
         stepped = torch.cat(parts, 1)                                         # (B, T, V): logits at Lp-1 ...
         assert torch.isfinite(stepped).all()
+        # without gradient the cache writes in place: every layer's keys are the first columns of one
+        # buffer allocated at prefill (repeated once for the G rows), so a decode step copies one column
+        assert all(k.data_ptr() == buf.data_ptr() and buf.size(2) == cache.max_len
+                   for k, buf in zip(cache.k, cache._kbuf))
         with transformers_path(policy):
             full = policy(ids, attention_mask=am)
             hf_cache = policy.new_cache(pids.size(0), ids.size(1))
@@ -440,7 +444,7 @@ def test_fast_generate_and_shared_prompt_grads_match_transformers(fast_variant, 
     G = 3
     roll = sampling.generate(policy, prompts, samples_per_prompt=G, max_new_tokens=5, temperature=temperature,
                              top_p=top_p, eos_id=tok.eos_id, pad_id=tok.pad_id,
-                             generator=torch.Generator().manual_seed(0))
+                             generators=sampling.prompt_generators(0, 0, len(prompts)))  # as rlvr.rollout
     with torch.no_grad(), transformers_path(policy):
         lp_slow = sampling.sequence_token_logprobs(policy, roll)
     torch.testing.assert_close(roll.logp, lp_slow, atol=1e-5, rtol=0)
@@ -517,3 +521,25 @@ def test_fast_bf16_close_to_transformers(tmp_path):
         fast, slow = _both(policy, lambda: policy(ids, attention_mask=am))
     assert fast.dtype == torch.float32 and torch.isfinite(fast).all()
     torch.testing.assert_close(fast[am.bool()], slow[am.bool()], atol=2e-2, rtol=0)
+
+
+def test_lean_norm_and_chunked_head_equal_the_modules(monkeypatch, fast_variant):
+    """The fused RMSNorm gives the module's numbers; the output head in vocabulary blocks (taken only
+    without gradient, few rows, no autocast) gives the Linear's, and with gradient the Linear itself."""
+    import rlvr.models.lean_llama as lean
+
+    _, policy, _ = fast_variant
+    hf = policy._hf_model()
+    h = torch.randn(5, 3, hf.config.hidden_size)
+    norm = hf.model.norm
+    assert torch.equal(lean.rms_norm(norm, h), norm(h))
+    hb = h.bfloat16()                                             # not float32: the module itself
+    assert torch.equal(lean.rms_norm(norm.bfloat16(), hb), norm(hb))
+    norm.float()
+    monkeypatch.setattr(lean, "HEAD_CHUNK", 7)                    # uneven blocks over the vocabulary
+    head = hf.lm_head
+    with torch.no_grad():
+        torch.testing.assert_close(lean.output_head(head, h), head(h), atol=1e-6, rtol=0)
+    hg = h.clone().requires_grad_()
+    out = lean.output_head(head, hg)
+    assert out.grad_fn is not None and out.grad_fn.name() == head(hg).grad_fn.name()

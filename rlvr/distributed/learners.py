@@ -208,20 +208,25 @@ class LearnerGroup:
         self.fsdp = d.sharding == "fsdp2"
         actor = ray.remote(LearnerActor).options(num_cpus=d.cpus_per_worker, num_gpus=d.gpus_per_worker)
         self.actors = [actor.remote(cfg, actor_threads(d.cpus_per_worker)) for _ in range(self.world - 1)]
-        init = free_address()
-        state = learner_state(learner)
-        ref = ray.put(state)
-        joins = [a.join.remote(ref, r + 1, self.world, init, self.timeout) for r, a in enumerate(self.actors)]
-        if self.fsdp:
-            init_group(next(iter(learner.policy.parameters())).device, 0, self.world, init, self.timeout)
-            self.train = fsdp.sharded_learner(copy.deepcopy(learner.policy), cfg, state, learner.generator,
-                                              learner.max_len, learner.flops, autocast=learner.autocast)
-            self.model = self.train.policy
-            learner.opt, learner.sched = fsdp.GatheredOptimizer(self.full_optimizer_state, self.train.opt), self.train.sched
-        else:
-            self.train, self.model = learner, join_group(learner, 0, self.world, init, self.timeout)
-        del state
-        self._wait(joins, "start")
+        try:     # a failed start leaves no process group or actor behind (the caller gets no object to close)
+            init = free_address()
+            state = learner_state(learner)
+            ref = ray.put(state)
+            joins = [a.join.remote(ref, r + 1, self.world, init, self.timeout) for r, a in enumerate(self.actors)]
+            if self.fsdp:
+                init_group(next(iter(learner.policy.parameters())).device, 0, self.world, init, self.timeout)
+                self.train = fsdp.sharded_learner(copy.deepcopy(learner.policy), cfg, state, learner.generator,
+                                                  learner.max_len, learner.flops, autocast=learner.autocast)
+                self.model = self.train.policy
+                learner.opt = fsdp.GatheredOptimizer(self.full_optimizer_state, self.train.opt)
+                learner.sched = self.train.sched
+            else:
+                self.train, self.model = learner, join_group(learner, 0, self.world, init, self.timeout)
+            del state
+            self._wait(joins, "start")
+        except BaseException:
+            self.close()
+            raise
 
     def _wait(self, refs: list, what: str):
         """ray.get(refs) within the timeout; a lost rank is a RunError that says to resume."""
