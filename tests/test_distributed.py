@@ -343,9 +343,9 @@ def test_bounded_staleness_overlaps_and_logs_its_correction(ray_local, tmp_path)
         assert "train/is_truncated_frac" in r and "train/clip_frac" in r
 
 
-def test_a_rank_without_groups_adds_nothing(ray_local):
-    # dynamic sampling may keep fewer groups than there are ranks: rank 1 runs one group at weight 0
-    cfg = tiny_cfg("--distributed.learners=2")
+def one_group_for_two_ranks(cfg) -> None:
+    """One group for a two-rank learner group (dynamic sampling may keep so few): the group's update
+    equals one process's, rank 1 taking part at weight 0."""
     one, two = run.build(cfg), run.build(cfg)
     l1, l2 = new_learner(one), new_learner(two)
     full, G = _uneven_batch(one), cfg.train.samples_per_prompt
@@ -359,6 +359,10 @@ def test_a_rank_without_groups_adds_nothing(ray_local):
         group.close()
     for p1, p2 in zip(one.model.parameters(), two.model.parameters()):
         torch.testing.assert_close(p1, p2, rtol=0, atol=1e-6)
+
+
+def test_a_rank_without_groups_adds_nothing(ray_local):
+    one_group_for_two_ranks(tiny_cfg("--distributed.learners=2"))
 
 
 def test_two_batches_in_flight_make_the_staleness_two(ray_local, tmp_path):

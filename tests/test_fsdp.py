@@ -18,9 +18,9 @@ from safetensors.torch import load_file
 from rlvr import config as config_mod, losses, run
 from rlvr.distributed import fsdp, learners as learners_mod
 from rlvr.learn import learn
-from rlvr.rollout import Batch
 
-from test_distributed import EXAMPLE, TINY, _cli_train, _uneven_batch, new_learner, ray_local, tiny_cfg  # noqa: F401
+from test_distributed import (EXAMPLE, TINY, _cli_train, _uneven_batch, new_learner, one_group_for_two_ranks,  # noqa: F401
+                              ray_local, tiny_cfg)
 
 FSDP = ["--distributed.learners=2", "--distributed.sharding=fsdp2"]
 
@@ -105,20 +105,7 @@ def test_two_fsdp2_learners_make_the_one_learner_update(ray_local, agg):
 def test_an_fsdp2_rank_without_groups_adds_nothing(ray_local):
     # one group for two ranks (dynamic sampling may keep so few): rank 1 runs it at weight 0, since the
     # sharded forward and backward are collectives every rank must join
-    cfg = tiny_cfg(*FSDP)
-    one, two = run.build(cfg), run.build(cfg)
-    l1, l2 = new_learner(one), new_learner(two)
-    full, G = _uneven_batch(one), cfg.train.samples_per_prompt
-    kept = full.groups.select(torch.tensor([0]), G)
-    batch = Batch(kept, [kept], full.delta[:1], full.logp_old[:G], None, 0)
-    learn(l1, copy.deepcopy(batch))
-    group = learners_mod.LearnerGroup(cfg, l2)
-    try:
-        group.learn(batch)
-    finally:
-        group.close()
-    for p1, p2 in zip(one.model.parameters(), two.model.parameters()):
-        torch.testing.assert_close(p1, p2, rtol=0, atol=1e-6)
+    one_group_for_two_ranks(tiny_cfg(*FSDP))
 
 
 @pytest.mark.parametrize("lora", [0, 4])
