@@ -89,12 +89,14 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
         task = load_task(cfg.task.path, **cfg.task.options)
         weights = run.reward_weights(cfg, task)
         limits = run.limits(cfg, task, tok, model)
+        numerics = run.eval_numerics(cfg, model, run_dir)
         with open_pool(cfg.task, task) as pool:
             res = evaluate(model, tok, task, reward_weights=weights, limits=limits,
                            prompts=args.prompts if args.prompts is not None else cfg.eval.prompts,
                            batch_size=cfg.eval.batch_size, pass_k=cfg.eval.pass_k,
                            pass_k_prompts=cfg.eval.pass_k_prompts, temperature=cfg.sampling.temperature,
-                           top_p=cfg.sampling.top_p, seed=cfg.train.seed, pool=pool)
+                           top_p=cfg.sampling.top_p, seed=cfg.train.seed, pool=pool, autocast=numerics.context)
+        res["numerics"] = numerics.describe()
     except (config.ConfigError, run.RunError, TaskError, RewardPoolError, StateError) as e:
         return _fail(str(e))
     print(json.dumps({f"eval/{k}": v for k, v in res.items()}, indent=2))

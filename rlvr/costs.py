@@ -20,7 +20,8 @@ at the model's maximum context. Memory of the copies held:
 the policy, AdamW's two fp32 moments, a reference policy only when the KL term is on, and the stored
 old log-probs (P*G*T floats) that stand in for a π_old snapshot.
 
-Wall time: FLOPs per run / a measured fp32 matmul rate (rlvr.run.matmul_rate). A lower bound:
+Wall time: FLOPs per run / a measured fp32 matmul rate (rlvr.run.matmul_rate; under bf16 autocast
+chosen by model.autocast = auto, that rate x the measured bf16 speed-up). A lower bound:
 sampling decodes one token at a time, so it is bound by memory bandwidth and per-token overhead,
 and a small model's products run far below the rate of the large square products measured.
 
@@ -199,7 +200,10 @@ class Price:
     reference_bytes: int
     logp_old_bytes: int
     matmul_flops_per_s: float = 0.0
-    """Measured fp32 matmul rate of this machine; 0 = not measured (no wall-time estimate)."""
+    """Matmul rate of this machine under the run's numerics (see `matmul_kind`); 0 = not measured."""
+    matmul_kind: str = "fp32"
+    """"fp32": the measured fp32 rate; "bf16 autocast": that rate x the fp32 / bf16 time of
+    model.autocast = auto's probe product (the run computes under bf16)."""
     threads: int = 0
     """torch threads the rate was measured with."""
     wall_seconds_estimate: float = 0.0
@@ -271,7 +275,7 @@ class Price:
         worst = (f" ({self.wall_seconds_estimate * self.sampling_rounds:,.1f} s in the worst case of dynamic sampling)"
                  if self.sampling_rounds > 1 else "")
         return (f"price: wall time >= {self.wall_seconds_estimate:,.1f} s{worst} on this machine "
-                f"({self.flops_per_run:.3g} FLOP at a measured fp32 matmul rate of "
+                f"({self.flops_per_run:.3g} FLOP at a measured {self.matmul_kind} matmul rate of "
                 f"{self.matmul_flops_per_s / 1e9:.1f} GFLOP/s with {self.threads} threads); a lower bound: "
                 f"sampling is bound by memory bandwidth and per-token overhead, not by matmul speed")
 
@@ -363,6 +367,7 @@ def price(
     export_copy: bool = False,
     recompute_logp_old: bool = False,
     numerics: str = "",
+    matmul_kind: str = "fp32",
 ) -> Price:
     """Price a run from its shape; refuses, naming the number, when one it needs is missing.
 
@@ -374,7 +379,8 @@ def price(
     `shape` (with `baseline_bytes`, `logprob_chunk_rows`, `eval_rows` rows decoded together in
     evaluation, `export_copy` when export merges LoRA into a copy) adds the predicted memory peak
     (`memory`); without it the memory fields stay 0. `recompute_logp_old` (algorithm.logp_old =
-    recompute) adds one log-prob forward per batch; `numerics` is the model.autocast line.
+    recompute) adds one log-prob forward per batch; `numerics` is the model.autocast line and
+    `matmul_kind` what `matmul_flops_per_s` measures ("fp32", or "bf16 autocast").
     """
     _check_counts(max_new_tokens=max_new_tokens, n_params=n_params, prompts_per_step=prompts_per_step,
                   samples_per_prompt=samples_per_prompt, steps=steps, epochs_per_batch=epochs_per_batch,
@@ -415,6 +421,6 @@ def price(
         reference_bytes=policy if has_reference and not reference_is_adapter_off else 0,
         logp_old_bytes=per_batch * 4, matmul_flops_per_s=float(matmul_flops_per_s), threads=threads,
         wall_seconds_estimate=flops_per_run / matmul_flops_per_s if matmul_flops_per_s > 0 else 0.0,
-        flops_logp_old_per_batch=float(old_fwd * fwd), numerics=numerics,
+        flops_logp_old_per_batch=float(old_fwd * fwd), numerics=numerics, matmul_kind=matmul_kind,
         **extra,
     )

@@ -197,6 +197,12 @@ class Numerics:
         """The context the policy's forwards run in (a new one per call)."""
         return autocast_context(self.bf16, self.device_type)
 
+    def matmul_speedup(self) -> float:
+        """fp32 time / bf16 time of the probe product when auto measured and chose bf16 (the price's
+        wall-time estimate scales the fp32 matmul rate by it); 1.0 otherwise (fp32, or bf16 forced
+        without a measurement: the estimate then keeps the fp32 rate)."""
+        return self.fp32_s / self.bf16_s if self.bf16 and self.fp32_s > 0 and self.bf16_s > 0 else 1.0
+
     def describe(self) -> str:
         """One line for the price: what was chosen and why, with both measured times."""
         what = "bf16 autocast" if self.bf16 else "fp32"
@@ -215,6 +221,17 @@ def choose_numerics(mode: str, device: torch.device, shape: tuple[int, int, int]
         return Numerics(mode == "bf16", mode, device.type)
     fp32_s, bf16_s = autocast_timings(device, *shape)
     return Numerics(fp32_s >= AUTOCAST_MIN_SPEEDUP * bf16_s, mode, device.type, fp32_s, bf16_s, tuple(shape))
+
+
+def eval_numerics(cfg: config_mod.Config, model: Policy, run_dir: Path) -> Numerics:
+    """What `rlvr eval` samples a finished run's model under: the decision the run recorded when it
+    started (model.autocast = auto; its price.json), so the evaluation computes as the run's own
+    evaluations did; else model.autocast as configured (auto measured now)."""
+    from rlvr.rundir import RunDir
+
+    device = next(iter(model.parameters())).device
+    recorded = RunDir(run_dir).recorded_autocast() if cfg.model.autocast == "auto" else None
+    return choose_numerics(recorded or cfg.model.autocast, device, probe_shape(model, device))
 
 
 def probe_shape(model: Policy, device: torch.device) -> tuple[int, int, int]:
@@ -384,7 +401,8 @@ def price_of(setup: Setup, rate: float | None = None) -> costs.Price:
         bytes_per_param=bytes_per_param,
         flops_fwd_per_token=fwd, flops_train_per_token=trn,
         sampling_rounds=cfg.algorithm.dynamic_sampling_rounds if cfg.algorithm.dynamic_sampling else 1,
-        matmul_flops_per_s=matmul_rate(setup.device) if rate is None else rate, threads=torch.get_num_threads(),
+        matmul_flops_per_s=(matmul_rate(setup.device) if rate is None else rate) * setup.numerics.matmul_speedup(),
+        matmul_kind="bf16 autocast" if setup.numerics.matmul_speedup() != 1.0 else "fp32", threads=torch.get_num_threads(),
         shape=model_shape(model) if on_cpu else None, baseline_bytes=baseline,
         logprob_chunk_rows=cfg.model.logprob_chunk_rows, eval_rows=eval_rows(setup),
         export_copy=model.has_adapter, recompute_logp_old=cfg.algorithm.logp_old == "recompute",

@@ -124,6 +124,12 @@ def test_build_measures_the_models_own_shape_and_the_price_records_the_choice(mo
     assert price.numerics.startswith("bf16 autocast (model.autocast = auto: bf16 3.00x fp32 here, 1 ms against 3 ms")
     assert f"price: numerics: {price.numerics}" in price.lines()
     assert price.to_dict()["numerics"] == price.numerics
+    # the wall-time estimate runs at the bf16 rate: the fp32 rate x the measured 3x
+    assert price.matmul_flops_per_s == 3e9 and price.matmul_kind == "bf16 autocast"
+    assert price.wall_seconds_estimate == price.flops_per_run / 3e9
+    assert "at a measured bf16 autocast matmul rate of 3.0 GFLOP/s" in price.wall_line()
+    forced = run.price_of(tiny_setup("--model.autocast=bf16"), rate=1e9)   # not measured: the fp32 rate
+    assert forced.matmul_flops_per_s == 1e9 and "measured fp32 matmul rate" in forced.wall_line()
 
 
 def test_the_measurement_returns_both_times_once_per_process(monkeypatch):
@@ -391,3 +397,34 @@ def test_a_resumed_auto_run_keeps_the_numerics_it_started_with(tmp_path, monkeyp
     assert json.loads((out / "price.json").read_text())["numerics"] == "bf16 autocast (model.autocast = bf16)"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [r["step"] for r in rows if "train/reward" in r] == [1, 2, 3]
+
+
+def test_rlvr_eval_samples_under_the_runs_recorded_numerics(tmp_path, monkeypatch, capsys):
+    # an auto run that chose bf16 is evaluated under bf16 by `rlvr eval` without measuring again; a run
+    # configured off is evaluated in fp32
+    from rlvr import cli, evaluate as evaluate_mod
+
+    seen = []
+    original = evaluate_mod.sample_and_score
+
+    def recording(*a, autocast, **kw):
+        with autocast():
+            seen.append(torch.is_autocast_enabled("cpu"))
+        return original(*a, autocast=autocast, **kw)
+
+    monkeypatch.setattr(run, "autocast_timings", lambda device, *shape, **kw: (3e-3, 1e-3))
+    for mode, want in (("auto", True), ("off", False)):
+        out = tmp_path / mode
+        assert cli.main(["train", str(EXAMPLE), "--out", str(out), *TINY, "--train.steps=1",
+                         f"--model.autocast={mode}"]) == 0
+        monkeypatch.setattr(run, "autocast_timings", lambda *a, **kw: (_ for _ in ()).throw(AssertionError("measured")))
+        monkeypatch.setattr(evaluate_mod, "sample_and_score", recording)
+        seen.clear()
+        capsys.readouterr()
+        assert cli.main(["eval", str(out), "--prompts", "4"]) == 0
+        res = json.loads(capsys.readouterr().out)
+        assert seen and all(s == want for s in seen), mode
+        assert res["eval/numerics"] == ("bf16 autocast (model.autocast = bf16)" if want else
+                                        "fp32 (model.autocast = off)")
+        monkeypatch.setattr(evaluate_mod, "sample_and_score", original)
+        monkeypatch.setattr(run, "autocast_timings", lambda device, *shape, **kw: (3e-3, 1e-3))
