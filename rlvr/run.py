@@ -78,18 +78,65 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def oversubscribed(threads: int, load: float, cores: int) -> str | None:
-    """The warning when `threads` more busy threads on top of a 1-minute load average of `load`
-    exceed `cores` by more than one core, else None. Two threads on two cores that another process
-    keeps busy ran 15-50x slower a step than one thread (the threads wait for each other at every
-    matmul). The allowance of one core: the load average also counts this process's own start-up
-    (the matmul-rate probe, building the model): 0.8 was read on an otherwise idle 2-core machine."""
-    if load + threads <= cores + 1:
+def oversubscribed(threads: int, load: float, cores: int, what: str | None = None,
+                   allowance: float = 1.0) -> str | None:
+    """The warning when `threads` more busy threads on top of `load` busy cores exceed `cores` by more
+    than `allowance`, else None; `what` says how `load` was measured (default: the 1-minute load
+    average). Two threads on two cores that another process keeps busy ran 15-50x slower a step than
+    one thread (the threads wait for each other at every matmul). The load average's allowance is
+    one core, since it also counts this process's own start-up (the matmul-rate probe, building the
+    model: 0.8 was read on an otherwise idle 2-core machine); a direct measurement that leaves this
+    process out needs only half a core."""
+    if load + threads <= cores + allowance:
         return None
     fix = (f"lower train.threads (e.g. --train.threads={max(1, int(cores - load))}) or stop the other job"
            if threads > 1 else "stop the other job (this run already uses one thread)")
-    return (f"the machine is oversubscribed: 1-minute load average {load:.1f} + this run's {threads} threads "
+    what = what or f"1-minute load average {load:.1f}"
+    return (f"the machine is oversubscribed: {what} + this run's {threads} threads "
             f"> {cores} cores, so steps may run many times slower; {fix}")
+
+
+def busy_cores(stat0: str, stat1: str, own_s: float, wall_s: float, hz: int) -> float:
+    """Cores kept busy by other processes between two readings of /proc/stat's first ("cpu") line:
+    busy time (all fields but idle and iowait; guest time is inside user) over the interval, less
+    `own_s` seconds of this process's CPU time, divided by the `wall_s` the interval lasted."""
+    def busy(line: str) -> int:
+        v = [int(x) for x in line.split()[1:9]]             # user nice system idle iowait irq softirq steal
+        return sum(v) - v[3] - v[4]
+    return max(0.0, ((busy(stat1) - busy(stat0)) / hz - own_s) / wall_s)
+
+
+PROC_STAT = "/proc/stat"
+"""Where `_proc_stat_busy` reads the machine's CPU times (Linux)."""
+
+
+def _proc_stat_busy(interval: float = 0.25) -> float | None:
+    """`busy_cores` over `interval` seconds from now; None (at once) where `PROC_STAT` cannot be read."""
+    try:
+        def reading() -> tuple[str, float, float]:
+            with open(PROC_STAT) as f:
+                return f.readline(), time.process_time(), time.monotonic()
+        (s0, p0, t0) = reading()
+        time.sleep(interval)
+        (s1, p1, t1) = reading()
+        return busy_cores(s0, s1, p1 - p0, t1 - t0, os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+def busy_elsewhere(interval: float = 0.25) -> tuple[float, str, float] | None:
+    """(cores other processes keep busy, how that was measured, the allowance `oversubscribed` gives it):
+    /proc/stat over `interval` seconds less this process's own CPU time where there is one (a job that
+    ended seconds ago no longer counts), else the 1-minute load average (which does, for up to a
+    minute); None where neither exists."""
+    now = _proc_stat_busy(interval)
+    if now is not None:
+        return now, f"other processes kept {now:.1f} cores busy over the last {interval:g} s", 0.5
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+    return load, f"1-minute load average {load:.1f}", 1.0
 
 
 def set_threads(cfg: config_mod.Config) -> tuple[int, str | None]:
@@ -98,11 +145,11 @@ def set_threads(cfg: config_mod.Config) -> tuple[int, str | None]:
     cores = usable_cores()
     threads = cfg.train.threads or cores
     torch.set_num_threads(threads)
-    try:
-        load = os.getloadavg()[0]
-    except (AttributeError, OSError):  # no load average on this platform: nothing to warn about
+    busy = busy_elsewhere()
+    if busy is None:  # nothing measured on this platform: nothing to warn about
         return threads, None
-    return threads, oversubscribed(threads, load, cores)
+    load, what, allowance = busy
+    return threads, oversubscribed(threads, load, cores, what, allowance)
 
 
 _MATMUL_RATES: dict[tuple[str, int], float] = {}

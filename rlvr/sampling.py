@@ -195,21 +195,6 @@ def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.where(probs.gather(1, tok.unsqueeze(1)).squeeze(1) > 0, tok, probs.argmax(-1))
 
 
-def tempered_inverse_cdf(logits: torch.Tensor, temperature: float, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, V) logits, temperature > 0, (B,) uniforms in [0, 1) -> ((B,) tokens, (B,) their log-probs
-    under softmax(logits / temperature)): ``inverse_cdf_sample`` of that softmax and the gather of
-    its log-softmax, in fewer passes over V (no normalised copy: the unnormalised cumulative mass is
-    compared with u · total). The target u · total is kept strictly below the total, so the chosen
-    token's mass is > 0 (never a token whose probability underflowed to 0)."""
-    z = logits.float() / temperature                                          # (B, V)
-    m = z.amax(-1, keepdim=True)                                              # (B, 1)
-    cdf = (z - m).exp_().cumsum_(-1)                                          # (B, V) unnormalised
-    total = cdf[:, -1:]                                                       # (B, 1) >= 1
-    x = torch.minimum(u.unsqueeze(1).to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
-    tok = torch.searchsorted(cdf, x, right=True)                              # (B, 1) < V
-    return tok.squeeze(1), (z.gather(1, tok) - m - total.log()).squeeze(1)
-
-
 def _prompt_noise(generators: list[torch.Generator] | None, P: int, G: int, T: int, device) -> torch.Tensor | None:
     """(B, T) uniforms, prompt p's G rows drawn from generators[p]; None without generators."""
     if generators is None:
@@ -231,8 +216,6 @@ def _next_tokens(logprobs: torch.Tensor, temperature: float, generator, noise_t:
 def _draw(logits: torch.Tensor, temperature: float, top_p: float, generator,
           noise_t: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, V) logits -> ((B,) next tokens, (B,) their log-probs under the sampling distribution)."""
-    if noise_t is not None and temperature > 0 and top_p >= 1.0:  # the common case, in fewer passes
-        return tempered_inverse_cdf(logits, temperature, noise_t)
     logprobs = sampling_logprobs(logits, temperature, top_p)                  # (B, V)
     tok = _next_tokens(logprobs, temperature, generator, noise_t)             # (B,)
     return tok, logprobs.gather(1, tok.unsqueeze(1)).squeeze(1)

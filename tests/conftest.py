@@ -12,7 +12,10 @@ def quiet_machine():
     """A run warns when the machine is oversubscribed (rlvr.run.set_threads); tests see a quiet
     machine, so what a run writes does not depend on the load of the machine running the tests
     (tests/test_threads.py sets the load it needs). Session-wide, so module-scoped runs see it too."""
+    from rlvr import run
+
     with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(run, "PROC_STAT", "/nonexistent/proc/stat")   # no direct measurement: the load average below
         mp.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
         yield
 

@@ -419,25 +419,3 @@ def test_two_learners_on_a_hugging_face_model(ray_local, tmp_path, lora):
             torch.testing.assert_close(p1.grad, p2.grad, rtol=1e-5, atol=1e-7, msg=name)
     assert moved
 
-
-def test_tempered_inverse_cdf_by_hand():
-    """softmax([log .2, log .3, log .5] / 1) = (.2, .3, .5): cdf .2, .5, 1.0; temperature 0.5 squares
-    and renormalises: (.04, .09, .25) / .38. The log-probs are the log-softmax's at the chosen token."""
-    logits = torch.tensor([[0.2, 0.3, 0.5]]).log().expand(4, 3)
-    u = torch.tensor([0.1, 0.2, 0.6, 0.999999])
-    tok, lp = sampling.tempered_inverse_cdf(logits, 1.0, u)
-    assert tok.tolist() == [0, 1, 2, 2]
-    torch.testing.assert_close(lp, torch.tensor([0.2, 0.3, 0.5, 0.5]).log(), rtol=0, atol=1e-6)
-    tok, lp = sampling.tempered_inverse_cdf(logits, 0.5, torch.tensor([0.1, 0.2, 0.4, 0.9]))
-    assert tok.tolist() == [0, 1, 2, 2]                     # cdf .105, .342, 1.0
-    torch.testing.assert_close(lp, (torch.tensor([0.04, 0.09, 0.25, 0.25]) / 0.38).log(), rtol=0, atol=1e-6)
-    # a last token whose probability underflows to 0 is never drawn, even at u just below 1
-    tok, _ = sampling.tempered_inverse_cdf(torch.tensor([[0.0, 0.0, -1e4]]), 1.0, torch.tensor([1 - 2 ** -24]))
-    assert tok.tolist() == [1]
-    # the same draws as inverse_cdf_sample on the normalised probabilities
-    z = torch.randn(64, 50, generator=torch.Generator().manual_seed(0)) * 3
-    u = torch.rand(64, generator=torch.Generator().manual_seed(1))
-    tok, lp = sampling.tempered_inverse_cdf(z, 0.7, u)
-    want = torch.log_softmax(z / 0.7, -1)
-    assert torch.equal(tok, sampling.inverse_cdf_sample(want.exp(), u))
-    torch.testing.assert_close(lp, want.gather(1, tok[:, None]).squeeze(1), rtol=0, atol=1e-5)

@@ -69,6 +69,52 @@ def test_explicit_threads_win_and_warn_on_a_busy_machine(monkeypatch):
     assert threads == 2 and "+ this run's 2 threads > 2 cores" in busy
 
 
+def test_busy_cores_by_hand():
+    # 100 jiffies a second; over 0.5 s the busy fields grew by 150 jiffies (1.5 s of CPU time), of which
+    # this process used 0.5 s: other processes kept (1.5 - 0.5) / 0.5 = 2 cores busy; idle and iowait
+    # (fields 4 and 5) do not count
+    s0 = "cpu  1000 10 200 5000 50 5 5 0 0 0"
+    s1 = "cpu  1100 10 240 5900 90 10 10 0 0 0"
+    assert run.busy_cores(s0, s1, own_s=0.5, wall_s=0.5, hz=100) == 2.0
+    assert run.busy_cores(s0, s0, own_s=0.1, wall_s=0.5, hz=100) == 0.0      # never below 0
+
+
+def test_the_direct_measurement_is_used_when_there_is_one(monkeypatch):
+    machine(monkeypatch, cores=2, load=5.0)          # a load average still counting a job that just ended
+    monkeypatch.setattr(run, "_proc_stat_busy", lambda interval=0.25: 0.1)
+    assert run.set_threads(cfg_with(0)) == (2, None)
+    monkeypatch.setattr(run, "_proc_stat_busy", lambda interval=0.25: 1.0)   # a job running now
+    threads, busy = run.set_threads(cfg_with(0))
+    assert threads == 2 and "other processes kept 1.0 cores busy over the last 0.25 s + this run's 2 threads" in busy
+    # 0.6 other cores + 2 threads > 2 cores + half a core (this process is left out of the measurement)
+    assert run.oversubscribed(2, 0.6, 2, "x", 0.5) is not None and run.oversubscribed(2, 0.4, 2, "x", 0.5) is None
+
+
+def test_the_measurement_leaves_this_process_out(monkeypatch):
+    # this process spins for the whole interval in another thread: other processes are not charged for it
+    import threading
+
+    monkeypatch.setattr(run, "PROC_STAT", "/proc/stat")
+    if not Path("/proc/stat").is_file():
+        pytest.skip("no /proc/stat on this platform")
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            pass
+
+    t = threading.Thread(target=spin)
+    base = run._proc_stat_busy(0.3)
+    t.start()
+    try:
+        spinning = run._proc_stat_busy(0.3)
+    finally:
+        stop.set()
+        t.join()
+    assert base is not None and spinning is not None
+    assert spinning < base + 0.5                     # the spinning core (1.0) is this process's own
+
+
 def test_no_load_average_no_warning(monkeypatch):
     machine(monkeypatch, cores=2, load=0.0)
 
