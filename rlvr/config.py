@@ -234,7 +234,8 @@ class TrainConfig:
     """One seed for everything: initialisation, prompt order, sampling."""
     threads: int = 0
     """torch intra-op threads; 0 = the cores this process may use. The run warns before step 1 when
-    the 1-minute load average plus these threads exceeds the cores: threads that share busy cores
+    the cores other processes keep busy (measured at the start; rlvr.run.busy_elsewhere) plus these
+    threads exceed the cores: threads that share busy cores
     wait for each other at every matmul (a 2-thread run on 2 cores beside another busy process ran
     15-50x slower a step than with 1 thread)."""
     device: str = "cpu"
