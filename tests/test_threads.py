@@ -1,7 +1,8 @@
 """Threads, the oversubscription warning and the wall-time estimate of the price.
 
 `train.threads = 0` means the cores this process may use (its affinity mask); a run warns once,
-before step 1, when the 1-minute load average plus its threads exceeds those cores. The price
+before step 1, when the cores other processes keep busy (/proc/stat, or the 1-minute load average
+where there is none) plus its threads exceed those cores. The price
 divides its FLOPs by a measured fp32 matmul rate; summary.json sets the real wall time against it.
 """
 
