@@ -73,6 +73,7 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
     from rlvr import run
     from rlvr.evaluate import evaluate
     from rlvr.reward_pool import RewardPoolError, open_pool
+    from rlvr.rundir import RunDir
     from rlvr.state import StateError
     from rlvr.tasks import TaskError, load_task
 
@@ -89,7 +90,7 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
         task = load_task(cfg.task.path, **cfg.task.options)
         weights = run.reward_weights(cfg, task)
         limits = run.limits(cfg, task, tok, model)
-        numerics = run.eval_numerics(cfg, model, run_dir)
+        numerics = run.eval_numerics(cfg, model, RunDir(run_dir).recorded_autocast())
         with open_pool(cfg.task, task) as pool:
             res = evaluate(model, tok, task, reward_weights=weights, limits=limits,
                            prompts=args.prompts if args.prompts is not None else cfg.eval.prompts,

@@ -270,15 +270,13 @@ def choose_numerics(mode: str, device: torch.device, shape: tuple[int, int, int]
     return Numerics(fp32_s >= AUTOCAST_MIN_SPEEDUP * bf16_s, mode, device.type, fp32_s, bf16_s, tuple(shape))
 
 
-def eval_numerics(cfg: config_mod.Config, model: Policy, run_dir: Path) -> Numerics:
-    """What `rlvr eval` samples a finished run's model under: the decision the run recorded when it
-    started (model.autocast = auto; its price.json), so the evaluation computes as the run's own
-    evaluations did; else model.autocast as configured (auto measured now)."""
-    from rlvr.rundir import RunDir
-
+def eval_numerics(cfg: config_mod.Config, model: Policy, recorded: str | None) -> Numerics:
+    """What `rlvr eval` samples a finished run's model under: `recorded`, the decision the run took when
+    it started (model.autocast = auto; rlvr.rundir.RunDir.recorded_autocast), so the evaluation
+    computes as the run's own evaluations did; else model.autocast as configured (auto measured now)."""
     device = next(iter(model.parameters())).device
-    recorded = RunDir(run_dir).recorded_autocast() if cfg.model.autocast == "auto" else None
-    return choose_numerics(recorded or cfg.model.autocast, device, probe_shape(model, device))
+    asked = (recorded if cfg.model.autocast == "auto" else None) or cfg.model.autocast
+    return choose_numerics(asked, device, probe_shape(model, device))
 
 
 def probe_shape(model: Policy, device: torch.device) -> tuple[int, int, int]:

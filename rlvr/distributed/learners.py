@@ -144,7 +144,7 @@ class LearnerActor:
         self.fsdp = cfg.distributed.sharding == "fsdp2"
 
     def join(self, state: dict, rank: int, world: int, init_method: str, timeout_s: float) -> int:
-        from rlvr.distributed import fsdp
+        import rlvr.distributed.fsdp as fsdp
         from rlvr.distributed.sync import load_weights
         from rlvr.learn import make_optimizer, make_scheduler
 
@@ -169,7 +169,7 @@ class LearnerActor:
         return rank
 
     def learn(self, batch: Batch, delta_rows) -> dict:
-        from rlvr.distributed import fsdp
+        import rlvr.distributed.fsdp as fsdp
 
         stats = learn(self.learner, batch, delta_rows=delta_rows, shard=Shard(self.rank, self.world, self.model))
         if self.fsdp:
@@ -178,7 +178,7 @@ class LearnerActor:
 
     def optimizer_state(self) -> None:
         """This rank's part of the gathering of the whole optimizer state (FSDP2; rank 0 keeps it)."""
-        from rlvr.distributed import fsdp
+        import rlvr.distributed.fsdp as fsdp
 
         fsdp.full_optimizer_state(self.model, self.learner.opt)
 
@@ -200,7 +200,7 @@ class LearnerGroup:
 
         import ray
 
-        from rlvr.distributed import fsdp
+        import rlvr.distributed.fsdp as fsdp
         from rlvr.distributed.sync import actor_threads
 
         d = cfg.distributed
@@ -246,7 +246,7 @@ class LearnerGroup:
         0's statistics (already reduced over the group)."""
         import ray
 
-        from rlvr.distributed import fsdp
+        import rlvr.distributed.fsdp as fsdp
 
         b_ref = ray.put(batch)
         refs = [a.learn.remote(b_ref, delta_rows) for a in self.actors]
@@ -259,7 +259,7 @@ class LearnerGroup:
     def full_optimizer_state(self) -> dict:
         """The whole optimizer state in the one-process format, gathered from the ranks' shards (FSDP2;
         what saving reads through the trainer's `learner.opt`)."""
-        from rlvr.distributed import fsdp
+        import rlvr.distributed.fsdp as fsdp
         from rlvr.run import RunError
 
         if not self.actors:
