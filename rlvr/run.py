@@ -432,6 +432,7 @@ def price_of(setup: Setup, rate: float | None = None) -> costs.Price:
     fwd, trn = costs.model_flops_per_token(model, setup.limits.prompt_tokens, setup.limits.max_new_tokens)
     bytes_per_param = 2 if cfg.model.path and cfg.model.dtype == "bf16" else 4
     on_cpu = setup.device.type == "cpu"
+    speedup = setup.numerics.matmul_speedup()       # the wall-time estimate at the rate the run computes at
     baseline = max(setup.baseline_bytes,
                    costs.resident_bytes() - (model.num_params() * bytes_per_param if on_cpu else 0))
     return costs.price(
@@ -446,8 +447,8 @@ def price_of(setup: Setup, rate: float | None = None) -> costs.Price:
         bytes_per_param=bytes_per_param,
         flops_fwd_per_token=fwd, flops_train_per_token=trn,
         sampling_rounds=cfg.algorithm.dynamic_sampling_rounds if cfg.algorithm.dynamic_sampling else 1,
-        matmul_flops_per_s=(matmul_rate(setup.device) if rate is None else rate) * setup.numerics.matmul_speedup(),
-        matmul_kind="bf16 autocast" if setup.numerics.matmul_speedup() != 1.0 else "fp32", threads=torch.get_num_threads(),
+        matmul_flops_per_s=(matmul_rate(setup.device) if rate is None else rate) * speedup,
+        matmul_kind="bf16 autocast" if speedup != 1.0 else "fp32", threads=torch.get_num_threads(),
         shape=model_shape(model) if on_cpu else None, baseline_bytes=baseline,
         logprob_chunk_rows=cfg.model.logprob_chunk_rows, eval_rows=eval_rows(setup),
         export_copy=model.has_adapter, recompute_logp_old=cfg.algorithm.logp_old == "recompute",

@@ -213,14 +213,6 @@ def _next_tokens(logprobs: torch.Tensor, temperature: float, generator, noise_t:
     return torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(1)
 
 
-def _draw(logits: torch.Tensor, temperature: float, top_p: float, generator,
-          noise_t: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, V) logits -> ((B,) next tokens, (B,) their log-probs under the sampling distribution)."""
-    logprobs = sampling_logprobs(logits, temperature, top_p)                  # (B, V)
-    tok = _next_tokens(logprobs, temperature, generator, noise_t)             # (B,)
-    return tok, logprobs.gather(1, tok.unsqueeze(1)).squeeze(1)
-
-
 # ---------------------------------------------------------------------- generation
 def _check_generate_args(model, prompts, samples_per_prompt: int, max_new_tokens: int, temperature: float,
                          top_p: float) -> torch.device:
@@ -289,12 +281,13 @@ def generate(model, prompts: list[list[int]], *, samples_per_prompt: int, max_ne
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     steps = 0
     for t in range(T):
+        logprobs = sampling_logprobs(logits, temperature, top_p)   # (B, V)
+        tok = _next_tokens(logprobs, temperature, generator, None if noise is None else noise[:, t])  # (B,)
         alive = ~finished                                           # this token is real
-        tok, lp_tok = _draw(logits, temperature, top_p, generator, None if noise is None else noise[:, t])
         tok = tok.masked_fill(finished, pad_id)
         out[:, t] = tok
         alive_cols[:, t] = alive
-        logp[:, t] = lp_tok.masked_fill(finished, 0.0)
+        logp[:, t] = logprobs.gather(1, tok.unsqueeze(1)).squeeze(1).masked_fill(finished, 0.0)
         if nucleus:  # the same token under the tempered distribution without the nucleus (the KL's)
             full = F.log_softmax(logits.float() / temperature, dim=-1)                      # (B, V)
             logp_full[:, t] = full.gather(1, tok.unsqueeze(1)).squeeze(1).masked_fill(finished, 0.0)

@@ -319,18 +319,26 @@ def test_the_price_counts_the_recompute_forward():
     assert "logp_old 0 (stored from the sampler)" in plain.lines()[2]
 
 
-def test_train_with_bf16_and_recompute_from_the_command_line(tmp_path, monkeypatch):
-    from rlvr import cli, evaluate as evaluate_mod
+def record_eval_autocast(monkeypatch) -> list[bool]:
+    """A list that gets, per evaluation sampling call, whether it ran under CPU autocast."""
+    from rlvr import evaluate as evaluate_mod
 
-    eval_autocast = []
+    seen: list[bool] = []
     original = evaluate_mod.sample_and_score
 
     def recording(*a, autocast, **kw):
         with autocast():
-            eval_autocast.append(torch.is_autocast_enabled("cpu"))
+            seen.append(torch.is_autocast_enabled("cpu"))
         return original(*a, autocast=autocast, **kw)
 
     monkeypatch.setattr(evaluate_mod, "sample_and_score", recording)
+    return seen
+
+
+def test_train_with_bf16_and_recompute_from_the_command_line(tmp_path, monkeypatch):
+    from rlvr import cli
+
+    eval_autocast = record_eval_autocast(monkeypatch)
     out = tmp_path / "run"
     rc = cli.main(["train", str(EXAMPLE), "--out", str(out), *TINY, "--train.steps=2", "--model.autocast=bf16",
                    "--algorithm.logp_old=recompute"])
@@ -402,23 +410,18 @@ def test_a_resumed_auto_run_keeps_the_numerics_it_started_with(tmp_path, monkeyp
 def test_rlvr_eval_samples_under_the_runs_recorded_numerics(tmp_path, monkeypatch, capsys):
     # an auto run that chose bf16 is evaluated under bf16 by `rlvr eval` without measuring again; a run
     # configured off is evaluated in fp32
-    from rlvr import cli, evaluate as evaluate_mod
+    from rlvr import cli
 
-    seen = []
-    original = evaluate_mod.sample_and_score
+    def never(*a, **kw):
+        raise AssertionError("rlvr eval measured again")
 
-    def recording(*a, autocast, **kw):
-        with autocast():
-            seen.append(torch.is_autocast_enabled("cpu"))
-        return original(*a, autocast=autocast, **kw)
-
-    monkeypatch.setattr(run, "autocast_timings", lambda device, *shape, **kw: (3e-3, 1e-3))
+    seen = record_eval_autocast(monkeypatch)
     for mode, want in (("auto", True), ("off", False)):
         out = tmp_path / mode
+        monkeypatch.setattr(run, "autocast_timings", lambda device, *shape, **kw: (3e-3, 1e-3))
         assert cli.main(["train", str(EXAMPLE), "--out", str(out), *TINY, "--train.steps=1",
                          f"--model.autocast={mode}"]) == 0
-        monkeypatch.setattr(run, "autocast_timings", lambda *a, **kw: (_ for _ in ()).throw(AssertionError("measured")))
-        monkeypatch.setattr(evaluate_mod, "sample_and_score", recording)
+        monkeypatch.setattr(run, "autocast_timings", never)
         seen.clear()
         capsys.readouterr()
         assert cli.main(["eval", str(out), "--prompts", "4"]) == 0
@@ -426,5 +429,3 @@ def test_rlvr_eval_samples_under_the_runs_recorded_numerics(tmp_path, monkeypatc
         assert seen and all(s == want for s in seen), mode
         assert res["eval/numerics"] == ("bf16 autocast (model.autocast = bf16)" if want else
                                         "fp32 (model.autocast = off)")
-        monkeypatch.setattr(evaluate_mod, "sample_and_score", original)
-        monkeypatch.setattr(run, "autocast_timings", lambda device, *shape, **kw: (3e-3, 1e-3))

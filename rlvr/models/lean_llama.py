@@ -73,9 +73,9 @@ class LeanCache:
             self._kbuf[li] = self._vbuf[li] = None
         else:
             kb, vb = self._kbuf[li], self._vbuf[li]
-            if kb is None or kb.size(0) != k.size(0):        # first append, or rows changed outside
+            if kb is None:              # the first append without gradient (the forward checks max_len)
                 B, Hkv, _, D = k.shape
-                kb = k.new_empty(B, Hkv, max(self.max_len, past + k.size(2)), D)
+                kb = k.new_empty(B, Hkv, self.max_len, D)
                 vb = v.new_empty(kb.shape)
                 if past:
                     kb[:, :, :past] = self.k[li]
