@@ -177,6 +177,7 @@ def measure(run_dir: Path) -> dict:
     sampling = price["flops_sampling_per_batch"] * sampled_share
     learning = (price["flops_train_per_batch"] + price.get("flops_logp_old_per_batch", 0.0)
                 + price.get("flops_logp_ref_per_batch", 0.0)) * sampled_share
+    mean_len = summary["sampled_tokens"] / n / (price["prompts_per_step"] * price["samples_per_prompt"])
     evals = [(r["step"], r["eval/goal"]) for r in rows if "eval/goal" in r]
     gaps = [r["train/sampler_logp_absdiff"] for r in steps if "train/sampler_logp_absdiff" in r]
     return {
@@ -187,6 +188,10 @@ def measure(run_dir: Path) -> dict:
         "numerics": price.get("numerics", ""), "evals": evals,
         "sampler_logp_absdiff_median": statistics.median(gaps) if gaps else None,
         "wall_seconds": summary["wall_seconds"],
+        "price_wall_lower_s": price.get("wall_seconds_estimate", 0.0),
+        "price_wall_expected_s": price.get("wall_seconds_expected", 0.0),
+        "price_decode_step_s": price.get("decode_step_s", 0.0),
+        "decode_step_s": sample_s / max(1.0, mean_len),     # the rollout's seconds per token of a row (scoring included)
     }
 
 
@@ -211,7 +216,10 @@ def report(name: str, m: dict) -> str:
             f"{100 * m['peak_frac']:.2f}% of the bf16 peak (rollout {100 * m['rollout_peak_frac']:.2f}%, "
             f"learn {100 * m['learn_peak_frac']:.1f}%)\n"
             f"  held-out goal: {ev or 'none'}; sampler/trainer |logp gap| median "
-            f"{'n/a' if gap is None else f'{gap:.2g}'}; run {m['wall_seconds']:.0f} s")
+            f"{'n/a' if gap is None else f'{gap:.2g}'}; run {m['wall_seconds']:.0f} s\n"
+            f"  price: wall time >= {m['price_wall_lower_s']:.1f} s, expected ~{m['price_wall_expected_s']:.1f} s "
+            f"(decode step measured at start-up {m['price_decode_step_s'] * 1e3:.3g} ms; in the run's rollouts "
+            f"~{m['decode_step_s'] * 1e3:.3g} ms)")
 
 
 # ----------------------------------------------------------------------------- main

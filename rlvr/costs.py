@@ -24,6 +24,8 @@ Wall time: FLOPs per run / a measured fp32 matmul rate (rlvr.run.matmul_rate; un
 chosen by model.autocast = auto, that rate x the measured bf16 speed-up). A lower bound:
 sampling decodes one token at a time, so it is bound by memory bandwidth and per-token overhead,
 and a small model's products run far below the rate of the large square products measured.
+Expected wall time: the same with the decode positions (P * G * T a batch) replaced by T - 1
+decode steps at a measured decode-step time of the run's own policy (rlvr.run.decode_step_seconds).
 
 Memory (`memory(...)`, the peak resident set a run reaches, in bytes; `b` = bytes of an activation,
 4 in fp32 and 2 in bf16; logits are always float32):
@@ -208,6 +210,12 @@ class Price:
     """torch threads the rate was measured with."""
     wall_seconds_estimate: float = 0.0
     """flops_per_run / matmul_flops_per_s: a lower bound on the run's wall time; 0 = not measured."""
+    decode_step_s: float = 0.0
+    """Measured seconds of one decode step of a batch's P x G rows (rlvr.run.decode_step_seconds); 0 = not measured."""
+    wall_seconds_expected: float = 0.0
+    """The run's compute time with sampling's decode at `decode_step_s`: steps x (T - 1) x decode_step_s
+    + the other FLOPs (prefill, log-prob forwards, training) at the matmul rate. Evaluation, rewards
+    and checkpoints come on top. 0 = not measured."""
     memory_baseline_bytes: int = 0
     """The process before the run (torch, transformers, tokenizer, task), measured at pricing."""
     memory_gradient_bytes: int = 0
@@ -274,10 +282,15 @@ class Price:
     def wall_line(self) -> str:
         worst = (f" ({self.wall_seconds_estimate * self.sampling_rounds:,.1f} s in the worst case of dynamic sampling)"
                  if self.sampling_rounds > 1 else "")
-        return (f"price: wall time >= {self.wall_seconds_estimate:,.1f} s{worst} on this machine "
+        line = (f"price: wall time >= {self.wall_seconds_estimate:,.1f} s{worst} on this machine "
                 f"({self.flops_per_run:.3g} FLOP at a measured {self.matmul_kind} matmul rate of "
                 f"{self.matmul_flops_per_s / 1e9:.1f} GFLOP/s with {self.threads} threads); a lower bound: "
                 f"sampling is bound by memory bandwidth and per-token overhead, not by matmul speed")
+        if not self.wall_seconds_expected:
+            return line
+        return (f"{line}; expected ~{self.wall_seconds_expected:,.1f} s with each of the {self.max_new_tokens - 1} "
+                f"decode steps per batch at the measured {self.decode_step_s * 1e3:,.3g} ms "
+                f"({self.prompts_per_step * self.samples_per_prompt} rows), before evaluation and rewards")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -368,6 +381,7 @@ def price(
     recompute_logp_old: bool = False,
     numerics: str = "",
     matmul_kind: str = "fp32",
+    decode_step_s: float = 0.0,
 ) -> Price:
     """Price a run from its shape; refuses, naming the number, when one it needs is missing.
 
@@ -380,7 +394,9 @@ def price(
     evaluation, `export_copy` when export merges LoRA into a copy) adds the predicted memory peak
     (`memory`); without it the memory fields stay 0. `recompute_logp_old` (algorithm.logp_old =
     recompute) adds one log-prob forward per batch; `numerics` is the model.autocast line and
-    `matmul_kind` what `matmul_flops_per_s` measures ("fp32", or "bf16 autocast").
+    `matmul_kind` what `matmul_flops_per_s` measures ("fp32", or "bf16 autocast"). `decode_step_s`
+    (seconds of one decode step of the P x G rows, measured) gives the expected wall time: the
+    decode positions' FLOPs (P x G x T a batch) replaced by (T - 1) decode steps of that time.
     """
     _check_counts(max_new_tokens=max_new_tokens, n_params=n_params, prompts_per_step=prompts_per_step,
                   samples_per_prompt=samples_per_prompt, steps=steps, epochs_per_batch=epochs_per_batch,
@@ -400,6 +416,9 @@ def price(
     trained = epochs_per_batch * per_forward
     policy = n_params * bytes_per_param
     flops_per_run = float(((sampling_fwd + ref_fwd + old_fwd) * fwd + trained * trn) * steps)
+    expected = 0.0
+    if matmul_flops_per_s > 0 and decode_step_s > 0:
+        expected = (flops_per_run - steps * rows * T * fwd) / matmul_flops_per_s + steps * (T - 1) * decode_step_s
     extra = {} if shape is None else _memory_fields(memory(
         shape, prompts=P, group=G, prompt_len=Lp, response_len=T, minibatches=minibatches, n_params=n_params,
         trainable_params=n_params if trainable_params is None else trainable_params,
@@ -421,6 +440,7 @@ def price(
         reference_bytes=policy if has_reference and not reference_is_adapter_off else 0,
         logp_old_bytes=per_batch * 4, matmul_flops_per_s=float(matmul_flops_per_s), threads=threads,
         wall_seconds_estimate=flops_per_run / matmul_flops_per_s if matmul_flops_per_s > 0 else 0.0,
+        decode_step_s=float(decode_step_s) if expected else 0.0, wall_seconds_expected=expected,
         flops_logp_old_per_batch=float(old_fwd * fwd), numerics=numerics, matmul_kind=matmul_kind,
         **extra,
     )

@@ -23,7 +23,7 @@ from typing import Sequence
 
 import torch
 
-from rlvr import config as config_mod, costs
+from rlvr import config as config_mod, costs, sampling
 from rlvr.models.tiny import TinyConfig, TinyTransformer
 from rlvr.policy import Policy, Tokenizer
 from rlvr.state import StateError, find_complete, find_state, load_policy_weights, verify, write_dir_atomically
@@ -176,6 +176,44 @@ def matmul_rate(device: torch.device, seconds: float = 1.0) -> float:
                 break
         _MATMUL_RATES[key] = 2 * n**3 * count / elapsed
     return _MATMUL_RATES[key]
+
+
+DECODE_PROBE_STEPS = 3
+"""Decode steps `decode_step_seconds` times (after a warm-up call) to price a run's sampling."""
+
+
+def decode_step_seconds(setup: Setup) -> float:
+    """Seconds of one decode step of this run's sampling, measured on its own policy: the P x G rows
+    of a step after a prompt of the longest prompt's length, through `rlvr.sampling.generate` (the
+    forward, the tempered log-softmax and the draw) under the run's numerics. One prompt's row
+    repeated P x G times (its prefill is cheap); a warm-up call, then 1 and 1 + DECODE_PROBE_STEPS new
+    tokens timed, the difference over DECODE_PROBE_STEPS. No gradient; the run's generators untouched.
+    0.0 when sampling runs in rollout workers (elsewhere) or a response has a single token."""
+    cfg, model, device = setup.cfg, setup.model, setup.device
+    n = min(DECODE_PROBE_STEPS, setup.limits.max_new_tokens - 1)
+    if cfg.distributed.rollout_workers > 0 or n < 1:
+        return 0.0
+    prompt = [setup.tokenizer.pad_id] * max(1, setup.limits.prompt_tokens)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def timed(tokens: int) -> float:
+        t = time.perf_counter()
+        with torch.no_grad(), setup.numerics.context():
+            sampling.generate(model, [prompt], samples_per_prompt=cfg.train.prompts_per_step * cfg.train.samples_per_prompt,
+                              max_new_tokens=tokens, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
+                              eos_id=None, pad_id=setup.tokenizer.pad_id,
+                              generators=sampling.prompt_generators(0, 0, 1, device=device))
+        sync()
+        return time.perf_counter() - t
+
+    was = model.training
+    model.eval()
+    try:
+        timed(2)                                                  # warm-up: allocation, kernel choice
+        one, more = timed(1), timed(1 + n)
+    finally:
+        model.train(was)
+    return max(0.0, (more - one) / n)
 
 
 AUTOCAST_MIN_SPEEDUP = 1.2
@@ -423,9 +461,11 @@ def eval_rows(setup: Setup) -> int:
     return rows
 
 
-def price_of(setup: Setup, rate: float | None = None) -> costs.Price:
+def price_of(setup: Setup, rate: float | None = None, decode_s: float | None = None) -> costs.Price:
     """The price of the run `setup` describes (rlvr.costs), before it starts, with a wall-time
-    estimate against `rate` FLOP/s (default: `matmul_rate` measured on the run's device). Its memory
+    estimate against `rate` FLOP/s (default: `matmul_rate` measured on the run's device) and an
+    expected wall time with every decode step at `decode_s` seconds (default: `decode_step_seconds`
+    measured on the run's policy). Its memory
     baseline is the larger of the resident set before the policy was loaded (`setup.baseline_bytes`)
     and the resident set now less the policy's weights (what was loaded since: tokenizer, imports)."""
     cfg, model = setup.cfg, setup.model
@@ -449,6 +489,7 @@ def price_of(setup: Setup, rate: float | None = None) -> costs.Price:
         sampling_rounds=cfg.algorithm.dynamic_sampling_rounds if cfg.algorithm.dynamic_sampling else 1,
         matmul_flops_per_s=(matmul_rate(setup.device) if rate is None else rate) * speedup,
         matmul_kind="bf16 autocast" if speedup != 1.0 else "fp32", threads=torch.get_num_threads(),
+        decode_step_s=decode_step_seconds(setup) if decode_s is None else decode_s,
         shape=model_shape(model) if on_cpu else None, baseline_bytes=baseline,
         logprob_chunk_rows=cfg.model.logprob_chunk_rows, eval_rows=eval_rows(setup),
         export_copy=model.has_adapter, recompute_logp_old=cfg.algorithm.logp_old == "recompute",

@@ -475,6 +475,7 @@ def finish(run_dir: RunDir, state: RunState, wall: float, log) -> dict:
         "price": price.to_dict(),
         "sampled_tokens_vs_price": cost["sampled_tokens"] / price.sampled_tokens_per_run,
         "cost/wall_vs_estimate": wall / price.wall_seconds_estimate if price.wall_seconds_estimate else None,
+        "cost/wall_vs_expected": wall / price.wall_seconds_expected if price.wall_seconds_expected else None,
     }
     run_dir.finish(state.policy, state.setup.tokenizer, summary, steps)
     worst = f", worst case {price.sampled_tokens_per_run_worst:,}" if price.sampling_rounds > 1 else ""
@@ -482,7 +483,9 @@ def finish(run_dir: RunDir, state: RunState, wall: float, log) -> dict:
         f"forward {cost['forward_tokens']:,} (price {price.forward_tokens_per_run:,}), "
         f"trained {cost['trained_tokens']:,} (price {price.trained_tokens_per_run:,}), "
         f"{cost['flops']:.3g} FLOP (price {price.flops_per_run:.3g}), {wall:.1f} s"
-        + (f" (estimate >= {price.wall_seconds_estimate:.1f} s)" if price.wall_seconds_estimate else ""))
+        + (f" (estimate >= {price.wall_seconds_estimate:.1f} s" if price.wall_seconds_estimate else "")
+        + (f", expected ~{price.wall_seconds_expected:.1f} s" if price.wall_seconds_expected else "")
+        + (")" if price.wall_seconds_estimate else ""))
     return summary
 
 

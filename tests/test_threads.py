@@ -146,6 +146,45 @@ def test_wall_estimate_by_hand():
     assert "(44.2 s in the worst case of dynamic sampling)" in worst.lines()[-1]
 
 
+def test_expected_wall_time_by_hand():
+    """The decode positions' FLOPs (P*G*T a batch) leave the rate term; T - 1 measured decode steps
+    a batch take their place."""
+    base = dict(prompts_per_step=4, samples_per_prompt=4, max_new_tokens=3, prompt_tokens=4, steps=10,
+                epochs_per_batch=2, minibatches=2, n_params=1000, has_reference=False, threads=2)
+    assert costs.price(**base, decode_step_s=0.5).wall_seconds_expected == 0.0       # no rate: nothing expected
+    assert costs.price(**base, matmul_flops_per_s=1e6).wall_seconds_expected == 0.0  # no decode time measured
+    p = costs.price(**base, matmul_flops_per_s=1e6, decode_step_s=0.5)
+    # 14,720,000 FLOP in all; decode positions 10 steps x 16 rows x 3 x 2N = 960,000 FLOP leave the rate term
+    # (13.76 s); 10 steps x 2 decode steps x 0.5 s = 10 s join it
+    assert p.wall_seconds_expected == pytest.approx(13.76 + 10.0)
+    assert p.wall_seconds_estimate == pytest.approx(14.72)                            # the lower bound unchanged
+    assert p.decode_step_s == 0.5 and p.to_dict()["wall_seconds_expected"] == p.wall_seconds_expected
+    assert p.lines()[-1].endswith("; expected ~23.8 s with each of the 2 decode steps per batch at the measured "
+                                  "500 ms (16 rows), before evaluation and rewards")
+
+
+def test_decode_step_is_measured_on_the_runs_policy_unless_workers_sample(monkeypatch):
+    from test_autocast import tiny_setup
+
+    calls = []
+    real = run.sampling.generate
+    monkeypatch.setattr(run.sampling, "generate", lambda model, prompts, **kw: calls.append((prompts, kw)) or real(
+        model, prompts, **kw))
+    setup = tiny_setup()
+    setup.model.train()
+    got = run.decode_step_seconds(setup)
+    assert got > 0 and setup.model.training                       # measured; the model's mode restored
+    rows = setup.cfg.train.prompts_per_step * setup.cfg.train.samples_per_prompt
+    n = min(run.DECODE_PROBE_STEPS, setup.limits.max_new_tokens - 1)
+    assert [kw["max_new_tokens"] for _, kw in calls] == [2, 1, 1 + n]       # warm-up, then 1 and 1 + n tokens
+    assert all(kw["samples_per_prompt"] == rows and len(p) == 1 and len(p[0]) == setup.limits.prompt_tokens
+               and kw["eos_id"] is None for p, kw in calls)
+    price = run.price_of(setup, rate=1e9, decode_s=0.25)
+    assert price.decode_step_s == 0.25 and price.wall_seconds_expected > price.wall_seconds_estimate
+    setup.cfg.distributed.rollout_workers = 2                     # sampled elsewhere: nothing measured here
+    assert run.decode_step_seconds(setup) == 0.0
+
+
 def cli(*argv) -> tuple[int, str]:
     out = io.StringIO()
     with redirect_stdout(out), redirect_stderr(io.StringIO()):
