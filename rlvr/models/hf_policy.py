@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from rlvr.models.lean_llama import (LeanCache, RopeTable, init_rows, lean_forward, lean_llama_unsupported,
                                     peft_unsupported, repeat_rows)
+from rlvr.models.sdpa import gpu_attention
 
 
 # ---------------------------------------------------------------------- cache
@@ -168,8 +169,9 @@ class HFPolicy(nn.Module):
             raise ValueError(f"position {int(positions.max())} >= block_size {bs} (max_position_embeddings)")
 
         if isinstance(cache, LeanCache) or (cache is None and self._lean_active()):
-            logits = lean_forward(self._hf_model(), ids, full_am, positions, cache, logits_to_keep,
-                                  self._rope, self.config.block_size)
+            with gpu_attention(ids.device):
+                logits = lean_forward(self._hf_model(), ids, full_am, positions, cache, logits_to_keep,
+                                      self._rope, self.config.block_size)
             if cache is not None:
                 cache.mask = full_am
                 cache.next_pos = cache.next_pos + am.sum(1)
@@ -181,7 +183,8 @@ class HFPolicy(nn.Module):
             kwargs[self._cache_kw] = cache.dc
         if logits_to_keep is not None and self._has_logits_to_keep:
             kwargs["logits_to_keep"] = int(logits_to_keep)
-        out = self.model(**kwargs)
+        with gpu_attention(ids.device):
+            out = self.model(**kwargs)
         logits = out.logits
         if logits_to_keep is not None and logits.size(1) != logits_to_keep:
             logits = logits[:, -logits_to_keep:]

@@ -30,6 +30,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from rlvr.models.sdpa import gpu_attention
+
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 
@@ -228,8 +230,9 @@ class TinyTransformer(nn.Module):
             bias = bias.masked_fill_(~allowed, float("-inf")).unsqueeze(1)           # (B, 1, L, S)
 
         x = self.wte(ids) + self.wpe(positions)                     # (B, L, C)
-        for i, block in enumerate(self.blocks):
-            x = block(x, bias, cache, i)                            # (B, L, C)
+        with gpu_attention(ids.device):                             # no cuDNN attention on CUDA (rlvr.models.sdpa)
+            for i, block in enumerate(self.blocks):
+                x = block(x, bias, cache, i)                        # (B, L, C)
         if cache is not None:
             cache.length += L
             cache.next_pos += L if am is None else am.sum(1)
