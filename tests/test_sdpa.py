@@ -62,7 +62,7 @@ def test_hf_forwards_ask_for_their_device_on_both_paths(monkeypatch, tmp_path):
     policy, _ = load_policy(make_model_dir(tmp_path))
     asked = recorder(monkeypatch, hf_policy)
     ids = torch.tensor([[5, 6, 7]])
-    assert policy.uses_fast_path()
+    assert policy.uses_fast_path
     policy(ids)                                                 # the lean Llama forward
     policy.fast_path = False
     policy(ids)                                                 # transformers' own forward
