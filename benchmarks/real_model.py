@@ -40,6 +40,11 @@ Measured
    (7 x 4 bytes moved per trainable parameter: parameter, gradient and two moments read; parameter
    and moments written).
 
+The profile also times decode's matrix products alone ("decode products": every Linear of the
+model and the output head on the decode step's rows, each weight read once a step, nothing else)
+against decode's bound: the part of decode that no attention, norm or sampling change can remove.
+``--profile-only`` stops after the profile.
+
 ``--quick``: 1 block of 2 steps each for the step time, 2 training steps each for the accuracy,
 20 held-out prompts. Timings on a machine shared with other work are contended; say so with them.
 """
@@ -241,6 +246,29 @@ def phase_profile(run: RlvrRun, rate: float, bandwidth: float, reps: int = 3) ->
     return out
 
 
+def decode_products_seconds(policy, rows: int, steps: int) -> float:
+    """Seconds of `steps` decode steps' matrix products alone: every Linear of the model (LoRA's
+    included; registration order, each weight read once a step as in decode) on `rows` rows, and the
+    output head as decode computes it (rlvr.models.lean_llama.output_head). No attention, norms,
+    rotary, residuals or sampling: what decode would take if nothing but its products ran."""
+    import torch.nn.functional as F
+
+    from rlvr.models.lean_llama import output_head
+
+    hf = policy._hf_model()
+    head = hf.lm_head
+    linears = [m for m in hf.modules() if isinstance(m, torch.nn.Linear) and m is not head]
+    xs = [torch.randn(rows, m.in_features) for m in linears]
+    xh = torch.randn(rows, head.in_features)
+    with torch.no_grad():
+        t = time.perf_counter()
+        for _ in range(steps):
+            for m, x in zip(linears, xs):
+                F.linear(x, m.weight)
+            output_head(head, xh)
+        return time.perf_counter() - t
+
+
 def phase_times(run: RlvrRun, rate: float, bandwidth: float, say: bool = False) -> list[dict]:
     """One timing of each phase of an rlvr step (one optimizer step included) and its bound."""
     from rlvr import costs, sampling
@@ -264,6 +292,7 @@ def phase_times(run: RlvrRun, rate: float, bandwidth: float, say: bool = False) 
                                eos_id=None, pad_id=pad, generators=gens)
         decode = time.perf_counter() - t - prefill
     T = ro.mask.shape[1]
+    products = decode_products_seconds(policy, P * G, T - 1)
     policy.train()
     t = time.perf_counter()
     logp = sampling.sequence_token_logprobs(policy, ro, group_size=G)
@@ -289,6 +318,9 @@ def phase_times(run: RlvrRun, rate: float, bandwidth: float, say: bool = False) 
         ("sampling decode", decode, P * G * (T - 1),
          (T - 1) * max(weight_bytes / bandwidth, P * G * fwd_tok / rate),
          "max(weight bytes per decode step / copy bandwidth, its FLOPs / matmul rate)"),
+        ("decode products", products, P * G * (T - 1),
+         (T - 1) * max(weight_bytes / bandwidth, P * G * fwd_tok / rate),
+         "decode's bound; its matrix products alone, every weight read once a step, no attention/norms/sampling"),
         ("logp forward", fwd, trained_tokens, trained_tokens * fwd_tok / rate, "fp32 matmul rate"),
         ("backward", bwd, trained_tokens, bwd_flops / rate, "fp32 matmul rate"),
         ("optimizer", opt, trainable, 7 * 4 * trainable / bandwidth, "7 x 4 bytes per trainable parameter / bandwidth"),
@@ -375,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--profile-reps", type=int, default=3, help="timings of each phase (the median is reported)")
     ap.add_argument("--quick", action="store_true", help="2 steps each, 20 held-out prompts, no warm-up")
+    ap.add_argument("--profile-only", action="store_true", help="stop after the phase profile")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
     a.curve_steps = 0
@@ -401,6 +434,12 @@ def main(argv: list[str] | None = None) -> int:
               f"({p['bound_per_s']:,.0f}/s)  {p['x_bound']:5.1f}x bound  [{p['bound']}]  "
               f"(median of {', '.join(f'{x * 1e3:.0f}' for x in p['all_seconds'])} ms)", flush=True)
     del probe
+    if a.profile_only:
+        if a.json:
+            a.json.parent.mkdir(parents=True, exist_ok=True)
+            a.json.write_text(json.dumps({"matmul_flops": rate, "copy_bytes_per_s": bandwidth, "profile": profile},
+                                         indent=2))
+        return 0
 
     print(f"step time, alternated ({a.blocks} rounds of {a.block_steps} steps{', after a warm-up block' if a.warmup else ''}):",
           flush=True)
