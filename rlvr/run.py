@@ -521,6 +521,38 @@ def check_memory(cfg: config_mod.Config, price: costs.Price, available: int | No
             f"model.logprob_chunk_rows, or set train.memory_check = false to start anyway ({price.memory_line()})")
 
 
+def cuda_free_bytes(device: torch.device) -> int:
+    """Bytes a new allocation on CUDA `device` can get: the driver's free memory plus what torch's
+    caching allocator has reserved and is not using."""
+    free, _total = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def check_device_memory(cfg: config_mod.Config, price: costs.Price, device: torch.device,
+                        free: int | None = None) -> None:
+    """On a GPU (where the price predicts no peak: `check_memory` covers the CPU's resident set),
+    refuse (RunError naming the numbers) a run whose copies allocated after the policy loaded do not
+    fit the device's free memory (`free` overrides the measurement, `cuda_free_bytes`): the
+    reference copy (KL on without LoRA), AdamW's two moments and the gradients, 16 bytes per
+    trainable parameter with the reference, all held from the first update on. Activations, logits
+    and the KV cache come on top and are not predicted here, so passing this check is no promise.
+    Other devices, and `train.memory_check = false`, skip it."""
+    if not cfg.train.memory_check or device.type != "cuda":
+        return
+    free = cuda_free_bytes(device) if free is None else free
+    gradients = price.optimizer_bytes // 2                       # 4 bytes per trainable parameter; AdamW holds 8
+    later = price.reference_bytes + price.optimizer_bytes + gradients
+    if later > free:
+        gib = 1 / 2**30
+        raise RunError(
+            f"train.device = {device}: this run allocates {later * gib:.2f} GiB more on the GPU by its first update "
+            f"(reference copy {price.reference_bytes * gib:.2f} + AdamW moments {price.optimizer_bytes * gib:.2f} + "
+            f"gradients {gradients * gib:.2f} GiB; activations, logits and the KV cache come on top), but only "
+            f"{free * gib:.2f} GiB are free there (policy {price.policy_bytes * gib:.2f} GiB already loaded). "
+            "Train a LoRA adapter (model.lora_r), set model.dtype = bf16, use a GPU with more memory or shard "
+            "over several (distributed.sharding = fsdp2), or set train.memory_check = false to start anyway")
+
+
 def shares_prompt(cfg: config_mod.Config, model: Policy) -> bool:
     """True when log-prob forwards run each prompt once per group (`model.share_prompt_forward` on a
     model whose cache is differentiable)."""

@@ -60,7 +60,8 @@ from rlvr.learn import Learner, learn, make_optimizer, make_scheduler
 from rlvr.policy import Policy
 from rlvr.reward_pool import RewardPool, open_pool
 from rlvr.rollout import Batch, rollout
-from rlvr.run import RunError, Setup, build, check_memory, price_of, set_threads  # noqa: F401  (RunError: raised to the CLI)
+from rlvr.run import (RunError, Setup, build, check_device_memory, check_memory, price_of,  # noqa: F401  (RunError:
+                      set_threads)                                                         # raised to the CLI)
 from rlvr.rundir import RunDir
 from rlvr.state import StateError, load_state, save_state
 from rlvr.value import LearnedBaseline
@@ -302,6 +303,7 @@ def start(cfg: config_mod.Config, run_dir: RunDir, *, overwrite: bool, resume: b
     price = price_of(setup)
     run_dir.check_space(price)
     check_memory(cfg, price)  # refuses a run that would not fit the machine's memory (rlvr.run)
+    check_device_memory(cfg, price, setup.device)  # on a GPU: the copies the first update allocates
     if not resume:
         run_dir.prepare(overwrite=overwrite)
     run_dir.write_start(cfg, price)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from rlvr import config as config_mod, costs, run
 
@@ -75,6 +76,25 @@ def test_a_run_that_does_not_fit_is_refused_naming_the_numbers(monkeypatch):
     run.check_memory(config_mod.load(None, ["--train.memory_check=false"]), _price(8.0))
 
 
+def test_a_gpu_run_whose_first_update_does_not_fit_is_refused():
+    """On CUDA: reference copy + AdamW moments + gradients (16 bytes per trainable parameter with
+    the reference) against the device's free memory; CPU runs and memory_check = false skip it."""
+    cfg = config_mod.load(None, [])
+    cuda = torch.device("cuda")
+    p = costs.price(prompts_per_step=2, samples_per_prompt=3, max_new_tokens=2, prompt_tokens=4, steps=1,
+                    epochs_per_batch=1, minibatches=1, n_params=2**28, has_reference=True)   # full FT, KL on
+    # 2**28 parameters: reference 1 GiB + AdamW 2 GiB + gradients 1 GiB = 4 GiB by the first update
+    assert (p.reference_bytes, p.optimizer_bytes) == (2**30, 2 * 2**30)
+    with pytest.raises(run.RunError) as e:
+        run.check_device_memory(cfg, p, cuda, free=3 * 2**30)
+    msg = str(e.value)
+    assert ("allocates 4.00 GiB more on the GPU by its first update (reference copy 1.00 + AdamW moments 2.00 + "
+            "gradients 1.00 GiB" in msg and "only 3.00 GiB are free" in msg and "train.memory_check = false" in msg)
+    run.check_device_memory(cfg, p, cuda, free=4 * 2**30)                          # fits exactly
+    run.check_device_memory(config_mod.load(None, ["--train.memory_check=false"]), p, cuda, free=0)
+    run.check_device_memory(cfg, p, torch.device("cpu"), free=0)                   # the CPU has check_memory
+
+
 def test_training_refuses_before_writing_anything(monkeypatch, tmp_path):
     from rlvr.trainer import train
 
@@ -86,6 +106,19 @@ def test_training_refuses_before_writing_anything(monkeypatch, tmp_path):
     with pytest.raises(run.RunError, match="MemAvailable"):
         train(cfg, tmp_path / "run", log=lambda *a: None)
     assert not (tmp_path / "run").exists()
+    # the GPU check is asked too, with the run's device and price, before anything is written
+    import rlvr.trainer as trainer_mod
+
+    monkeypatch.setattr(costs, "available_bytes", lambda: 2**40)
+    asked = []
+
+    def gpu_check(cfg_, price, device):
+        asked.append((device.type, price.optimizer_bytes))
+        raise run.RunError("no room on the GPU")
+    monkeypatch.setattr(trainer_mod, "check_device_memory", gpu_check)
+    with pytest.raises(run.RunError, match="no room on the GPU"):
+        train(cfg, tmp_path / "run", log=lambda *a: None)
+    assert asked and asked[0][0] == "cpu" and asked[0][1] > 0 and not (tmp_path / "run").exists()
 
 
 def test_price_of_a_real_setup_predicts_memory():
