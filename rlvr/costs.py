@@ -353,6 +353,16 @@ def _memory_fields(mem) -> dict:
         memory_peak_phase=max(mem.phases, key=mem.phases.get))
 
 
+def expected_wall_seconds(flops: float, decode_flops: float, decode_steps: int, rate: float,
+                          decode_step_s: float) -> float:
+    """A run's compute seconds with its decode at a measured time: the `flops` less the decode
+    positions' `decode_flops` at `rate` FLOP/s, plus `decode_steps` decode steps of `decode_step_s`
+    each (T - 1 a batch: the first token comes from the prefill). 0.0 when either is not measured."""
+    if rate <= 0 or decode_step_s <= 0:
+        return 0.0
+    return (flops - decode_flops) / rate + decode_steps * decode_step_s
+
+
 def price(
     *,
     prompts_per_step: int,
@@ -395,8 +405,7 @@ def price(
     (`memory`); without it the memory fields stay 0. `recompute_logp_old` (algorithm.logp_old =
     recompute) adds one log-prob forward per batch; `numerics` is the model.autocast line and
     `matmul_kind` what `matmul_flops_per_s` measures ("fp32", or "bf16 autocast"). `decode_step_s`
-    (seconds of one decode step of the P x G rows, measured) gives the expected wall time: the
-    decode positions' FLOPs (P x G x T a batch) replaced by (T - 1) decode steps of that time.
+    (one decode step of the P x G rows, measured) gives the expected wall time (`expected_wall_seconds`).
     """
     _check_counts(max_new_tokens=max_new_tokens, n_params=n_params, prompts_per_step=prompts_per_step,
                   samples_per_prompt=samples_per_prompt, steps=steps, epochs_per_batch=epochs_per_batch,
@@ -416,9 +425,8 @@ def price(
     trained = epochs_per_batch * per_forward
     policy = n_params * bytes_per_param
     flops_per_run = float(((sampling_fwd + ref_fwd + old_fwd) * fwd + trained * trn) * steps)
-    expected = 0.0
-    if matmul_flops_per_s > 0 and decode_step_s > 0:
-        expected = (flops_per_run - steps * rows * T * fwd) / matmul_flops_per_s + steps * (T - 1) * decode_step_s
+    expected = expected_wall_seconds(flops_per_run, steps * rows * T * fwd, steps * (T - 1), matmul_flops_per_s,
+                                     decode_step_s)
     extra = {} if shape is None else _memory_fields(memory(
         shape, prompts=P, group=G, prompt_len=Lp, response_len=T, minibatches=minibatches, n_params=n_params,
         trainable_params=n_params if trainable_params is None else trainable_params,
