@@ -186,10 +186,10 @@ def decode_step_seconds(setup: Setup) -> float:
     """Seconds of one decode step of this run's sampling, measured on its own policy: the P x G rows
     of a step after a prompt of the longest prompt's length, through `rlvr.sampling.generate` (the
     forward, the tempered log-softmax and the draw) under the run's numerics. One prompt's row
-    repeated P x G times (its prefill is cheap); 1 + DECODE_PROBE_STEPS new tokens once to warm up (a
-    GPU pays for its first kernel choices per cache length: ~0.1 s each, seen on an H200), then 1 and
-    1 + DECODE_PROBE_STEPS timed, the difference over DECODE_PROBE_STEPS. No gradient; the run's
-    generators untouched.
+    repeated P x G times (its prefill is cheap); a warm-up call (on a GPU with as many tokens as the
+    timed one: it pays for its first kernel choices per cache length, ~0.1 s each on an H200; on a
+    CPU 2 tokens), then 1 and 1 + DECODE_PROBE_STEPS timed, the difference over DECODE_PROBE_STEPS.
+    No gradient; the run's generators untouched.
     0.0 when sampling runs in rollout workers (elsewhere) or a response has a single token."""
     cfg, model, device = setup.cfg, setup.model, setup.device
     n = min(DECODE_PROBE_STEPS, setup.limits.max_new_tokens - 1)
@@ -211,7 +211,7 @@ def decode_step_seconds(setup: Setup) -> float:
     was = model.training
     model.eval()
     try:
-        timed(1 + n)                                              # warm-up: allocation, kernel choice
+        timed(1 + n if device.type == "cuda" else 2)              # warm-up: allocation, kernel choice
         one, more = timed(1), timed(1 + n)
     finally:
         model.train(was)

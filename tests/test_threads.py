@@ -176,7 +176,7 @@ def test_decode_step_is_measured_on_the_runs_policy_unless_workers_sample(monkey
     assert got > 0 and setup.model.training                       # measured; the model's mode restored
     rows = setup.cfg.train.prompts_per_step * setup.cfg.train.samples_per_prompt
     n = min(run.DECODE_PROBE_STEPS, setup.limits.max_new_tokens - 1)
-    assert [kw["max_new_tokens"] for _, kw in calls] == [1 + n, 1, 1 + n]   # warm-up, then 1 and 1 + n tokens
+    assert [kw["max_new_tokens"] for _, kw in calls] == [2, 1, 1 + n]       # CPU warm-up, then 1 and 1 + n tokens
     assert all(kw["samples_per_prompt"] == rows and len(p) == 1 and len(p[0]) == setup.limits.prompt_tokens
                and kw["eos_id"] is None for p, kw in calls)
     price = run.price_of(setup, rate=1e9, decode_s=0.25)
