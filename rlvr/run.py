@@ -536,12 +536,16 @@ def check_device_memory(cfg: config_mod.Config, price: costs.Price, device: torc
     reference copy (KL on without LoRA), AdamW's two moments and the gradients, 16 bytes per
     trainable parameter with the reference, all held from the first update on. Activations, logits
     and the KV cache come on top and are not predicted here, so passing this check is no promise.
-    Other devices, and `train.memory_check = false`, skip it."""
+    Under `distributed.sharding = fsdp2` with N learners each GPU holds 1/N of these. Other devices,
+    and `train.memory_check = false`, skip it."""
     if not cfg.train.memory_check or device.type != "cuda":
         return
     free = cuda_free_bytes(device) if free is None else free
     gradients = price.optimizer_bytes // 2                       # 4 bytes per trainable parameter; AdamW holds 8
     later = price.reference_bytes + price.optimizer_bytes + gradients
+    dc = cfg.distributed
+    if dc.sharding == "fsdp2" and dc.learners > 1:
+        later //= dc.learners
     if later > free:
         gib = 1 / 2**30
         raise RunError(

@@ -93,6 +93,10 @@ def test_a_gpu_run_whose_first_update_does_not_fit_is_refused():
     run.check_device_memory(cfg, p, cuda, free=4 * 2**30)                          # fits exactly
     run.check_device_memory(config_mod.load(None, ["--train.memory_check=false"]), p, cuda, free=0)
     run.check_device_memory(cfg, p, torch.device("cpu"), free=0)                   # the CPU has check_memory
+    sharded = config_mod.load(None, ["--distributed.learners=2", "--distributed.sharding=fsdp2"])
+    run.check_device_memory(sharded, p, cuda, free=2 * 2**30)                      # each of 2 GPUs holds half
+    with pytest.raises(run.RunError):
+        run.check_device_memory(config_mod.load(None, ["--distributed.learners=2"]), p, cuda, free=2 * 2**30)
 
 
 def test_training_refuses_before_writing_anything(monkeypatch, tmp_path):
