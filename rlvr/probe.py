@@ -25,7 +25,8 @@ Which prompts: `train` draws N prompts with `random.Random(train.seed).sample`, 
 draws its first batch (so with N <= train.prompts_per_step they are the first N prompts of step
 1); `heldout` takes the first N held-out prompts, as `rlvr eval` does. Sampling uses a
 `torch.Generator` seeded with `train.seed`, at `sampling.temperature` / `sampling.top_p`, so a
-probe is reproducible (same device and thread count). `algorithm.top_k` is not applied: the probe
+probe is reproducible (same device and thread count), under the numerics training samples with
+(model.autocast as resolved at build; for a checkpoint, the decision its run recorded, as `rlvr eval`). `algorithm.top_k` is not applied: the probe
 counts what each scheme does to the rewards themselves.
 """
 
@@ -265,6 +266,7 @@ def run_probe(cfg: config.Config, *, prompts: int, samples: int, schemes: Sequen
     from rlvr import run
     from rlvr.reward_pool import open_pool
     from rlvr.rollout import sample_and_score
+    from rlvr.rundir import RunDir
     from rlvr.tasks import load_task
 
     check_sizes(prompts, samples)
@@ -281,10 +283,14 @@ def run_probe(cfg: config.Config, *, prompts: int, samples: int, schemes: Sequen
                          f"reward {run_cfg.task.reward_weights or run_cfg.task.reward}; probing with the config's "
                          f"{cfg.task.path} options {cfg.task.options} reward {cfg.task.reward_weights or cfg.task.reward}")
         source = f"checkpoint {checkpoint}"
+        numerics = run.eval_numerics(cfg, model, RunDir(Path(checkpoint)).recorded_autocast())
     else:
         setup = run.build(cfg)
         task, model, tok, weights = setup.task, setup.model, setup.tokenizer, setup.reward_weights
         source = "initial model" + (f" ({cfg.model.init})" if cfg.model.init else f" (random init, seed {cfg.train.seed})")
+        numerics = setup.numerics
+    if numerics.bf16:
+        notes.append(f"sampled under {numerics.describe()}, as training samples")
     seed = cfg.train.seed
     examples = _pick(task.train if split == "train" else task.heldout, prompts, split, seed)
     why = f" ({notes[0]})" if notes else ""
@@ -300,7 +306,8 @@ def run_probe(cfg: config.Config, *, prompts: int, samples: int, schemes: Sequen
     with open_pool(cfg.task, task) as pool:
         scored = sample_and_score(model, tok, task, examples, G=K, limits=limits, weights=weights,
                                   temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, generator=gen,
-                                  chunk_prompts=max(1, cfg.eval.batch_size // K), pool=pool)
+                                  chunk_prompts=max(1, cfg.eval.batch_size // K), pool=pool,
+                                  autocast=numerics.context)
     responses, rewards, goals = scored.responses, scored.rewards, scored.hits
     sampled_tokens = int(scored.rollout.mask.sum())
     if scored.goal_failures:

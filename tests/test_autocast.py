@@ -429,3 +429,36 @@ def test_rlvr_eval_samples_under_the_runs_recorded_numerics(tmp_path, monkeypatc
         assert seen and all(s == want for s in seen), mode
         assert res["eval/numerics"] == ("bf16 autocast (model.autocast = bf16)" if want else
                                         "fp32 (model.autocast = off)")
+
+
+def test_rlvr_probe_samples_under_the_training_numerics(tmp_path, monkeypatch):
+    """`rlvr probe` samples as training does: the initial model under model.autocast as resolved, a
+    checkpoint under the decision its run recorded (as `rlvr eval`)."""
+    from rlvr import probe, rollout
+
+    seen: list[bool] = []
+    original = rollout.sample_and_score
+
+    def recording(*a, autocast, **kw):
+        with autocast():
+            seen.append(torch.is_autocast_enabled("cpu"))
+        return original(*a, autocast=autocast, **kw)
+
+    monkeypatch.setattr(rollout, "sample_and_score", recording)
+    for mode, want in (("bf16", True), ("off", False)):
+        seen.clear()
+        res = probe.run_probe(config_mod.load(EXAMPLE, TINY + [f"--model.autocast={mode}"]), prompts=2, samples=2)
+        assert seen == [want] and any("sampled under bf16 autocast" in n for n in res.notes) is want
+    monkeypatch.setattr(run, "autocast_timings", lambda device, *shape, **kw: (3e-3, 1e-3))   # auto chooses bf16
+    from rlvr import cli
+
+    out = tmp_path / "run"
+    assert cli.main(["train", str(EXAMPLE), "--out", str(out), *TINY, "--train.steps=1", "--eval.pass_k=0"]) == 0
+
+    def never(*a, **kw):
+        raise AssertionError("the probe measured again instead of reading the run's decision")
+
+    monkeypatch.setattr(run, "autocast_timings", never)
+    seen.clear()
+    probe.run_probe(config_mod.load(EXAMPLE, TINY), prompts=2, samples=2, checkpoint=out)
+    assert seen == [True]
