@@ -319,19 +319,21 @@ def test_the_price_counts_the_recompute_forward():
     assert "logp_old 0 (stored from the sampler)" in plain.lines()[2]
 
 
-def record_eval_autocast(monkeypatch) -> list[bool]:
-    """A list that gets, per evaluation sampling call, whether it ran under CPU autocast."""
+def record_eval_autocast(monkeypatch, module=None) -> list[bool]:
+    """A list that gets, per sampling call through `module.sample_and_score` (default: the
+    evaluation's), whether it ran under CPU autocast."""
     from rlvr import evaluate as evaluate_mod
 
+    module = module or evaluate_mod
     seen: list[bool] = []
-    original = evaluate_mod.sample_and_score
+    original = module.sample_and_score
 
     def recording(*a, autocast, **kw):
         with autocast():
             seen.append(torch.is_autocast_enabled("cpu"))
         return original(*a, autocast=autocast, **kw)
 
-    monkeypatch.setattr(evaluate_mod, "sample_and_score", recording)
+    monkeypatch.setattr(module, "sample_and_score", recording)
     return seen
 
 
@@ -436,15 +438,7 @@ def test_rlvr_probe_samples_under_the_training_numerics(tmp_path, monkeypatch):
     checkpoint under the decision its run recorded (as `rlvr eval`)."""
     from rlvr import probe, rollout
 
-    seen: list[bool] = []
-    original = rollout.sample_and_score
-
-    def recording(*a, autocast, **kw):
-        with autocast():
-            seen.append(torch.is_autocast_enabled("cpu"))
-        return original(*a, autocast=autocast, **kw)
-
-    monkeypatch.setattr(rollout, "sample_and_score", recording)
+    seen = record_eval_autocast(monkeypatch, rollout)         # the probe imports it from rlvr.rollout
     for mode, want in (("bf16", True), ("off", False)):
         seen.clear()
         res = probe.run_probe(config_mod.load(EXAMPLE, TINY + [f"--model.autocast={mode}"]), prompts=2, samples=2)
