@@ -173,7 +173,9 @@ def measure(run_dir: Path) -> dict:
     learn_s = statistics.median(r["time/step_s"] - r["time/sample_s"] for r in timed)
     n = max(1, summary["steps"])
     flops = summary["cost/flops"] / n
-    sampled_share = summary["sampled_tokens_vs_price"]        # actual sampled tokens / the price's worst case
+    # the rollout / learn split: the price's per-batch FLOPs scaled by actual sampled tokens / the price's
+    # worst case (approximate where responses end early: the prompts' share does not shrink with them)
+    sampled_share = summary["sampled_tokens_vs_price"]
     sampling = price["flops_sampling_per_batch"] * sampled_share
     learning = (price["flops_train_per_batch"] + price.get("flops_logp_old_per_batch", 0.0)
                 + price.get("flops_logp_ref_per_batch", 0.0)) * sampled_share
