@@ -445,16 +445,21 @@ def cost_rows(records: RunRecords) -> list[tuple[str, object, object]]:
 
     A counted figure without a price, and a price without a count, each get a row. The wall time is
     the counted `wall_seconds` against the price's `wall_seconds_estimate` (its ratio is the
-    summary's `cost/wall_vs_estimate`, so that is not a row of its own). Before cost/* keys existed,
+    summary's `cost/wall_vs_estimate`, so that is not a row of its own), and again against its
+    `wall_seconds_expected` (the row `wall_seconds_expected`; ratio `cost/wall_vs_expected`) when
+    the price measured a decode step. Before cost/* keys existed,
     summary.json carried the counted sampled tokens as `sampled_tokens`; that is used for
     `sampled_tokens` when `cost/sampled_tokens` is absent."""
     price = records.price or {}
     summary = records.summary or {}
     priced = {k[: -len("_per_run")]: v for k, v in price.items() if k.endswith("_per_run")}
-    if _num(price.get("wall_seconds_estimate")) and price["wall_seconds_estimate"] > 0:
-        priced["wall_seconds"] = price["wall_seconds_estimate"]
+    for key, name in (("wall_seconds_estimate", "wall_seconds"), ("wall_seconds_expected", "wall_seconds_expected")):
+        if _num(price.get(key)) and price[key] > 0:
+            priced[name] = price[key]
     counted = {k[len("cost/"):]: v for k, v in summary.items()
-               if k.startswith("cost/") and k != "cost/wall_vs_estimate"}
+               if k.startswith("cost/") and k not in ("cost/wall_vs_estimate", "cost/wall_vs_expected")}
+    if "wall_seconds_expected" in priced and "wall_seconds" in counted:
+        counted["wall_seconds_expected"] = counted["wall_seconds"]
     if "sampled_tokens" not in counted and _num(summary.get("sampled_tokens")):
         counted["sampled_tokens"] = summary["sampled_tokens"]
     names = list(priced) + [k for k in counted if k not in priced]

@@ -112,6 +112,17 @@ def test_finished_run_writes_pngs_and_self_contained_html(tmp_path):
                                                       "report", "rollouts.jsonl", "summary.json"]
 
 
+def test_the_expected_wall_time_is_a_row_against_the_same_wall_time(tmp_path):
+    d = make_run(tmp_path / "run")
+    price = json.loads((d / "price.json").read_text())
+    (d / "price.json").write_text(json.dumps({**price, "wall_seconds_expected": 45.0, "decode_step_s": 0.01}))
+    summary = json.loads((d / "summary.json").read_text())
+    (d / "summary.json").write_text(json.dumps({**summary, "cost/wall_vs_expected": 50.0 / 45.0}))
+    rows = {name: (p, c) for name, p, c in report.cost_rows(report.load_run_records(d))}
+    assert rows["wall_seconds"] == (40.0, 50.0) and rows["wall_seconds_expected"] == (45.0, 50.0)
+    assert "wall_vs_expected" not in rows and "wall_vs_estimate" not in rows
+
+
 def test_price_against_counted_table(tmp_path):
     rec = report.load_run_records(make_run(tmp_path / "run"))
     rows = {name: (p, c) for name, p, c in report.cost_rows(rec)}
