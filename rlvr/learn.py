@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from rlvr import config as config_mod, losses, sampling
+from rlvr import config as config_mod, losses, optim, sampling
 from rlvr.policy import Policy
 from rlvr.rollout import Batch, forward_tokens
 
@@ -38,8 +38,12 @@ def lr_at(cfg: config_mod.TrainConfig, opt_step: int, total: int) -> float:
 
 def make_optimizer(params: list, tc: config_mod.TrainConfig) -> torch.optim.Optimizer:
     """AdamW; its fused kernel when this torch has one for the device (same update, one kernel per
-    step instead of a loop over tensors: 0.4 ms against 3.3 ms on a 0.5M-parameter model on CPU)."""
+    step instead of a loop over tensors: 0.4 ms against 3.3 ms on a 0.5M-parameter model on CPU);
+    over one flat buffer (rlvr.optim.FlatAdamW, the same update bit for bit) when the parameters are
+    many small CPU tensors that allow it (SmolLM2's 120 LoRA tensors: 2 against 4 ms a step)."""
     kw = dict(lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
+    if optim.flat_fits(params):
+        return optim.FlatAdamW(params, **kw)
     try:
         return torch.optim.AdamW(params, fused=True, **kw)
     except (RuntimeError, TypeError, ValueError):

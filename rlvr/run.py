@@ -374,8 +374,10 @@ def _hf_policy(cfg: config_mod.Config, device: torch.device, log) -> tuple[Polic
     mc = cfg.model
     lora = LoraSpec(r=mc.lora_r, alpha=mc.lora_alpha, dropout=mc.lora_dropout,
                     target_modules=list(mc.lora_target_modules) or None) if mc.lora_r else None
-    try:
-        model, tokenizer = load_policy(mc.path, dtype=mc.dtype, lora=lora, device=device)
+    try:  # a new adapter's random init drawn from train.seed, not from whatever ran before in this process
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(cfg.train.seed)
+            model, tokenizer = load_policy(mc.path, dtype=mc.dtype, lora=lora, device=device)
     except ValueError as e:
         raise RunError(f"model.path = {mc.path!r}: {e}") from None
     if model.load_note:
