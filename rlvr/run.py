@@ -285,9 +285,10 @@ class Numerics:
         return autocast_context(self.bf16, self.device_type)
 
     def matmul_speedup(self) -> float:
-        """fp32 time / bf16 time of the probe product when auto measured and chose bf16 (the price's
-        wall-time estimate scales the fp32 matmul rate by it); 1.0 otherwise (fp32, or bf16 forced
-        without a measurement: the estimate then keeps the fp32 rate)."""
+        """fp32 time / bf16 time of the probe product when the run computes in bf16 and it was measured
+        (auto, or bf16 set on a fresh run; below 1 where bf16 is slower), so the price's wall-time
+        estimate scales the fp32 matmul rate by it; 1.0 otherwise (fp32, or bf16 without a
+        measurement: a resumed run, `rlvr eval`)."""
         return self.fp32_s / self.bf16_s if self.bf16 and self.fp32_s > 0 and self.bf16_s > 0 else 1.0
 
     def describe(self) -> str:
@@ -296,18 +297,26 @@ class Numerics:
         if not self.fp32_s:
             return f"{what} (model.autocast = {self.asked})"
         rows, inner, outer = self.shape
-        return (f"{what} (model.autocast = auto: bf16 {self.fp32_s / self.bf16_s:.2f}x fp32 here, "
+        speedup = self.fp32_s / self.bf16_s
+        why = (f"bf16 needs >= {AUTOCAST_MIN_SPEEDUP}x" if self.asked == "auto" else
+               "as set" + (("; slower than fp32" if speedup < 1 else "") + "; model.autocast = auto would take fp32 here"
+                           if speedup < AUTOCAST_MIN_SPEEDUP else ""))
+        return (f"{what} (model.autocast = {self.asked}: bf16 {speedup:.2f}x fp32 here, "
                 f"{self.bf16_s * 1e3:.3g} ms against {self.fp32_s * 1e3:.3g} ms for a {rows} x {inner} x {outer} "
-                f"product; bf16 needs >= {AUTOCAST_MIN_SPEEDUP}x)")
+                f"product; {why})")
 
 
-def choose_numerics(mode: str, device: torch.device, shape: tuple[int, int, int]) -> Numerics:
+def choose_numerics(mode: str, device: torch.device, shape: tuple[int, int, int],
+                    time_forced: bool = False) -> Numerics:
     """`model.autocast` resolved: `bf16` and `off` as said; `auto` times one (rows, inner, outer)
-    product with `autocast_timings` and takes bf16 when fp32 time / bf16 time >= AUTOCAST_MIN_SPEEDUP."""
-    if mode != "auto":
+    product with `autocast_timings` and takes bf16 when fp32 time / bf16 time >= AUTOCAST_MIN_SPEEDUP.
+    `time_forced` (a fresh run's price): `bf16` is timed too, and kept whatever the times say, so the
+    price's wall time is at the rate bf16 runs at here and its line says when bf16 is the slower one."""
+    if mode == "off" or (mode == "bf16" and not time_forced):
         return Numerics(mode == "bf16", mode, device.type)
     fp32_s, bf16_s = autocast_timings(device, *shape)
-    return Numerics(fp32_s >= AUTOCAST_MIN_SPEEDUP * bf16_s, mode, device.type, fp32_s, bf16_s, tuple(shape))
+    bf16 = mode == "bf16" or fp32_s >= AUTOCAST_MIN_SPEEDUP * bf16_s
+    return Numerics(bf16, mode, device.type, fp32_s, bf16_s, tuple(shape))
 
 
 def eval_numerics(cfg: config_mod.Config, model: Policy, recorded: str | None) -> Numerics:
@@ -431,7 +440,8 @@ def build(cfg: config_mod.Config, log=print, autocast: str | None = None) -> Set
     baseline = costs.resident_bytes()
     model, tokenizer = _hf_policy(cfg, device, log) if cfg.model.path else _built_in(cfg, task)
     lim = limits(cfg, task, tokenizer, model)
-    numerics = choose_numerics(autocast or cfg.model.autocast, device, probe_shape(model, device))
+    numerics = choose_numerics(autocast or cfg.model.autocast, device, probe_shape(model, device),
+                               time_forced=autocast is None)
     return Setup(cfg, task, tokenizer, model.to(device), weights, lim, device, baseline, numerics)
 
 

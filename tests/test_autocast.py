@@ -104,6 +104,7 @@ def test_auto_takes_bf16_only_when_it_is_at_least_1_2x_faster(monkeypatch, fp32_
 
 @pytest.mark.parametrize("mode,want", [("bf16", True), ("off", False)])
 def test_bf16_and_off_force_the_choice_without_measuring(monkeypatch, mode, want):
+    # as for a resumed run or `rlvr eval` (time_forced False): the decision is taken as given
     def never(*a, **kw):
         raise AssertionError("measured although model.autocast is forced")
 
@@ -128,8 +129,29 @@ def test_build_measures_the_models_own_shape_and_the_price_records_the_choice(mo
     assert price.matmul_flops_per_s == 3e9 and price.matmul_kind == "bf16 autocast"
     assert price.wall_seconds_estimate == price.flops_per_run / 3e9
     assert "at a measured bf16 autocast matmul rate of 3.0 GFLOP/s" in price.wall_line()
-    forced = run.price_of(tiny_setup("--model.autocast=bf16"), rate=1e9)   # not measured: the fp32 rate
-    assert forced.matmul_flops_per_s == 1e9 and "measured fp32 matmul rate" in forced.wall_line()
+    forced = run.price_of(tiny_setup("--model.autocast=bf16"), rate=1e9)   # set, and timed for the price
+    assert forced.matmul_flops_per_s == 3e9 and forced.numerics.endswith("product; as set)")
+
+
+def test_bf16_set_where_it_is_slower_is_kept_and_priced_at_its_rate(monkeypatch):
+    """model.autocast = bf16 on a machine where bf16 products are 3x slower (a CPU without native
+    bf16): the run computes in bf16 as set, its price says so and runs the wall estimate at a third of
+    the fp32 rate; off is never timed."""
+    monkeypatch.setattr(run, "autocast_timings", lambda device, *shape, **kw: (1e-3, 3e-3))
+    setup = tiny_setup("--model.autocast=bf16")
+    assert setup.numerics.bf16 and setup.numerics.matmul_speedup() == pytest.approx(1 / 3)
+    price = run.price_of(setup, rate=3e9)
+    assert price.numerics == ("bf16 autocast (model.autocast = bf16: bf16 0.33x fp32 here, 3 ms against 1 ms for "
+                              "a 256 x 32 x 128 product; as set; slower than fp32; model.autocast = auto "
+                              "would take fp32 here)")
+    assert price.matmul_flops_per_s == pytest.approx(1e9) and price.matmul_kind == "bf16 autocast"
+    assert price.wall_seconds_estimate == pytest.approx(price.flops_per_run / 1e9)
+
+    def never(*a, **kw):
+        raise AssertionError("timed although model.autocast = off")
+
+    monkeypatch.setattr(run, "autocast_timings", never)
+    assert not tiny_setup("--model.autocast=off").numerics.bf16
 
 
 def test_the_measurement_returns_both_times_once_per_process(monkeypatch):
@@ -353,7 +375,9 @@ def test_train_with_bf16_and_recompute_from_the_command_line(tmp_path, monkeypat
         assert r["train/first_step_ratio_mean"] == 1.0
     assert eval_autocast and all(eval_autocast)                 # evaluation sampled under bf16 too
     price = json.loads((out / "price.json").read_text())
-    assert price["numerics"] == "bf16 autocast (model.autocast = bf16)"
+    assert price["numerics"] == ("bf16 autocast (model.autocast = bf16: bf16 1.00x fp32 here, 1e+03 ms against "
+                                 "1e+03 ms for a 256 x 32 x 128 product; as set; model.autocast = auto would take "
+                                 "fp32 here)")                  # the suite's stand-in timings: equal
     summary = json.loads((out / "summary.json").read_text())
     assert summary["cost/forward_tokens"] == summary["price"]["forward_tokens_per_run"]   # the extra forward, priced
     assert price["forward_tokens_logp_old_per_batch"] > 0
