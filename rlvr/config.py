@@ -69,7 +69,7 @@ class ModelConfig:
     token rows x hidden size x MLP width; 4096 rows on a GPU) in fp32 and under bf16 autocast on the
     run's device, and use bf16 only when it is at least 1.2x faster (CPUs differ: 4x faster on one
     with AVX512-BF16, many times slower on others); the decision and both times are a price line and
-    `numerics` in price.json. `bf16`: always (still timed at start-up, so the price's wall time is at
+    `numerics` in price.json. `bf16`: always (a fresh run still times it, so the price's wall time is at
     the rate bf16 runs at here and says when it is the slower one); `off`: never. Under bf16 the sampler's log-probs and
     the trainer's may differ by more than rounding: see algorithm.logp_old. Set bf16 or off when runs
     on different machines must compute the same."""

@@ -423,9 +423,10 @@ def _import_optimizer_modules() -> None:
         torch.optim.AdamW([torch.zeros(1, requires_grad=True)], fused=True)
 
 
-def build(cfg: config_mod.Config, log=print, autocast: str | None = None) -> Setup:
+def build(cfg: config_mod.Config, log=print, autocast: str | None = None, time_bf16: bool = False) -> Setup:
     """Load the task, build tokenizer and model; every error here comes before any compute.
-    `autocast` ("bf16" or "off") replaces model.autocast's choice (a resumed run keeps its first decision)."""
+    `autocast` ("bf16" or "off") replaces model.autocast's choice (a resumed run keeps its first decision).
+    `time_bf16`: a model.autocast = bf16 is timed against fp32 too (a fresh run's price, `rlvr price`)."""
     device = resolve_device(cfg.train.device)
     task = load_task(cfg.task.path, **cfg.task.options)
     config_mod.check_against_task(cfg, train_prompts=len(task.train), prompt_tokens=0,
@@ -441,7 +442,7 @@ def build(cfg: config_mod.Config, log=print, autocast: str | None = None) -> Set
     model, tokenizer = _hf_policy(cfg, device, log) if cfg.model.path else _built_in(cfg, task)
     lim = limits(cfg, task, tokenizer, model)
     numerics = choose_numerics(autocast or cfg.model.autocast, device, probe_shape(model, device),
-                               time_forced=autocast is None)
+                               time_forced=time_bf16 and autocast is None)
     return Setup(cfg, task, tokenizer, model.to(device), weights, lim, device, baseline, numerics)
 
 

@@ -299,7 +299,8 @@ def start(cfg: config_mod.Config, run_dir: RunDir, *, overwrite: bool, resume: b
             raise RunError("--resume and --overwrite contradict each other; choose one")
         run_dir.check_resumable(cfg)
     run_dir.check_writable()
-    setup = build(cfg, autocast=run_dir.recorded_autocast() if resume and cfg.model.autocast == "auto" else None)
+    setup = build(cfg, autocast=run_dir.recorded_autocast() if resume and cfg.model.autocast == "auto" else None,
+                  time_bf16=not resume)
     price = price_of(setup)
     run_dir.check_space(price)
     check_memory(cfg, price)  # refuses a run that would not fit the machine's memory (rlvr.run)

@@ -31,9 +31,9 @@ torch.set_num_threads(1)
 CPU = torch.device("cpu")
 
 
-def tiny_setup(*extra: str):
+def tiny_setup(*extra: str, time_bf16: bool = False):
     """The 3-digit sort task on a 1-layer built-in model (d = 32), P = G = 4, one thread."""
-    return run.build(config_mod.load(EXAMPLE, TINY + list(extra)), log=lambda *_: None)
+    return run.build(config_mod.load(EXAMPLE, TINY + list(extra)), log=lambda *_: None, time_bf16=time_bf16)
 
 
 def new_learner(setup) -> Learner:
@@ -129,7 +129,7 @@ def test_build_measures_the_models_own_shape_and_the_price_records_the_choice(mo
     assert price.matmul_flops_per_s == 3e9 and price.matmul_kind == "bf16 autocast"
     assert price.wall_seconds_estimate == price.flops_per_run / 3e9
     assert "at a measured bf16 autocast matmul rate of 3.0 GFLOP/s" in price.wall_line()
-    forced = run.price_of(tiny_setup("--model.autocast=bf16"), rate=1e9)   # set, and timed for the price
+    forced = run.price_of(tiny_setup("--model.autocast=bf16", time_bf16=True), rate=1e9)   # set, timed for the price
     assert forced.matmul_flops_per_s == 3e9 and forced.numerics.endswith("product; as set)")
 
 
@@ -138,7 +138,7 @@ def test_bf16_set_where_it_is_slower_is_kept_and_priced_at_its_rate(monkeypatch)
     bf16): the run computes in bf16 as set, its price says so and runs the wall estimate at a third of
     the fp32 rate; off is never timed."""
     monkeypatch.setattr(run, "autocast_timings", lambda device, *shape, **kw: (1e-3, 3e-3))
-    setup = tiny_setup("--model.autocast=bf16")
+    setup = tiny_setup("--model.autocast=bf16", time_bf16=True)
     assert setup.numerics.bf16 and setup.numerics.matmul_speedup() == pytest.approx(1 / 3)
     price = run.price_of(setup, rate=3e9)
     assert price.numerics == ("bf16 autocast (model.autocast = bf16: bf16 0.33x fp32 here, 3 ms against 1 ms for "
@@ -148,10 +148,12 @@ def test_bf16_set_where_it_is_slower_is_kept_and_priced_at_its_rate(monkeypatch)
     assert price.wall_seconds_estimate == pytest.approx(price.flops_per_run / 1e9)
 
     def never(*a, **kw):
-        raise AssertionError("timed although model.autocast = off")
+        raise AssertionError("timed although model.autocast = off, or bf16 outside a fresh run's price")
 
     monkeypatch.setattr(run, "autocast_timings", never)
-    assert not tiny_setup("--model.autocast=off").numerics.bf16
+    assert not tiny_setup("--model.autocast=off", time_bf16=True).numerics.bf16
+    kept = tiny_setup("--model.autocast=bf16")           # an actor, `rlvr eval`: the decision as given
+    assert kept.numerics.bf16 and kept.numerics.matmul_speedup() == 1.0
 
 
 def test_the_measurement_returns_both_times_once_per_process(monkeypatch):
