@@ -88,32 +88,40 @@ def test_state_dicts_load_into_either(direction):
         assert torch.equal(p, q)
 
 
-def test_weights_written_between_steps_are_read_back():
-    """A state load (or any in-place write) between steps reaches the flat master copy."""
+def pair():
+    """Two copies of the adapters: one under torch's fused AdamW, one under FlatAdamW."""
     a, b = Adapters(LORA_SHAPES), Adapters(LORA_SHAPES)
-    ref, flat = torch.optim.AdamW(list(a.ps), fused=True, **KW), FlatAdamW(list(b.ps), **KW)
-    train(a, ref, 2)
-    train(b, flat, 2)
-    new = Adapters(LORA_SHAPES, seed=7).state_dict()
-    a.load_state_dict(new)
-    b.load_state_dict(new)
-    train(a, ref, 2, start=2)
-    train(b, flat, 2, start=2)
+    return (a, torch.optim.AdamW(list(a.ps), fused=True, **KW)), (b, FlatAdamW(list(b.ps), **KW))
+
+
+def assert_same(a: Adapters, b: Adapters) -> None:
     for pa, pb in zip(a.ps, b.ps):
         assert torch.equal(pa, pb)
 
 
+def test_weights_written_between_steps_are_used():
+    """A state load (an in-place write) or a replaced .data between steps: the next step starts from it."""
+    (a, ref), (b, flat) = pair()
+    new = Adapters(LORA_SHAPES, seed=7)
+    for m, opt in ((a, ref), (b, flat)):
+        train(m, opt, 2)
+        m.load_state_dict(new.state_dict())
+        train(m, opt, 2, start=2)
+        m.ps[1].data = new.ps[1].detach().clone() * 2
+        train(m, opt, 1, start=4)
+    assert_same(a, b)
+    assert b.ps[1].data_ptr() == flat._weights[1].data_ptr()                  # a view of the flat buffer again
+
+
 def test_replaced_gradients_are_used():
     """module.zero_grad(set_to_none=True) or a .grad assigned by hand: the next step still sees them."""
-    a, b = Adapters(LORA_SHAPES), Adapters(LORA_SHAPES)
-    ref, flat = torch.optim.AdamW(list(a.ps), fused=True, **KW), FlatAdamW(list(b.ps), **KW)
+    (a, ref), (b, flat) = pair()
     for m, opt in ((a, ref), (b, flat)):
         m.zero_grad(set_to_none=True)
         m.loss(1).backward()
         m.ps[0].grad = torch.full_like(m.ps[0], 0.5)
         opt.step()
-    for pa, pb in zip(a.ps, b.ps):
-        assert torch.equal(pa, pb)
+    assert_same(a, b)
     assert all(p.grad.data_ptr() == g.data_ptr() for p, g in zip(b.ps, flat._grads))
 
 
