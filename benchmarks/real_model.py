@@ -313,13 +313,12 @@ def phase_times(run: RlvrRun, rate: float, bandwidth: float, say: bool = False) 
     layers, d = policy.hf_config.num_hidden_layers, policy.hf_config.hidden_size
     trained_tokens = P * Lp + P * G * T                    # the prompt shared by its group
     bwd_flops = trained_tokens * (2 * n_all + 2 * n_train + 8 * layers * d * keys)
+    decode_bound = (T - 1) * max(weight_bytes / bandwidth, P * G * fwd_tok / rate)
     rows = [
         ("sampling prefill", prefill, P * Lp, P * Lp * fwd_tok / rate, "fp32 matmul rate"),
-        ("sampling decode", decode, P * G * (T - 1),
-         (T - 1) * max(weight_bytes / bandwidth, P * G * fwd_tok / rate),
+        ("sampling decode", decode, P * G * (T - 1), decode_bound,
          "max(weight bytes per decode step / copy bandwidth, its FLOPs / matmul rate)"),
-        ("decode products", products, P * G * (T - 1),
-         (T - 1) * max(weight_bytes / bandwidth, P * G * fwd_tok / rate),
+        ("decode products", products, P * G * (T - 1), decode_bound,
          "decode's bound; its matrix products alone, every weight read once a step, no attention/norms/sampling"),
         ("logp forward", fwd, trained_tokens, trained_tokens * fwd_tok / rate, "fp32 matmul rate"),
         ("backward", bwd, trained_tokens, bwd_flops / rate, "fp32 matmul rate"),

@@ -42,9 +42,9 @@ def make_optimizer(params: list, tc: config_mod.TrainConfig) -> torch.optim.Opti
     over one flat buffer (rlvr.optim.FlatAdamW, the same update bit for bit) when the parameters are
     many small CPU tensors that allow it (SmolLM2's 120 LoRA tensors: 2 against 4 ms a step)."""
     kw = dict(lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
-    if optim.flat_fits(params):
-        return optim.FlatAdamW(params, **kw)
     try:
+        if optim.flat_fits(params):
+            return optim.FlatAdamW(params, **kw)
         return torch.optim.AdamW(params, fused=True, **kw)
     except (RuntimeError, TypeError, ValueError):
         return torch.optim.AdamW(params, **kw)

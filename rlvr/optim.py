@@ -58,7 +58,8 @@ class FlatAdamW(torch.optim.AdamW):
         self.members = list(params)
         sizes = [p.numel() for p in self.members]
         self.flat = torch.nn.Parameter(torch.cat([p.detach().reshape(-1) for p in self.members]))
-        self.flat.grad = torch.zeros_like(self.flat)
+        super().__init__([self.flat], fused=True, **kw)   # first: a torch without the fused kernel raises here,
+        self.flat.grad = torch.zeros_like(self.flat)      # before any parameter is touched
         self._weights = [w.view_as(p) for w, p in zip(self.flat.detach().split(sizes), self.members)]
         self._grads = [g.view_as(p) for g, p in zip(self.flat.grad.split(sizes), self.members)]
         with torch.no_grad():
@@ -67,7 +68,6 @@ class FlatAdamW(torch.optim.AdamW):
                 p.grad = g
         self._wptrs = [w.data_ptr() for w in self._weights]
         self._gptrs = [g.data_ptr() for g in self._grads]
-        super().__init__([self.flat], fused=True, **kw)
 
     @torch.no_grad()
     def _relink(self) -> None:

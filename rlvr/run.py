@@ -307,12 +307,12 @@ class Numerics:
 
 
 def choose_numerics(mode: str, device: torch.device, shape: tuple[int, int, int],
-                    time_forced: bool = False) -> Numerics:
+                    time_bf16: bool = False) -> Numerics:
     """`model.autocast` resolved: `bf16` and `off` as said; `auto` times one (rows, inner, outer)
     product with `autocast_timings` and takes bf16 when fp32 time / bf16 time >= AUTOCAST_MIN_SPEEDUP.
-    `time_forced` (a fresh run's price): `bf16` is timed too, and kept whatever the times say, so the
+    `time_bf16` (a fresh run's price): `bf16` is timed too, and kept whatever the times say, so the
     price's wall time is at the rate bf16 runs at here and its line says when bf16 is the slower one."""
-    if mode == "off" or (mode == "bf16" and not time_forced):
+    if mode == "off" or (mode == "bf16" and not time_bf16):
         return Numerics(mode == "bf16", mode, device.type)
     fp32_s, bf16_s = autocast_timings(device, *shape)
     bf16 = mode == "bf16" or fp32_s >= AUTOCAST_MIN_SPEEDUP * bf16_s
@@ -442,7 +442,7 @@ def build(cfg: config_mod.Config, log=print, autocast: str | None = None, time_b
     model, tokenizer = _hf_policy(cfg, device, log) if cfg.model.path else _built_in(cfg, task)
     lim = limits(cfg, task, tokenizer, model)
     numerics = choose_numerics(autocast or cfg.model.autocast, device, probe_shape(model, device),
-                               time_forced=time_bf16 and autocast is None)
+                               time_bf16=time_bf16 and autocast is None)
     return Setup(cfg, task, tokenizer, model.to(device), weights, lim, device, baseline, numerics)
 
 

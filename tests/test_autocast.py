@@ -104,7 +104,7 @@ def test_auto_takes_bf16_only_when_it_is_at_least_1_2x_faster(monkeypatch, fp32_
 
 @pytest.mark.parametrize("mode,want", [("bf16", True), ("off", False)])
 def test_bf16_and_off_force_the_choice_without_measuring(monkeypatch, mode, want):
-    # as for a resumed run or `rlvr eval` (time_forced False): the decision is taken as given
+    # as for a resumed run or `rlvr eval` (time_bf16 False): the decision is taken as given
     def never(*a, **kw):
         raise AssertionError("measured although model.autocast is forced")
 

@@ -150,3 +150,21 @@ def test_load_refuses_another_models_state():
     swapped = Adapters(LORA_SHAPES[1:] + LORA_SHAPES[:1])
     with pytest.raises(ValueError, match="exp_avg of parameter 2 has 9216 elements; the parameter has 3072"):
         FlatAdamW(list(swapped.ps), **KW).load_state_dict(sd)
+
+
+def test_a_torch_without_the_fused_kernel_gets_plain_adamw_and_untouched_parameters(monkeypatch):
+    """The package allows torch versions whose AdamW has no fused CPU kernel: make_optimizer then
+    falls back to the loop over tensors, and FlatAdamW has not rebound any parameter or gradient."""
+    plain = torch.optim.AdamW.__init__
+
+    def no_fused(self, params, *a, fused=None, **kw):
+        if fused:
+            raise RuntimeError("`fused=True` requires all the params to be floating point Tensors of supported devices")
+        plain(self, params, *a, **kw)
+
+    monkeypatch.setattr(torch.optim.AdamW, "__init__", no_fused)
+    m = Adapters(LORA_SHAPES)
+    ptrs = [p.data_ptr() for p in m.ps]
+    opt = make_optimizer(list(m.ps), config_mod.TrainConfig())
+    assert type(opt) is torch.optim.AdamW and not opt.defaults.get("fused")
+    assert [p.data_ptr() for p in m.ps] == ptrs and all(p.grad is None for p in m.ps)
