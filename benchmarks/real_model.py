@@ -248,11 +248,10 @@ def phase_profile(run: RlvrRun, rate: float, bandwidth: float, reps: int = 3) ->
 
 def decode_products_seconds(policy, rows: int, steps: int) -> float:
     """Seconds of `steps` decode steps' matrix products alone: every Linear of the model (LoRA's
-    included; registration order, each weight read once a step as in decode) on `rows` rows, and the
-    output head as decode computes it (rlvr.models.lean_llama.output_head). No attention, norms,
-    rotary, residuals or sampling: what decode would take if nothing but its products ran."""
-    import torch.nn.functional as F
-
+    included; registration order, each weight read once a step as in decode) on `rows` rows, weight-major
+    as decode computes them (W @ x.T, rlvr.models.lean_llama.linear_t), and the output head as decode
+    computes it (rlvr.models.lean_llama.output_head). No attention, norms, rotary, residuals or
+    sampling: what decode would take if nothing but its products ran."""
     from rlvr.models.lean_llama import output_head
 
     hf = policy._hf_model()
@@ -264,7 +263,7 @@ def decode_products_seconds(policy, rows: int, steps: int) -> float:
         t = time.perf_counter()
         for _ in range(steps):
             for m, x in zip(linears, xs):
-                F.linear(x, m.weight)
+                torch.mm(m.weight, x.t())
             output_head(head, xh)
         return time.perf_counter() - t
 

@@ -192,7 +192,10 @@ def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     tok = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)  # (B,)
     tok = tok.clamp(max=probs.size(1) - 1)
     # u · total rounding up to the total lands past the last token: take the most likely one instead
-    return torch.where(probs.gather(1, tok.unsqueeze(1)).squeeze(1) > 0, tok, probs.argmax(-1))
+    drawn = probs.gather(1, tok.unsqueeze(1)).squeeze(1) > 0                 # (B,)
+    if probs.device.type == "cpu" and bool(drawn.all()):  # the usual case: skip the argmax pass over (B, V)
+        return tok
+    return torch.where(drawn, tok, probs.argmax(-1))
 
 
 def _prompt_noise(generators: list[torch.Generator] | None, P: int, G: int, T: int, device) -> torch.Tensor | None:

@@ -86,6 +86,13 @@ def test_inverse_cdf_sample_by_hand():
     assert sampling.inverse_cdf_sample(probs, u).tolist() == [0, 2, 2, 2]
 
 
+def test_inverse_cdf_sample_past_the_last_token_takes_the_most_likely():
+    # row 0: u · total lands on the total, past the last token with mass (token 2 has none): the argmax (token 1);
+    # row 1 is drawn as usual. The argmax is only computed when such a row exists.
+    probs = torch.tensor([[0.25, 0.75, 0.0], [0.2, 0.0, 0.8]])
+    assert sampling.inverse_cdf_sample(probs, torch.tensor([1.0, 0.1])).tolist() == [1, 0]
+
+
 def test_a_prompts_rows_do_not_depend_on_the_other_prompts_of_the_call():
     setup = run.build(tiny_cfg())
     prompts = [encode_example(setup.tokenizer, ex) for ex in setup.task.train[:6]]

@@ -543,3 +543,68 @@ def test_lean_norm_and_chunked_head_equal_the_modules(monkeypatch, fast_variant)
     hg = h.clone().requires_grad_()
     out = lean.output_head(head, hg)
     assert out.grad_fn is not None and out.grad_fn.name() == head(hg).grad_fn.name()
+
+
+def test_weight_major_products_equal_the_modules(tmp_path):
+    """linear_t (decode's weight-major products) gives each projection's own output: a bias-free Linear and a
+    plain LoRA Linear as W @ xT (+ B @ (A @ xT) * scaling); a merged, disabled or dropout-acting adapter and a
+    biased Linear through the module itself."""
+    import torch.nn as nn
+
+    import rlvr.models.lean_llama as lean
+
+    d = make_model_dir(tmp_path, seed=4, num_key_value_heads=2)
+    policy, _ = load_policy(d, lora=LoraSpec(r=4, alpha=8, dropout=0.5, target_modules=["q_proj", "down_proj"]))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for n, p in policy.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    layer = policy._hf_model().model.layers[0]
+    q, down, k = layer.self_attn.q_proj, layer.mlp.down_proj, layer.self_attn.k_proj
+
+    def check(m, plain):
+        x = torch.randn(6, m.in_features)
+        assert (lean._plain_lora(m, x.dtype) is not None) == plain
+        torch.testing.assert_close(lean.linear_t(m, x.t()).t(), m(x), atol=1e-6, rtol=0)
+
+    policy.eval()                                          # dropout off: plain LoRA
+    with torch.no_grad():
+        check(q, True)
+        check(down, True)
+        check(k, False)                                    # a plain Linear: W @ xT
+        assert type(k) is nn.Linear and torch.equal(lean.linear_t(k, torch.eye(k.in_features)), k.weight)
+        with policy.adapter_disabled():
+            check(q, False)
+        check(nn.Linear(5, 3), False)                      # with bias: the module
+        policy.train()                                     # dropout acts: the module (not deterministic)
+        assert lean._plain_lora(q, torch.float32) is None
+        policy.eval()
+        q.merge()
+        check(q, False)
+        q.unmerge()
+        check(q, True)
+
+
+def test_decode_steps_take_the_weight_major_products(monkeypatch, fast_variant):
+    """Without gradient, on CPU, in float32 and on at most HEAD_ROWS rows the lean forward computes its projections
+    weight-major (linear_t), with the logits of the row-major forward; with gradient or more rows it does not."""
+    import rlvr.models.lean_llama as lean
+
+    _, policy, tok = fast_variant
+    ids, am = left_pad([tok.encode(s) for s in PROMPTS], tok.pad_id)
+    calls = []
+    real_linear_t, real_weight_major = lean.linear_t, lean._weight_major
+    monkeypatch.setattr(lean, "linear_t", lambda m, xT: calls.append(xT.size(1)) or real_linear_t(m, xT))
+    with torch.no_grad():
+        wm = policy(ids, attention_mask=am)
+        assert calls and set(calls) == {ids.numel()}
+        monkeypatch.setattr(lean, "_weight_major", lambda h: False)
+        rm = policy(ids, attention_mask=am)
+    torch.testing.assert_close(wm, rm, atol=1e-6, rtol=0)
+    monkeypatch.setattr(lean, "_weight_major", real_weight_major)
+    h = torch.zeros(lean.HEAD_ROWS, 1, 8)
+    with torch.no_grad():
+        assert lean._weight_major(h) and not lean._weight_major(torch.zeros(lean.HEAD_ROWS + 1, 1, 8))
+        assert not lean._weight_major(h.bfloat16())
+    assert not lean._weight_major(h)                       # gradient enabled
