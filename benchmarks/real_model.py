@@ -20,6 +20,9 @@ What is compared
   batch (μ = 1), no KL term (β = 0, as examples/smollm2_add.toml), LoRA r = 16, alpha 32 on peft's
   default Llama targets (q_proj, v_proj) for both, AdamW lr 3e-4. TRL's gradient checkpointing off
   (rlvr does not checkpoint).
+* Process: one process for both, its host allocator set once at the start as ``rlvr train`` sets it
+  (``--host-memory``, default ``keep``: rlvr.hostmem, glibc reuses freed blocks instead of faulting
+  fresh pages in every step), so both libraries run under the same allocator.
 
 Measured
 --------
@@ -61,6 +64,7 @@ from pathlib import Path
 
 import torch
 
+from rlvr.hostmem import set_host_memory
 from rlvr.run import matmul_rate
 
 P, G, MAX_NEW, LR, TEMPERATURE, LORA_R, LORA_ALPHA = 8, 8, 16, 3e-4, 0.7, 16, 32.0
@@ -406,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-reps", type=int, default=3, help="timings of each phase (the median is reported)")
     ap.add_argument("--quick", action="store_true", help="2 steps each, 20 held-out prompts, no warm-up")
     ap.add_argument("--profile-only", action="store_true", help="stop after the phase profile")
+    ap.add_argument("--host-memory", choices=["keep", "system"], default="keep",
+                    help="the process's host allocator for both libraries (rlvr's train.host_memory)")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
     a.curve_steps = 0
@@ -413,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         a.blocks, a.block_steps, a.warmup, a.eval_prompts, a.curve_steps, a.profile_reps = 1, 2, 0, 20, 2, 1
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
+    print(set_host_memory(a.host_memory), flush=True)
 
     mdir = model_dir()
     rate, bandwidth = matmul_rate(torch.device("cpu")), copy_bandwidth()  # rlvr.run's measurement, as the price uses

@@ -47,6 +47,8 @@ Alternation scheme (one process, per model size)
 3. Reported: the median (and the 25th / 75th percentiles) of the measured steps of each library,
    at least ``blocks x block_steps`` (default 3 x 5 = 15) each; the speed-up = TRL median / rlvr
    median (> 1: rlvr takes less time per step).
+4. The process's host allocator is set once before any run as ``rlvr train`` sets it
+   (``--host-memory``, default ``keep``: rlvr.hostmem), so TRL's blocks run under the same one.
 
 Achieved FLOP/s
 ---------------
@@ -313,7 +315,8 @@ def rlvr_has_hf() -> bool:
     return "path" in {f.name for f in dataclasses.fields(config_mod.ModelConfig)}
 
 
-def rlvr_steps(model_dir: Path, n_steps: int, *, threads: int = 2, seed: int = 0) -> tuple[list[float], dict]:
+def rlvr_steps(model_dir: Path, n_steps: int, *, threads: int = 2, seed: int = 0,
+               host_memory: str = "keep") -> tuple[list[float], dict]:
     """Run ``rlvr.trainer.train`` for ``n_steps`` steps on the HF model at ``model_dir``;
     per-step seconds (``time/step_s`` of metrics.jsonl) and check facts.
 
@@ -334,7 +337,7 @@ def rlvr_steps(model_dir: Path, n_steps: int, *, threads: int = 2, seed: int = 0
         "--task.path=rlvr.tasks.sort:sort_task", f"--task.options={{n = {SORT_N}}}", "--task.reward=position",
         f"--train.steps={n_steps}", f"--train.prompts_per_step={P}", f"--train.samples_per_prompt={G}",
         "--train.epochs_per_batch=1", "--train.minibatches=1", f"--train.lr={LR}", f"--train.seed={seed}",
-        f"--train.threads={threads}", "--train.save_every=0",
+        f"--train.threads={threads}", "--train.save_every=0", f"--train.host_memory={host_memory}",
         f"--sampling.max_new_tokens={MAX_NEW}", "--sampling.temperature=1.0", "--sampling.top_p=1.0",
         f"--algorithm.kl_coef={BETA}",
         "--eval.every=0", "--eval.prompts=8", "--eval.pass_k=0",
@@ -406,7 +409,7 @@ def bench_size(size: str, a, task, rate: float, log) -> dict:
         runners["trl"] = lambda d, n: trl_steps(d, n, threads=a.threads, task=task,
                                                 gradient_checkpointing=a.trl_gradient_checkpointing)
     if a.only in ("both", "rlvr"):
-        runners["rlvr"] = lambda d, n: rlvr_steps(d, n, threads=a.threads)
+        runners["rlvr"] = lambda d, n: rlvr_steps(d, n, threads=a.threads, host_memory=a.host_memory)
     res: dict = {"size": size, "measured": {k: [] for k in runners}, "dropped": {k: [] for k in runners},
                  "blocks": [], "facts": {}}
     with tempfile.TemporaryDirectory(prefix=f"vs_trl_{size}_") as d:
@@ -487,10 +490,15 @@ def main() -> int:
     ap.add_argument("--skip", type=int, default=1, help="steps dropped at the start of every block (fresh run)")
     ap.add_argument("--trl-gradient-checkpointing", action="store_true",
                     help="keep GRPOConfig's default gradient_checkpointing=True (off here by default: same work as rlvr)")
+    ap.add_argument("--host-memory", choices=["keep", "system"], default="keep",
+                    help="the process's host allocator for both libraries (rlvr's train.host_memory)")
     ap.add_argument("--json", default=None, help="write every measurement and check to this file")
     a = ap.parse_args()
 
     torch.set_num_threads(a.threads)
+    from rlvr.hostmem import set_host_memory
+
+    print(set_host_memory(a.host_memory), flush=True)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.filterwarnings("ignore", category=FutureWarning)
     import transformers

@@ -56,6 +56,7 @@ from rlvr.diagnostics import (Watch, agreement_breakdown, length_by_outcome, pas
                               response_concentration)
 from rlvr.distributed import Distributed, open_distributed
 from rlvr.evaluate import evaluate
+from rlvr.hostmem import set_host_memory
 from rlvr.learn import Learner, learn, make_optimizer, make_scheduler
 from rlvr.policy import Policy
 from rlvr.reward_pool import RewardPool, open_pool
@@ -329,9 +330,11 @@ def train(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, resume:
     with `"interrupted": True` and `"exit_code"` (130 for SIGINT, 143 for SIGTERM).
     """
     _, busy = set_threads(cfg)  # train.threads (0 = this process's cores) and the oversubscription warning
+    host_memory = set_host_memory(cfg.train.host_memory)  # before the model's first allocation (rlvr.hostmem)
     run_dir = RunDir(out, log=log)
     with Interrupts() as stop:
         state = start(cfg, run_dir, overwrite=overwrite, resume=resume, log=log)
+        log(host_memory)
         if busy:
             run_dir.warn(state.step, busy)
         try:

@@ -138,7 +138,9 @@ class LearnerActor:
     def __init__(self, cfg, threads: int):
         torch.set_num_threads(threads)
         from rlvr import run
+        from rlvr.hostmem import set_host_memory
 
+        set_host_memory(cfg.train.host_memory)  # as the trainer's process does (rlvr.hostmem)
         self.cfg, self.setup = cfg, run.build(cfg, log=lambda *_: None)
         self.learner = self.model = None
         self.fsdp = cfg.distributed.sharding == "fsdp2"

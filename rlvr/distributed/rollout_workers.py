@@ -40,7 +40,10 @@ class RolloutWorker:
     def __init__(self, cfg, weights: dict, version: int, threads: int):
         torch.set_num_threads(threads)
         from rlvr import run
+        from rlvr.hostmem import set_host_memory
         from rlvr.reward_pool import open_pool
+
+        set_host_memory(cfg.train.host_memory)  # as the trainer's process does (rlvr.hostmem)
 
         self.setup = run.build(cfg, log=lambda *_: None)
         load_weights(self.setup.model, weights)

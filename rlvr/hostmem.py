@@ -1,0 +1,55 @@
+"""How a training process takes host memory from the C library (``train.host_memory``).
+
+An RL step on the CPU allocates the same large temporaries again and again: a decode step's
+(rows, vocabulary) logits and the sampler's passes over them (12.6 MB each for 64 rows of
+SmolLM2's 49,152 tokens), the training forward's logits blocks and activations (tens to hundreds
+of MB). glibc's malloc serves blocks above a threshold with fresh ``mmap`` pages and hands them
+back to the kernel on free, and trims the heap's free top; every step then faults its temporaries
+in again, page by page, each page zeroed by the kernel. Measured on SmolLM2-135M with LoRA (P = 8,
+G = 8, 2 cores): ~390,000 page faults a step (1.5 GB of fresh pages) and 1.2 s of kernel time.
+
+``keep``: ask glibc to serve every block from its heap (``M_MMAP_MAX = 0``) and never trim that
+heap (``M_TRIM_THRESHOLD = -1``), so freed blocks are reused by the next step without touching the
+kernel: a few page faults a step once the heap has reached its peak, the step 0.93-0.95x the
+time. The process's resident set then stays at its peak (as a GPU caching allocator does) and that
+peak was ~8% above glibc's own (3,714 against 3,446 MiB). ``system``: glibc's defaults.
+
+Only glibc has these knobs (``mallopt``); elsewhere ``keep`` does nothing and says so. A process
+keeps the setting once made (glibc's dynamic defaults cannot be restored), so ``system`` after
+``keep`` in one process reports that.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+
+HOST_MEMORY = ("keep", "system")
+"""The values of ``train.host_memory``."""
+
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4   # glibc's mallopt parameter numbers (malloc.h)
+_kept: bool = False
+
+
+def set_host_memory(mode: str) -> str:
+    """Apply ``train.host_memory`` to this process; returns a line saying what holds now."""
+    global _kept
+    if mode not in HOST_MEMORY:
+        raise ValueError(f"train.host_memory must be one of {', '.join(HOST_MEMORY)}, got {mode!r}")
+    if mode == "system":
+        return ("host memory: kept by an earlier run in this process (glibc's defaults cannot be restored)"
+                if _kept else "host memory: the C library's defaults (train.host_memory = system)")
+    if _kept:
+        return "host memory: kept (glibc: no mmap, no trim)"
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return f"host memory: the C library's defaults (train.host_memory = keep needs glibc; this is " \
+               f"{platform.system()} {platform.libc_ver()[0] or 'without glibc'})"
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return "host memory: the C library's defaults (no mallopt found)"
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    if mallopt(_M_MMAP_MAX, 0) != 1 or mallopt(_M_TRIM_THRESHOLD, -1) != 1:
+        return "host memory: the C library's defaults (mallopt refused)"
+    _kept = True
+    return "host memory: kept (glibc: no mmap, no trim)"

@@ -1,0 +1,77 @@
+"""train.host_memory: a training process keeps freed host memory for reuse (glibc), or takes the C library's defaults."""
+
+from __future__ import annotations
+
+import io
+import json
+import platform
+import subprocess
+import sys
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import pytest
+
+from rlvr import config as config_mod, hostmem, trainer
+from rlvr.cli import main
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sort.toml"
+GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+# In a fresh interpreter: apply a mode, then allocate, touch and free a 64 MiB tensor fifteen times; print the
+# minor page faults of the last five rounds (the first ones grow the heap until its blocks settle; five rounds
+# here) and the mode's line.
+CHILD = """
+import json, resource, sys, torch
+from rlvr.hostmem import set_host_memory
+line = set_host_memory(sys.argv[1])
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(10):
+    torch.ones(16 * 2**20).sum()
+before = faults()
+for _ in range(5):
+    torch.ones(16 * 2**20).sum()
+print(json.dumps({"faults": faults() - before, "line": line}))
+"""
+
+
+def child(mode: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not GLIBC, reason="the allocator setting is glibc's (mallopt)")
+def test_keep_reuses_freed_blocks_and_system_faults_them_in_again():
+    kept, system = child("keep"), child("system")
+    pages = 5 * 64 * 2**20 // 4096                        # the five rounds' pages: 81,920
+    assert system["faults"] > pages // 2, system          # glibc maps each 64 MiB block afresh and unmaps it
+    assert kept["faults"] < 200, kept                     # the freed block is reused: no new pages
+    assert kept["line"] == "host memory: kept (glibc: no mmap, no trim)"
+    assert "defaults" in system["line"]
+
+
+def test_a_mode_not_known_is_refused_naming_the_key(tmp_path):
+    with pytest.raises(ValueError, match="train.host_memory"):
+        hostmem.set_host_memory("never")
+    with pytest.raises(config_mod.ConfigError, match=r"train\.host_memory = 'never' \(command line\)"):
+        config_mod.load(EXAMPLE, ["--train.host_memory=never"])
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[train]\nhost_memory = "kep"\n')
+    with pytest.raises(config_mod.ConfigError, match=r"host_memory.*bad\.toml.*did you mean 'keep'"):
+        config_mod.load(bad, [])
+
+
+@pytest.mark.parametrize("mode", ["keep", "system"])
+def test_the_trainer_applies_the_configured_mode_and_says_so(tmp_path, monkeypatch, mode):
+    got = []
+    monkeypatch.setattr(trainer, "set_host_memory", lambda m: got.append(m) or f"host memory: {m} (stub)")
+    out = io.StringIO()
+    with redirect_stdout(out):
+        rc = main(["train", str(EXAMPLE), "--out", str(tmp_path / "run"), "--model.init=", "--model.n_embd=16",
+                   "--model.n_layer=1", "--model.n_head=2", "--train.steps=1", "--train.prompts_per_step=2",
+                   "--train.samples_per_prompt=2", "--eval.every=0", "--eval.at_start=false", "--eval.prompts=4",
+                   "--eval.pass_k=0", "--task.options={n = 3, heldout = 10}", f"--train.host_memory={mode}"])
+    assert rc == 0 and got == [mode]
+    assert f"host memory: {mode} (stub)" in out.getvalue()
+    assert f'host_memory = "{mode}"' in (tmp_path / "run" / "config.toml").read_text()
