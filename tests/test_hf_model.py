@@ -584,6 +584,13 @@ def test_weight_major_products_equal_the_modules(tmp_path):
         check(q, False)
         q.unmerge()
         check(q, True)
+        seen = []                                          # a forward hook: the module is called, the hook runs
+        for m in (k, q.lora_A["default"]):
+            handle = m.register_forward_hook(lambda mod, args, out: seen.append(mod))
+            check(k, False)
+            check(q, m is k)                               # a hook on k leaves q plain, one on q's A does not
+            handle.remove()
+        assert seen == [k, k, q.lora_A["default"], q.lora_A["default"]]   # twice: linear_t, then the module
 
 
 def test_decode_steps_take_the_weight_major_products(monkeypatch, fast_variant):

@@ -269,16 +269,24 @@ def _lora_linear_type():
     return Linear
 
 
+def _hooked(m: nn.Module) -> bool:
+    """Whether calling ``m`` would run forward hooks (its own or global ones): then it is called."""
+    g = nn.modules.module
+    return bool(m._forward_hooks or m._forward_pre_hooks or g._global_forward_hooks
+                or g._global_forward_pre_hooks)
+
+
 def _plain_lora(m: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, list] | None:
     """(base weight (N, K), [(lora_A weight (r, K), lora_B weight (N, r), scaling), ...]) of a peft LoRA
     ``Linear`` that computes exactly ``base(x) + sum over active adapters of lora_B(lora_A(x)) * scaling``
     here: not merged, adapters enabled, bias-free nn.Linear base and factors in ``dtype``, no DoRA or
-    other variant, no dropout acting. None for anything else (the caller then runs the module)."""
+    other variant, no dropout acting, no forward hooks. None for anything else (the caller then runs
+    the module)."""
     lora_t = _lora_linear_type()
-    if lora_t is None or type(m) is not lora_t or m.disable_adapters or m.merged:
+    if lora_t is None or type(m) is not lora_t or m.disable_adapters or m.merged or _hooked(m):
         return None
     base = m.base_layer
-    if type(base) is not nn.Linear or base.bias is not None or base.weight.dtype != dtype:
+    if type(base) is not nn.Linear or base.bias is not None or base.weight.dtype != dtype or _hooked(base):
         return None
     adapters = []
     for name in m.active_adapters:
@@ -288,7 +296,7 @@ def _plain_lora(m: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, list] |
             return None
         A, B, drop = m.lora_A[name], m.lora_B[name], m.lora_dropout[name]
         if (type(A) is not nn.Linear or type(B) is not nn.Linear or A.bias is not None or B.bias is not None
-                or A.weight.dtype != dtype or B.weight.dtype != dtype
+                or A.weight.dtype != dtype or B.weight.dtype != dtype or _hooked(A) or _hooked(B)
                 or not (type(drop) is nn.Identity or not drop.training)):
             return None
         adapters.append((A.weight, B.weight, m.scaling[name]))
@@ -303,9 +311,9 @@ def linear_t(m: nn.Module, xT: torch.Tensor) -> torch.Tensor:
     counts BLAS (MKL here) runs this weight-major product faster than ``x @ W.T``: 0.74-0.86x the
     time at 16-64 rows on SmolLM2's shapes, 0.96x at 256, 1.0x at 1,024; the same sums, equal to the
     last bit at 1 and at 12-256 rows there (MKL rounds 2-11 rows differently), and its (N, rows)
-    output feeds the next weight-major product without a copy. Anything else runs the module and
-    transposes its output (a view)."""
-    if type(m) is nn.Linear and m.bias is None and m.weight.dtype == xT.dtype:
+    output feeds the next weight-major product without a copy. Anything else (a module with forward
+    hooks included, so that hooks see every call) runs the module and transposes its output (a view)."""
+    if type(m) is nn.Linear and m.bias is None and m.weight.dtype == xT.dtype and not _hooked(m):
         return torch.mm(m.weight, xT)
     lora = _plain_lora(m, xT.dtype)
     if lora is None:
