@@ -48,7 +48,9 @@ Memory (`memory(...)`, the peak resident set a run reaches, in bytes; `b` = byte
                       `model.logprob_chunk_rows` = c: 2 x rows x T x V x 4 + 3 x c x V x 4
     sampling        = KV cache P G x (Lp + T) x layers x 2 x Hkv x D x b, one layer's cache more
                       (the cache grows by concatenation) and the decode step's 4 x P G x V x 4 bytes
-                      of logits, tempered logits, log-probs and probabilities
+                      of logits, tempered logits, log-probs and probabilities; an upper bound where
+                      the cache takes the grouped layout (rlvr.models.lean_llama: P x (Lp + G T)
+                      columns, the prompt's once per prompt)
     evaluation      = the same for the evaluation's rows (greedy: one row per held-out prompt of a
                       decode batch; pass@k: k rows per prompt)
     export          = one more policy copy when LoRA is merged into a copy for `hf/`

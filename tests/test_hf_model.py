@@ -387,9 +387,18 @@ def test_fast_forward_left_padding_and_logits_to_keep(fast_variant, attention_ki
         torch.testing.assert_close(fp[real], sp[real], atol=1e-5, rtol=0)
 
 
-def test_fast_cached_decoding_matches_transformers(fast_variant, attention_kind):
+@pytest.mark.parametrize("layout", ["grouped", "grouped_chunked", "repeated"])
+def test_fast_cached_decoding_matches_transformers(fast_variant, attention_kind, layout, monkeypatch):
     """Prefill, repeat_interleave, then token-by-token decode with a pad column in the middle (a
-    finished row): the lean cache gives the transformers logits of the whole sequence."""
+    finished row): the lean cache gives the transformers logits of the whole sequence, in the
+    grouped layout (the prompt's keys once per prompt; also with its queries chunked one by one and
+    the last two tokens in one call) and in the repeated one (the prompt's keys copied per row)."""
+    import rlvr.models.lean_llama as lean
+
+    if layout == "repeated":
+        monkeypatch.setattr(lean, "GROUP_ATTENTION_FLOPS", 0.0)
+    if layout == "grouped_chunked":
+        monkeypatch.setattr(lean, "GROUP_SCORES", 1)
     _, policy, tok = fast_variant
     prompts = [tok.encode(s) for s in PROMPTS]
     pids, pam = left_pad(prompts, tok.pad_id)
@@ -407,19 +416,25 @@ def test_fast_cached_decoding_matches_transformers(fast_variant, attention_kind)
         assert type(cache).__name__ == "LeanCache"
         parts = [policy(pids, attention_mask=pam, cache=cache, logits_to_keep=1).repeat_interleave(G, 0)]
         cache.repeat_interleave(G)
-        for t in range(T - 1):
-            parts.append(policy(steps[:, t:t + 1], attention_mask=step_am[:, t:t + 1], cache=cache))
+        calls = [(0, 1), (1, 3)] if layout == "grouped_chunked" else [(t, t + 1) for t in range(T - 1)]
+        for a, b in calls:
+            parts.append(policy(steps[:, a:b], attention_mask=step_am[:, a:b], cache=cache))
         stepped = torch.cat(parts, 1)                                         # (B, T, V): logits at Lp-1 ...
         assert torch.isfinite(stepped).all()
         # without gradient the cache writes in place: every layer's keys are the first columns of one
-        # buffer allocated at prefill (repeated once for the G rows), so a decode step copies one column
-        assert all(k.data_ptr() == buf.data_ptr() and buf.size(2) == cache.max_len
+        # buffer allocated at repeat_interleave (grouped: prompt columns once, then G per step) or
+        # at prefill (repeated once for the G rows), so a decode step copies its new columns only
+        Lp = pids.size(1)
+        grouped = layout != "repeated"
+        assert cache.group == (G if grouped else 1)
+        cols = Lp + G * (cache.max_len - Lp) if grouped else cache.max_len
+        assert all(k.data_ptr() == buf.data_ptr() and buf.size(2) == cols
+                   and k.size(0) == (pids.size(0) if grouped else ids.size(0))
                    for k, buf in zip(cache.k, cache._kbuf))
         with transformers_path(policy):
             full = policy(ids, attention_mask=am)
             hf_cache = policy.new_cache(pids.size(0), ids.size(1))
             assert type(hf_cache).__name__ == "HFCache"
-        Lp = pids.size(1)
         want = full[:, Lp - 1:-1]
         keep = real[:, Lp - 1:-1]
         torch.testing.assert_close(stepped[keep], want[keep], atol=1e-5, rtol=0)
@@ -615,3 +630,82 @@ def test_decode_steps_take_the_weight_major_products(monkeypatch, fast_variant):
         assert lean._weight_major(h) and not lean._weight_major(torch.zeros(lean.HEAD_ROWS + 1, 1, 8))
         assert not lean._weight_major(h.bfloat16())
     assert not lean._weight_major(h)                       # gradient enabled
+
+
+def test_lora_with_a_power_of_two_scaling_is_one_addmm(tmp_path, monkeypatch):
+    """linear_t adds a plain adapter as one addmm when its scaling (alpha / r) is a power of two (scaling the
+    product is then exact) and as peft's product-times-scaling otherwise; both give W @ xT + B @ (A @ xT) * s."""
+    import rlvr.models.lean_llama as lean
+
+    d = make_model_dir(tmp_path, seed=4, num_key_value_heads=2)
+    addmms = []
+    real_addmm = torch.addmm
+    monkeypatch.setattr(torch, "addmm", lambda *a, **k: addmms.append(k.get("alpha")) or real_addmm(*a, **k))
+    for alpha, r, fused in ((8, 4, True), (6, 4, False), (1, 4, True)):
+        policy, _ = load_policy(d, lora=LoraSpec(r=r, alpha=alpha, target_modules=["q_proj"]))
+        policy.eval()
+        q = policy._hf_model().model.layers[0].self_attn.q_proj
+        with torch.no_grad():
+            q.lora_B["default"].weight.normal_(0, 0.05)
+            xT = torch.randn(64, q.in_features).t()
+            addmms.clear()
+            got = lean.linear_t(q, xT)
+            A, B = q.lora_A["default"].weight, q.lora_B["default"].weight
+            want = torch.mm(q.base_layer.weight, xT) + torch.mm(B, torch.mm(A, xT)) * (alpha / r)
+        assert addmms == ([alpha / r] if fused else [])
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+def test_group_attend_mask_by_hand():
+    """The grouped layout's mask: 2 prompts x 2 rows, a 3-column prompt (prompt 1 left-padded by one), then 2
+    steps (row 1 of prompt 0 finished after its first token); a one-token call at step 1 and a two-token call
+    from step 0. Columns: the prompt's 3, then step s row g' at 3 + 2 * s + g'."""
+    import rlvr.models.lean_llama as lean
+
+    full_am = torch.tensor([[1, 1, 1, 1, 1],
+                            [1, 1, 1, 1, 0],
+                            [0, 1, 1, 1, 1],
+                            [0, 1, 1, 1, 1]])
+    m = lean._group_attend_mask(full_am, prefix=3, G=2, past=4, L=1).int()        # (P, G, L, 3 + 2 * 2)
+    assert m.shape == (2, 2, 1, 7)
+    assert m[0, 0, 0].tolist() == [1, 1, 1, 1, 0, 1, 0]      # row 0: the prompt, its steps 0 and 1
+    assert m[0, 1, 0].tolist() == [1, 1, 1, 0, 1, 0, 1]      # row 1: its step 1 is a pad: its own column, kept
+    assert m[1, 0, 0].tolist() == [0, 1, 1, 1, 0, 1, 0]      # prompt 1's pad column is masked
+    two = lean._group_attend_mask(full_am, prefix=3, G=2, past=3, L=2).int()
+    assert two[0, 0].tolist() == [[1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 1, 0]]  # step 0 does not see step 1
+    assert two[0, 1].tolist() == [[1, 1, 1, 0, 1, 0, 0], [1, 1, 1, 0, 1, 0, 1]]
+
+
+def test_a_cache_takes_the_grouped_layout_where_it_pays(fast_variant, monkeypatch):
+    """repeat_interleave(G) groups a cache filled without gradient on CPU when (prefix + G new) / (prefix + new)
+    <= GROUP_ATTENTION_FLOPS, and then samples what the repeated layout samples (to float rounding); with
+    gradient, or past the ratio, it repeats the rows."""
+    import rlvr.models.lean_llama as lean
+
+    _, policy, tok = fast_variant
+    prompts = [tok.encode(s) for s in PROMPTS]
+    pids, pam = left_pad(prompts, tok.pad_id)
+    Lp = pids.size(1)
+
+    def repeated_cache(G, new, grad=False):
+        with torch.set_grad_enabled(grad):
+            cache = policy.new_cache(pids.size(0), Lp + new)
+            policy(pids, attention_mask=pam, cache=cache, logits_to_keep=1)
+            return cache.repeat_interleave(G)
+
+    ratio = lambda G, new: (Lp + G * new) / (Lp + new)                       # noqa: E731
+    G = 8
+    new = max(n for n in range(1, 10 * Lp) if ratio(G, n) <= lean.GROUP_ATTENTION_FLOPS)
+    assert repeated_cache(G, new).group == G
+    assert repeated_cache(G, new + 1).group == 1                              # past the ratio: repeated
+    assert repeated_cache(G, new, grad=True).group == 1                       # gradient: torch.cat, repeated
+    assert repeated_cache(1, new).group == 1
+
+    def sample(flops):
+        monkeypatch.setattr(lean, "GROUP_ATTENTION_FLOPS", flops)
+        return sampling.generate(policy, prompts, samples_per_prompt=3, max_new_tokens=6, temperature=1.0,
+                                 eos_id=None, pad_id=tok.pad_id, generators=sampling.prompt_generators(5, 0, len(prompts)))
+
+    grouped, repeated = sample(4.0), sample(0.0)
+    assert torch.equal(grouped.ids, repeated.ids)
+    torch.testing.assert_close(grouped.logp, repeated.logp, atol=1e-5, rtol=0)
