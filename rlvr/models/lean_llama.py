@@ -384,7 +384,10 @@ def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gmask:
 HEAD_CHUNK = 1024
 """Without gradient and with at most ``HEAD_ROWS`` rows (a decode step), the output head is
 computed in blocks of this many vocabulary rows written into one output: each block's weights and
-outputs stay in cache (measured ~1.3x faster than one (rows, V) product at V = 49,152, 64 rows)."""
+outputs stay in cache (measured ~1.3x faster than one (rows, V) product at V = 49,152, 64 rows). On
+CPU a block is computed weight-major (``W_block @ x.T``, as ``linear_t``) and transposed into place
+from cache: SmolLM2's 64-row sampling took 0.975x the time (median of 12 paired runs), its
+log-probs equal to float rounding (2.5e-5 apart)."""
 HEAD_ROWS = 256
 """The most rows a no-gradient call computes the head in blocks and its projections weight-major for
 (``output_head``, ``_weight_major``): decode steps and small prefills."""
@@ -401,7 +404,8 @@ def rms_norm(norm: nn.Module, h: torch.Tensor) -> torch.Tensor:
 
 def output_head(head: nn.Module, h: torch.Tensor) -> torch.Tensor:
     """``head(h)`` (..., V); a plain bias-free Linear on few rows without gradient or autocast is
-    computed in ``HEAD_CHUNK`` vocabulary blocks (the same products, a cache-sized working set)."""
+    computed in ``HEAD_CHUNK`` vocabulary blocks (the same products, a cache-sized working set;
+    weight-major on CPU)."""
     rows = h.numel() // h.size(-1)
     if (type(head) is not nn.Linear or head.bias is not None or torch.is_grad_enabled() or rows > HEAD_ROWS
             or h.dtype != head.weight.dtype or torch.is_autocast_enabled(h.device.type)):
@@ -409,8 +413,15 @@ def output_head(head: nn.Module, h: torch.Tensor) -> torch.Tensor:
     W = head.weight                                                              # (V, d)
     x = h.reshape(rows, h.size(-1))                                              # (rows, d)
     out = x.new_empty(rows, W.size(0))                                           # (rows, V)
-    for i in range(0, W.size(0), HEAD_CHUNK):
-        torch.mm(x, W[i:i + HEAD_CHUNK].t(), out=out[:, i:i + HEAD_CHUNK])
+    if h.device.type == "cpu":  # weight-major blocks (see linear_t), each transposed into place from cache
+        xT, block = x.t(), x.new_empty(HEAD_CHUNK, rows)
+        for i in range(0, W.size(0), HEAD_CHUNK):
+            n = min(HEAD_CHUNK, W.size(0) - i)
+            torch.mm(W[i:i + n], xT, out=block[:n])
+            out[:, i:i + n].copy_(block[:n].t())
+    else:
+        for i in range(0, W.size(0), HEAD_CHUNK):
+            torch.mm(x, W[i:i + HEAD_CHUNK].t(), out=out[:, i:i + HEAD_CHUNK])
     return out.view(*h.shape[:-1], W.size(0))
 
 
