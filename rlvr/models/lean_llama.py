@@ -339,11 +339,15 @@ def _group_attend_mask(full_am: torch.Tensor, prefix: int, G: int, past: int, L:
     return torch.cat([pm, sm], dim=-1)
 
 
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True = attend) as scores to add: 0 where True, -inf where False."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
 def _group_addmask(gmask: torch.Tensor, Hkv: int, rep: int, dtype: torch.dtype) -> torch.Tensor:
     """(P, G, Lc, S) bool -> (P * Hkv, G * Lc * rep, S) additive mask (0 or -inf) of grouped scores."""
     P, G, Lc, S = gmask.shape
-    add = torch.zeros(gmask.shape, dtype=dtype, device=gmask.device).masked_fill_(~gmask, float("-inf"))
-    return add[:, None, :, :, None].expand(P, Hkv, G, Lc, rep, S).reshape(P * Hkv, G * Lc * rep, S)
+    return _additive(gmask, dtype)[:, None, :, :, None].expand(P, Hkv, G, Lc, rep, S).reshape(P * Hkv, G * Lc * rep, S)
 
 
 def _group_chunks(gmask: torch.Tensor, Hkv: int, rep: int, dtype: torch.dtype) -> list[tuple]:
@@ -539,12 +543,12 @@ def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, 
     rep = H // Hkv
     grouped = cache is not None and cache.group > 1
     small = ids.device.type == "cpu" and L * S <= SMALL_ATTENTION
+    addmask = sdpa_mask = None
     if grouped:  # one boolean mask shared by every layer: (P, G, L, prefix + G * steps)
         gmask = _group_attend_mask(full_am, cache.prefix, cache.group, past, L)
         gchunks = _group_chunks(gmask, Hkv, rep, h.dtype)
     elif small:  # one additive mask shared by every layer: (B*Hkv, rep*L, S)
-        mask = _attend_mask(full_am, past, L)                                    # (B, L|1, S)
-        addmask = torch.zeros(mask.shape, dtype=h.dtype, device=h.device).masked_fill_(~mask, float("-inf"))
+        addmask = _additive(_attend_mask(full_am, past, L), h.dtype)             # (B, L|1, S)
         addmask = addmask[:, None, None].expand(B, Hkv, rep, L, S).reshape(B * Hkv, rep * L, S)
     else:
         sdpa_mask = _attend_mask(full_am, past, L)[:, None]                      # (B, 1, L|1, S)
@@ -575,10 +579,9 @@ def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, 
         if cache is not None:
             k, v = cache.append(li, k, v)                                        # (B or P, Hkv, S, D)
         if grouped:
-            o = _grouped_attention(q, k, v, gmask, gchunks, attn.scaling)                 # (B, L, H*D)
+            o = _grouped_attention(q, k, v, gmask, gchunks, attn.scaling)        # (B, L, H*D)
         else:
-            o = _attention(q.transpose(1, 2), k, v, attn.scaling, addmask if small else None,
-                           None if small else sdpa_mask)                         # (B, L, H*D)
+            o = _attention(q.transpose(1, 2), k, v, attn.scaling, addmask, sdpa_mask)  # (B, L, H*D)
         if wm:
             h = h + linear_t(attn.o_proj, o.view(B * L, H * D).t()).t().view(B, L, d)
             x = rms_norm(layer.post_attention_layernorm, h).view(B * L, d)
