@@ -24,6 +24,7 @@ from typing import Sequence
 import torch
 
 from rlvr import config as config_mod, costs, sampling
+from rlvr.models.lean_llama import bf16_weights
 from rlvr.models.tiny import TinyConfig, TinyTransformer
 from rlvr.policy import Policy, Tokenizer
 from rlvr.state import StateError, find_complete, find_state, load_policy_weights, verify, write_dir_atomically
@@ -224,9 +225,20 @@ _AUTOCAST_TIMINGS: dict[tuple, tuple[float, float]] = {}
 
 
 def autocast_context(enabled: bool, device_type: str) -> contextlib.AbstractContextManager:
-    """torch.autocast to bf16 on `device_type` when `enabled`, else a context that changes nothing.
-    A new object per call (use one per `with`)."""
-    return torch.autocast(device_type, dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
+    """torch.autocast to bf16 on `device_type` when `enabled` (with a region of bf16 weight copies on
+    the CPU, rlvr.models.lean_llama.bf16_weights), else a context that changes nothing. A new object
+    per call (use one per `with`)."""
+    if not enabled:
+        return contextlib.nullcontext()
+    if device_type != "cpu":
+        return torch.autocast(device_type, dtype=torch.bfloat16)
+    return _cpu_bf16()
+
+
+@contextlib.contextmanager
+def _cpu_bf16():
+    with torch.autocast("cpu", dtype=torch.bfloat16), bf16_weights():
+        yield
 
 
 def autocast_timings(device: torch.device, rows: int, inner: int, outer: int, budget_s: float = 0.2,

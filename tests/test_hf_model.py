@@ -796,3 +796,58 @@ def test_lean_cache_select_hands_rows_to_a_new_cache_and_keeps_the_graph(fast_va
     assert sub.length == cache.length + 1 and cache.k[0].size(2) == ids.size(1)          # the source unchanged
     full = policy(torch.cat([ids[rows], step], 1), attention_mask=torch.cat([am[rows], torch.ones(3, 1).long()], 1))
     torch.testing.assert_close(out[:, -1], full[:, -1], atol=1e-5, rtol=0)
+
+
+def test_bf16_weight_copies_give_autocasts_numbers_bit_for_bit(fast_variant):
+    """Under rlvr's CPU bf16 context (torch.autocast + a region of bf16 weight copies) the lean
+    forward's logits, sampling and gradients equal plain torch.autocast's to the last bit; a weight
+    changed in place inside the region is copied again; the copies are made once per region."""
+    from rlvr.models import lean_llama
+    from rlvr.run import autocast_context
+
+    _, policy, tok = fast_variant
+    if not policy.uses_fast_path:
+        pytest.skip("not the lean path")
+    ids, am = left_pad([tok.encode(s) for s in PROMPTS], tok.pad_id)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    plain = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+    outs = []
+    for ctx in (plain, lambda: autocast_context(True, "cpu")):
+        policy.zero_grad()
+        with ctx():
+            logits = policy(ids, attention_mask=am)
+            scope = getattr(lean_llama._SCOPE, "weights", None)
+            linears = [m for n, m in policy._hf_model().named_modules()
+                       if type(m) is torch.nn.Linear and "lora_" not in n]       # projections and the head
+            if scope is not None:                           # with gradient: the frozen ones, each copied once
+                assert len(scope.copies) == sum(not m.weight.requires_grad for m in linears)
+            with torch.no_grad():
+                roll = sampling.generate(policy, [tok.encode("ab"), tok.encode("hello")], samples_per_prompt=3,
+                                         max_new_tokens=4, temperature=0.7, eos_id=tok.eos_id, pad_id=tok.pad_id,
+                                         generators=sampling.prompt_generators(0, 0, 2))
+            if scope is not None:                           # without: all of them, once for the whole call
+                assert len(scope.copies) == len(linears) > 0
+        logits.float().logsumexp(-1)[am.bool()].sum().backward()
+        outs.append((logits.detach(), roll, [p.grad.clone() for p in params]))
+    policy.zero_grad()
+    (l1, r1, g1), (l2, r2, g2) = outs
+    with torch.no_grad():
+        assert not torch.allclose(policy(ids, attention_mask=am), l1, atol=1e-4)   # bf16 products reached
+    assert torch.equal(l1, l2) and torch.equal(r1.ids, r2.ids) and torch.equal(r1.logp, r2.logp)
+    assert len(g1) == len(g2) > 0 and all(torch.equal(a, b) for a, b in zip(g1, g2))
+
+    head = policy._hf_model().lm_head
+    x = torch.randn(2, head.in_features)
+    with autocast_context(True, "cpu"), torch.no_grad():
+        scope = lean_llama._SCOPE.weights
+        first = lean_llama.linear(head, x)
+        copies = len(scope.copies)
+        assert copies == 1 and torch.equal(lean_llama.linear(head, x), first) and len(scope.copies) == copies
+        head.weight.mul_(2.0)                               # changed in place: copied again
+        try:
+            torch.testing.assert_close(lean_llama.linear(head, x).float(), 2 * first.float(), rtol=1e-2, atol=1e-2)
+            with autocast_context(True, "cpu"):             # a nested region shares the outer's copies
+                assert lean_llama._SCOPE.weights is scope
+        finally:
+            head.weight.mul_(0.5)
+    assert lean_llama._SCOPE.weights is None                # freed at the end of the region

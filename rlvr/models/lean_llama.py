@@ -20,7 +20,9 @@ key/value heads, D head dim, rep = H // Hkv.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 
 import torch
 import torch.nn as nn
@@ -427,7 +429,7 @@ def output_head(head: nn.Module, h: torch.Tensor) -> torch.Tensor:
     rows = h.numel() // h.size(-1)
     if (type(head) is not nn.Linear or head.bias is not None or torch.is_grad_enabled() or rows > HEAD_ROWS
             or h.dtype != head.weight.dtype or torch.is_autocast_enabled(h.device.type)):
-        return head(h)
+        return linear(head, h)
     W = head.weight                                                              # (V, d)
     x = h.reshape(rows, h.size(-1))                                              # (rows, d)
     out = x.new_empty(rows, W.size(0))                                           # (rows, V)
@@ -441,6 +443,80 @@ def output_head(head: nn.Module, h: torch.Tensor) -> torch.Tensor:
         for i in range(0, W.size(0), HEAD_CHUNK):
             torch.mm(x, W[i:i + HEAD_CHUNK].t(), out=out[:, i:i + HEAD_CHUNK])
     return out.view(*h.shape[:-1], W.size(0))
+
+
+# ---------------------------------------------------------------------- bf16 weights under autocast
+_SCOPE = threading.local()
+
+
+class _Bf16Weights:
+    """bf16 copies of weights made in one ``bf16_weights()`` region: id -> (weight, version, copy)."""
+
+    def __init__(self):
+        self.copies: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+
+    def get(self, W: torch.Tensor) -> torch.Tensor | None:
+        """W's bf16 copy, made at its first use in the region and made again if W changed in place
+        since (its version counter); None where a copy would not serve: W needs a gradient here, or
+        is not a float32 CPU tensor."""
+        if (W.requires_grad and torch.is_grad_enabled()) or W.dtype != torch.float32 or W.device.type != "cpu":
+            return None
+        hit = self.copies.get(id(W))
+        if hit is not None and hit[0] is W and hit[1] == W._version:
+            return hit[2]
+        Wb = W.detach().to(torch.bfloat16)
+        self.copies[id(W)] = (W, W._version, Wb)
+        return Wb
+
+
+@contextlib.contextmanager
+def bf16_weights():
+    """A region in which the lean forward's products under CPU bf16 autocast read each weight that
+    needs no gradient from a bf16 copy made once in the region (``linear``), instead of casting it
+    again at every call: torch.autocast caches its casts of leaf tensors that require grad only, so
+    the frozen base weights of a LoRA policy are cast anew for every product, and a SmolLM2 sampling
+    call (16 forwards) spent about a quarter of its time on those casts. rlvr.run's autocast context
+    opens one around every sampling call and training forward; nested regions share the outer's
+    copies. Freed at the end of the outermost region (the copies hold 2 bytes per weight)."""
+    outer = getattr(_SCOPE, "weights", None)
+    if outer is None:
+        _SCOPE.weights = _Bf16Weights()
+    try:
+        yield
+    finally:
+        if outer is None:
+            _SCOPE.weights = None
+
+
+def linear(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``m(x)``; inside ``bf16_weights()`` under bf16 autocast on the CPU, a bias-free ``nn.Linear``
+    (or a plain peft LoRA ``Linear``'s base layer, see ``_plain_lora``) takes its weight from the
+    region's bf16 copy when it needs no gradient: what autocast computes (the input cast to bf16, a
+    bf16 product; LoRA factors under autocast as peft calls them), equal to the last bit (tested)."""
+    scope = getattr(_SCOPE, "weights", None)
+    if (scope is None or x.device.type != "cpu" or not torch.is_autocast_enabled("cpu")
+            or torch.get_autocast_dtype("cpu") != torch.bfloat16 or _hooked(m)):
+        return m(x)
+    if type(m) is nn.Linear and m.bias is None:
+        Wb = scope.get(m.weight)
+        return m(x) if Wb is None else F.linear(x.to(torch.bfloat16), Wb)
+    lora = _plain_lora(m, torch.float32)
+    Wb = None if lora is None else scope.get(lora[0])
+    if Wb is None:
+        return m(x)
+    out = F.linear(x.to(torch.bfloat16), Wb)
+    for A, B, scaling in lora[1]:      # x cast again by autocast, as peft calls it: the same gradient sums
+        out = out + F.linear(F.linear(x, A), B) * scaling
+    return out
+
+
+def _mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``mlp(x)``: a stock LlamaMLP's products through ``linear``."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    if type(mlp) is not LlamaMLP or _hooked(mlp):
+        return mlp(x)
+    return linear(mlp.down_proj, mlp.act_fn(linear(mlp.gate_proj, x)) * linear(mlp.up_proj, x))
 
 
 # ---------------------------------------------------------------------- weight-major products
@@ -585,9 +661,9 @@ def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, 
             k = kT.permute(2, 0, 1).view(B, L, Hkv, D).transpose(1, 2)
             v = linear_t(attn.v_proj, xT).t().view(B, L, Hkv, D).transpose(1, 2)
         else:
-            q = attn.q_proj(x).view(B, L, H, D)
-            k = attn.k_proj(x).view(B, L, Hkv, D)
-            v = attn.v_proj(x).view(B, L, Hkv, D).transpose(1, 2)                # (B, Hkv, L, D)
+            q = linear(attn.q_proj, x).view(B, L, H, D)
+            k = linear(attn.k_proj, x).view(B, L, Hkv, D)
+            v = linear(attn.v_proj, x).view(B, L, Hkv, D).transpose(1, 2)        # (B, Hkv, L, D)
             q = q * cos + q.roll(D // 2, dims=-1) * sin                          # (B, L, H, D)
             k = (k * cos + k.roll(D // 2, dims=-1) * sin).transpose(1, 2)        # (B, Hkv, L, D)
         if cache is not None:
@@ -601,8 +677,8 @@ def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, 
             x = rms_norm(layer.post_attention_layernorm, h).view(B * L, d)
             h = h + _mlp_t(layer.mlp, x).t().view(B, L, d)
         else:
-            h = h + attn.o_proj(o)
-            h = h + layer.mlp(rms_norm(layer.post_attention_layernorm, h))
+            h = h + linear(attn.o_proj, o)
+            h = h + _mlp(layer.mlp, rms_norm(layer.post_attention_layernorm, h))
 
     k_keep = int(logits_to_keep) if logits_to_keep is not None else 0
     if 0 < k_keep < L:
