@@ -358,18 +358,6 @@ def _nucleus_token_logprobs(logits, ids, *, temperature, top_p, chunk_rows=None)
     return cat(nuc_parts), cat(full_parts)
 
 
-BUCKET_OVERHEAD_TOKENS = 48
-"""What one more length bucket costs, counted in response positions forwarded: the layers' fixed
-per-call work (forward and backward), and above all the smaller matrix products of split rows running
-slower. Measured on SmolLM2-135M with 2 CPU threads (64 rows, responses of 8-16 tokens): a forward +
-backward costs ~3.6 ms per position forwarded; a 3-bucket split that forwarded 14% fewer positions
-cut the matrix-product time by 7%, about 55 positions lost per extra bucket. `length_buckets` opens
-a bucket only where it saves more than this."""
-
-MAX_BUCKETS = 4
-"""Most length buckets one scoring call splits its rows into."""
-
-
 def response_extent(mask: torch.Tensor) -> torch.Tensor:
     """(B,) long: for each row of a (B, T) response mask, 1 + the last column where it is non-zero
     (0 for an empty row): the columns a scoring forward must reach for that row."""
@@ -377,76 +365,21 @@ def response_extent(mask: torch.Tensor) -> torch.Tensor:
     return ((mask != 0).long() * cols).amax(dim=1) if mask.size(1) else mask.new_zeros(mask.size(0), dtype=torch.long)
 
 
-def length_buckets(lengths: list[int], *, overhead: int = BUCKET_OVERHEAD_TOKENS,
-                   max_buckets: int = MAX_BUCKETS) -> list[tuple[list[int], int]]:
-    """Rows split into buckets of similar response length, each scored over its own width.
-
-    ``lengths[b]``: row b's response extent (``response_extent``). A bucket of rows with width w
-    forwards its rows' first w - 1 response tokens (the prompt's last position predicts the first),
-    so it costs rows x (w - 1) positions, plus ``overhead`` for each bucket beyond the first that
-    forwards anything. Buckets are runs of the rows sorted by length (longest first) and the split
-    minimises the total cost over at most ``max_buckets`` buckets (exactly, by dynamic programming
-    over the distinct lengths). Returns [(rows, width)], longest first; rows ascending in a bucket.
-    """
-    widths = sorted({max(1, n) for n in lengths}, reverse=True)              # distinct, longest first
-    count = [sum(1 for n in lengths if max(1, n) == w) for w in widths]
-    D, INF = len(widths), float("inf")
-    # best[k][i]: cost of the first i distinct widths in k buckets; cut[k][i]: where the last one starts
-    best = [[INF] * (D + 1) for _ in range(max_buckets + 1)]
-    cut = [[0] * (D + 1) for _ in range(max_buckets + 1)]
-    best[0][0] = 0.0
-    for k in range(1, max_buckets + 1):
-        for i in range(1, D + 1):
-            for j in range(i):                                                # last bucket: widths j .. i-1
-                rows = sum(count[j:i])
-                c = best[k - 1][j] + rows * (widths[j] - 1) + (overhead if j and widths[j] > 1 else 0)
-                if c < best[k][i]:
-                    best[k][i], cut[k][i] = c, j
-    k = min(range(1, max_buckets + 1), key=lambda k: (best[k][D], k))
-    spans, i = [], D
-    while i:
-        j = cut[k][i]
-        spans.append((j, i))
-        i, k = j, k - 1
-    out = []
-    for j, i in reversed(spans):
-        members = set(widths[j:i])
-        out.append(([b for b, n in enumerate(lengths) if max(1, n) in members], widths[j]))
-    return out
-
-
 def _response_logits(model, ids, am, Lp, T, G):
-    """[(rows, logits)]: the (b, w, V) logits predicting the first w response tokens of rows ``rows``
-    ((b,) long, or None for all rows with w = T). One forward, or (G > 1 on a model with a
-    differentiable cache) each prompt once with its G responses attending to the shared keys/values;
-    there, when the cache can hand a prompt's keys/values to a subset of rows (``cache.select``) and
-    ``length_buckets`` says it pays, rows are forwarded in buckets of similar length, each only as far
-    as its longest row, instead of every row to column T."""
+    """(B, T, V) logits predicting the T response tokens: one forward, or (G > 1 on a model with a
+    differentiable cache) each prompt once with its G responses attending to the shared keys/values."""
     if G > 1 and model.differentiable_cache:
         B = ids.size(0)
         if B % G:
             raise ValueError(f"group_size {G} does not divide the {B} rows")
         cache = model.new_cache(B // G, Lp + T)
         first = model(ids[::G, :Lp], attention_mask=am[::G, :Lp], cache=cache, logits_to_keep=1)  # (P, 1, V)
-        buckets = length_buckets(response_extent(am[:, Lp:]).tolist()) if hasattr(cache, "select") else []
-        if len(buckets) > 1:
-            parts = []
-            for rows, w in buckets:
-                rows = torch.tensor(rows, device=ids.device)
-                prompt = torch.div(rows, G, rounding_mode="floor")                                  # (b,)
-                logits = first.index_select(0, prompt)                                              # (b, 1, V)
-                if w > 1:
-                    rest = model(ids[rows, Lp:Lp + w - 1], attention_mask=am[rows, Lp:Lp + w - 1],
-                                 cache=cache.select(prompt))                                        # (b, w-1, V)
-                    logits = torch.cat([logits, rest], dim=1)
-                parts.append((rows, logits))
-            return parts
         cache.repeat_interleave(G)
         parts = [first.repeat_interleave(G, dim=0)]                                                 # (B, 1, V)
         if T > 1:
             parts.append(model(ids[:, Lp:-1], attention_mask=am[:, Lp:-1], cache=cache))            # (B, T-1, V)
-        return [(None, torch.cat(parts, dim=1))]                                                    # (B, T, V)
-    return [(None, model(ids, attention_mask=am, logits_to_keep=T + 1)[:, :-1])]                    # (B, T, V)
+        return torch.cat(parts, dim=1)                                                              # (B, T, V)
+    return model(ids, attention_mask=am, logits_to_keep=T + 1)[:, :-1]                              # (B, T, V)
 
 
 def _score(logits, targets, off, *, temperature, top_p, chunk_rows, entropy: bool):
@@ -480,11 +413,8 @@ def sequence_token_logprobs(model, rollout: Rollout | tuple, *, temperature: flo
     and values: the same logits and gradients as the full forward (tested), with the prompt's
     (G - 1) / G share of the work removed. Other models take the full forward.
 
-    Columns past every row's last real token are not forwarded (the result is 0 there), and on a
-    model whose cache can hand a prompt's keys/values to a subset of rows (the lean Llama path's
-    ``LeanCache.select``) rows of very different lengths are forwarded in length buckets
-    (``length_buckets``), each only as far as its longest row: the same values and gradients
-    (tested), fewer positions forwarded.
+    Columns past every row's last real token are not forwarded (the result is 0 there; a minibatch
+    of rows that all ended early is scored over its own width).
 
     ``return_full`` / ``return_entropy``: return a ``TokenLogprobs`` that also holds, from the SAME
     forward, the log-probs under the tempered distribution without the nucleus (what the KL to the
@@ -510,21 +440,10 @@ def sequence_token_logprobs(model, rollout: Rollout | tuple, *, temperature: flo
         ids, am, T = ids[:, :Lp + T_real], am[:, :Lp + T_real], T_real
     if temperature == 0:
         temperature, top_p = 1.0, 1.0
-    scored = []
-    for rows, logits in _response_logits(model, ids, am, Lp, T, group_size or 1):   # (b, w, V) each
-        w = logits.size(1)
-        sel = slice(None) if rows is None else rows
-        one = _score(logits, ids[sel, Lp:Lp + w], am[sel, Lp:Lp + w] == 0, temperature=temperature, top_p=top_p,
-                     chunk_rows=chunk_rows, entropy=return_entropy)
-        scored.append((rows, [x if x is None or w == T_out else F.pad(x, (0, T_out - w)) for x in one]))  # (b, T_out)
-    if len(scored) == 1 and scored[0][0] is None:
-        lp, lp_full, entropy = scored[0][1]
-    else:                                                  # buckets: back in row order
-        order = torch.cat([rows for rows, _ in scored])
-        back = torch.empty_like(order)
-        back[order] = torch.arange(len(order), device=order.device)
-        lp, lp_full, entropy = (None if xs[0] is None else torch.cat(xs)[back]
-                                for xs in zip(*(parts for _, parts in scored)))
+    logits = _response_logits(model, ids, am, Lp, T, group_size or 1)                            # (B, T, V)
+    lp, lp_full, entropy = (x if x is None or T == T_out else F.pad(x, (0, T_out - T))          # (B, T_out)
+                            for x in _score(logits, ids[:, Lp:], am[:, Lp:] == 0, temperature=temperature,
+                                            top_p=top_p, chunk_rows=chunk_rows, entropy=return_entropy))
     if not (return_full or return_entropy):
         return lp
     return TokenLogprobs(lp, lp_full if return_full else None, entropy)

@@ -277,47 +277,6 @@ def test_rollout_invariants_random_shapes(lengths, G, T, temperature, top_p, see
         torch.testing.assert_close(sequence_token_logprobs(MODEL, r), r.logp, atol=1e-5, rtol=1e-5)
 
 
-def _partitions(n, k):
-    """Every split of range(n) into at most k non-empty runs, as lists of (start, stop)."""
-    if n == 0:
-        yield []
-        return
-    if k == 0:
-        return
-    for first in range(1, n + 1):
-        for rest in _partitions(n - first, k - 1):
-            yield [(0, first)] + [(a + first, b + first) for a, b in rest]
 
-
-@pytest.mark.parametrize("lengths,overhead,k", [
-    ([16, 16, 13, 12, 12, 12, 4, 1], 16, 4), ([5, 5, 5], 16, 4), ([1, 1, 2], 0, 4), ([30, 1, 1, 1, 1, 1], 3, 2),
-    ([16] * 4 + [12] * 40 + [3] * 20, 16, 4), ([16] * 4 + [12] * 40 + [3] * 20, 16, 1), ([0, 7, 2, 9, 9, 4], 1, 3),
-])
-def test_length_buckets_is_the_cheapest_split_by_enumeration(lengths, overhead, k):
-    """The split minimises rows x (width - 1) + overhead per extra forwarding bucket, checked against
-    every split of the distinct lengths (longest first) into at most k runs; every row in exactly one
-    bucket, each bucket as wide as its longest row."""
-    got = sampling.length_buckets(lengths, overhead=overhead, max_buckets=k)
-    assert sorted(r for rows, _ in got for r in rows) == list(range(len(lengths)))
-    assert len(got) <= k and all(w == max(max(1, lengths[r]) for r in rows) for rows, w in got)
-
-    def cost(buckets):
-        forwarding = [w for _, w in buckets if w > 1]
-        return sum(len(rows) * (w - 1) for rows, w in buckets) + overhead * max(0, len(forwarding) - 1)
-
-    widths = sorted({max(1, n) for n in lengths}, reverse=True)
-    best = float("inf")
-    for split in _partitions(len(widths), k):
-        buckets = [([b for b, n in enumerate(lengths) if max(1, n) in widths[a:z]], widths[a]) for a, z in split]
-        best = min(best, cost(buckets))
-    assert cost(got) == best
-
-
-def test_length_buckets_by_hand():
-    # 2 long rows and 6 short ones: two buckets (2 x 15 + 6 x 2 + 16 = 58 < 8 x 15 = 120)
-    assert sampling.length_buckets([16, 3, 3, 16, 3, 2, 3, 3]) == [([0, 3], 16), ([1, 2, 4, 5, 6, 7], 3)]
-    # nearly equal lengths: one bucket (a second would save 2 positions for 16 of overhead)
-    assert sampling.length_buckets([16, 15, 16, 16]) == [([0, 1, 2, 3], 16)]
-    # a row of 1 token needs no response forward: its own bucket costs nothing
-    assert sampling.length_buckets([9, 1, 9]) == [([0, 2], 9), ([1], 1)]
+def test_response_extent_by_hand():
     assert sampling.response_extent(torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0], [0, 0, 0, 0]])).tolist() == [2, 3, 0]

@@ -182,20 +182,6 @@ class LeanCache:
         repeat_rows(self, repeats)
         return self
 
-    def select(self, rows: torch.Tensor) -> "LeanCache":
-        """A NEW cache whose row i is this cache's row ``rows[i]`` ((b,) long; a row may be taken
-        several times), this one unchanged: out of place per tensor, so the autograd graph is kept
-        and gradients from every selection add up in the source's keys / values. What hands one
-        prompt forward's keys / values to several subsets of its responses (rlvr.sampling's
-        length buckets). Repeated layout only."""
-        if self.group > 1:
-            raise RuntimeError("a LeanCache in the grouped layout cannot be selected from")
-        out = LeanCache(len(self.k), len(rows), self.max_len, self.mask.device)
-        out.mask, out.next_pos = self.mask.index_select(0, rows), self.next_pos.index_select(0, rows)
-        out.k = [None if t is None else t.index_select(0, rows) for t in self.k]
-        out.v = [None if t is None else t.index_select(0, rows) for t in self.v]
-        return out
-
 
 # ---------------------------------------------------------------------- capability checks
 def lean_llama_unsupported(hf_model: nn.Module) -> str | None:
