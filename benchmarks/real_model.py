@@ -402,6 +402,11 @@ def accuracy_curves(mdir: Path, a, setup) -> dict:
     return curves
 
 
+def ms(x: float, width: int = 0) -> str:
+    """Seconds as milliseconds: whole ones from 0.1 s, to 0.01 ms below."""
+    return f"{x * 1e3:{width}.{0 if x >= 0.1 else 2}f}"
+
+
 def frange(step: float, stop: float) -> list[float]:
     out, x = [], step
     while x <= stop + 1e-9:
@@ -455,9 +460,6 @@ def main(argv: list[str] | None = None) -> int:
     opt.step()
     opt.zero_grad(set_to_none=True)
     profile = phase_profile(probe, rate, bandwidth, a.profile_reps)
-    def ms(x: float, width: int = 0) -> str:
-        return f"{x * 1e3:{width}.{0 if x >= 0.1 else 2}f}"
-
     for p in profile:
         print(f"  {p['phase']:<17} {ms(p['seconds'], 8)} ms  {p['per_s']:10,.0f}/s  bound {ms(p['bound_s'], 7)} ms "
               f"({p['bound_per_s']:,.0f}/s)  {p['x_bound']:5.1f}x bound  [{p['bound']}]  "

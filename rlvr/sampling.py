@@ -434,8 +434,7 @@ def sequence_token_logprobs(model, rollout: Rollout | tuple, *, temperature: flo
     T = T_out = ids.size(1) - Lp
     if T < 1 or Lp < 1:
         raise ValueError(f"need a prompt and at least one response column, got Lp={Lp}, T={T}")
-    extent = response_extent(am[:, Lp:])                  # (B,) columns up to each row's last real token
-    T_real = max(1, int(extent.max()))                    # columns past every row's end score nothing
+    T_real = max(1, int(response_extent(am[:, Lp:]).max()))  # columns past every row's end score nothing
     if T_real < T:
         ids, am, T = ids[:, :Lp + T_real], am[:, :Lp + T_real], T_real
     if temperature == 0:

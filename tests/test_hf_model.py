@@ -729,7 +729,8 @@ def _ragged_rollout(tok, lengths, G, T, temperature, top_p, seed=0):
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
-def test_scoring_rows_that_all_end_early_gives_the_full_forwards_numbers(fast_variant, temperature, top_p):
+def test_scoring_rows_that_all_end_early_gives_the_full_forwards_numbers(fast_variant, temperature, top_p,
+                                                                        monkeypatch):
     """Every row ends before the last column (a minibatch of short rows): the scoring forward stops
     at the longest row, and its log-probs, no-nucleus log-probs, entropies and gradients equal the
     full forward through transformers, with and without gradient; 0 past each row's end."""
@@ -737,6 +738,9 @@ def test_scoring_rows_that_all_end_early_gives_the_full_forwards_numbers(fast_va
     G, T = 3, 14
     lengths = [1, 12, 12, 2, 12, 3, 5, 6, 1]             # no row reaches column 14
     roll = _ragged_rollout(tok, lengths, G, T, temperature, top_p)
+    widths = []
+    real = sampling._response_logits
+    monkeypatch.setattr(sampling, "_response_logits", lambda *a: widths.append(a[4]) or real(*a))
     params = [p for p in policy.parameters() if p.requires_grad]
     weights = torch.linspace(-1, 1, roll.logp.numel()).view_as(roll.logp)
     results = []
@@ -754,6 +758,7 @@ def test_scoring_rows_that_all_end_early_gives_the_full_forwards_numbers(fast_va
         results.append((out, nograd, [p.grad.clone() for p in params]))
     policy.zero_grad()
     (got, got_ng, g_got), (want, want_ng, g_want) = results
+    assert widths and set(widths) == {max(lengths)}                # forwarded only as far as the longest row
     assert got.logp.shape == (len(lengths), T) and not got.logp[roll.mask == 0].any()
     for a, b in ((got.logp, want.logp), (got.logp_full, want.logp_full), (got.entropy, want.entropy),
                  (got_ng, want_ng), (got_ng, want.logp.detach())):

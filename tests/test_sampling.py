@@ -277,6 +277,5 @@ def test_rollout_invariants_random_shapes(lengths, G, T, temperature, top_p, see
         torch.testing.assert_close(sequence_token_logprobs(MODEL, r), r.logp, atol=1e-5, rtol=1e-5)
 
 
-
 def test_response_extent_by_hand():
     assert sampling.response_extent(torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0], [0, 0, 0, 0]])).tolist() == [2, 3, 0]
