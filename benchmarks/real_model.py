@@ -34,18 +34,23 @@ Measured
 --------
 1. Step time, alternated in one process: a warm-up block of each library (dropped), then
    ``--blocks`` rounds, TRL first in even rounds and rlvr first in odd ones; a block is a fresh run of
-   ``--block-steps`` steps of one library. Median step time of each and the ratio TRL / rlvr.
+   ``--block-steps`` steps of one library, after a full garbage collection (a finished TRL run is
+   kept alive by reference cycles until one; measured, rlvr's next steps ran 0.3-0.7 s slower with
+   it still in memory). Median step time of each and the ratio TRL / rlvr.
 2. Held-out greedy accuracy (the task's goal, exact answer) against training wall time: one run of
    each library for ``--minutes`` of training (evaluation excluded), evaluated at step 0 and then
    every ``--eval-every`` minutes of training by the SAME evaluator (``rlvr.evaluate.evaluate`` on
    the library's live model, greedy, 200 prompts).
-3. A phase profile of an rlvr step (sampling prefill, decode, logp forward, backward, optimizer),
-   timed ``--profile-reps`` times (the median of each phase is printed, with every timing), each
-   against its bound on this machine: decode against memory bandwidth (weight bytes read per
-   decode step / the measured copy bandwidth of a large tensor copy; with 64 rows a decode step is
-   usually compute-bound instead, so its bound is the larger of that and its FLOPs / the matmul
-   rate, and both are printed), prefill, logp and backward
-   against the measured fp32 matmul rate (the step's FLOPs / rate), the optimizer against bandwidth
+3. A phase profile of an rlvr step (sampling prefill, decode, logp forward, backward, optimizer)
+   under the run's numerics (``--numerics``: the forwards inside rlvr's autocast context as its
+   rollout and learn stages run them), timed ``--profile-reps`` times (the median of each phase is
+   printed, with every timing), each against its bound on this machine: decode against memory
+   bandwidth (weight bytes read per decode step / the measured copy bandwidth of a large tensor
+   copy; 4 bytes a weight in fp32, 2 for the bf16 copies of frozen weights under bf16; with 64 rows
+   a decode step is usually compute-bound instead, so its bound is the larger of that and its FLOPs
+   / the matmul rate, and both are printed), prefill, logp and backward against the measured
+   matmul rate of the numerics (fp32 products, or bf16 x bf16 products for ``--numerics bf16``; the
+   step's FLOPs / rate), the optimizer (fp32 master weights in both) against bandwidth
    (8 x 4 bytes moved per trainable parameter: parameter, gradient and two moments read; parameter
    and moments written; the gradient zeroed for the next backward, which the phase includes). The
    optimizer's state is allocated by one step on zero gradients before the timings (a run pays that
@@ -63,6 +68,7 @@ against decode's bound: the part of decode that no attention, norm or sampling c
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -93,6 +99,18 @@ def copy_bandwidth(mib: int = 256, trials: int = 5) -> float:
         b.copy_(a)
         best = min(best, time.perf_counter() - t)
     return 2 * a.numel() * 4 / best
+
+
+def bf16_matmul_rate(seconds: float = 1.0, n: int = 512) -> float:
+    """FLOP/s of (n, n) x (n, n) bf16 products (what a Linear computes under bf16 autocast once
+    both operands are bf16), timed as rlvr.run.matmul_rate times fp32's."""
+    a, b = torch.randn(n, n, dtype=torch.bfloat16), torch.randn(n, n, dtype=torch.bfloat16)
+    a @ b  # warm-up
+    count, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        count += 1
+    return 2 * n**3 * count / (time.perf_counter() - t0)
 
 
 # ----------------------------------------------------------------------------- shared pieces
@@ -261,20 +279,30 @@ def phase_profile(run: RlvrRun, rate: float, bandwidth: float, reps: int = 3) ->
     return out
 
 
-def decode_products_seconds(policy, rows: int, steps: int) -> float:
+def decode_products_seconds(policy, rows: int, steps: int, bf16: bool = False) -> float:
     """Seconds of `steps` decode steps' matrix products alone: every Linear of the model (LoRA's
     included; registration order, each weight read once a step as in decode) on `rows` rows, weight-major
-    as decode computes them (W @ x.T, rlvr.models.lean_llama.linear_t), and the output head as decode
-    computes it (rlvr.models.lean_llama.output_head). No attention, norms, rotary, residuals or
-    sampling: what decode would take if nothing but its products ran."""
+    as fp32 decode computes them (W @ x.T, rlvr.models.lean_llama.linear_t), and the output head as decode
+    computes it (rlvr.models.lean_llama.output_head). `bf16`: as decode under bf16 autocast computes
+    them, x @ W.T on bf16 copies of the weights (rlvr.models.lean_llama.linear), the head included.
+    No attention, norms, rotary, residuals or sampling: what decode would take if nothing but its
+    products ran."""
     from rlvr.models.lean_llama import output_head
 
     hf = policy._hf_model()
     head = hf.lm_head
     linears = [m for m in hf.modules() if isinstance(m, torch.nn.Linear) and m is not head]
-    xs = [torch.randn(rows, m.in_features) for m in linears]
-    xh = torch.randn(rows, head.in_features)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    xs = [torch.randn(rows, m.in_features, dtype=dtype) for m in linears]
+    xh = torch.randn(rows, head.in_features, dtype=dtype)
     with torch.no_grad():
+        if bf16:
+            ws = [m.weight.detach().to(dtype) for m in linears] + [head.weight.detach().to(dtype)]
+            t = time.perf_counter()
+            for _ in range(steps):
+                for w, x in zip(ws, xs + [xh]):
+                    torch.nn.functional.linear(x, w)
+            return time.perf_counter() - t
         t = time.perf_counter()
         for _ in range(steps):
             for m, x in zip(linears, xs):
@@ -284,12 +312,15 @@ def decode_products_seconds(policy, rows: int, steps: int) -> float:
 
 
 def phase_times(run: RlvrRun, rate: float, bandwidth: float, say: bool = False) -> list[dict]:
-    """One timing of each phase of an rlvr step (one optimizer step included) and its bound."""
+    """One timing of each phase of an rlvr step (one optimizer step included) and its bound. The
+    forwards run under the run's numerics as rlvr's rollout and learn stages run them
+    (`setup.numerics.context()`, the backward outside it); `rate` is that numerics' matmul rate."""
     from rlvr import costs, sampling
     from rlvr.tokenizer import encode_example
 
     s = run.state
     policy, setup = s.policy, s.setup
+    ctx, bf16 = setup.numerics.context, setup.numerics.bf16
     prompts = [encode_example(setup.tokenizer, ex) for ex in s.draw()]
     Lp = max(len(p) for p in prompts)
     pad = setup.tokenizer.pad_id
@@ -298,18 +329,21 @@ def phase_times(run: RlvrRun, rate: float, bandwidth: float, say: bool = False) 
     policy.eval()
     with torch.no_grad():
         t = time.perf_counter()
-        policy(ids, attention_mask=am, cache=policy.new_cache(P, Lp + MAX_NEW), logits_to_keep=1)
+        with ctx():
+            policy(ids, attention_mask=am, cache=policy.new_cache(P, Lp + MAX_NEW), logits_to_keep=1)
         prefill = time.perf_counter() - t
         t = time.perf_counter()
         gens = sampling.prompt_generators(sampling.draw_base_seed(s.sample_gen), 0, P)  # as rlvr.rollout draws
-        ro = sampling.generate(policy, prompts, samples_per_prompt=G, max_new_tokens=MAX_NEW, temperature=TEMPERATURE,
-                               eos_id=None, pad_id=pad, generators=gens)
+        with ctx():
+            ro = sampling.generate(policy, prompts, samples_per_prompt=G, max_new_tokens=MAX_NEW,
+                                   temperature=TEMPERATURE, eos_id=None, pad_id=pad, generators=gens)
         decode = time.perf_counter() - t - prefill
     T = ro.mask.shape[1]
-    products = decode_products_seconds(policy, P * G, T - 1)
+    products = decode_products_seconds(policy, P * G, T - 1, bf16)
     policy.train()
     t = time.perf_counter()
-    logp = sampling.sequence_token_logprobs(policy, ro, group_size=G)
+    with ctx():
+        logp = sampling.sequence_token_logprobs(policy, ro, group_size=G)
     fwd = time.perf_counter() - t
     t = time.perf_counter()
     (logp * ro.mask).sum().backward()
@@ -321,21 +355,23 @@ def phase_times(run: RlvrRun, rate: float, bandwidth: float, say: bool = False) 
 
     n_all, n_train = policy._matmul_params()
     trainable = sum(p.numel() for p in policy.trainable_params())
-    weight_bytes = n_all * 4                               # every Linear weight (lm_head included) read per step
+    # every Linear weight (lm_head included) read per decode step; under bf16 the frozen ones as bf16 copies
+    weight_bytes = (n_all - n_train) * (2 if bf16 else 4) + n_train * 4
     fwd_tok, _ = costs.model_flops_per_token(policy, Lp, T)
     keys = costs.attended_keys(Lp, T)
     layers, d = policy.hf_config.num_hidden_layers, policy.hf_config.hidden_size
     trained_tokens = P * Lp + P * G * T                    # the prompt shared by its group
     bwd_flops = trained_tokens * (2 * n_all + 2 * n_train + 8 * layers * d * keys)
     decode_bound = (T - 1) * max(weight_bytes / bandwidth, P * G * fwd_tok / rate)
+    rated = f"{'bf16' if bf16 else 'fp32'} matmul rate"
     rows = [
-        ("sampling prefill", prefill, P * Lp, P * Lp * fwd_tok / rate, "fp32 matmul rate"),
+        ("sampling prefill", prefill, P * Lp, P * Lp * fwd_tok / rate, rated),
         ("sampling decode", decode, P * G * (T - 1), decode_bound,
          "max(weight bytes per decode step / copy bandwidth, its FLOPs / matmul rate)"),
         ("decode products", products, P * G * (T - 1), decode_bound,
          "decode's bound; its matrix products alone, every weight read once a step, no attention/norms/sampling"),
-        ("logp forward", fwd, trained_tokens, trained_tokens * fwd_tok / rate, "fp32 matmul rate"),
-        ("backward", bwd, trained_tokens, bwd_flops / rate, "fp32 matmul rate"),
+        ("logp forward", fwd, trained_tokens, trained_tokens * fwd_tok / rate, rated),
+        ("backward", bwd, trained_tokens, bwd_flops / rate, rated),
         ("optimizer", opt, trainable, 8 * 4 * trainable / bandwidth,
          "8 x 4 bytes per trainable parameter / bandwidth (the update's 7, and zeroing the gradient)"),
     ]
@@ -352,6 +388,7 @@ def step_times(mdir: Path, a, setup) -> dict:
     got: dict[str, list[float]] = {"rlvr": [], "trl": []}
 
     def block(lib: str, keep: bool) -> None:
+        gc.collect()  # the other library's last run, kept alive by reference cycles, freed before this one
         if lib == "rlvr":
             r = RlvrRun(mdir, a.block_steps, a.eval_prompts, a.threads, a.numerics)
             times = [r.step() for _ in range(a.block_steps)]
@@ -377,6 +414,7 @@ def accuracy_curves(mdir: Path, a, setup) -> dict:
     curves: dict[str, list[tuple[float, int, float]]] = {"rlvr": [], "trl": []}
     max_steps = a.curve_steps or 10**6
 
+    gc.collect()
     r = RlvrRun(mdir, max_steps, a.eval_prompts, a.threads, a.numerics)
     spent, steps, pending = 0.0, 0, list(marks)
     while True:
@@ -393,6 +431,7 @@ def accuracy_curves(mdir: Path, a, setup) -> dict:
         curves["rlvr"].append((spent, steps, r.accuracy(a.eval_prompts)))
         print(f"  rlvr: {spent:7.1f} s, {steps:3d} steps, held-out {curves['rlvr'][-1][2]:.3f}", flush=True)
     del r
+    gc.collect()
 
     def on_eval(spent_s, n, model):
         curves["trl"].append((spent_s, n, trl_accuracy(model, setup, a.eval_prompts)))
@@ -442,13 +481,16 @@ def main(argv: list[str] | None = None) -> int:
 
     mdir = model_dir()
     rate, bandwidth = matmul_rate(torch.device("cpu")), copy_bandwidth()  # rlvr.run's measurement, as the price uses
-    print(f"machine: fp32 matmul {rate / 1e9:.1f} GFLOP/s, copy bandwidth {bandwidth / 1e9:.2f} GB/s "
+    rate_bf16 = bf16_matmul_rate() if a.numerics == "bf16" else 0.0
+    print(f"machine: fp32 matmul {rate / 1e9:.1f} GFLOP/s"
+          + (f", bf16 matmul {rate_bf16 / 1e9:.1f} GFLOP/s" if rate_bf16 else "")
+          + f", copy bandwidth {bandwidth / 1e9:.2f} GB/s "
           f"({a.threads} threads; measured now, on whatever else the machine is running)", flush=True)
 
-    probe = RlvrRun(mdir, 1, a.eval_prompts, a.threads)
+    probe = RlvrRun(mdir, 1, a.eval_prompts, a.threads, a.numerics)
     setup = probe.setup
     print(f"numerics: {a.numerics} for both (rlvr model.autocast = {AUTOCAST[a.numerics]}, TRL bf16 = "
-          f"{a.numerics == 'bf16'}); the phase profile runs fp32", flush=True)
+          f"{a.numerics == 'bf16'}); the phase profile too", flush=True)
     print(f"model {mdir}: {setup.model.num_params():,} parameters, LoRA r={LORA_R} "
           f"({sum(p.numel() for p in setup.model.trainable_params()):,} trainable); longest prompt "
           f"{setup.limits.prompt_tokens} tokens", flush=True)
@@ -459,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
         p.grad = torch.zeros_like(p)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    profile = phase_profile(probe, rate, bandwidth, a.profile_reps)
+    profile = phase_profile(probe, rate_bf16 or rate, bandwidth, a.profile_reps)
     for p in profile:
         print(f"  {p['phase']:<17} {ms(p['seconds'], 8)} ms  {p['per_s']:10,.0f}/s  bound {ms(p['bound_s'], 7)} ms "
               f"({p['bound_per_s']:,.0f}/s)  {p['x_bound']:5.1f}x bound  [{p['bound']}]  "
@@ -468,7 +510,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.profile_only:
         if a.json:
             a.json.parent.mkdir(parents=True, exist_ok=True)
-            a.json.write_text(json.dumps({"matmul_flops": rate, "copy_bytes_per_s": bandwidth, "profile": profile},
+            a.json.write_text(json.dumps({"matmul_flops": rate, "bf16_matmul_flops": rate_bf16, "copy_bytes_per_s": bandwidth,
+                                         "profile": profile, "numerics": a.numerics},
                                          indent=2))
         return 0
 
@@ -486,8 +529,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps({"matmul_flops": rate, "copy_bytes_per_s": bandwidth, "profile": profile,
-                                      "step_s": st, "curves": curves, "quick": a.quick,
+        a.json.write_text(json.dumps({"matmul_flops": rate, "bf16_matmul_flops": rate_bf16, "copy_bytes_per_s": bandwidth,
+                                      "profile": profile, "step_s": st, "curves": curves, "quick": a.quick,
                                       "numerics": a.numerics}, indent=2))
     return 0
 

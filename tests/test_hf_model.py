@@ -610,8 +610,10 @@ def test_weight_major_products_equal_the_modules(tmp_path):
 
 def test_decode_steps_take_the_weight_major_products(monkeypatch, fast_variant):
     """Without gradient, on CPU, in float32 and on at most HEAD_ROWS rows the lean forward computes its projections
-    weight-major (linear_t), with the logits of the row-major forward; with gradient or more rows it does not."""
+    weight-major (linear_t), with the logits of the row-major forward; with gradient or more rows it does not;
+    under bf16 autocast only in rlvr's context, whose bf16 weight copies it reads."""
     import rlvr.models.lean_llama as lean
+    from rlvr.run import autocast_context
 
     _, policy, tok = fast_variant
     ids, am = left_pad([tok.encode(s) for s in PROMPTS], tok.pad_id)
@@ -621,15 +623,19 @@ def test_decode_steps_take_the_weight_major_products(monkeypatch, fast_variant):
     with torch.no_grad():
         wm = policy(ids, attention_mask=am)
         assert calls and set(calls) == {ids.numel()}
-        monkeypatch.setattr(lean, "_weight_major", lambda h: False)
+        monkeypatch.setattr(lean, "_weight_major", lambda h: None)
         rm = policy(ids, attention_mask=am)
     torch.testing.assert_close(wm, rm, atol=1e-6, rtol=0)
     monkeypatch.setattr(lean, "_weight_major", real_weight_major)
     h = torch.zeros(lean.HEAD_ROWS, 1, 8)
     with torch.no_grad():
-        assert lean._weight_major(h) and not lean._weight_major(torch.zeros(lean.HEAD_ROWS + 1, 1, 8))
-        assert not lean._weight_major(h.bfloat16())
-    assert not lean._weight_major(h)                       # gradient enabled
+        assert lean._weight_major(h) == torch.float32 and lean._weight_major(torch.zeros(lean.HEAD_ROWS + 1, 1, 8)) is None
+        assert lean._weight_major(h.bfloat16()) is None
+        with torch.autocast("cpu", dtype=torch.bfloat16):   # autocast alone: no bf16 weight copies to read
+            assert lean._weight_major(h) is None
+        with autocast_context(True, "cpu"):                 # rlvr's bf16 context: bf16 products from its copies
+            assert lean._weight_major(h) == torch.bfloat16
+    assert lean._weight_major(h) is None                   # gradient enabled
 
 
 def test_lora_with_a_power_of_two_scaling_is_one_addmm(tmp_path, monkeypatch):
@@ -768,10 +774,11 @@ def test_scoring_rows_that_all_end_early_gives_the_full_forwards_numbers(fast_va
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
-def test_bf16_weight_copies_give_autocasts_numbers_bit_for_bit(fast_variant):
+def test_bf16_weight_copies_give_autocasts_numbers_bit_for_bit(fast_variant, monkeypatch):
     """Under rlvr's CPU bf16 context (torch.autocast + a region of bf16 weight copies) the lean
-    forward's logits, sampling and gradients equal plain torch.autocast's to the last bit; a weight
-    changed in place inside the region is copied again; the copies are made once per region."""
+    forward's logits, sampling (its decode steps weight-major from the copies) and gradients equal
+    plain torch.autocast's to the last bit; a weight changed in place inside the region is copied
+    again; the copies are made once per region."""
     from rlvr.models import lean_llama
     from rlvr.run import autocast_context
 
@@ -781,22 +788,25 @@ def test_bf16_weight_copies_give_autocasts_numbers_bit_for_bit(fast_variant):
     ids, am = left_pad([tok.encode(s) for s in PROMPTS], tok.pad_id)
     params = [p for p in policy.parameters() if p.requires_grad]
     plain = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
-    outs = []
+    outs, wm_calls = [], []
+    real = lean_llama._linear_t_bf16
+    monkeypatch.setattr(lean_llama, "_linear_t_bf16", lambda m, xT: wm_calls.append(1) or real(m, xT))
     for ctx in (plain, lambda: autocast_context(True, "cpu")):
+        wm_calls.clear()
         policy.zero_grad()
         with ctx():
             logits = policy(ids, attention_mask=am)
             scope = getattr(lean_llama._SCOPE, "weights", None)
-            linears = [m for n, m in policy._hf_model().named_modules()
-                       if type(m) is torch.nn.Linear and "lora_" not in n]       # projections and the head
+            linears = [m for m in policy._hf_model().modules() if type(m) is torch.nn.Linear]  # LoRA's too
             if scope is not None:                           # with gradient: the frozen ones, each copied once
                 assert len(scope.copies) == sum(not m.weight.requires_grad for m in linears)
             with torch.no_grad():
                 roll = sampling.generate(policy, [tok.encode("ab"), tok.encode("hello")], samples_per_prompt=3,
                                          max_new_tokens=4, temperature=0.7, eos_id=tok.eos_id, pad_id=tok.pad_id,
                                          generators=sampling.prompt_generators(0, 0, 2))
-            if scope is not None:                           # without: all of them, once for the whole call
+            if scope is not None:   # without: all of them (decode's weight-major products), once for the call
                 assert len(scope.copies) == len(linears) > 0
+            assert bool(wm_calls) == (scope is not None)    # decode weight-major in bf16 in rlvr's context only
         logits.float().logsumexp(-1)[am.bool()].sum().backward()
         outs.append((logits.detach(), roll, [p.grad.clone() for p in params]))
     policy.zero_grad()

@@ -6,7 +6,8 @@ transformers' glue (mask building, DynamicCache, rotary module, output capture) 
 ops, a ``RopeTable`` and a ``LeanCache``. Same logits to float rounding (tested at 1e-5 against the
 transformers forward); several times less per-call overhead on small models. Decode steps (no
 gradient, CPU, float32, few rows) compute the projections weight-major (``linear_t``: W @ x.T, with
-plain LoRA adapters unrolled in peft's order), which BLAS runs faster at those row counts.
+plain LoRA adapters unrolled in peft's order), which BLAS runs faster at those row counts; under CPU
+bf16 autocast too, from the bf16 weight copies of ``bf16_weights()``, with autocast's numbers.
 
 ``lean_llama_unsupported(model)`` / ``peft_unsupported(model)`` say why a model cannot take this
 path (None = it can): it needs a plain ``LlamaForCausalLM`` (default RoPE over the full head dim,
@@ -411,13 +412,17 @@ def rms_norm(norm: nn.Module, h: torch.Tensor) -> torch.Tensor:
 def output_head(head: nn.Module, h: torch.Tensor) -> torch.Tensor:
     """``head(h)`` (..., V); a plain bias-free Linear on few rows without gradient or autocast is
     computed in ``HEAD_CHUNK`` vocabulary blocks (the same products, a cache-sized working set;
-    weight-major on CPU)."""
+    weight-major on CPU). Under CPU bf16 autocast it is one bf16 product (``linear``): blocks and a
+    weight-major product measured no faster there once the logits are converted to float32."""
     rows = h.numel() // h.size(-1)
-    if (type(head) is not nn.Linear or head.bias is not None or torch.is_grad_enabled() or rows > HEAD_ROWS
-            or h.dtype != head.weight.dtype or torch.is_autocast_enabled(h.device.type)):
+    if type(head) is not nn.Linear or head.bias is not None or torch.is_grad_enabled() or rows > HEAD_ROWS:
         return linear(head, h)
-    W = head.weight                                                              # (V, d)
+    # 2-D: after weight-major layers a (B, 1, d) h has an odd stride on its size-1 dim, which sends
+    # a 3-D F.linear to a batched product over a copy of the head expanded to every row (GBs)
     x = h.reshape(rows, h.size(-1))                                              # (rows, d)
+    if h.dtype != head.weight.dtype or torch.is_autocast_enabled(h.device.type):
+        return linear(head, x).view(*h.shape[:-1], -1)
+    W = head.weight                                                              # (V, d)
     out = x.new_empty(rows, W.size(0))                                           # (rows, V)
     if h.device.type == "cpu":  # weight-major blocks (see linear_t), each transposed into place from cache
         xT, block = x.t(), x.new_empty(HEAD_CHUNK, rows)
@@ -472,6 +477,18 @@ def bf16_weights():
     finally:
         if outer is None:
             _SCOPE.weights = None
+
+
+def _cpu_bf16_autocast(device: torch.device) -> bool:
+    """Whether torch.autocast to bf16 is on for ``device``, a CPU."""
+    return (device.type == "cpu" and torch.is_autocast_enabled("cpu")
+            and torch.get_autocast_dtype("cpu") == torch.bfloat16)
+
+
+def _bf16_copy(W: torch.Tensor) -> torch.Tensor | None:
+    """W's bf16 copy in the current ``bf16_weights()`` region (``_Bf16Weights.get``); None outside one."""
+    scope = getattr(_SCOPE, "weights", None)
+    return None if scope is None else scope.get(W)
 
 
 def linear(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -559,7 +576,11 @@ def linear_t(m: nn.Module, xT: torch.Tensor) -> torch.Tensor:
     time at 16-64 rows on SmolLM2's shapes, 0.96x at 256, 1.0x at 1,024; the same sums, equal to the
     last bit at 1 and at 12-256 rows there (MKL rounds 2-11 rows differently), and its (N, rows)
     output feeds the next weight-major product without a copy. Anything else (a module with forward
-    hooks included, so that hooks see every call) runs the module and transposes its output (a view)."""
+    hooks included, so that hooks see every call) runs the module and transposes its output (a view).
+
+    A bf16 ``xT`` (under CPU bf16 autocast, ``_weight_major``) takes ``_linear_t_bf16``."""
+    if xT.dtype == torch.bfloat16:
+        return _linear_t_bf16(m, xT)
     if type(m) is nn.Linear and m.bias is None and m.weight.dtype == xT.dtype and not _hooked(m):
         return torch.mm(m.weight, xT)
     lora = _plain_lora(m, xT.dtype)
@@ -575,20 +596,49 @@ def linear_t(m: nn.Module, xT: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _weight_major(h: torch.Tensor) -> bool:
-    """Whether a forward on ``h`` (B, L, d) takes the weight-major products (``linear_t``): CPU,
-    float32, no gradient, no autocast, at most ``HEAD_ROWS`` rows (decode steps)."""
-    return (h.device.type == "cpu" and h.dtype == torch.float32 and not torch.is_grad_enabled()
-            and h.numel() // h.size(-1) <= HEAD_ROWS and not torch.is_autocast_enabled("cpu"))
+def _linear_t_bf16(m: nn.Module, xT: torch.Tensor) -> torch.Tensor:
+    """``linear_t`` for a bf16 ``xT`` (K, rows) under CPU bf16 autocast in a ``bf16_weights()``
+    region, computed as autocast computes ``m(x)``: ``Wb @ xT`` from W's bf16 copy, and for a plain
+    peft LoRA ``Linear`` ``+ (Bb @ (Ab @ xT)) * scaling`` per adapter, every product's output bf16
+    and the sum in bf16 (no gradient here, so the factors' copies serve too). The weight-major bf16
+    product equals the ``x @ W.T`` one to the last bit (both accumulate in float32 and round once;
+    checked at 1-256 rows on SmolLM2's and small shapes). Anything else runs the module."""
+    if type(m) is nn.Linear and m.bias is None and not _hooked(m):
+        W = _bf16_copy(m.weight)
+        if W is not None:
+            return torch.mm(W, xT)
+    lora = _plain_lora(m, torch.float32)
+    if lora is not None:
+        ws = [_bf16_copy(lora[0])] + [_bf16_copy(t) for A, B, _ in lora[1] for t in (A, B)]
+        if all(w is not None for w in ws):
+            out = torch.mm(ws[0], xT)                                            # (N, rows)
+            for i, (_, _, scaling) in enumerate(lora[1]):
+                out = out + torch.mm(ws[2 + 2 * i], torch.mm(ws[1 + 2 * i], xT)) * scaling
+            return out
+    return m(xT.t()).t()
 
 
-def _mlp_t(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``mlp(x).t()`` for x (rows, d): (d, rows), a stock LlamaMLP with weight-major products."""
+def _weight_major(h: torch.Tensor) -> torch.dtype | None:
+    """The dtype of the weight-major products (``linear_t``) of a forward on ``h`` (B, L, d), or None
+    for the usual products: CPU, float32 ``h``, no gradient, at most ``HEAD_ROWS`` rows (decode
+    steps); float32 products without autocast, bf16 ones under CPU bf16 autocast inside a
+    ``bf16_weights()`` region (from the weights' bf16 copies: autocast's numbers)."""
+    if (h.device.type != "cpu" or h.dtype != torch.float32 or torch.is_grad_enabled()
+            or h.numel() // h.size(-1) > HEAD_ROWS):
+        return None
+    if not torch.is_autocast_enabled("cpu"):
+        return torch.float32
+    return torch.bfloat16 if _cpu_bf16_autocast(h.device) and getattr(_SCOPE, "weights", None) else None
+
+
+def _mlp_t(mlp: nn.Module, x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``mlp(x).t()`` for x (rows, d): (d, rows), a stock LlamaMLP with weight-major products in
+    ``dtype`` (``_weight_major``)."""
     from transformers.models.llama.modeling_llama import LlamaMLP
 
     if type(mlp) is not LlamaMLP:
         return mlp(x).t()
-    xT = x.t()
+    xT = x.to(dtype).t()
     mT = mlp.act_fn(linear_t(mlp.gate_proj, xT)) * linear_t(mlp.up_proj, xT)      # (I, rows)
     return linear_t(mlp.down_proj, mT)
 
@@ -619,26 +669,33 @@ def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, 
     rep = H // Hkv
     grouped = cache is not None and cache.group > 1
     small = ids.device.type == "cpu" and L * S <= SMALL_ATTENTION
+    # Under CPU bf16 autocast the attention products cast their operands to bf16 (autocast's list):
+    # the additive masks are built in bf16 once (0 and -inf are exact), and without gradient the
+    # queries and the cached keys are cast once when made instead of at every layer's product (the
+    # same values: a cast is elementwise), so a decode step does not re-cast the whole key cache.
+    att_bf16 = _cpu_bf16_autocast(ids.device)
+    kv_bf16 = att_bf16 and cache is not None and not torch.is_grad_enabled()
+    mask_dtype = torch.bfloat16 if att_bf16 else h.dtype
     addmask = sdpa_mask = None
     if grouped:  # one boolean mask shared by every layer: (P, G, L, prefix + G * steps)
         gmask = _group_attend_mask(full_am, cache.prefix, cache.group, past, L)
-        gchunks = _group_chunks(gmask, Hkv, rep, h.dtype)
+        gchunks = _group_chunks(gmask, Hkv, rep, mask_dtype)
     elif small:  # one additive mask shared by every layer: (B*Hkv, rep*L, S)
-        addmask = _additive(_attend_mask(full_am, past, L), h.dtype)             # (B, L|1, S)
+        addmask = _additive(_attend_mask(full_am, past, L), mask_dtype)          # (B, L|1, S)
         addmask = addmask[:, None, None].expand(B, Hkv, rep, L, S).reshape(B * Hkv, rep * L, S)
     else:
         sdpa_mask = _attend_mask(full_am, past, L)[:, None]                      # (B, 1, L|1, S)
 
-    wm = _weight_major(h)
+    wm = _weight_major(h)                               # the products' dtype, or None: not weight-major
     d = h.size(-1)
-    if wm:
+    if wm is not None:
         cosT, sinT = (c.reshape(B * L, c.size(-1)).t() for c in (cos, sin))   # (D, B*L)
     for li, layer in enumerate(inner.layers):
         attn = layer.self_attn
         D = attn.head_dim
         x = rms_norm(layer.input_layernorm, h)
-        if wm:  # weight-major, rotated in that layout (contiguous heads): the same products
-            xT = x.view(B * L, d).t()                                            # (d, B*L)
+        if wm is not None:  # weight-major, rotated in that layout (contiguous heads): the same products
+            xT = x.view(B * L, d).to(wm).t()                                     # (d, B*L), cast once
             qT = linear_t(attn.q_proj, xT).reshape(H, D, B * L)
             kT = linear_t(attn.k_proj, xT).reshape(Hkv, D, B * L)
             qT = qT * cosT + qT.roll(D // 2, dims=1) * sinT
@@ -652,16 +709,18 @@ def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, 
             v = linear(attn.v_proj, x).view(B, L, Hkv, D).transpose(1, 2)        # (B, Hkv, L, D)
             q = q * cos + q.roll(D // 2, dims=-1) * sin                          # (B, L, H, D)
             k = (k * cos + k.roll(D // 2, dims=-1) * sin).transpose(1, 2)        # (B, Hkv, L, D)
+        if kv_bf16:
+            q, k = q.to(torch.bfloat16), k.to(torch.bfloat16)
         if cache is not None:
             k, v = cache.append(li, k, v)                                        # (B or P, Hkv, S, D)
         if grouped:
             o = _grouped_attention(q, k, v, gmask, gchunks, attn.scaling)        # (B, L, H*D)
         else:
             o = _attention(q.transpose(1, 2), k, v, attn.scaling, addmask, sdpa_mask)  # (B, L, H*D)
-        if wm:
-            h = h + linear_t(attn.o_proj, o.view(B * L, H * D).t()).t().view(B, L, d)
+        if wm is not None:
+            h = h + linear_t(attn.o_proj, o.view(B * L, H * D).to(wm).t()).t().view(B, L, d)
             x = rms_norm(layer.post_attention_layernorm, h).view(B * L, d)
-            h = h + _mlp_t(layer.mlp, x).t().view(B, L, d)
+            h = h + _mlp_t(layer.mlp, x, wm).t().view(B, L, d)
         else:
             h = h + linear(attn.o_proj, o)
             h = h + _mlp(layer.mlp, rms_norm(layer.post_attention_layernorm, h))
