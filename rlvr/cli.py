@@ -70,7 +70,7 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
-    from rlvr import run
+    from rlvr import hostmem, run
     from rlvr.evaluate import evaluate
     from rlvr.reward_pool import RewardPoolError, open_pool
     from rlvr.rundir import RunDir
@@ -87,6 +87,8 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
                                 overrides=overrides, trusted=args.trust_run_config)
         cfg, model, tok = run.load_run(run_dir, overrides, trusted=args.trust_run_config,
                                        note=lambda msg: print(f"rlvr: note: {msg}", file=sys.stderr))
+        run.set_threads(cfg)                    # as the run trained: its threads, its host allocator
+        hostmem.set_host_memory(cfg.train.host_memory)
         task = load_task(cfg.task.path, **cfg.task.options)
         weights = run.reward_weights(cfg, task)
         limits = run.limits(cfg, task, tok, model)

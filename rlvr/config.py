@@ -245,7 +245,8 @@ class TrainConfig:
     memory instead of faulting in fresh zeroed pages each step (SmolLM2 with LoRA on 2 cores: ~390,000
     page faults a step to a few; the step 0.93-0.95x the time); the resident set stays at its peak,
     ~8% above glibc's own there. Only glibc has this; elsewhere nothing changes. system: the C
-    library's defaults (memory goes back to the system between steps)."""
+    library's defaults (memory goes back to the system between steps). rlvr eval and rlvr probe
+    apply it too."""
     device: str = "cpu"
     """Where the policy runs: cpu, cuda, cuda:N, mps, or auto (cuda when available). The seed gives
     the same run twice on the CPU; GPU kernels may not be bitwise deterministic."""

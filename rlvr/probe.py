@@ -43,7 +43,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from rlvr import advantages, config
+from rlvr import advantages, config, hostmem
 
 DEFAULT_SCHEMES = ("raw", "centered")
 """Always counted; `--scheme` adds to these."""
@@ -300,6 +300,7 @@ def run_probe(cfg: config.Config, *, prompts: int, samples: int, schemes: Sequen
         raise ProbeError(f"{split} prompts: {e}{why}") from e
 
     run.set_threads(cfg)
+    hostmem.set_host_memory(cfg.train.host_memory)          # the trainer's allocator setting (rlvr.hostmem)
     model.eval()
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     K = samples

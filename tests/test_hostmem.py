@@ -80,3 +80,10 @@ def test_the_trainer_applies_the_configured_mode_and_says_so(tmp_path, monkeypat
     assert rc == 0 and got == [mode]
     assert f"host memory: {mode} (stub)" in out.getvalue()
     assert f'host_memory = "{mode}"' in (tmp_path / "run" / "config.toml").read_text()
+    # rlvr eval and rlvr probe of the finished run sample as its training did: the same allocator setting
+    monkeypatch.setattr(hostmem, "set_host_memory", lambda m: got.append(m) or f"host memory: {m} (stub)")
+    with redirect_stdout(io.StringIO()):
+        assert main(["eval", str(tmp_path / "run"), "--prompts", "2"]) == 0
+        assert main(["probe", str(tmp_path / "run" / "config.toml"), "--checkpoint", str(tmp_path / "run"),
+                     "--prompts", "2", "--samples", "2"]) == 0
+    assert got == [mode] * 3
