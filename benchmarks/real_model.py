@@ -284,7 +284,8 @@ def decode_products_seconds(policy, rows: int, steps: int, bf16: bool = False) -
     included; registration order, each weight read once a step as in decode) on `rows` rows, weight-major
     as fp32 decode computes them (W @ x.T, rlvr.models.lean_llama.linear_t), and the output head as decode
     computes it (rlvr.models.lean_llama.output_head). `bf16`: as decode under bf16 autocast computes
-    them, x @ W.T on bf16 copies of the weights (rlvr.models.lean_llama.linear), the head included.
+    them from bf16 copies of the weights: the Linears weight-major (W @ x.T, lean_llama._linear_t_bf16),
+    the head as x @ W.T (lean_llama.linear).
     No attention, norms, rotary, residuals or sampling: what decode would take if nothing but its
     products ran."""
     from rlvr.models.lean_llama import output_head
@@ -297,11 +298,12 @@ def decode_products_seconds(policy, rows: int, steps: int, bf16: bool = False) -
     xh = torch.randn(rows, head.in_features, dtype=dtype)
     with torch.no_grad():
         if bf16:
-            ws = [m.weight.detach().to(dtype) for m in linears] + [head.weight.detach().to(dtype)]
+            ws, wh = [m.weight.detach().to(dtype) for m in linears], head.weight.detach().to(dtype)
             t = time.perf_counter()
             for _ in range(steps):
-                for w, x in zip(ws, xs + [xh]):
-                    torch.nn.functional.linear(x, w)
+                for w, x in zip(ws, xs):
+                    torch.mm(w, x.t())
+                torch.nn.functional.linear(xh, wh)
             return time.perf_counter() - t
         t = time.perf_counter()
         for _ in range(steps):
