@@ -776,9 +776,10 @@ def test_scoring_rows_that_all_end_early_gives_the_full_forwards_numbers(fast_va
 
 def test_bf16_weight_copies_give_autocasts_numbers_bit_for_bit(fast_variant, monkeypatch):
     """Under rlvr's CPU bf16 context (torch.autocast + a region of bf16 weight copies) the lean
-    forward's logits, sampling (its decode steps weight-major from the copies) and gradients equal
-    plain torch.autocast's to the last bit; a weight changed in place inside the region is copied
-    again; the copies are made once per region."""
+    forward's logits, sampling (its decode steps weight-major from the copies, q/k/v and gate/up
+    from stacked copies, the head from a prepacked one) and gradients equal plain torch.autocast's
+    to the last bit; a weight changed in place inside the region is copied again; the copies are
+    made once per region."""
     from rlvr.models import lean_llama
     from rlvr.run import autocast_context
 
@@ -805,7 +806,10 @@ def test_bf16_weight_copies_give_autocasts_numbers_bit_for_bit(fast_variant, mon
                                          max_new_tokens=4, temperature=0.7, eos_id=tok.eos_id, pad_id=tok.pad_id,
                                          generators=sampling.prompt_generators(0, 0, 2))
             if scope is not None:   # without: all of them (decode's weight-major products), once for the call
-                assert len(scope.copies) == len(linears) > 0
+                held = set(scope.copies) | set(scope.packs)  # the head prepacked where oneDNN has it
+                assert len(held) == len(linears) > 0 and {id(m.weight) for m in linears} == held
+                assert bool(scope.packs) == lean_llama._packed_linear_ok()
+                assert len(scope.stacks) == 2 * len(policy._hf_model().model.layers)  # q/k/v, gate/up a layer
             assert bool(wm_calls) == (scope is not None)    # decode weight-major in bf16 in rlvr's context only
         logits.float().logsumexp(-1)[am.bool()].sum().backward()
         outs.append((logits.detach(), roll, [p.grad.clone() for p in params]))
@@ -831,3 +835,62 @@ def test_bf16_weight_copies_give_autocasts_numbers_bit_for_bit(fast_variant, mon
         finally:
             head.weight.mul_(0.5)
     assert lean_llama._SCOPE.weights is None                # freed at the end of the region
+
+
+def test_bf16_decode_stacks_and_packed_head_keep_autocasts_numbers(fast_variant, monkeypatch):
+    """The stacked q/k/v and gate/up products and the prepacked head of bf16 decode, checked where the
+    first test does not reach: without oneDNN's packed linear (the plain-copy fallback) on the
+    untied variants, and a LoRA scaling that is not a power of two (1.5: scaled, then added) on the
+    LoRA one; sampled tokens and log-probs equal plain torch.autocast's. A stacked weight changed in
+    place inside the region is stacked again from its new values."""
+    from rlvr.models import lean_llama
+    from rlvr.run import autocast_context
+
+    name, policy, tok = fast_variant
+    if not policy.uses_fast_path:
+        pytest.skip("not the lean path")
+    hf = policy._hf_model()
+    loras = [m for m in hf.modules() if hasattr(m, "scaling") and hasattr(m, "lora_A")]
+    saved = [dict(m.scaling) for m in loras]
+    if name == "lora":
+        assert loras
+        for m in loras:
+            for k in m.scaling:
+                m.scaling[k] = 1.5
+    elif name != "tied":
+        monkeypatch.setattr(lean_llama, "_PACKED_OK", [False])
+    prompts = [tok.encode("ab"), tok.encode("hello")]
+
+    def sample(ctx):
+        with ctx(), torch.no_grad():
+            roll = sampling.generate(policy, prompts, samples_per_prompt=3, max_new_tokens=4, temperature=0.7,
+                                     eos_id=tok.eos_id, pad_id=tok.pad_id,
+                                     generators=sampling.prompt_generators(1, 0, 2))
+            scope = getattr(lean_llama._SCOPE, "weights", None)
+            return roll, (None if scope is None else (len(scope.stacks), len(scope.packs)))
+
+    try:
+        (r1, _), (r2, held) = sample(lambda: torch.autocast("cpu", dtype=torch.bfloat16)), \
+            sample(lambda: autocast_context(True, "cpu"))
+    finally:
+        for m, sc in zip(loras, saved):
+            m.scaling.update(sc)
+    assert torch.equal(r1.ids, r2.ids) and torch.equal(r1.logp, r2.logp)
+    assert held == (2 * len(hf.model.layers), 1 if lean_llama._packed_linear_ok() else 0)
+
+    layer = hf.model.layers[0]
+    q = layer.self_attn.q_proj
+    W = (q.base_layer if hasattr(q, "base_layer") else q).weight
+    xT = torch.randn(W.size(1), 3).to(torch.bfloat16)
+    with autocast_context(True, "cpu"), torch.no_grad():
+        mods = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
+        prod, outs = lean_llama._stacked_t_bf16(mods, xT)
+        want = [lean_llama._linear_t_bf16(m, xT) for m in mods]
+        assert all(torch.equal(a, b) for a, b in zip(outs, want))
+        W.mul_(2.0)                                         # changed in place: stacked again
+        try:
+            _, outs2 = lean_llama._stacked_t_bf16(mods, xT)
+            assert torch.equal(outs2[1], outs[1]) and not torch.equal(outs2[0], outs[0])
+            assert torch.equal(outs2[0], lean_llama._linear_t_bf16(mods[0], xT))
+        finally:
+            W.mul_(0.5)
