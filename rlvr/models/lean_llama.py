@@ -798,6 +798,56 @@ def _mlp_t(mlp: nn.Module, x: torch.Tensor, dtype: torch.dtype = torch.float32) 
     return linear_t(mlp.down_proj, mT)
 
 
+def _prestack(layer: nn.Module) -> None:
+    """Make a decoder layer's stacked bf16 copies (q/k/v, gate/up; ``_stack_plan``) in the current
+    region: a no-gradient bf16 prefill calls it before its own products, so that their copies are
+    already the stacks' rows and the decode steps that follow read the stacks."""
+    attn = layer.self_attn
+    _stack_plan((attn.q_proj, attn.k_proj, attn.v_proj))
+    if type(layer.mlp) is _llama_mlp_type():
+        _stack_plan((layer.mlp.gate_proj, layer.mlp.up_proj))
+
+
+def _project_qkv(attn: nn.Module, x: torch.Tensor, wm: torch.dtype | None, rot: tuple[torch.Tensor, torch.Tensor],
+                 H: int, Hkv: int, kv_bf16: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rotated queries (B, L, H, D), rotated keys and values (B, Hkv, L, D) of a layer's normed input
+    x (B, L, d). ``wm`` (``_weight_major``): None for the usual products, ``rot`` then the rope
+    table's (cos, sin) (B, L, 1, D); else weight-major products in that dtype, ``rot`` (cosT, sinT)
+    (D, B*L), rotated in that layout (contiguous heads; the same products): under bf16 q, k, v in
+    one product from stacked copies (``_stacked_t_bf16``), q and k rotated together and, with
+    ``kv_bf16``, cast to bf16 together."""
+    B, L, d = x.shape
+    D = attn.head_dim
+    if wm is None:
+        cos, sin = rot
+        q = linear(attn.q_proj, x).view(B, L, H, D)
+        k = linear(attn.k_proj, x).view(B, L, Hkv, D)
+        v = linear(attn.v_proj, x).view(B, L, Hkv, D).transpose(1, 2)            # (B, Hkv, L, D)
+        q = q * cos + q.roll(D // 2, dims=-1) * sin                              # (B, L, H, D)
+        k = (k * cos + k.roll(D // 2, dims=-1) * sin).transpose(1, 2)            # (B, Hkv, L, D)
+        return q, k, v
+    cosT, sinT = rot
+    xT = x.view(B * L, d).to(wm).t()                                             # (d, B*L), cast once
+    stacked = _stacked_t_bf16((attn.q_proj, attn.k_proj, attn.v_proj), xT) if wm == torch.bfloat16 else None
+    if stacked is not None:
+        prod, (_, _, vT) = stacked
+        qkT = prod[:(H + Hkv) * D].view(H + Hkv, D, B * L)                       # q and k: adjacent rows
+        qkT = qkT * cosT + qkT.roll(D // 2, dims=1) * sinT
+        if kv_bf16:
+            qkT = qkT.to(torch.bfloat16)
+        qT, kT = qkT[:H], qkT[H:]
+    else:
+        qT = linear_t(attn.q_proj, xT).reshape(H, D, B * L)
+        kT = linear_t(attn.k_proj, xT).reshape(Hkv, D, B * L)
+        qT = qT * cosT + qT.roll(D // 2, dims=1) * sinT
+        kT = kT * cosT + kT.roll(D // 2, dims=1) * sinT
+        vT = linear_t(attn.v_proj, xT)
+    q = qT.permute(2, 0, 1).view(B, L, H, D)
+    k = kT.permute(2, 0, 1).view(B, L, Hkv, D).transpose(1, 2)
+    v = vT.t().view(B, L, Hkv, D).transpose(1, 2)
+    return q, k, v
+
+
 def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, positions: torch.Tensor,
                  cache: LeanCache | None, logits_to_keep: int | None, rope: RopeTable,
                  block_size: int | None) -> torch.Tensor:
@@ -853,37 +903,8 @@ def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, 
         D = attn.head_dim
         x = rms_norm(layer.input_layernorm, h)
         if prestack:
-            _stack_plan((attn.q_proj, attn.k_proj, attn.v_proj))
-            if type(layer.mlp) is _llama_mlp_type():
-                _stack_plan((layer.mlp.gate_proj, layer.mlp.up_proj))
-        stacked = None
-        if wm is not None:
-            xT = x.view(B * L, d).to(wm).t()                                     # (d, B*L), cast once
-            if wm == torch.bfloat16:  # q, k, v in one product: q and k adjacent rows, rotated together
-                stacked = _stacked_t_bf16((attn.q_proj, attn.k_proj, attn.v_proj), xT)
-        if stacked is not None:
-            prod, (_, _, vT) = stacked
-            qkT = prod[:(H + Hkv) * D].view(H + Hkv, D, B * L)
-            qkT = qkT * cosT + qkT.roll(D // 2, dims=1) * sinT
-            if kv_bf16:
-                qkT = qkT.to(torch.bfloat16)
-            q = qkT[:H].permute(2, 0, 1).view(B, L, H, D)
-            k = qkT[H:].permute(2, 0, 1).view(B, L, Hkv, D).transpose(1, 2)
-            v = vT.t().view(B, L, Hkv, D).transpose(1, 2)
-        elif wm is not None:  # weight-major, rotated in that layout (contiguous heads): the same products
-            qT = linear_t(attn.q_proj, xT).reshape(H, D, B * L)
-            kT = linear_t(attn.k_proj, xT).reshape(Hkv, D, B * L)
-            qT = qT * cosT + qT.roll(D // 2, dims=1) * sinT
-            kT = kT * cosT + kT.roll(D // 2, dims=1) * sinT
-            q = qT.permute(2, 0, 1).view(B, L, H, D)
-            k = kT.permute(2, 0, 1).view(B, L, Hkv, D).transpose(1, 2)
-            v = linear_t(attn.v_proj, xT).t().view(B, L, Hkv, D).transpose(1, 2)
-        else:
-            q = linear(attn.q_proj, x).view(B, L, H, D)
-            k = linear(attn.k_proj, x).view(B, L, Hkv, D)
-            v = linear(attn.v_proj, x).view(B, L, Hkv, D).transpose(1, 2)        # (B, Hkv, L, D)
-            q = q * cos + q.roll(D // 2, dims=-1) * sin                          # (B, L, H, D)
-            k = (k * cos + k.roll(D // 2, dims=-1) * sin).transpose(1, 2)        # (B, Hkv, L, D)
+            _prestack(layer)
+        q, k, v = _project_qkv(attn, x, wm, (cos, sin) if wm is None else (cosT, sinT), H, Hkv, kv_bf16)
         if kv_bf16:
             q, k = q.to(torch.bfloat16), k.to(torch.bfloat16)
         if cache is not None:
