@@ -280,36 +280,52 @@ def phase_profile(run: RlvrRun, rate: float, bandwidth: float, reps: int = 3) ->
 
 
 def decode_products_seconds(policy, rows: int, steps: int, bf16: bool = False) -> float:
-    """Seconds of `steps` decode steps' matrix products alone: every Linear of the model (LoRA's
-    included; registration order, each weight read once a step as in decode) on `rows` rows, weight-major
-    as fp32 decode computes them (W @ x.T, rlvr.models.lean_llama.linear_t), and the output head as decode
-    computes it (rlvr.models.lean_llama.output_head). `bf16`: as decode under bf16 autocast computes
-    them from bf16 copies of the weights: the Linears weight-major (W @ x.T, lean_llama._linear_t_bf16),
-    the head as x @ W.T (lean_llama.linear).
+    """Seconds of `steps` decode steps' matrix products alone, each weight read once a step as in
+    decode, on `rows` rows. fp32: every Linear of the model (LoRA's included, registration order)
+    weight-major as fp32 decode computes them (W @ x.T, rlvr.models.lean_llama.linear_t) and the
+    output head as decode computes it (lean_llama.output_head). `bf16`: decode's own calls inside
+    rlvr's bf16 context (lean_llama's region of bf16 weight copies, made by one untimed step): per
+    layer q/k/v with the LoRA A factors in one product from their stacked copy and the LoRA B
+    products (lean_llama._stacked_t_bf16), o_proj weight-major (linear_t), gate/up stacked, down_proj
+    weight-major; the head from its prepacked copy (output_head).
     No attention, norms, rotary, residuals or sampling: what decode would take if nothing but its
     products ran."""
-    from rlvr.models.lean_llama import output_head
+    from rlvr.models import lean_llama
+    from rlvr.run import autocast_context
 
     hf = policy._hf_model()
     head = hf.lm_head
-    linears = [m for m in hf.modules() if isinstance(m, torch.nn.Linear) and m is not head]
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    xs = [torch.randn(rows, m.in_features, dtype=dtype) for m in linears]
-    xh = torch.randn(rows, head.in_features, dtype=dtype)
     with torch.no_grad():
         if bf16:
-            ws, wh = [m.weight.detach().to(dtype) for m in linears], head.weight.detach().to(dtype)
-            t = time.perf_counter()
-            for _ in range(steps):
-                for w, x in zip(ws, xs):
-                    torch.mm(w, x.t())
-                torch.nn.functional.linear(xh, wh)
-            return time.perf_counter() - t
+            bf = torch.bfloat16
+            layers = hf.model.layers
+            d, inter = hf.config.hidden_size, hf.config.intermediate_size
+            xT, xh = torch.randn(d, rows, dtype=bf), torch.randn(rows, head.in_features)
+            mT = torch.randn(inter, rows, dtype=bf)
+
+            def one_step() -> None:
+                for layer in layers:
+                    a, mlp = layer.self_attn, layer.mlp
+                    lean_llama._stacked_t_bf16((a.q_proj, a.k_proj, a.v_proj), xT)
+                    lean_llama.linear_t(a.o_proj, xT)
+                    lean_llama._stacked_t_bf16((mlp.gate_proj, mlp.up_proj), xT)
+                    lean_llama.linear_t(mlp.down_proj, mT)
+                lean_llama.output_head(head, xh.view(rows, 1, -1))
+
+            with autocast_context(True, "cpu"):
+                one_step()                                  # the region's copies, made once as in a call
+                t = time.perf_counter()
+                for _ in range(steps):
+                    one_step()
+                return time.perf_counter() - t
+        linears = [m for m in hf.modules() if isinstance(m, torch.nn.Linear) and m is not head]
+        xs = [torch.randn(rows, m.in_features) for m in linears]
+        xh = torch.randn(rows, head.in_features)
         t = time.perf_counter()
         for _ in range(steps):
             for m, x in zip(linears, xs):
                 torch.mm(m.weight, x.t())
-            output_head(head, xh)
+            lean_llama.output_head(head, xh)
         return time.perf_counter() - t
 
 
