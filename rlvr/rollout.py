@@ -215,8 +215,9 @@ def rollout(setup, policy: Policy, reference: Policy | None, examples_fn, *, ver
     5. Δ (`batch_delta`): the scheme on the (P, G) rewards (`learned`: R - V(S) with `value`, read
        before its own update), per-token Δ from a process reward's per-step scores, and with
        kl_in = "reward" the KL folded into a per-token Δ;
-    6. algorithm.logp_old = "recompute": logp_old from a no-grad training forward of `policy` and Δ
-       per token times the truncated IS weight min(π_train / π_sampler, is_cap) (`recompute_logp_old`).
+    6. algorithm.logp_old = "recompute": logp_old from a no-grad training forward of `policy` (run
+       before step 5, whose KL in the reward then reads it) and Δ per token times the truncated IS
+       weight min(π_train / π_sampler, is_cap) (`recompute_logp_old`).
 
     Every forward runs under the run's numerics (`setup.numerics`, model.autocast).
     `sampler(examples) -> Groups` replaces step 1-2's in-process sampling and scoring (rlvr.distributed:
@@ -264,10 +265,16 @@ def rollout(setup, policy: Policy, reference: Policy | None, examples_fn, *, ver
         n_tok = forward_tokens(groups.rollout, G, shared)
         cost["forward_tokens"] += n_tok
         cost["flops"] += n_tok * fwd_flops
-    delta, delta_tokens, stats = batch_delta(setup, groups, logp_ref, value)
+    logp_train = None
+    if ac.logp_old == "recompute":  # before Δ: kl_in = "reward" charges the KL on these (training numerics)
+        logp_train = training_logprobs(policy, groups.rollout, cfg, setup.numerics.context,
+                                       full=ac.kl_in == "reward" and logp_ref is not None)
+    delta, delta_tokens, stats = batch_delta(setup, groups, logp_ref, value,
+                                             logp_full=None if logp_train is None else logp_train[1])
     batch = Batch(groups, parts, delta, logp_old, logp_ref, version, sample_s, cost, delta_tokens, stats)
-    if ac.logp_old == "recompute":
-        batch = recompute_logp_old(setup, policy, batch, version if policy_version is None else policy_version)
+    if logp_train is not None:
+        batch = recompute_logp_old(setup, policy, batch, version if policy_version is None else policy_version,
+                                   logp_train=logp_train[0])
         n_tok = forward_tokens(groups.rollout, G, shared)
         cost["forward_tokens"] += n_tok
         cost["flops"] += n_tok * fwd_flops
@@ -275,8 +282,27 @@ def rollout(setup, policy: Policy, reference: Policy | None, examples_fn, *, ver
 
 
 @torch.no_grad()
-def off_policy_correction(policy: Policy, batch: Batch, cfg, cap: float, autocast=contextlib.nullcontext
-                          ) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def training_logprobs(policy: Policy, rollout: sampling.Rollout, cfg, autocast=contextlib.nullcontext,
+                      full: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logp, logp_full), each (B, T) and detached: one no-grad forward of `policy` under the training
+    numerics `autocast()`, scored under the sampling distribution (the tempered nucleus) and, with
+    `full` and top_p < 1, also under the tempered distribution without the nucleus (the KL's side;
+    else `logp` serves as both: equal at top_p = 1)."""
+    sc, G = cfg.sampling, cfg.train.samples_per_prompt
+    kw = dict(temperature=sc.temperature, top_p=sc.top_p, chunk_rows=cfg.model.logprob_chunk_rows or None,
+              group_size=G if cfg.model.share_prompt_forward else None)
+    policy.eval()
+    with autocast():
+        if full and sc.top_p < 1.0:
+            out = sampling.sequence_token_logprobs(policy, rollout, return_full=True, **kw)
+            return out.logp.detach(), out.logp_full.detach()
+        logp = sampling.sequence_token_logprobs(policy, rollout, **kw).detach()     # (B, T)
+    return logp, logp
+
+
+@torch.no_grad()
+def off_policy_correction(policy: Policy, batch: Batch, cfg, cap: float, autocast=contextlib.nullcontext,
+                          logp_old: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """(logp_old (B, T), Δ·w (B, T), the weight's figures) to learn `batch` from the current weights of
     `policy` when its rows were drawn from another distribution π_behav (`batch.logp_old`):
 
@@ -286,19 +312,17 @@ def off_policy_correction(policy: Policy, batch: Batch, cfg, cap: float, autocas
 
     The one correction behind algorithm.logp_old = recompute (π_behav = the sampler's numerics) and
     the staleness correction (π_behav = an older policy's sampler, rlvr.distributed.staleness).
-    Off the response mask w = 1 and Δ is left as it was (the loss never reads it there)."""
-    sc, G = cfg.sampling, cfg.train.samples_per_prompt
-    policy.eval()
-    with autocast():
-        logp_old = sampling.sequence_token_logprobs(policy, batch.rollout, temperature=sc.temperature, top_p=sc.top_p,
-                                                    chunk_rows=cfg.model.logprob_chunk_rows or None,
-                                                    group_size=G if cfg.model.share_prompt_forward else None)  # (B, T)
+    Off the response mask w = 1 and Δ is left as it was (the loss never reads it there). `logp_old`:
+    that forward's log-probs when already computed (`training_logprobs`); then none is run."""
+    if logp_old is None:
+        logp_old, _ = training_logprobs(policy, batch.rollout, cfg, autocast)               # (B, T)
     w, stats = losses.truncated_is_weight(logp_old, batch.logp_old, batch.rollout.mask, cap)
     d = batch.delta_rows.to(w.device)                                         # (B,) or (B, T)
     return logp_old.detach(), (d.unsqueeze(1) if d.dim() == 1 else d) * w, stats
 
 
-def recompute_logp_old(setup, policy: Policy, batch: Batch, policy_version: int) -> Batch:
+def recompute_logp_old(setup, policy: Policy, batch: Batch, policy_version: int,
+                       logp_train: torch.Tensor | None = None) -> Batch:
     """algorithm.logp_old = "recompute": `batch` with logp_old from a no-grad forward of `policy` (version
     `policy_version`) under the run's training numerics, and delta_tokens = Δ · min(π_train / π_sampler,
     algorithm.is_cap) per token (0 off the mask) (`off_policy_correction`). The first minibatch of the
@@ -307,10 +331,11 @@ def recompute_logp_old(setup, policy: Policy, batch: Batch, policy_version: int)
     Adds to the batch's figures sampler_logp_absdiff = mean |logp_sampler - logp_train| over generated
     tokens, and the weight's figures as sampler_is_weight_mean / _max, sampler_is_truncated_frac,
     sampler_behav_ratio_min / _max. On rows sampled ahead by older weights (rlvr.distributed) the one
-    weight covers their staleness too (π_train is the current policy)."""
+    weight covers their staleness too (π_train is the current policy). `logp_train`: that forward's
+    log-probs when the rollout stage already ran it (`training_logprobs`)."""
     mask = batch.rollout.mask                                                 # (B, T)
     logp_train, delta_w, w_stats = off_policy_correction(policy, batch, setup.cfg, setup.cfg.algorithm.is_cap,
-                                                         setup.numerics.context)
+                                                         setup.numerics.context, logp_old=logp_train)
     m = mask.bool()
     absdiff = float((logp_train - batch.logp_old).abs()[m].mean()) if m.any() else 0.0
     stats = {**batch.stats, "sampler_logp_absdiff": absdiff, **{f"sampler_{k}": v for k, v in w_stats.items()}}
@@ -332,8 +357,8 @@ def add_overlong_penalty(groups: Groups, ac, max_len: int) -> Groups:
                                per_reward={**groups.per_reward, OVERLONG: pen.tolist()})
 
 
-def batch_delta(setup, groups: Groups, logp_ref: torch.Tensor | None, value: LearnedBaseline | None
-                ) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+def batch_delta(setup, groups: Groups, logp_ref: torch.Tensor | None, value: LearnedBaseline | None,
+                logp_full: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
     """(P, G) Δ, the (B, T) per-token Δ or None, and this stage's figures, in this order:
 
     1. process rewards (a reward whose values carry per-step scores, rlvr.rewards.steps_of): their
@@ -342,7 +367,10 @@ def batch_delta(setup, groups: Groups, logp_ref: torch.Tensor | None, value: Lea
     2. the scheme on the (P, G) rewards; `learned`: b = V(S) read first, Δ = R - b, then V's own
        squared-error step on these rewards (so b never depends on the rewards it is subtracted from);
     3. kl_in = "reward": Δ[b, t] -= kl_coef · Σ_{t' >= t} (logp_full - logp_ref)[b, t'] (k1 return to go,
-       both sides under the tempered distribution without the nucleus).
+       both sides under the tempered distribution without the nucleus). `logp_full` (B, T): the
+       policy's side from the training forward of algorithm.logp_old = recompute (the numerics
+       logp_ref is computed in, so the KL is 0 where π = π_ref, as verl charges it on the actor's
+       recomputed log-probs); without it the sampler's own (`Rollout.tempered_logp`).
     """
     ac, G, stats = setup.cfg.algorithm, setup.cfg.train.samples_per_prompt, {}
     mask = groups.rollout.mask                                                          # (B, T)
@@ -359,7 +387,7 @@ def batch_delta(setup, groups: Groups, logp_ref: torch.Tensor | None, value: Lea
         delta = (tokens.sum(1) / n).view_as(delta)                                      # logged per response
     if ac.kl_in == "reward" and logp_ref is not None:
         base = (tokens if tokens is not None else delta.reshape(-1)).to(mask.device)
-        logp_full = groups.rollout.tempered_logp
+        logp_full = groups.rollout.tempered_logp if logp_full is None else logp_full.to(mask.device)
         tokens = advantages.kl_reward_delta(base, logp_full, logp_ref, mask, ac.kl_coef)  # (B, T)
         stats["kl_in_reward"] = float(((logp_full - logp_ref) * mask).sum(1).mean())
     return delta, tokens, stats

@@ -326,6 +326,40 @@ def test_a_recomputed_stale_batch_is_not_corrected_twice():
     assert "sampler_logp_absdiff" not in learn(new_learner(setup), got, delta_rows=delta_rows)
 
 
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_kl_in_reward_is_charged_on_the_recomputed_logp_under_recompute(top_p):
+    """kl_in = reward, the reference = the policy itself, and a sampling engine 0.25 lower on every
+    token (its nucleus and no-nucleus log-probs both): with logp_old = sampler the KL folded into Δ is
+    charged on the engine's log-probs, -0.25 a token; with logp_old = recompute on the training
+    forward's (the numerics logp_ref is computed in), so it is 0 exactly and Δ per token is the
+    plain Δ times the IS weight e^0.25."""
+    def lowered(setup):
+        inner = lower_engine(setup, 0.25)
+
+        def sampler(examples):
+            got = inner(examples)
+            roll = got.rollout
+            if roll.logp_full is not None:
+                roll = dataclasses.replace(roll, logp_full=roll.logp_full - 0.25 * roll.mask)
+            return dataclasses.replace(got, rollout=roll)
+        return sampler
+
+    got = {}
+    for mode in ("sampler", "recompute"):
+        setup = tiny_setup("--model.autocast=bf16", "--algorithm.kl_coef=0.5", "--algorithm.kl_in=reward",
+                           f"--sampling.top_p={top_p}", f"--algorithm.logp_old={mode}")
+        got[mode] = rollout(setup, setup.model, setup.model, lambda: list(setup.task.train[:4]), version=0,
+                            generator=torch.Generator().manual_seed(0), sampler=lowered(setup))
+    smp, rec = got["sampler"], got["recompute"]
+    mask = rec.rollout.mask
+    assert (top_p < 1) == (rec.rollout.logp_full is not None)
+    assert torch.equal(rec.rollout.ids, smp.rollout.ids)
+    assert smp.stats["kl_in_reward"] == pytest.approx(-0.25 * float(mask.sum(1).mean()), rel=1e-4)
+    assert rec.stats["kl_in_reward"] == 0.0
+    torch.testing.assert_close(rec.delta_tokens, rec.delta.reshape(-1, 1) * math.exp(0.25) * mask, rtol=1e-3, atol=1e-6)
+    assert not torch.allclose(smp.delta_tokens, smp.delta.reshape(-1, 1) * mask)   # the KL reached Δ there
+
+
 # ----------------------------------------------------------------------------------- the price and a real run
 
 
