@@ -491,8 +491,8 @@ class _Bf16Weights:
         """W's bf16 copy reordered into oneDNN's blocked weight layout (``_linear_pointwise``
         computes ``x @ W.T`` from it without reordering W at every call; the same products), laid
         out for ``rows`` rows (any row count may use it: on SmolLM2's head at 8 and at 64 rows the
-        times were within 10% whichever of 1, 8, 64 or 256 it was made for); None where a copy would not serve or
-        oneDNN's bf16 linear is unavailable (``_packed_linear_ok``)."""
+        times were within 10% whichever of 1, 8, 64 or 256 it was made for); None where a copy
+        would not serve or oneDNN's bf16 linear is unavailable (``_packed_linear_ok``)."""
         if (W.requires_grad and torch.is_grad_enabled()) or W.dtype != torch.float32 or W.device.type != "cpu":
             return None
         hit = self.packs.get(id(W))
