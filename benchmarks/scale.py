@@ -4,7 +4,7 @@
 
 Equal work in every column: the same P prompts x G samples per step, the same model and seed, the
 learn stage in the trainer process. `sort` is the built-in model of examples/sort.toml (2 layers,
-d = 64); `llama` is a random 4-layer d = 256 Llama (examples/make_tiny_hf_model.py) on the same
+d = 64); `llama` is a random 4-layer d = 256 Llama (tests/configs/make_tiny_hf_model.py) on the same
 task. Reported per step, after one warm-up step: the whole step, its sampling part (submit to
 merged groups) and the weight sync (ray.put of the trainable parameters + every worker loaded
 them), with the bytes one sync sends. On a machine with fewer cores than workers + trainer the
@@ -24,7 +24,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "tests" / "configs"))  # make_tiny_hf_model
 
 from rlvr import config as config_mod, run  # noqa: E402
 from rlvr.distributed import Distributed  # noqa: E402
