@@ -30,6 +30,7 @@ from rlvr import config as config_mod, run  # noqa: E402
 from rlvr.distributed import Distributed  # noqa: E402
 from rlvr.learn import Learner, learn, make_optimizer, make_scheduler  # noqa: E402
 from rlvr.rollout import rollout  # noqa: E402
+from make_tiny_hf_model import build  # noqa: E402  (tests/configs: the random Llama)
 
 
 def measure(overrides: list[str], workers: int, steps: int) -> dict:
@@ -79,8 +80,6 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         models = {"sort": []}
         if "llama" in args.models:
-            from make_tiny_hf_model import build
-
             build(Path(tmp) / "llama", layers=4, hidden=256, heads=4, context=64)
             models["llama"] = [f"--model.path={Path(tmp) / 'llama'}"]
         for name in [m for m in args.models.split(",") if m in models]:
