@@ -198,6 +198,47 @@ def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.where(drawn, tok, probs.argmax(-1))
 
 
+SAMPLE_BLOCK = 1024
+"""Vocabulary block of ``sample_tempered``: the cumulative mass is taken over blocks first, then
+inside the one block the draw lands in, instead of one running sum over the whole vocabulary."""
+
+
+def sample_tempered(logits: torch.Tensor, temperature: float, u: torch.Tensor,
+                    block: int = SAMPLE_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, V) logits, temperature > 0, (B,) uniforms in [0, 1) -> (B,) tokens and (B,) their log-probs
+    under ``softmax(logits / temperature)``: the draw of ``inverse_cdf_sample`` (the first token whose
+    cumulative mass exceeds u · total; rounding that puts it past the end takes the last token, or
+    the most likely one where that token has no mass) and the log-prob of ``sampling_logprobs`` at top_p = 1, each equal up to
+    float rounding, in fewer passes over (B, V): a decode step's sampling.
+
+    ``p = softmax(z)`` in one fused pass; the mass is summed per ``block`` tokens, the block where
+    the cumulative mass passes u · total is found, and only that block's running sum is taken (a
+    running sum over all of V is a sequential pass, the slowest of the old ones). A block or token
+    without mass is never chosen: its cumulative mass equals its predecessor's. log p(token) =
+    (z_token - max z) + log(p at the argmax), since p at the argmax is 1 / sum exp(z - max z): no
+    logarithm of a tiny probability."""
+    B, V = logits.shape
+    z = logits.float() / temperature                                          # (B, V)
+    p = torch.softmax(z, dim=-1)                                              # (B, V)
+    full = V // block * block
+    sums = p[:, :full].view(B, -1, block).sum(-1)                             # (B, V // block)
+    if full < V:
+        sums = torch.cat([sums, p[:, full:].sum(-1, keepdim=True)], dim=1)   # (B, nb)
+    cum = sums.cumsum(-1)                                                     # (B, nb)
+    thr = u.to(cum.dtype) * cum[:, -1]                                        # (B,)
+    b = torch.searchsorted(cum, thr[:, None], right=True).squeeze(1).clamp(max=cum.size(1) - 1)
+    before = torch.where(b > 0, cum.gather(1, (b - 1).clamp(min=0)[:, None]).squeeze(1), 0.0)
+    idx = b[:, None] * block + torch.arange(block, device=p.device)          # (B, block)
+    w = p.gather(1, idx.clamp(max=V - 1)).masked_fill_(idx >= V, 0.0)         # (B, block) the block's p
+    j = torch.searchsorted(w.cumsum(-1), (thr - before)[:, None], right=True).squeeze(1)  # (B,)
+    tok = (b * block + j.clamp(max=block - 1)).clamp(max=V - 1)               # (B,)
+    drawn = p.gather(1, tok[:, None]).squeeze(1) > 0
+    if p.device.type != "cpu" or not bool(drawn.all()):  # the usual CPU case skips the argmax pass
+        tok = torch.where(drawn, tok, p.argmax(-1))
+    logp = (z.gather(1, tok[:, None]).squeeze(1) - z.amax(-1)) + torch.log(p.amax(-1))
+    return tok, logp
+
+
 def _prompt_noise(generators: list[torch.Generator] | None, P: int, G: int, T: int, device) -> torch.Tensor | None:
     """(B, T) uniforms, prompt p's G rows drawn from generators[p]; None without generators."""
     if generators is None:
@@ -284,13 +325,17 @@ def generate(model, prompts: list[list[int]], *, samples_per_prompt: int, max_ne
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     steps = 0
     for t in range(T):
-        logprobs = sampling_logprobs(logits, temperature, top_p)   # (B, V)
-        tok = _next_tokens(logprobs, temperature, generator, None if noise is None else noise[:, t])  # (B,)
+        if noise is not None and temperature > 0 and not nucleus:  # per-prompt uniforms, no nucleus
+            tok, tok_logp = sample_tempered(logits, temperature, noise[:, t])             # (B,), (B,)
+        else:
+            logprobs = sampling_logprobs(logits, temperature, top_p)   # (B, V)
+            tok = _next_tokens(logprobs, temperature, generator, None if noise is None else noise[:, t])  # (B,)
+            tok_logp = logprobs.gather(1, tok.unsqueeze(1)).squeeze(1)
         alive = ~finished                                           # this token is real
         tok = tok.masked_fill(finished, pad_id)
         out[:, t] = tok
         alive_cols[:, t] = alive
-        logp[:, t] = logprobs.gather(1, tok.unsqueeze(1)).squeeze(1).masked_fill(finished, 0.0)
+        logp[:, t] = tok_logp.masked_fill(finished, 0.0)
         if nucleus:  # the same token under the tempered distribution without the nucleus (the KL's)
             full = F.log_softmax(logits.float() / temperature, dim=-1)                      # (B, V)
             logp_full[:, t] = full.gather(1, tok.unsqueeze(1)).squeeze(1).masked_fill(finished, 0.0)

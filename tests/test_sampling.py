@@ -279,3 +279,77 @@ def test_rollout_invariants_random_shapes(lengths, G, T, temperature, top_p, see
 
 def test_response_extent_by_hand():
     assert sampling.response_extent(torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0], [0, 0, 0, 0]])).tolist() == [2, 3, 0]
+
+
+# ---------------------------------------------------------------------- the blocked draw of a decode step
+def _reference_draw(logits, temperature, u):
+    """The plain draw: a running sum over the whole vocabulary (inverse_cdf_sample) and log_softmax."""
+    lp = sampling_logprobs(logits, temperature, 1.0)
+    tok = sampling.inverse_cdf_sample(lp.exp(), u)
+    return tok, lp.gather(1, tok[:, None]).squeeze(1)
+
+
+def test_sample_tempered_by_hand():
+    # V = 7 in blocks of 3, the last one partial: block masses 0.625, 0, 0.375; cdf 0.125, 0.125, 0.625 | .. | 1
+    p = torch.tensor([0.125, 0.0, 0.5, 0.0, 0.0, 0.0, 0.375])
+    u = torch.tensor([0.05, 0.2, 0.7, 0.999, 2.0])
+    # 0.05 -> token 0; 0.2 -> token 2 (token 1 has no mass); 0.7 -> block 1 has none, so block 2: token 6;
+    # u = 2 stands for rounding that puts u · total past the total: the last token, which has mass
+    tok, logp = sampling.sample_tempered(p.log().expand(5, 7), 1.0, u, block=3)
+    assert tok.tolist() == [0, 2, 6, 6, 6]
+    assert tok.tolist() == sampling.inverse_cdf_sample(p.expand(5, 7), u).tolist()
+    torch.testing.assert_close(logp, p[tok].log(), atol=1e-6, rtol=0)
+    # the last token without mass: past the total takes the most likely token, as inverse_cdf_sample does
+    q = torch.tensor([0.125, 0.0, 0.5, 0.0, 0.0, 0.375, 0.0])
+    tok, _ = sampling.sample_tempered(q.log().expand(2, 7), 1.0, torch.tensor([0.9, 2.0]), block=3)
+    assert tok.tolist() == [5, 2] == sampling.inverse_cdf_sample(q.expand(2, 7), torch.tensor([0.9, 2.0])).tolist()
+
+
+@pytest.mark.parametrize("block", [1, 64, 1000, 4096])
+@pytest.mark.parametrize("temperature", [0.5, 1.3])
+def test_sample_tempered_equals_the_running_sum_over_the_vocabulary(block, temperature):
+    """Blocks of one token, blocks that do not divide V (1000 = 15 x 64 + 40), one block, a block
+    wider than V: the same tokens and log-probs (to float rounding) as the plain draw."""
+    gen_ = torch.Generator().manual_seed(block)
+    logits = torch.randn(32, 1000, generator=gen_) * 3
+    logits[:4, 100:700] = float("-inf")                       # rows with blocks that have no mass
+    u = torch.rand(32, generator=gen_)
+    tok, logp = sampling.sample_tempered(logits, temperature, u, block=block)
+    want_tok, want_logp = _reference_draw(logits, temperature, u)
+    assert torch.equal(tok, want_tok)
+    torch.testing.assert_close(logp, want_logp, atol=1e-5, rtol=0)
+
+
+def test_sample_tempered_log_prob_of_a_rare_token_is_accurate():
+    # p(token 0) ~ 1e-30 is drawn when u = 0 (the first token with mass); its log-prob comes from the
+    # logits, not from the logarithm of a rounded probability
+    logits = torch.zeros(1, 5000)
+    logits[0, 0] = -60.0
+    tok, logp = sampling.sample_tempered(logits, 1.0, torch.zeros(1), block=256)
+    want = torch.log_softmax(logits.double(), -1)[0, 0].item()
+    assert tok.item() == 0 and logp.item() == pytest.approx(want, rel=1e-7)
+
+
+def test_generate_draws_through_sample_tempered_without_a_nucleus(monkeypatch):
+    """Per-prompt uniforms and top_p = 1: each step goes through the blocked draw, and the rollout is
+    the plain draw's (the same tokens, log-probs to float rounding); with a nucleus it is not used."""
+    table = torch.randn(13, 13, generator=torch.Generator().manual_seed(5)) * 2
+    model = MarkovMock(table)
+    calls = []
+    real = sampling.sample_tempered
+    monkeypatch.setattr(sampling, "sample_tempered", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def roll(top_p=1.0):
+        return generate(model, PROMPTS, samples_per_prompt=3, max_new_tokens=6, temperature=0.8, top_p=top_p,
+                        eos_id=EOS, pad_id=PAD, generators=sampling.prompt_generators(3, 0, len(PROMPTS)))
+
+    fast = roll()
+    assert len(calls) == fast.mask.shape[1] > 0
+    monkeypatch.setattr(sampling, "sample_tempered", _reference_draw)
+    plain = roll()
+    assert torch.equal(fast.ids, plain.ids) and torch.equal(fast.mask, plain.mask)
+    torch.testing.assert_close(fast.logp, plain.logp, atol=1e-6, rtol=0)
+    calls.clear()
+    monkeypatch.setattr(sampling, "sample_tempered", lambda *a, **k: calls.append(1) or real(*a, **k))
+    roll(top_p=0.9)
+    assert not calls
