@@ -294,7 +294,7 @@ def generate(model, prompts: list[list[int]], *, samples_per_prompt: int, max_ne
 
     ``generators`` (one per prompt, see ``prompt_generators``) replaces ``generator``: prompt p's G
     rows draw their (G, max_new_tokens) uniforms from ``generators[p]`` up front and each token is
-    ``inverse_cdf_sample``d, so a row depends only on its prompt's generator and the weights, not on
+    drawn by inverse CDF (``sample_tempered`` without a nucleus, else ``inverse_cdf_sample``), so a row depends only on its prompt's generator and the weights, not on
     the other prompts of the call (what lets rollout workers shard prompts and still draw the same rows).
     """
     device = _check_generate_args(model, prompts, samples_per_prompt, max_new_tokens, temperature, top_p)

@@ -74,9 +74,12 @@ class LeanCache:
 
     Grouped layout (``group`` = G > 1, see ``repeat_interleave``): the P prompts' keys / values are
     kept once, not G times, and the G rows of a prompt append theirs after them, step by step:
-    ``k[li]`` is (P, Hkv, prefix + G * n, D) with column ``prefix + s * G + g`` = row g's step s.
-    ``lean_forward`` then lets the G * rep query heads of a prompt's kv head attend to its columns
-    as one product, each query masked to the prompt's columns and its own row's."""
+    ``v[li]`` is (P, Hkv, prefix + G * n, D) with column ``prefix + s * G + g`` = row g's step s,
+    and ``k[li]`` holds the keys transposed, (P, Hkv, D, prefix + G * n), as the scores' product
+    reads them (a transposed view of a buffer's first columns would be copied by that product at
+    every layer of every step). ``lean_forward`` then lets the G * rep query heads of a prompt's kv
+    head attend to its columns as one product, each query masked to the prompt's columns and its
+    own row's."""
 
     def __init__(self, n_layers: int, batch_size: int, max_len: int, device):
         init_rows(self, batch_size, max_len, device)
@@ -95,7 +98,8 @@ class LeanCache:
     def append(self, li: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``li``'s keys / values (B, Hkv, L, D) appended after its S0 cached columns; returns the
         (B, Hkv, S0 + L, D) keys and values to attend to; in the grouped layout (P, Hkv, prefix +
-        G * (n + L), D) after n steps (no gradient)."""
+        G * (n + L), D) values and the keys transposed, (P, Hkv, D, prefix + G * (n + L)), after n
+        steps (no gradient)."""
         if self.group > 1:
             return self._append_grouped(li, k, v)
         past = 0 if self.k[li] is None else self.k[li].size(2)
@@ -128,12 +132,12 @@ class LeanCache:
         G = self.group
         B, Hkv, L, D = k.shape
         P = B // G
-        kb, vb = self._kbuf[li], self._vbuf[li]                                   # (P, Hkv, cols, D)
-        past = self.k[li].size(2)
+        kb, vb = self._kbuf[li], self._vbuf[li]                   # (P, Hkv, D, cols), (P, Hkv, cols, D)
+        past = self.v[li].size(2)
         S = past + G * L
-        kb[:, :, past:S].view(P, Hkv, L, G, D).copy_(k.reshape(P, G, Hkv, L, D).permute(0, 2, 3, 1, 4))
+        kb[..., past:S].view(P, Hkv, D, L, G).copy_(k.reshape(P, G, Hkv, L, D).permute(0, 2, 4, 3, 1))
         vb[:, :, past:S].view(P, Hkv, L, G, D).copy_(v.reshape(P, G, Hkv, L, D).permute(0, 2, 3, 1, 4))
-        self.k[li], self.v[li] = kb[:, :, :S], vb[:, :, :S]
+        self.k[li], self.v[li] = kb[..., :S], vb[:, :, :S]
         return self.k[li], self.v[li]
 
     def _groupable(self, repeats: int) -> bool:
@@ -159,11 +163,11 @@ class LeanCache:
             cols = S0 + repeats * (self.max_len - S0)
             for li, t in enumerate(self.k):
                 P, Hkv, _, D = t.shape
-                self._kbuf[li] = t.new_empty(P, Hkv, cols, D)
+                self._kbuf[li] = t.new_empty(P, Hkv, D, cols)                 # keys transposed
                 self._vbuf[li] = t.new_empty(P, Hkv, cols, D)
-                self._kbuf[li][:, :, :S0] = t
+                self._kbuf[li][..., :S0] = t.transpose(2, 3)
                 self._vbuf[li][:, :, :S0] = self.v[li]
-                self.k[li], self.v[li] = self._kbuf[li][:, :, :S0], self._vbuf[li][:, :, :S0]
+                self.k[li], self.v[li] = self._kbuf[li][..., :S0], self._vbuf[li][:, :, :S0]
             self.group, self.prefix = repeats, S0
             repeat_rows(self, repeats)
             return self
@@ -365,17 +369,17 @@ def _group_chunks(gmask: torch.Tensor, Hkv: int, rep: int, dtype: torch.dtype) -
     return [(i, min(step, L - i), None) for i in range(0, L, step)]
 
 
-def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gmask: torch.Tensor,
+def _grouped_attention(q: torch.Tensor, kT: torch.Tensor, v: torch.Tensor, gmask: torch.Tensor,
                        chunks: list[tuple], scaling: float) -> torch.Tensor:
-    """Attention in the grouped layout: q (B, L, H, D) rotated queries, k / v (P, Hkv, S, D) a
-    prompt's columns, gmask (P, G, L, S) from ``_group_attend_mask``, its ``_group_chunks`` -> o
+    """Attention in the grouped layout: q (B, L, H, D) rotated queries, kT (P, Hkv, D, S) and v
+    (P, Hkv, S, D) a prompt's columns (``LeanCache``'s grouped layout), gmask (P, G, L, S) from ``_group_attend_mask``, its ``_group_chunks`` -> o
     (B, L, H * D). The G rows x L queries x rep heads of a kv head form one (G * L * rep, D) @ (D, S)
     product per (prompt, kv head) and query chunk."""
     B, L, H, D = q.shape
-    P, Hkv, S, _ = k.shape
+    P, Hkv, _, S = kT.shape
     G, rep = B // P, H // Hkv
     q6 = q.reshape(P, G, L, Hkv, rep, D).permute(0, 3, 1, 2, 4, 5)                # (P, Hkv, G, L, rep, D)
-    kT = k.reshape(P * Hkv, S, D).transpose(1, 2)                                  # (P*Hkv, D, S)
+    kT = kT.reshape(P * Hkv, D, S)                                                 # (P*Hkv, D, S)
     vv = v.reshape(P * Hkv, S, D)
     outs = []
     for i, Lc, add in chunks:
@@ -906,7 +910,7 @@ def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, 
         if kv_bf16:
             q, k = q.to(torch.bfloat16), k.to(torch.bfloat16)
         if cache is not None:
-            k, v = cache.append(li, k, v)                                        # (B or P, Hkv, S, D)
+            k, v = cache.append(li, k, v)                                        # grouped: keys (P, Hkv, D, S)
         if grouped:
             o = _grouped_attention(q, k, v, gmask, gchunks, attn.scaling)        # (B, L, H*D)
         else:
