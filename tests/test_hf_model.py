@@ -896,3 +896,61 @@ def test_bf16_decode_stacks_and_packed_head_keep_autocasts_numbers(fast_variant,
             assert torch.equal(outs2[0], lean_llama._linear_t_bf16(mods[0], xT))
         finally:
             W.mul_(0.5)
+
+
+def test_decode_step_on_live_rows_only(fast_variant, monkeypatch):
+    """A decode step in which rows have finished (their new column masked) computed on the live rows
+    only (``LIVE_ROWS``) gives the live rows the logits of the step over every row, zero logits to
+    the finished ones, and the same later steps; in rlvr's bf16 context too. Sampling with eos takes
+    it and draws the same rows."""
+    import rlvr.models.lean_llama as lean
+    from rlvr.run import autocast_context
+
+    _, policy, tok = fast_variant
+    taken = []
+    real = lean._live_rows
+    monkeypatch.setattr(lean, "_live_rows", lambda *a: taken.append(r := real(*a)) or r)
+    prompts = [tok.encode(s) for s in PROMPTS]
+    pids, pam = left_pad(prompts, tok.pad_id)
+    G, T = 3, 4
+    B = pids.size(0) * G
+    steps = torch.randint(3, 40, (B, T), generator=torch.Generator().manual_seed(1))
+    step_am = torch.ones_like(steps)
+    step_am[::2, 1:] = 0                                          # every other row finished after 1 token
+    step_am[1, 3] = 0
+
+    def decode(live_rows, ctx):
+        monkeypatch.setattr(lean, "LIVE_ROWS", live_rows)
+        taken.clear()
+        with ctx(), torch.no_grad():
+            cache = policy.new_cache(pids.size(0), pids.size(1) + T)
+            policy(pids, attention_mask=pam, cache=cache, logits_to_keep=1)
+            cache.repeat_interleave(G)
+            out = [policy(steps[:, t:t + 1], attention_mask=step_am[:, t:t + 1], cache=cache) for t in range(T)]
+        return torch.cat(out, 1), sum(r is not None for r in taken)
+
+    for ctx in (contextlib.nullcontext, lambda: autocast_context(True, "cpu")):
+        every, n_every = decode(0.0, ctx)
+        live, n_live = decode(0.99, ctx)
+        assert n_every == 0 and n_live == T - 1                   # steps 1-3 have finished rows
+        real_cols = step_am.bool()
+        torch.testing.assert_close(live[real_cols], every[real_cols], atol=1e-5, rtol=0)
+        assert (live[~real_cols] == 0).all() and (every[~real_cols] != 0).any()
+
+    def sample(live_rows):
+        monkeypatch.setattr(lean, "LIVE_ROWS", live_rows)
+        taken.clear()
+        with torch.no_grad():
+            r = sampling.generate(policy, prompts, samples_per_prompt=G, max_new_tokens=6, temperature=1.0,
+                                  eos_id=eos, pad_id=tok.pad_id, generators=sampling.prompt_generators(2, 0, len(prompts)))
+        return r, sum(x is not None for x in taken)
+
+    monkeypatch.setattr(lean, "LIVE_ROWS", 0.0)
+    with torch.no_grad():                                         # an eos that some rows draw early
+        first = sampling.generate(policy, prompts, samples_per_prompt=G, max_new_tokens=6, temperature=1.0, eos_id=None,
+                                  pad_id=tok.pad_id, generators=sampling.prompt_generators(2, 0, len(prompts)))
+    eos = int(first.response_ids[:, 1].mode().values)
+    (a, n_a), (b, n_b) = sample(0.0), sample(0.99)
+    assert n_a == 0 and n_b > 0 and a.mask.sum() < a.mask.numel()
+    assert torch.equal(a.ids, b.ids) and torch.equal(a.mask, b.mask)
+    torch.testing.assert_close(a.logp, b.logp, atol=1e-5, rtol=0)
