@@ -54,6 +54,9 @@ Memory (`memory(...)`, the peak resident set a run reaches, in bytes; `b` = byte
     evaluation      = the same for the evaluation's rows (greedy: one row per held-out prompt of a
                       decode batch; pass@k: k rows per prompt)
     export          = one more policy copy when LoRA is merged into a copy for `hf/`
+    and under bf16 autocast on the CPU each forward phase (training, sampling, evaluation) also
+    holds bf16 copies of the weights, 2 bytes a parameter (rlvr.models.lean_llama.bf16_weights: made
+    once per forward region instead of at every product, freed at its end)
 """
 
 from __future__ import annotations
@@ -88,6 +91,8 @@ class Memory:
     kv_cache: int
     eval_kv_cache: int
     export_copy: int
+    weight_copies: int = 0
+    """bf16 copies of the weights held through each forward phase (CPU bf16 autocast; 0 otherwise)."""
 
     @property
     def held(self) -> int:
@@ -95,8 +100,9 @@ class Memory:
 
     @property
     def phases(self) -> dict[str, int]:
-        return {"training": self.activations + self.logits, "sampling": self.kv_cache,
-                "evaluation": self.eval_kv_cache, "export": self.export_copy}
+        w = self.weight_copies
+        return {"training": self.activations + self.logits + w, "sampling": self.kv_cache + w,
+                "evaluation": self.eval_kv_cache + w, "export": self.export_copy}
 
     @property
     def peak(self) -> int:
@@ -131,8 +137,9 @@ def logits_bytes(shape: ModelShape, rows: int, response_len: int, chunk_rows: in
 def memory(shape: ModelShape, *, prompts: int, group: int, prompt_len: int, response_len: int, minibatches: int,
            n_params: int, trainable_params: int, has_reference_copy: bool, baseline: int = 0,
            bytes_per_param: int = 4, shared_prompt: bool = False, logprob_chunk_rows: int = 0,
-           eval_rows: int = 0, export_copy: bool = False) -> Memory:
-    """Predicted peak bytes of a run of P = `prompts` x G = `group` rows (module docstring)."""
+           eval_rows: int = 0, export_copy: bool = False, weight_copy_bytes: int = 0) -> Memory:
+    """Predicted peak bytes of a run of P = `prompts` x G = `group` rows (module docstring);
+    `weight_copy_bytes`: the bf16 weight copies each forward phase holds (CPU bf16 autocast)."""
     P, G, Lp, T, b = prompts, group, prompt_len, response_len, bytes_per_param
     rows = P * G // minibatches                                          # rows of one minibatch
     tokens = (max(1, P // minibatches) * Lp + rows * T) if shared_prompt else rows * (Lp + T)
@@ -144,7 +151,7 @@ def memory(shape: ModelShape, *, prompts: int, group: int, prompt_len: int, resp
         logits=logits_bytes(shape, rows, T, min(logprob_chunk_rows, rows * T)),
         kv_cache=kv_cache_bytes(shape, P * G, Lp, T, b),
         eval_kv_cache=kv_cache_bytes(shape, eval_rows, Lp, T, b) if eval_rows else 0,
-        export_copy=policy if export_copy else 0,
+        export_copy=policy if export_copy else 0, weight_copies=weight_copy_bytes,
     )
 
 
@@ -226,6 +233,8 @@ class Price:
     memory_kv_cache_bytes: int = 0
     memory_eval_kv_cache_bytes: int = 0
     memory_export_bytes: int = 0
+    memory_weight_copy_bytes: int = 0
+    """bf16 weight copies in each forward phase's figure (CPU bf16 autocast; 0 otherwise)."""
     memory_peak_bytes: int = 0
     """Predicted peak resident bytes (0 = not predicted: no model shape given)."""
     memory_peak_phase: str = ""
@@ -243,7 +252,9 @@ class Price:
                 f"gradients {self.memory_gradient_bytes * mib:,.1f} + the largest of: training activations "
                 f"{self.memory_activation_bytes * mib:,.0f} + logits {self.memory_logits_bytes * mib:,.0f}, "
                 f"sampling KV cache {self.memory_kv_cache_bytes * mib:,.0f}, evaluation KV cache "
-                f"{self.memory_eval_kv_cache_bytes * mib:,.0f}, export copy {self.memory_export_bytes * mib:,.0f}")
+                f"{self.memory_eval_kv_cache_bytes * mib:,.0f}, export copy {self.memory_export_bytes * mib:,.0f}"
+                + (f"; each but export with bf16 weight copies {self.memory_weight_copy_bytes * mib:,.0f}"
+                   if self.memory_weight_copy_bytes else ""))
 
     def lines(self) -> list[str]:
         """The price as printed by `rlvr price` and before the first step of `rlvr train`."""
@@ -351,7 +362,7 @@ def _memory_fields(mem) -> dict:
         memory_baseline_bytes=mem.baseline, memory_gradient_bytes=mem.gradients,
         memory_activation_bytes=mem.activations, memory_logits_bytes=mem.logits,
         memory_kv_cache_bytes=mem.kv_cache, memory_eval_kv_cache_bytes=mem.eval_kv_cache,
-        memory_export_bytes=mem.export_copy, memory_peak_bytes=mem.peak,
+        memory_export_bytes=mem.export_copy, memory_weight_copy_bytes=mem.weight_copies, memory_peak_bytes=mem.peak,
         memory_peak_phase=max(mem.phases, key=mem.phases.get))
 
 
@@ -394,6 +405,7 @@ def price(
     numerics: str = "",
     matmul_kind: str = "fp32",
     decode_step_s: float = 0.0,
+    weight_copy_bytes: int = 0,
 ) -> Price:
     """Price a run from its shape; refuses, naming the number, when one it needs is missing.
 
@@ -407,7 +419,8 @@ def price(
     (`memory`); without it the memory fields stay 0. `recompute_logp_old` (algorithm.logp_old =
     recompute) adds one log-prob forward per batch; `numerics` is the model.autocast line and
     `matmul_kind` what `matmul_flops_per_s` measures ("fp32", or "bf16 autocast"). `decode_step_s`
-    (one decode step of the P x G rows, measured) gives the expected wall time (`expected_wall_seconds`).
+    (one decode step of the P x G rows, measured) gives the expected wall time (`expected_wall_seconds`);
+    `weight_copy_bytes` the bf16 weight copies of each forward phase (`memory`).
     """
     _check_counts(max_new_tokens=max_new_tokens, n_params=n_params, prompts_per_step=prompts_per_step,
                   samples_per_prompt=samples_per_prompt, steps=steps, epochs_per_batch=epochs_per_batch,
@@ -434,7 +447,7 @@ def price(
         trainable_params=n_params if trainable_params is None else trainable_params,
         has_reference_copy=has_reference and not reference_is_adapter_off, baseline=baseline_bytes,
         bytes_per_param=bytes_per_param, shared_prompt=shared_prompt, logprob_chunk_rows=logprob_chunk_rows,
-        eval_rows=eval_rows, export_copy=export_copy))
+        eval_rows=eval_rows, export_copy=export_copy, weight_copy_bytes=weight_copy_bytes))
     return Price(
         prompts_per_step=P, samples_per_prompt=G, max_new_tokens=T, prompt_tokens=Lp, steps=steps,
         grad_steps_per_batch=grad_steps, sampling_rounds=sampling_rounds, n_params=n_params,

@@ -521,6 +521,7 @@ def price_of(setup: Setup, rate: float | None = None, decode_s: float | None = N
         logprob_chunk_rows=cfg.model.logprob_chunk_rows, eval_rows=eval_rows(setup),
         export_copy=model.has_adapter, recompute_logp_old=cfg.algorithm.logp_old == "recompute",
         numerics=setup.numerics.describe(),
+        weight_copy_bytes=2 * model.num_params() if on_cpu and setup.numerics.bf16 else 0,
     )
 
 

@@ -43,6 +43,11 @@ def test_memory_options_by_hand():
     assert two_mb.activations == 3 * 6 * 2 * 4 * 196 and two_mb.logits == 4 * (3 * 2 * 10 * 4)
     export = costs.memory(SHAPE, **{**BASE, "n_params": 10**6}, export_copy=True)
     assert export.export_copy == 4 * 10**6 and export.peak == export.held + 4 * 10**6
+    # bf16 weight copies (CPU bf16 autocast): in every forward phase, not in the export
+    plain, copies = costs.memory(SHAPE, **BASE, eval_rows=5), costs.memory(SHAPE, **BASE, eval_rows=5, weight_copy_bytes=500)
+    assert {k: copies.phases[k] - v for k, v in plain.phases.items()} == {
+        "training": 500, "sampling": 500, "evaluation": 500, "export": 0}
+    assert copies.peak == plain.peak + 500 and copies.held == plain.held
 
 
 def test_price_carries_the_memory_line():
@@ -126,10 +131,10 @@ def test_training_refuses_before_writing_anything(monkeypatch, tmp_path):
 
 
 def test_price_of_a_real_setup_predicts_memory():
-    cfg = config_mod.load(None, ["--task.path=rlvr.tasks.sort:sort_task", "--task.options={n = 3, heldout = 20}",
-                                 "--model.n_embd=16", "--model.n_layer=1", "--model.n_head=2",
-                                 "--train.prompts_per_step=2", "--train.samples_per_prompt=2", "--eval.pass_k=0"])
-    setup = run.build(cfg, log=lambda *a: None)
+    cfg_args = ["--task.path=rlvr.tasks.sort:sort_task", "--task.options={n = 3, heldout = 20}",
+                "--model.n_embd=16", "--model.n_layer=1", "--model.n_head=2",
+                "--train.prompts_per_step=2", "--train.samples_per_prompt=2", "--eval.pass_k=0"]
+    setup = run.build(config_mod.load(None, cfg_args), log=lambda *a: None)
     shape = run.model_shape(setup.model)
     assert shape == costs.ModelShape(layers=1, hidden=16, mlp=64, heads=2, kv_heads=2, head_dim=8,
                                      vocab=setup.model.config.vocab_size)
@@ -137,3 +142,8 @@ def test_price_of_a_real_setup_predicts_memory():
     p = run.price_of(setup)
     assert p.memory_baseline_bytes >= setup.baseline_bytes > 0
     assert p.memory_peak_bytes > p.memory_baseline_bytes + p.policy_bytes
+    assert p.memory_weight_copy_bytes == 0 and "bf16 weight copies" not in p.memory_line()
+    bf16 = run.build(config_mod.load(None, cfg_args + ["--model.autocast=bf16"]), log=lambda *a: None)
+    pb = run.price_of(bf16)            # each forward region holds 2-byte copies of the weights
+    assert pb.memory_weight_copy_bytes == 2 * bf16.model.num_params() > 0
+    assert f"bf16 weight copies {pb.memory_weight_copy_bytes / 2**20:,.0f}" in pb.memory_line()
