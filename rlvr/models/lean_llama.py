@@ -50,7 +50,10 @@ row counts, so their time falls with the rows. The finished rows get zero querie
 (columns nobody attends to but themselves) and zero logits (the sampler's draw for them is
 discarded). Moving the rows in and out costs four small copies a layer: on SmolLM2 (64 rows) about
 6-8 ms a step with every row live, against ~0.7 ms of products and norms saved per finished row,
-so it pays from about a tenth of the rows finished; this bound keeps a margin."""
+so it pays from about a tenth of the rows finished; this bound keeps a margin. The products give
+each row the same bits whatever the number of rows computed with it (bf16; fp32 from 12 rows up,
+see ``linear_t``), so a live row's numbers do not depend on how many others have finished, except
+in fp32 with 2-11 live rows, where MKL rounds differently."""
 GROUP_SCORES = 1 << 22
 """Grouped attention computes its score matrix (P * Hkv, G * L * rep, S) in query chunks of at most
 about this many elements (a decode step is one chunk; a many-token call is split)."""
