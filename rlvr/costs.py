@@ -414,13 +414,12 @@ def price(
     the reference is the policy with its adapter disabled, so it holds no copy. `shared_prompt`:
     the reference and training forwards run each prompt once per group (P * Lp + P * G * T tokens).
     `matmul_flops_per_s` (measured with `threads` torch threads) gives the wall-time lower bound.
-    `shape` (with `baseline_bytes`, `logprob_chunk_rows`, `eval_rows` rows decoded together in
-    evaluation, `export_copy` when export merges LoRA into a copy) adds the predicted memory peak
-    (`memory`); without it the memory fields stay 0. `recompute_logp_old` (algorithm.logp_old =
-    recompute) adds one log-prob forward per batch; `numerics` is the model.autocast line and
+    `shape` (with `baseline_bytes`, `logprob_chunk_rows`, `eval_rows` rows decoded together in evaluation,
+    `export_copy` when export merges LoRA into a copy, `weight_copy_bytes` the bf16 weight copies of a
+    forward) adds the predicted memory peak (`memory`; else 0). `recompute_logp_old` (algorithm.logp_old
+    = recompute) adds one log-prob forward per batch; `numerics` is the model.autocast line and
     `matmul_kind` what `matmul_flops_per_s` measures ("fp32", or "bf16 autocast"). `decode_step_s`
-    (one decode step of the P x G rows, measured) gives the expected wall time (`expected_wall_seconds`);
-    `weight_copy_bytes` the bf16 weight copies of each forward phase (`memory`).
+    (one decode step of the P x G rows, measured) gives the expected wall time (`expected_wall_seconds`).
     """
     _check_counts(max_new_tokens=max_new_tokens, n_params=n_params, prompts_per_step=prompts_per_step,
                   samples_per_prompt=samples_per_prompt, steps=steps, epochs_per_batch=epochs_per_batch,
