@@ -208,8 +208,8 @@ def sample_tempered(logits: torch.Tensor, temperature: float, u: torch.Tensor,
     """(B, V) logits, temperature > 0, (B,) uniforms in [0, 1) -> (B,) tokens and (B,) their log-probs
     under ``softmax(logits / temperature)``: the draw of ``inverse_cdf_sample`` (the first token whose
     cumulative mass exceeds u · total; rounding that puts it past the end takes the last token, or
-    the most likely one where that token has no mass) and the log-prob of ``sampling_logprobs`` at top_p = 1, each equal up to
-    float rounding, in fewer passes over (B, V): a decode step's sampling.
+    the most likely one where that token has no mass) and the log-prob of ``sampling_logprobs`` at
+    top_p = 1, each equal up to float rounding, in fewer passes over (B, V): a decode step's sampling.
 
     ``p = softmax(z)`` in one fused pass; the mass is summed per ``block`` tokens, the block where
     the cumulative mass passes u · total is found, and only that block's running sum is taken (a
@@ -294,8 +294,9 @@ def generate(model, prompts: list[list[int]], *, samples_per_prompt: int, max_ne
 
     ``generators`` (one per prompt, see ``prompt_generators``) replaces ``generator``: prompt p's G
     rows draw their (G, max_new_tokens) uniforms from ``generators[p]`` up front and each token is
-    drawn by inverse CDF (``sample_tempered`` without a nucleus, else ``inverse_cdf_sample``), so a row depends only on its prompt's generator and the weights, not on
-    the other prompts of the call (what lets rollout workers shard prompts and still draw the same rows).
+    drawn by inverse CDF (``sample_tempered`` without a nucleus, else ``inverse_cdf_sample``), so a
+    row depends only on its prompt's generator and the weights, not on the other prompts of the call
+    (what lets rollout workers shard prompts and still draw the same rows).
     """
     device = _check_generate_args(model, prompts, samples_per_prompt, max_new_tokens, temperature, top_p)
     G, T, P = samples_per_prompt, max_new_tokens, len(prompts)

@@ -942,7 +942,8 @@ def test_decode_step_on_live_rows_only(fast_variant, monkeypatch):
         taken.clear()
         with torch.no_grad():
             r = sampling.generate(policy, prompts, samples_per_prompt=G, max_new_tokens=6, temperature=1.0,
-                                  eos_id=eos, pad_id=tok.pad_id, generators=sampling.prompt_generators(2, 0, len(prompts)))
+                                  eos_id=eos, pad_id=tok.pad_id,
+                                  generators=sampling.prompt_generators(2, 0, len(prompts)))
         return r, sum(x is not None for x in taken)
 
     monkeypatch.setattr(lean, "LIVE_ROWS", 0.0)

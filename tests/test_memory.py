@@ -44,7 +44,8 @@ def test_memory_options_by_hand():
     export = costs.memory(SHAPE, **{**BASE, "n_params": 10**6}, export_copy=True)
     assert export.export_copy == 4 * 10**6 and export.peak == export.held + 4 * 10**6
     # bf16 weight copies (CPU bf16 autocast): in every forward phase, not in the export
-    plain, copies = costs.memory(SHAPE, **BASE, eval_rows=5), costs.memory(SHAPE, **BASE, eval_rows=5, weight_copy_bytes=500)
+    plain = costs.memory(SHAPE, **BASE, eval_rows=5)
+    copies = costs.memory(SHAPE, **BASE, eval_rows=5, weight_copy_bytes=500)
     assert {k: copies.phases[k] - v for k, v in plain.phases.items()} == {
         "training": 500, "sampling": 500, "evaluation": 500, "export": 0}
     assert copies.peak == plain.peak + 500 and copies.held == plain.held

@@ -384,9 +384,10 @@ def _group_chunks(gmask: torch.Tensor, Hkv: int, rep: int, dtype: torch.dtype) -
 def _grouped_attention(q: torch.Tensor, kT: torch.Tensor, v: torch.Tensor, gmask: torch.Tensor,
                        chunks: list[tuple], scaling: float) -> torch.Tensor:
     """Attention in the grouped layout: q (B, L, H, D) rotated queries, kT (P, Hkv, D, S) and v
-    (P, Hkv, S, D) a prompt's columns (``LeanCache``'s grouped layout), gmask (P, G, L, S) from ``_group_attend_mask``, its ``_group_chunks`` -> o
-    (B, L, H * D). The G rows x L queries x rep heads of a kv head form one (G * L * rep, D) @ (D, S)
-    product per (prompt, kv head) and query chunk."""
+    (P, Hkv, S, D) a prompt's columns (``LeanCache``'s grouped layout), gmask (P, G, L, S) from
+    ``_group_attend_mask``, its ``_group_chunks`` -> o (B, L, H * D). The G rows x L queries x rep
+    heads of a kv head form one (G * L * rep, D) @ (D, S) product per (prompt, kv head) and query
+    chunk."""
     B, L, H, D = q.shape
     P, Hkv, _, S = kT.shape
     G, rep = B // P, H // Hkv
