@@ -321,12 +321,14 @@ def test_sample_tempered_equals_the_running_sum_over_the_vocabulary(block, tempe
 
 
 def test_sample_tempered_log_prob_of_a_rare_token_is_accurate():
-    # p(token 0) ~ 1e-30 is drawn when u = 0 (the first token with mass); its log-prob comes from the
-    # logits, not from the logarithm of a rounded probability
+    # p(token 0) ~ 1e-42, a float32 subnormal with few significant bits, is drawn when u = 0 (the first
+    # token with mass); its log-prob comes from the logits: log of that rounded probability is 4e-6 off
     logits = torch.zeros(1, 5000)
-    logits[0, 0] = -60.0
+    logits[0, 0] = -88.0
     tok, logp = sampling.sample_tempered(logits, 1.0, torch.zeros(1), block=256)
     want = torch.log_softmax(logits.double(), -1)[0, 0].item()
+    p = torch.softmax(logits, -1)[0, 0]
+    assert abs(p.log().item() - want) > 1e-6 * abs(want)          # what the logarithm of p would give
     assert tok.item() == 0 and logp.item() == pytest.approx(want, rel=1e-7)
 
 

@@ -863,7 +863,7 @@ def _project_qkv(attn: nn.Module, x: torch.Tensor, wm: torch.dtype | None, rot: 
     return q, k, v
 
 
-def _live_rows(ids: torch.Tensor, full_am: torch.Tensor, cache: "LeanCache | None") -> torch.Tensor | None:
+def _live_rows(ids: torch.Tensor, full_am: torch.Tensor, cache: LeanCache | None) -> torch.Tensor | None:
     """(n,) the rows of a CPU decode step without gradient still decoding (their new column is real),
     when they are at most ``LIVE_ROWS`` of the rows and at least one; else None (all rows computed)."""
     if cache is None or ids.size(1) != 1 or torch.is_grad_enabled() or ids.device.type != "cpu":
