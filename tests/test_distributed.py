@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rlvr import config as config_mod, losses, run, sampling
-from rlvr.distributed import Distributed, learners as learners_mod, staleness
+from rlvr.distributed import Distributed, learners as learners_mod, resolved_numerics, staleness
 from rlvr.distributed.rollout_workers import shards
 from rlvr.learn import Learner, learn, make_optimizer, make_scheduler
 from rlvr.rollout import Batch, rollout
@@ -41,7 +41,8 @@ def new_learner(setup) -> Learner:
     cfg = setup.cfg
     opt = make_optimizer(setup.model.trainable_params(), cfg.train)
     gen = torch.Generator().manual_seed(cfg.train.seed + 1)
-    return Learner(setup.model, opt, make_scheduler(opt, cfg.train), cfg, gen, setup.limits.max_new_tokens)
+    return Learner(setup.model, opt, make_scheduler(opt, cfg.train), cfg, gen, setup.limits.max_new_tokens,
+                   autocast=setup.numerics.context)   # as rlvr.trainer builds it: the run's numerics
 
 
 # --------------------------------------------------------------------------- config
@@ -379,6 +380,35 @@ def test_two_batches_in_flight_make_the_staleness_two(ray_local, tmp_path):
     # steps 2 and 3 were both sampled with the initial weights while step 1 learned; step 4 after update 1
     assert [r["train/policy_version"] for r in steps] == [0, 0, 0, 1]
     assert [r["train/staleness"] for r in steps] == [0.0, 1.0, 2.0, 2.0]
+
+
+def test_bf16_autocast_reaches_the_rollout_workers_and_the_learners(ray_local):
+    """model.autocast = bf16 with 2 rollout workers and 2 learners (each actor builds its own copy of
+    the run from the config it is given): the workers sample what one process samples under bf16, and
+    the learner group makes the one-process bf16 update. Both differ from fp32 by far more than the
+    tolerance, so an actor that computed in fp32 (the option lost on its way) fails the test."""
+    bf16 = tiny_cfg("--model.autocast=bf16")
+    workers = tiny_cfg("--model.autocast=bf16", "--distributed.rollout_workers=2", "--distributed.learners=2")
+    fp32 = tiny_cfg("--model.autocast=off")
+    got, want, off = _two_steps(workers), _two_steps(bf16), _two_steps(fp32)
+    for (r0, d0, l0, v0), (r, d, lp, v) in zip(want, got):
+        assert torch.equal(r0, r) and torch.equal(d0, d) and v0 == v
+        torch.testing.assert_close(l0, lp, rtol=0, atol=1e-6)
+    assert not torch.allclose(off[0][2], want[0][2], rtol=0, atol=1e-4)  # bf16 sampling, not fp32's
+    # the second step's rows came from the weights the learner group left: its update was bf16's
+    torch.testing.assert_close(got[1][2], want[1][2], rtol=0, atol=1e-6)
+    assert not torch.allclose(off[1][2], want[1][2], rtol=0, atol=1e-4)
+
+
+def test_the_actors_get_the_numerics_this_process_chose(monkeypatch):
+    # model.autocast = auto measures once, in the trainer; the actors are told the outcome, not `auto`
+    monkeypatch.setattr(run, "autocast_timings", lambda device, *shape, **kw: (3e-3, 1e-3))
+    cfg = tiny_cfg("--model.autocast=auto", "--distributed.rollout_workers=1")
+    setup = run.build(cfg, log=lambda *_: None)
+    assert setup.numerics.bf16 and resolved_numerics(cfg, setup).model.autocast == "bf16"
+    monkeypatch.setattr(run, "autocast_timings", lambda device, *shape, **kw: (1e-3, 1e-3))
+    setup = run.build(cfg, log=lambda *_: None)
+    assert not setup.numerics.bf16 and resolved_numerics(cfg, setup).model.autocast == "off"
 
 
 def test_more_cpus_than_the_cluster_has_is_refused_before_any_actor(ray_local):
