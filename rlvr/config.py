@@ -80,7 +80,8 @@ class ModelConfig:
     lora_dropout: float = 0.0
     """LoRA dropout (keep 0: dropout makes training log-probs differ from the sampler's)."""
     lora_target_modules: list = field(default_factory=list)
-    """Module names LoRA wraps, e.g. ["q_proj", "v_proj"]; empty = peft's default for the model."""
+    """Module names LoRA wraps, e.g. ["q_proj", "v_proj"], or ["all-linear"] (every Linear but the output
+    head); empty = peft's default for the model type (q_proj and v_proj for Llama, Qwen, Mistral)."""
     share_prompt_forward: bool = True
     """Hugging Face models: run each prompt once per group in the training and reference forwards
     and let its G responses attend to the shared keys/values (same logits and gradients, less work)."""

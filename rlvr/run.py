@@ -392,13 +392,19 @@ def limits(cfg: config_mod.Config, task: Task, tok: Tokenizer, model: Policy | N
 def _hf_policy(cfg: config_mod.Config, device: torch.device, log) -> tuple[Policy, Tokenizer]:
     from rlvr.models.hf import LoraSpec, load_policy
 
+    from rlvr.models.hf_source import LoraTargetsError
+
     mc = cfg.model
+    targets = list(mc.lora_target_modules)
     lora = LoraSpec(r=mc.lora_r, alpha=mc.lora_alpha, dropout=mc.lora_dropout,
-                    target_modules=list(mc.lora_target_modules) or None) if mc.lora_r else None
+                    target_modules="all-linear" if targets == ["all-linear"] else targets or None) if mc.lora_r else None
     try:  # a new adapter's random init drawn from train.seed, not from whatever ran before in this process
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(cfg.train.seed)
             model, tokenizer = load_policy(mc.path, dtype=mc.dtype, lora=lora, device=device)
+    except LoraTargetsError as e:
+        raise RunError(f"model.lora_target_modules = {targets!r} (model.path = {mc.path!r}): {e}; "
+                       f"e.g. --model.lora_target_modules='[\"all-linear\"]'") from None
     except ValueError as e:
         raise RunError(f"model.path = {mc.path!r}: {e}") from None
     if model.load_note:

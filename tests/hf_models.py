@@ -25,17 +25,25 @@ def make_tokenizer(*, pad=True, chat=False):
 def make_model_dir(path, kind="llama", *, pad=True, chat=False, tokenizer=True, weights=True, seed=0,
                    **llama_kw):
     """A tiny model + tokenizer saved to ``path``. ``llama_kw`` overrides LlamaConfig fields
-    (e.g. ``num_key_value_heads=2`` for GQA, ``tie_word_embeddings=True``, ``rope_parameters=``)."""
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    (e.g. ``num_key_value_heads=2`` for GQA, ``tie_word_embeddings=True``, ``rope_parameters=``).
+    ``kind``: "llama", "gpt2", or another transformers model type with Llama-like config fields
+    ("qwen2", "qwen3", "mistral", "gemma", "gemma2", "phi3"; head_dim 16 where the config has one)."""
+    from transformers import (AutoConfig, AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,
+                              LlamaForCausalLM)
 
     torch.manual_seed(seed)
+    kw = dict(vocab_size=48, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+              bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    kw.update(llama_kw)
     if kind == "llama":
-        kw = dict(vocab_size=48, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
-        kw.update(llama_kw)
         cfg = LlamaConfig(**kw)
         model = LlamaForCausalLM(cfg)
+    elif kind != "gpt2":
+        cfg = AutoConfig.for_model(kind, **kw)
+        if hasattr(cfg, "head_dim") and "head_dim" not in llama_kw:
+            cfg.head_dim = kw["hidden_size"] // kw["num_attention_heads"]
+        model = AutoModelForCausalLM.from_config(cfg)
     else:  # GPT-2 keeps its default dropouts (0.1): load_policy must zero them
         cfg = GPT2Config(vocab_size=48, n_embd=64, n_layer=2, n_head=4, n_positions=64,
                          bos_token_id=1, eos_token_id=2)

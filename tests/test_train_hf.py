@@ -71,6 +71,47 @@ def test_trains_and_writes_a_plain_hf_model(tmp_path, model_dir, lora, capsys):
     assert json.loads(capsys.readouterr().out)["eval/goal"] == summary["eval/goal"]
 
 
+@pytest.mark.parametrize("kind,lora", [("qwen2", []), ("qwen3", ["q_proj", "v_proj"]), ("mistral", ["q_proj", "v_proj"]),
+                                       ("gemma", []), ("gemma2", ["q_proj", "v_proj"]), ("phi3", ["all-linear"])])
+def test_other_architectures_train_and_export(tmp_path, kind, lora, capsys):
+    """Qwen 2 (q/k/v biases), Qwen 3 (q/k norms), Mistral, Gemma (tied head, scaled embeddings), Gemma 2
+    (no SDPA in transformers: eager attention, with a note) and Phi-3 (fused qkv_proj; no peft default
+    targets, so "all-linear") train 2 steps through transformers' forward with GQA, and export hf/ that
+    transformers loads; under LoRA only the adapted modules change in the merged export."""
+    model_dir = make_model_dir(tmp_path / kind, kind, num_key_value_heads=2)
+    out = tmp_path / "run"
+    extra = [f"--model.path={model_dir}", "--algorithm.kl_coef=0.05"]
+    if lora:
+        extra += ["--model.lora_r=4", f"--model.lora_target_modules={json.dumps(lora)}"]
+    assert train(out, *extra) == 0, capsys.readouterr().err
+    stdout = capsys.readouterr().out
+    assert ("has no SDPA attention for this architecture; using its eager attention" in stdout) == (kind == "gemma2")
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(out / "hf")
+    assert exported.config.model_type == kind
+    before, after = weights(model_dir), weights(out / "hf")
+    assert before.keys() == after.keys()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed, "training changed no weight"
+    if lora and lora != ["all-linear"]:
+        assert all(any(f"{m}.weight" in k for m in lora) for k in changed), sorted(changed)
+    if lora:
+        assert not any("norm" in k or "embed" in k for k in changed), sorted(changed)
+        assert (out / "hf" / "adapter" / "adapter_config.json").is_file()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2 and "eval/goal" in summary
+
+
+def test_lora_without_targets_on_a_model_peft_has_no_default_for_names_the_key(tmp_path, capsys):
+    model_dir = make_model_dir(tmp_path / "phi3", "phi3")
+    assert train(tmp_path / "run", f"--model.path={model_dir}", "--model.lora_r=4") == 2
+    err = capsys.readouterr().err
+    assert "model.lora_target_modules = []" in err and "no default LoRA target modules for model type 'phi3'" in err
+    assert "down_proj, gate_up_proj, o_proj, qkv_proj" in err and "all-linear" in err
+    assert not (tmp_path / "run").exists()
+
+
 def test_bad_model_dir_fails_before_any_compute(tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from rlvr.models.hf_policy import HFPolicy, no_progress_bars
-from rlvr.models.hf_source import HFLoadError, check_dir, resolve_model_dir
+from rlvr.models.hf_source import HFLoadError, LoraTargetsError, check_dir, resolve_model_dir
 from rlvr.models.hf_tokenizer import HFTokenizer
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
@@ -99,6 +99,11 @@ def load_policy(path: str | Path, *, dtype: str | torch.dtype = "fp32", lora: Lo
     except Exception as e:  # noqa: BLE001 - re-raised with the path
         raise HFLoadError(f"{p}: cannot load the tokenizer: {type(e).__name__}: {e}") from e
     kw = dict(dtype=torch_dtype, local_files_only=True, use_safetensors=True)
+    attn_note = ""
+    if attn_implementation == "sdpa" and not _supports_sdpa(p):
+        attn_implementation = "eager"
+        attn_note = (f"{p}: transformers has no SDPA attention for this architecture; using its eager "
+                     "attention (the attention weights are materialized: slower and more memory on long sequences)")
     if attn_implementation:
         kw["attn_implementation"] = attn_implementation
     try:
@@ -107,13 +112,26 @@ def load_policy(path: str | Path, *, dtype: str | torch.dtype = "fp32", lora: Lo
     except Exception as e:  # noqa: BLE001
         raise HFLoadError(f"{p}: cannot load the model: {type(e).__name__}: {e}") from e
 
-    notes = ([source_note] if source_note else []) + _fix_pad(hf_tok, model, p)
+    notes = [n for n in (source_note, attn_note) if n] + _fix_pad(hf_tok, model, p)
     _zero_dropout(model)
     if lora is not None or adapter is not None:
         model = _with_adapter(model, lora, adapter, p)
     model = model.to(device)
     model.eval()
     return HFPolicy(model, source=str(p), load_note="\n".join(notes), fast=fast), HFTokenizer(hf_tok)
+
+
+def _supports_sdpa(p: Path) -> bool:
+    """Whether the causal-LM class transformers maps the config in ``p`` to has SDPA attention (most do;
+    Gemma 2 does not, and refuses to load with it). True when the class is not known here."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(str(p), local_files_only=True))]
+    except (KeyError, ValueError, OSError):
+        return True
+    return getattr(cls, "_supports_sdpa", True) is not False
 
 
 def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -159,6 +177,20 @@ def tied_weight(model: nn.Module) -> torch.Tensor | None:
     return inp.weight if out.weight is inp.weight else None
 
 
+def _check_default_targets(model: nn.Module, lora: LoraSpec, p: Path) -> None:
+    """Refuse a LoRA spec without target modules for a model type peft has no default targets for
+    (Phi-3's fused qkv_proj, for one), naming the model's Linear layers to choose from."""
+    from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as defaults
+
+    kind = getattr(model.config, "model_type", None)
+    if lora.target_modules is not None or kind in defaults:
+        return
+    head = model.get_output_embeddings()
+    names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head})
+    raise LoraTargetsError(f"{p}: peft has no default LoRA target modules for model type {kind!r}; name some "
+                           f"of this model's Linear layers ({', '.join(names)}) or ask for \"all-linear\"")
+
+
 def _with_adapter(model: nn.Module, lora: LoraSpec | None, adapter, p: Path) -> nn.Module:
     """``model`` under a fresh peft LoRA adapter (``lora``) or a saved trainable one (``adapter``).
 
@@ -168,6 +200,7 @@ def _with_adapter(model: nn.Module, lora: LoraSpec | None, adapter, p: Path) -> 
 
     tied = tied_weight(model)
     if lora is not None:
+        _check_default_targets(model, lora, p)
         cfg = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                               target_modules=lora.target_modules, bias="none", task_type="CAUSAL_LM")
         model = peft.get_peft_model(model, cfg)
@@ -179,7 +212,7 @@ def _with_adapter(model: nn.Module, lora: LoraSpec | None, adapter, p: Path) -> 
                    if hasattr(m, "get_base_layer") and getattr(m.get_base_layer(), "weight", None) is tied]
         if on_tied:
             short = sorted({n.rsplit(".", 1)[-1] for n in on_tied})
-            raise HFLoadError(f"{p}: LoRA on {', '.join(short)}, whose weight the model ties between its input "
+            raise LoraTargetsError(f"{p}: LoRA on {', '.join(short)}, whose weight the model ties between its input "
                               "embedding and output head (tie_word_embeddings): merging the adapter would change "
                               f"both. Leave {', '.join(short)} out of the LoRA target modules")
     return model

@@ -42,6 +42,11 @@ class HFLoadError(ValueError):
     """A local model (directory or GGUF) that cannot be used; the message names the path and the fix."""
 
 
+class LoraTargetsError(HFLoadError):
+    """A LoRA adapter whose target modules cannot be what was asked (none given and peft knows no
+    default for the architecture, or a tied weight among them): the message names the modules."""
+
+
 def check_dir(path: Path) -> None:
     """Refuse a Hugging Face directory before any compute, naming the path and the fix."""
     if not path.exists():
