@@ -320,13 +320,20 @@ FAST_VARIANTS = {
     "gqa": ({"num_key_value_heads": 2}, None),
     "tied": ({"tie_word_embeddings": True}, None),
     "lora": ({"num_key_value_heads": 2}, LoraSpec(r=4, alpha=8, target_modules="all-linear")),
+    # Qwen 2: biases on q/k/v (and a tied head, as Qwen2.5's small models); LoRA on the biased projections
+    "qwen2": ({"kind": "qwen2", "num_key_value_heads": 2, "tie_word_embeddings": True}, None),
+    "qwen2_lora": ({"kind": "qwen2", "num_key_value_heads": 2},
+                   LoraSpec(r=4, alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"])),
+    "mistral": ({"kind": "mistral", "num_key_value_heads": 2, "sliding_window": None}, None),
 }
 
 
 @pytest.fixture(scope="module", params=sorted(FAST_VARIANTS))
 def fast_variant(request, tmp_path_factory):
     llama_kw, lora = FAST_VARIANTS[request.param]
-    d = make_model_dir(tmp_path_factory.mktemp(f"fast_{request.param}"), seed=3, **llama_kw)
+    llama_kw = dict(llama_kw)
+    kind = llama_kw.pop("kind", "llama")
+    d = make_model_dir(tmp_path_factory.mktemp(f"fast_{request.param}"), kind, seed=3, **llama_kw)
     policy, tok = load_policy(d, lora=lora)
     if lora is not None:                        # a non-zero adapter (B starts at 0)
         torch.manual_seed(0)
@@ -516,7 +523,10 @@ def test_fast_path_falls_back_for_other_configs(tmp_path):
     assert scaled.fast_unsupported and "rope_type" in scaled.fast_unsupported
     assert not scaled.uses_fast_path and type(scaled.new_cache(1, 4)).__name__ == "HFCache"
     gpt2, tok = load_policy(make_model_dir(tmp_path / "gpt2", "gpt2"))
-    assert "not LlamaForCausalLM" in gpt2.fast_unsupported and not gpt2.uses_fast_path
+    assert "GPT2LMHeadModel is not one of LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM" in \
+        gpt2.fast_unsupported and not gpt2.uses_fast_path
+    mistral, _ = load_policy(make_model_dir(tmp_path / "mistral", "mistral", sliding_window=16))
+    assert mistral.fast_unsupported == "sliding-window attention" and not mistral.uses_fast_path
     ids, am = left_pad([tok.encode(s) for s in PROMPTS], tok.pad_id)
     with torch.no_grad():                                                     # still works (transformers path)
         assert torch.isfinite(scaled(ids, attention_mask=am)).all()
@@ -801,15 +811,16 @@ def test_bf16_weight_copies_give_autocasts_numbers_bit_for_bit(fast_variant, mon
             logits = policy(ids, attention_mask=am)
             scope = getattr(lean_llama._SCOPE, "weights", None)
             linears = [m for m in policy._hf_model().modules() if type(m) is torch.nn.Linear]  # LoRA's too
+            tensors = [t for m in linears for t in (m.weight, m.bias) if t is not None]      # Qwen 2's biases
             if scope is not None:                           # with gradient: the frozen ones, each copied once
-                assert len(scope.copies) == sum(not m.weight.requires_grad for m in linears)
+                assert len(scope.copies) == sum(not t.requires_grad for t in tensors)
             with torch.no_grad():
                 roll = sampling.generate(policy, [tok.encode("ab"), tok.encode("hello")], samples_per_prompt=3,
                                          max_new_tokens=4, temperature=0.7, eos_id=tok.eos_id, pad_id=tok.pad_id,
                                          generators=sampling.prompt_generators(0, 0, 2))
             if scope is not None:   # without: all of them (decode's weight-major products), once for the call
                 held = set(scope.copies) | set(scope.packs)  # the head prepacked where oneDNN has it
-                assert len(held) == len(linears) > 0 and {id(m.weight) for m in linears} == held
+                assert len(held) == len(tensors) > 0 and {id(t) for t in tensors} == held
                 assert bool(scope.packs) == lean_llama._packed_linear_ok()
                 assert len(scope.stacks) == 2 * len(policy._hf_model().model.layers)  # q/k/v, gate/up a layer
             assert bool(wm_calls) == (scope is not None)    # decode weight-major in bf16 in rlvr's context only

@@ -79,6 +79,10 @@ def test_other_architectures_train_and_export(tmp_path, kind, lora, capsys):
     targets, so "all-linear") train 2 steps through transformers' forward with GQA, and export hf/ that
     transformers loads; under LoRA only the adapted modules change in the merged export."""
     model_dir = make_model_dir(tmp_path / kind, kind, num_key_value_heads=2)
+    from rlvr.models.hf import load_policy
+
+    # Qwen 2 takes the lean forward; Mistral too, but not with its default sliding window (4,096)
+    assert (load_policy(model_dir)[0].fast_unsupported is None) == (kind == "qwen2")
     out = tmp_path / "run"
     extra = [f"--model.path={model_dir}", "--algorithm.kl_coef=0.05"]
     if lora:

@@ -77,7 +77,7 @@ def load_policy(path: str | Path, *, dtype: str | torch.dtype = "fp32", lora: Lo
 
     A tokenizer without a pad token gets pad = eos (or a new ``<pad>`` token, embeddings resized,
     when there is no eos either); what was done is in ``policy.load_note`` (empty if nothing) for
-    the caller to print. ``fast`` (default True) runs a plain ``LlamaForCausalLM`` (LoRA or not)
+    the caller to print. ``fast`` (default True) runs a plain ``LlamaForCausalLM`` (or Mistral, Qwen 2; LoRA or not)
     through the lean forward of ``HFPolicy`` (same numbers, a fraction of transformers' per-call
     overhead); ``fast=False``, or any other model, uses the transformers forward (see
     ``HFPolicy.fast_unsupported``). Raises ``HFLoadError`` (a ``ValueError``) naming the path when the

@@ -1,4 +1,5 @@
-"""The lean Llama forward: a stock ``LlamaForCausalLM``'s own weights with transformers' glue replaced.
+"""The lean Llama forward: a stock ``LlamaForCausalLM``'s own weights with transformers' glue replaced
+(and Mistral's, Qwen 2's: the same layers, Qwen 2 with q/k/v biases; ``lean_families``).
 
 ``lean_forward`` calls the model's weight-holding submodules (embeddings, norms, q/k/v/o
 projections, MLPs, head; so peft LoRA layers and ``disable_adapter()`` act as usual) but replaces
@@ -11,7 +12,8 @@ bf16 autocast too, from the bf16 weight copies of ``bf16_weights()``, with autoc
 q/k/v and gate/up each in one product from stacked copies, the head from a prepacked copy).
 
 ``lean_llama_unsupported(model)`` / ``peft_unsupported(model)`` say why a model cannot take this
-path (None = it can): it needs a plain ``LlamaForCausalLM`` (default RoPE over the full head dim,
+path (None = it can): it needs a plain ``LlamaForCausalLM``, ``MistralForCausalLM`` or
+``Qwen2ForCausalLM`` (default RoPE over the full head dim,
 no sliding window, no attention dropout) and, under peft, LoRA adapters only.
 
 Shapes: B rows, L tokens in this call, S keys attended (cache length + L), H query heads, Hkv
@@ -202,28 +204,51 @@ class LeanCache:
 
 
 # ---------------------------------------------------------------------- capability checks
+_FAMILIES: dict = {}
+
+
+def lean_families() -> dict[type, tuple[type, type, type, type]]:
+    """The causal-LM classes the lean forward runs, each with its (model, decoder layer, attention,
+    MLP) classes: Llama, Mistral and Qwen 2, whose layers compute the same function (RMSNorm,
+    rotary q/k, grouped-query attention, SiLU-gated MLP); Qwen 2's q/k/v projections carry biases,
+    which the products here add as its Linear layers do. Those transformers lacks are left out."""
+    if not _FAMILIES:
+        import importlib
+
+        for mod, prefix in (("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2")):
+            try:
+                m = importlib.import_module(f"transformers.models.{mod}.modeling_{mod}")
+                _FAMILIES[getattr(m, f"{prefix}ForCausalLM")] = tuple(
+                    getattr(m, f"{prefix}{part}") for part in ("Model", "DecoderLayer", "Attention", "MLP"))
+            except (ImportError, AttributeError):  # pragma: no cover - an older transformers
+                continue
+    return _FAMILIES
+
+
 def lean_llama_unsupported(hf_model: nn.Module) -> str | None:
     """Why the lean Llama forward cannot run ``hf_model`` (None = it can).
 
-    The lean path needs a plain ``LlamaForCausalLM`` (exact class, its own layer classes), default
-    RoPE over the full head dim, no sliding window and no attention dropout.
+    The lean path needs a plain ``LlamaForCausalLM``, ``MistralForCausalLM`` or ``Qwen2ForCausalLM``
+    (exact class, its own layer classes: ``lean_families``), default RoPE over the full head dim, no
+    sliding window and no attention dropout.
     """
-    try:
-        from transformers.models.llama import modeling_llama as ml
-    except ImportError:  # pragma: no cover
-        return "transformers has no Llama module"
-    if type(hf_model) is not ml.LlamaForCausalLM:
-        return f"{type(hf_model).__name__} is not LlamaForCausalLM"
+    families = lean_families()
+    if type(hf_model) not in families:
+        names = ", ".join(sorted(c.__name__ for c in families))
+        return f"{type(hf_model).__name__} is not one of {names}"
+    model_t, layer_t, attn_t, mlp_t = families[type(hf_model)]
     cfg = hf_model.config
     inner = getattr(hf_model, "model", None)
-    if type(inner) is not ml.LlamaModel:
-        return "inner model is not LlamaModel"
+    if type(inner) is not model_t:
+        return f"inner model is not {model_t.__name__}"
     layers = list(inner.layers)
     if len(layers) != cfg.num_hidden_layers:
         return "layer count differs from config.num_hidden_layers"
     for layer in layers:
-        if type(layer) is not ml.LlamaDecoderLayer or type(layer.self_attn) is not ml.LlamaAttention:
-            return "a decoder layer is not the stock LlamaDecoderLayer / LlamaAttention"
+        if type(layer) is not layer_t or type(layer.self_attn) is not attn_t or type(layer.mlp) is not mlp_t:
+            return f"a decoder layer is not the stock {layer_t.__name__} / {attn_t.__name__} / {mlp_t.__name__}"
+        if getattr(layer.self_attn, "sliding_window", None) is not None:
+            return "sliding-window attention"
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
     if not isinstance(rope, dict):
         return f"unsupported rope parameters {rope!r}"
@@ -466,6 +491,7 @@ class _Bf16Weights:
         self.copies: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
         self.stacks: dict[tuple[int, ...], tuple[tuple[torch.Tensor, ...], tuple[int, ...], torch.Tensor]] = {}
         self.packs: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+        self.bias_stacks: dict[tuple[int, ...], tuple[tuple, tuple[int, ...], torch.Tensor]] = {}
 
     def get(self, W: torch.Tensor) -> torch.Tensor | None:
         """W's bf16 copy, made at its first use in the region and made again if W changed in place
@@ -502,6 +528,22 @@ class _Bf16Weights:
             self.copies[id(w)] = (w, w._version, block)
             row += w.size(0)
         self.stacks[key] = (ws, versions, stack)
+        return stack
+
+    def stacked_bias(self, bs: tuple[torch.Tensor | None, ...], sizes: tuple[int, ...]) -> torch.Tensor | None:
+        """The bf16 copies of the biases ``bs`` (each (sizes[i],), or None: zeros) end to end,
+        (sum sizes,): the bias of a ``stacked`` product. Made again where a bias changed in place;
+        None where a copy would not serve (``get``)."""
+        key = tuple(id(b) for b in bs)
+        versions = tuple(-1 if b is None else b._version for b in bs)
+        hit = self.bias_stacks.get(key)
+        if hit is not None and all(a is b for a, b in zip(hit[0], bs)) and hit[1] == versions:
+            return hit[2]
+        copies = [None if b is None else self.get(b) for b in bs]
+        if any(c is None and b is not None for b, c in zip(bs, copies)):
+            return None
+        stack = torch.cat([torch.zeros(n, dtype=torch.bfloat16) if c is None else c for c, n in zip(copies, sizes)])
+        self.bias_stacks[key] = (bs, versions, stack)
         return stack
 
     def packed(self, W: torch.Tensor, rows: int) -> torch.Tensor | None:
@@ -594,37 +636,41 @@ def _packed_head(head: nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
 
 
 def linear(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``m(x)``; inside ``bf16_weights()`` under bf16 autocast on the CPU, a bias-free ``nn.Linear``
-    (or a plain peft LoRA ``Linear``'s base layer, see ``_plain_lora``) takes its weight from the
-    region's bf16 copy when it needs no gradient: what autocast computes (the input cast to bf16, a
-    bf16 product; LoRA factors under autocast as peft calls them), equal to the last bit (tested)."""
+    """``m(x)``; inside ``bf16_weights()`` under bf16 autocast on the CPU, an ``nn.Linear`` (or a
+    plain peft LoRA ``Linear``'s base layer, see ``_plain_lora``) takes its weight and bias from the
+    region's bf16 copies when they need no gradient: what autocast computes (the input cast to bf16,
+    a bf16 product with the bf16 bias; LoRA factors under autocast as peft calls them), equal to the
+    last bit (tested)."""
     scope = getattr(_SCOPE, "weights", None)
     if (scope is None or x.device.type != "cpu" or not torch.is_autocast_enabled("cpu")
             or torch.get_autocast_dtype("cpu") != torch.bfloat16 or _hooked(m)):
         return m(x)
-    if type(m) is nn.Linear and m.bias is None:
-        Wb = scope.get(m.weight)
-        return m(x) if Wb is None else F.linear(x.to(torch.bfloat16), Wb)
-    lora = _plain_lora(m, torch.float32)
-    Wb = None if lora is None else scope.get(lora[0])
-    if Wb is None:
+    lora = (m.weight, m.bias, []) if type(m) is nn.Linear else _plain_lora(m, torch.float32)
+    if lora is None:
         return m(x)
-    out = F.linear(x.to(torch.bfloat16), Wb)
-    for A, B, scaling in lora[1]:      # x cast again by autocast, as peft calls it: the same gradient sums
+    W, b, adapters = lora
+    Wb, bb = scope.get(W), None if b is None else scope.get(b)
+    if Wb is None or (b is not None and bb is None):
+        return m(x)
+    out = F.linear(x.to(torch.bfloat16), Wb, bb)
+    for A, B, scaling in adapters:     # x cast again by autocast, as peft calls it: the same gradient sums
         out = out + F.linear(F.linear(x, A), B) * scaling
     return out
 
 
-def _llama_mlp_type() -> type:
-    """transformers' LlamaMLP class."""
-    from transformers.models.llama.modeling_llama import LlamaMLP
+_MLP_TYPES: list[type] = []
 
-    return LlamaMLP
+
+def _stock_mlp(mlp: nn.Module) -> bool:
+    """Whether ``mlp`` is a stock MLP of a ``lean_families`` model (``down(act(gate(x)) * up(x))``)."""
+    if not _MLP_TYPES:
+        _MLP_TYPES.extend(fam[3] for fam in lean_families().values())
+    return type(mlp) in _MLP_TYPES
 
 
 def _mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``mlp(x)``: a stock LlamaMLP's products through ``linear``."""
-    if type(mlp) is not _llama_mlp_type() or _hooked(mlp):
+    """``mlp(x)``: a stock MLP's products through ``linear``."""
+    if not _stock_mlp(mlp) or _hooked(mlp):
         return mlp(x)
     return linear(mlp.down_proj, mlp.act_fn(linear(mlp.gate_proj, x)) * linear(mlp.up_proj, x))
 
@@ -646,17 +692,18 @@ def _hooked(m: nn.Module) -> bool:
                 or g._global_forward_pre_hooks)
 
 
-def _plain_lora(m: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, list] | None:
-    """(base weight (N, K), [(lora_A weight (r, K), lora_B weight (N, r), scaling), ...]) of a peft LoRA
-    ``Linear`` that computes exactly ``base(x) + sum over active adapters of lora_B(lora_A(x)) * scaling``
-    here: not merged, adapters enabled, bias-free nn.Linear base and factors in ``dtype``, no DoRA or
-    other variant, no dropout acting, no forward hooks. None for anything else (the caller then runs
-    the module)."""
+def _plain_lora(m: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None, list] | None:
+    """(base weight (N, K), base bias (N,) or None, [(lora_A weight (r, K), lora_B weight (N, r),
+    scaling), ...]) of a peft LoRA ``Linear`` that computes exactly ``base(x) + sum over active
+    adapters of lora_B(lora_A(x)) * scaling`` here: not merged, adapters enabled, nn.Linear base (its
+    bias, if any, in ``dtype``) and bias-free factors in ``dtype``, no DoRA or other variant, no
+    dropout acting, no forward hooks. None for anything else (the caller then runs the module)."""
     lora_t = _lora_linear_type()
     if lora_t is None or type(m) is not lora_t or m.disable_adapters or m.merged or _hooked(m):
         return None
     base = m.base_layer
-    if type(base) is not nn.Linear or base.bias is not None or base.weight.dtype != dtype or _hooked(base):
+    if (type(base) is not nn.Linear or base.weight.dtype != dtype or _hooked(base)
+            or (base.bias is not None and base.bias.dtype != dtype)):
         return None
     adapters = []
     for name in m.active_adapters:
@@ -670,15 +717,16 @@ def _plain_lora(m: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, list] |
                 or not (type(drop) is nn.Identity or not drop.training)):
             return None
         adapters.append((A.weight, B.weight, m.scaling[name]))
-    return base.weight, adapters
+    return base.weight, base.bias, adapters
 
 
 def linear_t(m: nn.Module, xT: torch.Tensor) -> torch.Tensor:
     """``m(xT.t()).t()``: (N, rows) from (K, rows), for few rows without gradient.
 
-    A bias-free ``nn.Linear`` (or a plain peft LoRA ``Linear``, see ``_plain_lora``) is computed as
-    ``W @ xT`` (and ``+ B @ (A @ xT) * scaling`` per adapter, peft's order; one ``addmm`` when the
-    scaling is a power of two, where scaling the product is exact): on CPU at decode's row
+    An ``nn.Linear`` (or a plain peft LoRA ``Linear``, see ``_plain_lora``) is computed as
+    ``W @ xT`` (``b + W @ xT`` in one ``addmm`` with a bias, as ``F.linear`` adds it; then
+    ``+ B @ (A @ xT) * scaling`` per adapter, peft's order; one ``addmm`` when the scaling is a power
+    of two, where scaling the product is exact): on CPU at decode's row
     counts BLAS (MKL here) runs this weight-major product faster than ``x @ W.T``: 0.74-0.86x the
     time at 16-64 rows on SmolLM2's shapes, 0.96x at 256, 1.0x at 1,024; the same sums, equal to the
     last bit at 1 and at 12-256 rows there (MKL rounds 2-11 rows differently), and its (N, rows)
@@ -688,13 +736,14 @@ def linear_t(m: nn.Module, xT: torch.Tensor) -> torch.Tensor:
     A bf16 ``xT`` (under CPU bf16 autocast, ``_weight_major``) takes ``_linear_t_bf16``."""
     if xT.dtype == torch.bfloat16:
         return _linear_t_bf16(m, xT)
-    if type(m) is nn.Linear and m.bias is None and m.weight.dtype == xT.dtype and not _hooked(m):
-        return torch.mm(m.weight, xT)
+    if (type(m) is nn.Linear and m.weight.dtype == xT.dtype and not _hooked(m)
+            and (m.bias is None or m.bias.dtype == xT.dtype)):
+        return _mm_bias(m.weight, m.bias, xT)
     lora = _plain_lora(m, xT.dtype)
     if lora is None:
         return m(xT.t()).t()
-    W, adapters = lora
-    out = torch.mm(W, xT)                                                        # (N, rows)
+    W, b, adapters = lora
+    out = _mm_bias(W, b, xT)                                                     # (N, rows)
     for A, B, scaling in adapters:
         if math.frexp(scaling)[0] == 0.5:  # a power of two: B @ (A @ xT) * scaling is exact, one call
             out = torch.addmm(out, B, torch.mm(A, xT), alpha=scaling)
@@ -703,31 +752,39 @@ def linear_t(m: nn.Module, xT: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _mm_bias(W: torch.Tensor, b: torch.Tensor | None, xT: torch.Tensor) -> torch.Tensor:
+    """``W @ xT`` (N, rows), ``b`` (N,) added inside the product (``addmm``) when given: the bias
+    added to the float32 sums before the one rounding, as ``F.linear`` adds it (in bf16 equal to
+    autocast's biased product to the last bit at 1-200 rows; in fp32 as the bias-free product)."""
+    return torch.mm(W, xT) if b is None else torch.addmm(b.unsqueeze(1), W, xT)
+
+
 def _linear_t_bf16(m: nn.Module, xT: torch.Tensor) -> torch.Tensor:
     """``linear_t`` for a bf16 ``xT`` (K, rows) under CPU bf16 autocast in a ``bf16_weights()``
-    region, computed as autocast computes ``m(x)``: ``Wb @ xT`` from W's bf16 copy, and for a plain
-    peft LoRA ``Linear`` ``+ (Bb @ (Ab @ xT)) * scaling`` per adapter, every product's output bf16
-    and the sum in bf16 (no gradient here, so the factors' copies serve too). The weight-major bf16
-    product equals the ``x @ W.T`` one to the last bit (both accumulate in float32 and round once;
-    checked at 1-256 rows on SmolLM2's and small shapes). Anything else runs the module."""
-    if type(m) is nn.Linear and m.bias is None and not _hooked(m):
-        W = _bf16_copy(m.weight)
-        if W is not None:
-            return torch.mm(W, xT)
-    lora = _plain_lora(m, torch.float32)
+    region, computed as autocast computes ``m(x)``: ``Wb @ xT`` from W's bf16 copy (``bb + Wb @ xT``
+    with a bias, ``_mm_bias``), and for a plain peft LoRA ``Linear`` ``+ (Bb @ (Ab @ xT)) * scaling``
+    per adapter, every product's output bf16 and the sum in bf16 (no gradient here, so the factors'
+    copies serve too). The weight-major bf16 product equals the ``x @ W.T`` one to the last bit (both
+    accumulate in float32 and round once; checked at 1-256 rows on SmolLM2's and small shapes).
+    Anything else runs the module."""
+    lora = ((m.weight, m.bias, []) if type(m) is nn.Linear and not _hooked(m)
+            else _plain_lora(m, torch.float32))
     if lora is not None:
-        ws = [_bf16_copy(lora[0])] + [_bf16_copy(t) for A, B, _ in lora[1] for t in (A, B)]
-        if all(w is not None for w in ws):
-            out = torch.mm(ws[0], xT)                                            # (N, rows)
-            for i, (_, _, scaling) in enumerate(lora[1]):
+        W, b, adapters = lora
+        ws = [_bf16_copy(W)] + [_bf16_copy(t) for A, B, _ in adapters for t in (A, B)]
+        bb = None if b is None else _bf16_copy(b)
+        if all(w is not None for w in ws) and (b is None or bb is not None):
+            out = _mm_bias(ws[0], bb, xT)                                        # (N, rows)
+            for i, (_, _, scaling) in enumerate(adapters):
                 _add_lora_bf16(out, torch.mm(ws[2 + 2 * i], torch.mm(ws[1 + 2 * i], xT)), scaling)
             return out
     return m(xT.t()).t()
 
 
-def _stack_plan(mods: tuple[nn.Module, ...]) -> tuple[torch.Tensor, list[torch.Tensor], list] | None:
-    """(the stacked bf16 copy of ``mods``' base weights then LoRA A factors, the LoRA B factors' bf16
-    copies, [(base weight, [(A, B, scaling), ...]) per module]) in the current ``bf16_weights()``
+def _stack_plan(mods: tuple[nn.Module, ...]) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor], list] | None:
+    """(the stacked bf16 copy of ``mods``' base weights then LoRA A factors, their stacked bf16 biases
+    (zeros where a row has none) or None when no module has one, the LoRA B factors' bf16 copies,
+    [(base weight, base bias, [(A, B, scaling), ...]) per module]) in the current ``bf16_weights()``
     region, or None (see ``_stacked_t_bf16``). Made at the first call in a region: a no-gradient
     prefill calls it before its own products so that their copies are already the stack's rows."""
     scope = getattr(_SCOPE, "weights", None)
@@ -735,18 +792,21 @@ def _stack_plan(mods: tuple[nn.Module, ...]) -> tuple[torch.Tensor, list[torch.T
         return None
     plans = []
     for m in mods:
-        if type(m) is nn.Linear and m.bias is None and not _hooked(m):
-            plans.append((m.weight, []))
+        if type(m) is nn.Linear and not _hooked(m):
+            plans.append((m.weight, m.bias, []))
         else:
             lora = _plain_lora(m, torch.float32)
             if lora is None:
                 return None
             plans.append(lora)
-    stack = scope.stacked(tuple(W for W, _ in plans) + tuple(A for _, ad in plans for A, _, _ in ad))
-    Bs = [scope.get(B) for _, ad in plans for _, B, _ in ad]
-    if stack is None or any(b is None for b in Bs):
+    weights = tuple(W for W, _, _ in plans) + tuple(A for _, _, ad in plans for A, _, _ in ad)
+    stack = scope.stacked(weights)
+    biases = tuple(b for _, b, _ in plans) + (None,) * (len(weights) - len(plans))
+    bias = scope.stacked_bias(biases, tuple(w.size(0) for w in weights)) if any(b is not None for b in biases) else None
+    Bs = [scope.get(B) for _, _, ad in plans for _, B, _ in ad]
+    if stack is None or any(b is None for b in Bs) or (bias is None and any(b is not None for b in biases)):
         return None
-    return stack, Bs, plans
+    return stack, bias, Bs, plans
 
 
 def _stacked_t_bf16(mods: tuple[nn.Module, ...], xT: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
@@ -759,18 +819,19 @@ def _stacked_t_bf16(mods: tuple[nn.Module, ...], xT: torch.Tensor) -> tuple[torc
     Returns (the product (sum N, rows), the outputs: views of its leading row blocks, adjacent in
     ``mods``' order), or None where a module is not a plain Linear or plain LoRA Linear (``_plain_lora``)
     or a copy would not serve; the caller then runs ``linear_t``. On SmolLM2 at 64 rows q/k/v and the
-    two LoRA A factors take 186 us in one product against 270 us in five."""
+    two LoRA A factors take 186 us in one product against 270 us in five. Biases (Qwen 2's q/k/v)
+    are added inside the product from their stacked copy (``_mm_bias``; 0 on the other rows, exact)."""
     plan = _stack_plan(mods)
     if plan is None:
         return None
-    stack, Bs, plans = plan
-    prod = torch.mm(stack, xT)                                                   # (sum N, rows)
+    stack, bias, Bs, plans = plan
+    prod = _mm_bias(stack, bias, xT)                                             # (sum N, rows)
     outs, row = [], 0
-    for W, _ in plans:
+    for W, _, _ in plans:
         outs.append(prod[row:row + W.size(0)])
         row += W.size(0)
     i = 0
-    for out, (_, ad) in zip(outs, plans):
+    for out, (_, _, ad) in zip(outs, plans):
         for A, _, scaling in ad:
             _add_lora_bf16(out, torch.mm(Bs[i], prod[row:row + A.size(0)]), scaling)
             row, i = row + A.size(0), i + 1
@@ -802,9 +863,9 @@ def _weight_major(h: torch.Tensor) -> torch.dtype | None:
 
 
 def _mlp_t(mlp: nn.Module, x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``mlp(x).t()`` for x (rows, d): (d, rows), a stock LlamaMLP with weight-major products in
+    """``mlp(x).t()`` for x (rows, d): (d, rows), a stock MLP (``_stock_mlp``) with weight-major products in
     ``dtype`` (``_weight_major``)."""
-    if type(mlp) is not _llama_mlp_type():
+    if not _stock_mlp(mlp):
         return mlp(x).t()
     xT = x.to(dtype).t()
     stacked = _stacked_t_bf16((mlp.gate_proj, mlp.up_proj), xT) if dtype == torch.bfloat16 else None
@@ -819,7 +880,7 @@ def _prestack(layer: nn.Module) -> None:
     already the stacks' rows and the decode steps that follow read the stacks."""
     attn = layer.self_attn
     _stack_plan((attn.q_proj, attn.k_proj, attn.v_proj))
-    if type(layer.mlp) is _llama_mlp_type():
+    if _stock_mlp(layer.mlp):
         _stack_plan((layer.mlp.gate_proj, layer.mlp.up_proj))
 
 
@@ -885,7 +946,8 @@ def _all_rows(t: torch.Tensor, live: torch.Tensor, B: int, bufs: dict, key: str)
 def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, positions: torch.Tensor,
                  cache: LeanCache | None, logits_to_keep: int | None, rope: RopeTable,
                  block_size: int | None) -> torch.Tensor:
-    """Logits (B, L or logits_to_keep, V) in the weights' dtype of a stock ``LlamaForCausalLM``.
+    """Logits (B, L or logits_to_keep, V) in the weights' dtype of a stock ``LlamaForCausalLM`` (or a
+    ``lean_families`` model).
 
     ``ids`` (B, L); ``full_am`` (B, S) the attention mask of the cached columns and these;
     ``positions`` (B, L). With ``cache`` the new keys / values are appended to it (the caller
