@@ -92,7 +92,8 @@ def main() -> None:
         (lp * roll.mask).sum().backward()
         policy.zero_grad(set_to_none=True)
 
-    times: dict[tuple[str, str], list[float]] = {(p, k): [] for p in ("lean", "transformers") for k in ("sample", "train")}
+    times: dict[tuple[str, str], list[float]] = {(p, k): [] for p in ("lean", "transformers")
+                                                 for k in ("sample", "train")}
     train(sample())                                                     # warm-up (both paths share it)
     for r in range(a.rounds):
         for path, fast in (("lean", True), ("transformers", False)):

@@ -45,9 +45,11 @@ def make_model_dir(path, kind="llama", *, pad=True, chat=False, tokenizer=True, 
             cfg.head_dim = kw["hidden_size"] // kw["num_attention_heads"]
         model = AutoModelForCausalLM.from_config(cfg)
         with torch.no_grad():  # transformers zeroes biases at init: give Qwen 2's q/k/v biases values to test
-            for m in model.modules():
+            for name, m in model.named_modules():
                 if isinstance(m, torch.nn.Linear) and m.bias is not None:
                     m.bias.normal_(0, 0.5)
+                if name.endswith(("q_norm", "k_norm")):                  # and Qwen 3's head norms away from 1
+                    m.weight.uniform_(0.5, 1.5)
     else:  # GPT-2 keeps its default dropouts (0.1): load_policy must zero them
         cfg = GPT2Config(vocab_size=48, n_embd=64, n_layer=2, n_head=4, n_positions=64,
                          bos_token_id=1, eos_token_id=2)

@@ -325,6 +325,8 @@ FAST_VARIANTS = {
     "qwen2_lora": ({"kind": "qwen2", "num_key_value_heads": 2},
                    LoraSpec(r=4, alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"])),
     "mistral": ({"kind": "mistral", "num_key_value_heads": 2, "sliding_window": None}, None),
+    # Qwen 3: a norm on each query and key head before the rotation (weights drawn away from 1)
+    "qwen3": ({"kind": "qwen3", "num_key_value_heads": 2}, LoraSpec(r=4, alpha=8, target_modules="all-linear")),
 }
 
 
@@ -523,7 +525,7 @@ def test_fast_path_falls_back_for_other_configs(tmp_path):
     assert scaled.fast_unsupported and "rope_type" in scaled.fast_unsupported
     assert not scaled.uses_fast_path and type(scaled.new_cache(1, 4)).__name__ == "HFCache"
     gpt2, tok = load_policy(make_model_dir(tmp_path / "gpt2", "gpt2"))
-    assert "GPT2LMHeadModel is not one of LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM" in \
+    assert "GPT2LMHeadModel is not one of LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM" in \
         gpt2.fast_unsupported and not gpt2.uses_fast_path
     mistral, _ = load_policy(make_model_dir(tmp_path / "mistral", "mistral", sliding_window=16))
     assert mistral.fast_unsupported == "sliding-window attention" and not mistral.uses_fast_path

@@ -27,11 +27,11 @@ In bf16 the cached decode and the one-shot forward round differently (measured |
 ~2e-3 on a tiny Llama), so the first-pass ratio is 1 only to ~0.2%; a bf16 trainer that wants it
 exact should recompute ``logp_old`` with one no-grad forward instead of using ``Rollout.logp``.
 
-Lean Llama forward: a plain ``LlamaForCausalLM``, ``MistralForCausalLM`` or ``Qwen2ForCausalLM``
-(also under a peft LoRA wrapper; default RoPE,
-no sliding window, no attention dropout) runs through ``rlvr.models.lean_llama.lean_forward``
-(same logits to float rounding, several times less per-call overhead on small models). ``HFPolicy(..., fast=False)`` / ``load_policy(..., fast=False)`` or
-``policy.fast_path = False`` force the transformers forward; ``policy.fast_unsupported`` says why a
+Lean Llama forward: a plain ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` or
+``Qwen3ForCausalLM`` (also under a peft LoRA wrapper; default RoPE, no sliding window, no attention
+dropout) runs through ``rlvr.models.lean_llama.lean_forward`` (same logits to float rounding,
+several times less per-call overhead on small models). ``HFPolicy(..., fast=False)`` /
+``load_policy(..., fast=False)`` or ``policy.fast_path = False`` force the transformers forward; ``policy.fast_unsupported`` says why a
 model cannot take the lean one (None = it can).
 
 Conventions, the same as ``TinyTransformer``:

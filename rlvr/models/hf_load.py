@@ -77,9 +77,9 @@ def load_policy(path: str | Path, *, dtype: str | torch.dtype = "fp32", lora: Lo
 
     A tokenizer without a pad token gets pad = eos (or a new ``<pad>`` token, embeddings resized,
     when there is no eos either); what was done is in ``policy.load_note`` (empty if nothing) for
-    the caller to print. ``fast`` (default True) runs a plain ``LlamaForCausalLM`` (or Mistral, Qwen 2; LoRA or not)
-    through the lean forward of ``HFPolicy`` (same numbers, a fraction of transformers' per-call
-    overhead); ``fast=False``, or any other model, uses the transformers forward (see
+    the caller to print. ``fast`` (default True) runs a plain ``LlamaForCausalLM`` (or Mistral,
+    Qwen 2, Qwen 3; LoRA or not) through the lean forward of ``HFPolicy`` (same numbers, a fraction
+    of transformers' per-call overhead); ``fast=False``, or any other model, uses the transformers forward (see
     ``HFPolicy.fast_unsupported``). Raises ``HFLoadError`` (a ``ValueError``) naming the path when the
     directory, its safetensors weights, or its tokenizer files are missing, or when a LoRA adapter
     would wrap a weight the model ties (input embedding = output head).
@@ -186,7 +186,8 @@ def _check_default_targets(model: nn.Module, lora: LoraSpec, p: Path) -> None:
     if lora.target_modules is not None or kind in defaults:
         return
     head = model.get_output_embeddings()
-    names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head})
+    names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                    if isinstance(m, nn.Linear) and m is not head})
     raise LoraTargetsError(f"{p}: peft has no default LoRA target modules for model type {kind!r}; name some "
                            f"of this model's Linear layers ({', '.join(names)}) or ask for \"all-linear\"")
 

@@ -6,7 +6,7 @@ positions, cache, logits_to_keep) -> float32 logits``, ``new_cache(batch_size, m
 ``sampling.generate`` and ``sampling.sequence_token_logprobs`` work unchanged, and the logp
 stored at sampling time equals the trainer's recomputation (to float rounding; tested at 1e-5).
 
-A plain ``LlamaForCausalLM`` (or Mistral, Qwen 2: ``lean_families``) runs through the lean forward of ``rlvr.models.lean_llama`` (same
+A plain ``LlamaForCausalLM`` (or Mistral, Qwen 2, Qwen 3: ``lean_families``) runs through the lean forward of ``rlvr.models.lean_llama`` (same
 logits, a fraction of transformers' per-call overhead); ``fast=False`` or ``policy.fast_path =
 False`` force the transformers forward, and ``policy.fast_unsupported`` says why a model cannot take
 the lean one (None = it can). Conventions (left padding, positions, dropout off) are in

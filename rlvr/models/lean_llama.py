@@ -1,5 +1,6 @@
 """The lean Llama forward: a stock ``LlamaForCausalLM``'s own weights with transformers' glue replaced
-(and Mistral's, Qwen 2's: the same layers, Qwen 2 with q/k/v biases; ``lean_families``).
+(and Mistral's, Qwen 2's, Qwen 3's: the same layers, Qwen 2 with q/k/v biases, Qwen 3 with per-head
+q/k norms; ``lean_families``).
 
 ``lean_forward`` calls the model's weight-holding submodules (embeddings, norms, q/k/v/o
 projections, MLPs, head; so peft LoRA layers and ``disable_adapter()`` act as usual) but replaces
@@ -12,8 +13,8 @@ bf16 autocast too, from the bf16 weight copies of ``bf16_weights()``, with autoc
 q/k/v and gate/up each in one product from stacked copies, the head from a prepacked copy).
 
 ``lean_llama_unsupported(model)`` / ``peft_unsupported(model)`` say why a model cannot take this
-path (None = it can): it needs a plain ``LlamaForCausalLM``, ``MistralForCausalLM`` or
-``Qwen2ForCausalLM`` (default RoPE over the full head dim,
+path (None = it can): it needs a plain ``LlamaForCausalLM``, ``MistralForCausalLM``,
+``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM`` (default RoPE over the full head dim,
 no sliding window, no attention dropout) and, under peft, LoRA adapters only.
 
 Shapes: B rows, L tokens in this call, S keys attended (cache length + L), H query heads, Hkv
@@ -209,13 +210,15 @@ _FAMILIES: dict = {}
 
 def lean_families() -> dict[type, tuple[type, type, type, type]]:
     """The causal-LM classes the lean forward runs, each with its (model, decoder layer, attention,
-    MLP) classes: Llama, Mistral and Qwen 2, whose layers compute the same function (RMSNorm,
+    MLP) classes: Llama, Mistral, Qwen 2 and Qwen 3, whose layers compute the same function (RMSNorm,
     rotary q/k, grouped-query attention, SiLU-gated MLP); Qwen 2's q/k/v projections carry biases,
-    which the products here add as its Linear layers do. Those transformers lacks are left out."""
+    which the products here add as its Linear layers do, and Qwen 3 normalizes each query and key
+    head before the rotation (``q_norm`` / ``k_norm``, ``_head_norm_t``). Those transformers lacks
+    are left out."""
     if not _FAMILIES:
         import importlib
 
-        for mod, prefix in (("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2")):
+        for mod, prefix in (("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2"), ("qwen3", "Qwen3")):
             try:
                 m = importlib.import_module(f"transformers.models.{mod}.modeling_{mod}")
                 _FAMILIES[getattr(m, f"{prefix}ForCausalLM")] = tuple(
@@ -228,7 +231,8 @@ def lean_families() -> dict[type, tuple[type, type, type, type]]:
 def lean_llama_unsupported(hf_model: nn.Module) -> str | None:
     """Why the lean Llama forward cannot run ``hf_model`` (None = it can).
 
-    The lean path needs a plain ``LlamaForCausalLM``, ``MistralForCausalLM`` or ``Qwen2ForCausalLM``
+    The lean path needs a plain ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` or
+    ``Qwen3ForCausalLM``
     (exact class, its own layer classes: ``lean_families``), default RoPE over the full head dim, no
     sliding window and no attention dropout.
     """
@@ -781,7 +785,8 @@ def _linear_t_bf16(m: nn.Module, xT: torch.Tensor) -> torch.Tensor:
     return m(xT.t()).t()
 
 
-def _stack_plan(mods: tuple[nn.Module, ...]) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor], list] | None:
+def _stack_plan(mods: tuple[nn.Module, ...]
+                ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor], list] | None:
     """(the stacked bf16 copy of ``mods``' base weights then LoRA A factors, their stacked bf16 biases
     (zeros where a row has none) or None when no module has one, the LoRA B factors' bf16 copies,
     [(base weight, base bias, [(A, B, scaling), ...]) per module]) in the current ``bf16_weights()``
@@ -899,6 +904,8 @@ def _project_qkv(attn: nn.Module, x: torch.Tensor, wm: torch.dtype | None, rot: 
         q = linear(attn.q_proj, x).view(B, L, H, D)
         k = linear(attn.k_proj, x).view(B, L, Hkv, D)
         v = linear(attn.v_proj, x).view(B, L, Hkv, D).transpose(1, 2)            # (B, Hkv, L, D)
+        if getattr(attn, "q_norm", None) is not None:                            # Qwen 3: per-head norms
+            q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
         q = q * cos + q.roll(D // 2, dims=-1) * sin                              # (B, L, H, D)
         k = (k * cos + k.roll(D // 2, dims=-1) * sin).transpose(1, 2)            # (B, Hkv, L, D)
         return q, k, v
@@ -908,6 +915,8 @@ def _project_qkv(attn: nn.Module, x: torch.Tensor, wm: torch.dtype | None, rot: 
     if stacked is not None:
         prod, (_, _, vT) = stacked
         qkT = prod[:(H + Hkv) * D].view(H + Hkv, D, B * L)                       # q and k: adjacent rows
+        if getattr(attn, "q_norm", None) is not None:
+            qkT = torch.cat([_head_norm_t(attn.q_norm, qkT[:H]), _head_norm_t(attn.k_norm, qkT[H:])])
         qkT = qkT * cosT + qkT.roll(D // 2, dims=1) * sinT
         if kv_bf16:
             qkT = qkT.to(torch.bfloat16)
@@ -915,6 +924,8 @@ def _project_qkv(attn: nn.Module, x: torch.Tensor, wm: torch.dtype | None, rot: 
     else:
         qT = linear_t(attn.q_proj, xT).reshape(H, D, B * L)
         kT = linear_t(attn.k_proj, xT).reshape(Hkv, D, B * L)
+        if getattr(attn, "q_norm", None) is not None:
+            qT, kT = _head_norm_t(attn.q_norm, qT), _head_norm_t(attn.k_norm, kT)
         qT = qT * cosT + qT.roll(D // 2, dims=1) * sinT
         kT = kT * cosT + kT.roll(D // 2, dims=1) * sinT
         vT = linear_t(attn.v_proj, xT)
@@ -922,6 +933,13 @@ def _project_qkv(attn: nn.Module, x: torch.Tensor, wm: torch.dtype | None, rot: 
     k = kT.permute(2, 0, 1).view(B, L, Hkv, D).transpose(1, 2)
     v = vT.t().view(B, L, Hkv, D).transpose(1, 2)
     return q, k, v
+
+
+def _head_norm_t(norm: nn.Module, t: torch.Tensor) -> torch.Tensor:
+    """A per-head norm (Qwen 3's ``q_norm`` / ``k_norm``) of t (n, D, rows) in the weight-major
+    layout: computed on the heads as contiguous (rows, n, D) rows, as the other path computes it on
+    (B, L, n, D) (the same reduction per head, so the same numbers), returned as a (n, D, rows) view."""
+    return rms_norm(norm, t.permute(2, 0, 1).contiguous()).permute(1, 2, 0)
 
 
 def _live_rows(ids: torch.Tensor, full_am: torch.Tensor, cache: LeanCache | None) -> torch.Tensor | None:
