@@ -131,6 +131,16 @@ def test_lora_trains_adapter_only_and_reference_is_base(llama_dir, llama):
     assert base.flops_per_token(training=True) == 3 * base.flops_per_token(training=False)
 
 
+def test_attention_flops_use_the_heads_width(tmp_path):
+    # Qwen 3 style: 4 heads of 32 = 128 wide attention on a 64-wide model; the score and value
+    # products cost 4 x 128 FLOPs per key and layer in the forward, not 4 x 64
+    wide, _ = load_policy(make_model_dir(tmp_path / "wide", "qwen3", head_dim=32))
+    n = wide._matmul_params()[0]
+    assert wide.flops_per_token(100, training=False) == 2 * n + 4 * 2 * 128 * 100
+    plain, _ = load_policy(make_model_dir(tmp_path / "plain", "qwen3"))                # head_dim 16: 64 wide
+    assert plain.flops_per_token(100, training=False) == 2 * plain._matmul_params()[0] + 4 * 2 * 64 * 100
+
+
 def test_export_hf_merges_lora_and_loads_with_plain_transformers(llama_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

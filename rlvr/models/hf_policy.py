@@ -6,10 +6,10 @@ positions, cache, logits_to_keep) -> float32 logits``, ``new_cache(batch_size, m
 ``sampling.generate`` and ``sampling.sequence_token_logprobs`` work unchanged, and the logp
 stored at sampling time equals the trainer's recomputation (to float rounding; tested at 1e-5).
 
-A plain ``LlamaForCausalLM`` (or Mistral, Qwen 2, Qwen 3: ``lean_families``) runs through the lean forward of ``rlvr.models.lean_llama`` (same
-logits, a fraction of transformers' per-call overhead); ``fast=False`` or ``policy.fast_path =
-False`` force the transformers forward, and ``policy.fast_unsupported`` says why a model cannot take
-the lean one (None = it can). Conventions (left padding, positions, dropout off) are in
+A plain ``LlamaForCausalLM`` (or Mistral, Qwen 2, Qwen 3: ``lean_families``) runs through the
+lean forward of ``rlvr.models.lean_llama`` (same logits, a fraction of transformers' per-call
+overhead); ``fast=False`` or ``policy.fast_path = False`` force the transformers forward, and
+``policy.fast_unsupported`` says why a model cannot take the lean one (None = it can). Conventions (left padding, positions, dropout off) are in
 ``rlvr.models.hf``. ``transformers`` is imported inside functions only.
 """
 
@@ -262,20 +262,23 @@ class HFPolicy(nn.Module):
         return n, n_train
 
     def flops_per_token(self, seq_len: float | None = None, *, training: bool = True) -> int:
-        """FLOPs per token: forward ``2 N + 4 n_layer d seq_len``; training adds the backward.
+        """FLOPs per token: forward ``2 N + 4 n_layer d_att seq_len``; training adds the backward.
 
         N = weights of every Linear (and GPT-2 Conv1D), output head included, input embedding
         excluded (a lookup); LoRA A/B matrices count as Linear layers. The backward costs 2 N for
         input gradients plus 2 N_trainable for weight gradients, so training is
-        ``4 N + 2 N_trainable + 12 n_layer d seq_len`` — the usual 6 N for full fine-tuning,
-        nearer 4 N under LoRA. ``seq_len`` is the mean number of keys a token attends to: pass the
-        run's ``rlvr.costs.attended_keys(prompt_tokens, response_tokens)`` (``rlvr.costs.
+        ``4 N + 2 N_trainable + 12 n_layer d_att seq_len`` — the usual 6 N for full fine-tuning,
+        nearer 4 N under LoRA. ``d_att`` = query heads x head dim (the hidden size, except where the
+        config sets a wider head_dim: Qwen 3). ``seq_len`` is the mean number of keys a token attends
+        to: pass the run's ``rlvr.costs.attended_keys(prompt_tokens, response_tokens)`` (``rlvr.costs.
         model_flops_per_token`` does); the default, ``block_size`` (the model's maximum context, 8,192
         for SmolLM2), is only a loose upper bound.
         """
         cfg = self._hf_model().config.get_text_config() if hasattr(self.hf_config, "get_text_config") else self.hf_config
         n_layer = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer")
         d = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd")
+        heads, head_dim = getattr(cfg, "num_attention_heads", None), getattr(cfg, "head_dim", None)
+        d = heads * head_dim if isinstance(heads, int) and isinstance(head_dim, int) else d   # d_att
         T = (self.config.block_size or 0) if seq_len is None else seq_len
         n, n_train = self._matmul_params()
         if training:
