@@ -232,15 +232,15 @@ def lean_llama_unsupported(hf_model: nn.Module) -> str | None:
     """Why the lean Llama forward cannot run ``hf_model`` (None = it can).
 
     The lean path needs a plain ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` or
-    ``Qwen3ForCausalLM``
-    (exact class, its own layer classes: ``lean_families``), default RoPE over the full head dim, no
-    sliding window and no attention dropout.
+    ``Qwen3ForCausalLM`` (exact class, its own model, layer and attention classes: ``lean_families``;
+    another MLP module is called as it is), default RoPE over the full head dim, no sliding window
+    and no attention dropout.
     """
     families = lean_families()
     if type(hf_model) not in families:
         names = ", ".join(sorted(c.__name__ for c in families))
         return f"{type(hf_model).__name__} is not one of {names}"
-    model_t, layer_t, attn_t, mlp_t = families[type(hf_model)]
+    model_t, layer_t, attn_t, _ = families[type(hf_model)]
     cfg = hf_model.config
     inner = getattr(hf_model, "model", None)
     if type(inner) is not model_t:
@@ -249,8 +249,8 @@ def lean_llama_unsupported(hf_model: nn.Module) -> str | None:
     if len(layers) != cfg.num_hidden_layers:
         return "layer count differs from config.num_hidden_layers"
     for layer in layers:
-        if type(layer) is not layer_t or type(layer.self_attn) is not attn_t or type(layer.mlp) is not mlp_t:
-            return f"a decoder layer is not the stock {layer_t.__name__} / {attn_t.__name__} / {mlp_t.__name__}"
+        if type(layer) is not layer_t or type(layer.self_attn) is not attn_t:
+            return f"a decoder layer is not the stock {layer_t.__name__} / {attn_t.__name__}"
         if getattr(layer.self_attn, "sliding_window", None) is not None:
             return "sliding-window attention"
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
