@@ -27,7 +27,8 @@ def make_model_dir(path, kind="llama", *, pad=True, chat=False, tokenizer=True, 
     """A tiny model + tokenizer saved to ``path``. ``llama_kw`` overrides LlamaConfig fields
     (e.g. ``num_key_value_heads=2`` for GQA, ``tie_word_embeddings=True``, ``rope_parameters=``).
     ``kind``: "llama", "gpt2", or another transformers model type with Llama-like config fields
-    ("qwen2", "qwen3", "mistral", "gemma", "gemma2", "phi3"; head_dim 16 where the config has one)."""
+    ("qwen2", "qwen3", "mistral", "gemma", "gemma2", "phi3"; head_dim 16 where the config has one);
+    "llama_biased" is a Llama whose biases (``attention_bias`` / ``mlp_bias``) are drawn non-zero."""
     from transformers import (AutoConfig, AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,
                               LlamaForCausalLM)
 
@@ -40,7 +41,7 @@ def make_model_dir(path, kind="llama", *, pad=True, chat=False, tokenizer=True, 
         cfg = LlamaConfig(**kw)
         model = LlamaForCausalLM(cfg)
     elif kind != "gpt2":
-        cfg = AutoConfig.for_model(kind, **kw)
+        cfg = AutoConfig.for_model("llama" if kind == "llama_biased" else kind, **kw)
         if hasattr(cfg, "head_dim") and "head_dim" not in llama_kw:
             cfg.head_dim = kw["hidden_size"] // kw["num_attention_heads"]
         model = AutoModelForCausalLM.from_config(cfg)

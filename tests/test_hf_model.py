@@ -335,6 +335,9 @@ FAST_VARIANTS = {
     "qwen2_lora": ({"kind": "qwen2", "num_key_value_heads": 2},
                    LoraSpec(r=4, alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"])),
     "mistral": ({"kind": "mistral", "num_key_value_heads": 2, "sliding_window": None}, None),
+    # a Llama with biases on every projection (attention_bias, mlp_bias): o, gate/up and down too
+    "llama_bias": ({"kind": "llama_biased", "num_key_value_heads": 2, "attention_bias": True, "mlp_bias": True},
+                   LoraSpec(r=4, alpha=8, target_modules=["q_proj", "o_proj", "gate_proj", "down_proj"])),
     # Qwen 3: a norm on each query and key head before the rotation (weights drawn away from 1)
     "qwen3": ({"kind": "qwen3", "num_key_value_heads": 2}, LoraSpec(r=4, alpha=8, target_modules="all-linear")),
 }

@@ -79,8 +79,8 @@ def load_policy(path: str | Path, *, dtype: str | torch.dtype = "fp32", lora: Lo
     when there is no eos either); what was done is in ``policy.load_note`` (empty if nothing) for
     the caller to print. ``fast`` (default True) runs a plain ``LlamaForCausalLM`` (or Mistral,
     Qwen 2, Qwen 3; LoRA or not) through the lean forward of ``HFPolicy`` (same numbers, a fraction
-    of transformers' per-call overhead); ``fast=False``, or any other model, uses the transformers forward (see
-    ``HFPolicy.fast_unsupported``). Raises ``HFLoadError`` (a ``ValueError``) naming the path when the
+    of transformers' per-call overhead); ``fast=False``, or any other model, uses the transformers
+    forward (see ``HFPolicy.fast_unsupported``). Raises ``HFLoadError`` (a ``ValueError``) naming the path when the
     directory, its safetensors weights, or its tokenizer files are missing, or when a LoRA adapter
     would wrap a weight the model ties (input embedding = output head).
     """
