@@ -28,7 +28,8 @@ from rlvr.state import STATE_DIR, atomic_dir, find_complete, find_state
 RESUMABLE_KEYS = {"train.steps", "train.threads", "train.save_every", "train.save_every_minutes", "task.reward_workers",
                   "task.reward_timeout_s", "task.reward_memory_mb", "distributed.learners", "distributed.sharding"}
 """Keys a resumed run may change; sections [eval] and [log] may change too. Note that the
-learning-rate schedule is laid out over train.steps, so a longer resumed run decays later. The
+learning-rate schedule is laid out over train.steps, so a longer resumed run decays later (the
+resume says so, with the rates: ``schedule_change_note``). The
 learner layout may change: every layout makes the one-process update and saves the one-process state."""
 
 
@@ -37,6 +38,26 @@ def resume_conflicts(saved: config_mod.Config, cfg: config_mod.Config) -> list[s
     a, b = config_mod.to_dict(saved), config_mod.to_dict(cfg)
     return [f"{sec}.{k}" for sec in a if sec not in ("eval", "log") for k in a[sec]
             if a[sec][k] != b[sec][k] and f"{sec}.{k}" not in RESUMABLE_KEYS]
+
+
+def schedule_change_note(saved: config_mod.Config, cfg: config_mod.Config, step: int) -> str | None:
+    """A line for a run resumed after `step` with another train.steps under a decaying learning-rate
+    schedule (rlvr.learn.lr_at): the schedule is laid out over the new length from here on, so the
+    next update's rate differs from where the saved run was heading (and from what a run of the new
+    length from the start would have used so far). None when nothing changes."""
+    from rlvr.learn import lr_at
+
+    a, b = saved.train, cfg.train
+    if a.steps == b.steps or b.lr_schedule == "constant":
+        return None
+    per_step = b.epochs_per_batch * b.minibatches
+    opt_step = step * per_step
+    old = lr_at(a, opt_step, a.steps * per_step)
+    new = lr_at(b, opt_step, b.steps * per_step)
+    return (f"note: train.steps changed from {a.steps} to {b.steps} under lr_schedule = {b.lr_schedule!r}: the "
+            f"learning rate is laid out over {b.steps} steps from step {step + 1} on, at {new:.3g} x train.lr "
+            f"there (the saved run's schedule: {old:.3g} x); steps 1-{step} kept the {a.steps}-step schedule, "
+            f"so this run differs from one of {b.steps} steps from the start")
 
 
 def truncate_jsonl(path: Path, last_step: int) -> None:
@@ -74,15 +95,18 @@ class RunDir:
             return None
         return "bf16" if numerics.startswith("bf16") else "off" if numerics.startswith("fp32") else None
 
-    def check_resumable(self, cfg: config_mod.Config) -> None:
-        """Refuse --resume on a directory without state, or with a config that changed a key that matters."""
+    def check_resumable(self, cfg: config_mod.Config) -> config_mod.Config:
+        """Refuse --resume on a directory without state, or with a config that changed a key that matters.
+        Returns the run's saved config (``schedule_change_note`` reads it once the state is restored)."""
         out = self.path
         if find_state(out) is None or not (out / "config.toml").is_file():
             raise RunError(f"--resume: {out} holds no resumable state ({out / STATE_DIR} is missing)")
-        conflicts = resume_conflicts(config_mod.load(out / "config.toml"), cfg)
+        saved = config_mod.load(out / "config.toml")
+        conflicts = resume_conflicts(saved, cfg)
         if conflicts:
             raise RunError(f"--resume: the config differs from the run's {out / 'config.toml'} in "
                            f"{', '.join(conflicts)}; only {', '.join(sorted(RESUMABLE_KEYS))}, [eval] and [log] may change")
+        return saved
 
     def check_writable(self) -> None:
         """Refuse an output directory that cannot be written (read-only, full, a file in the way)

@@ -63,7 +63,7 @@ from rlvr.reward_pool import RewardPool, open_pool
 from rlvr.rollout import Batch, rollout
 from rlvr.run import (RunError, Setup, build, check_device_memory, check_memory, price_of,  # noqa: F401  (RunError:
                       set_threads)                                                         # raised to the CLI)
-from rlvr.rundir import RunDir
+from rlvr.rundir import RunDir, schedule_change_note
 from rlvr.state import StateError, load_state, save_state
 from rlvr.value import LearnedBaseline
 
@@ -298,7 +298,7 @@ def start(cfg: config_mod.Config, run_dir: RunDir, *, overwrite: bool, resume: b
     if resume:
         if overwrite:
             raise RunError("--resume and --overwrite contradict each other; choose one")
-        run_dir.check_resumable(cfg)
+        saved = run_dir.check_resumable(cfg)
     run_dir.check_writable()
     setup = build(cfg, autocast=run_dir.recorded_autocast() if resume and cfg.model.autocast == "auto" else None,
                   time_bf16=not resume)
@@ -316,6 +316,9 @@ def start(cfg: config_mod.Config, run_dir: RunDir, *, overwrite: bool, resume: b
     if resume:
         restore(state, run_dir)
         log(f"resumed {run_dir.path} after step {state.step}")
+        note = schedule_change_note(saved, cfg, state.step)
+        if note:
+            log(note)
     run_dir.open_logs(cfg, resume_after=state.step if resume else None)
     return state
 

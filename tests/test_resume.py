@@ -56,3 +56,23 @@ def test_resume_refuses_a_changed_config_and_a_run_without_state(tmp_path, capsy
     assert rc == 2 and "no resumable state" in capsys.readouterr().err
     rc = cli.main(["train", "examples/sort.toml", *TINY, "--resume"])
     assert rc == 2 and "--out" in capsys.readouterr().err
+
+
+def test_a_longer_resume_under_a_decaying_schedule_says_what_the_rate_does(tmp_path, capsys):
+    # cosine over 2 steps, resumed after step 2 for 4: the saved schedule has ended (frac 1: 0.1 x lr);
+    # over 4 steps, optimizer step 2 of 4 is half way: 0.1 + 0.9 * (1 + cos(pi / 2)) / 2 = 0.55 x lr
+    run = tmp_path / "run"
+    cosine = [*TINY, "--train.lr_schedule=cosine"]
+    assert cli.main(["train", "examples/sort.toml", "--out", str(run), *cosine, "--train.steps=2"]) == 0
+    capsys.readouterr()
+    assert cli.main(["train", "examples/sort.toml", "--out", str(run), *cosine, "--train.steps=4", "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert ("note: train.steps changed from 2 to 4 under lr_schedule = 'cosine': the learning rate is laid out "
+            "over 4 steps from step 3 on, at 0.55 x train.lr there (the saved run's schedule: 0.1 x)") in out
+    assert [r["step"] for r in train_rows(run)] == [1, 2, 3, 4]
+    # the same length again, or a constant schedule: nothing to say
+    assert cli.main(["train", "examples/sort.toml", "--out", str(run), *cosine, "--train.steps=4", "--resume"]) == 0
+    const = tmp_path / "const"
+    assert cli.main(["train", "examples/sort.toml", "--out", str(const), *TINY, "--train.steps=1"]) == 0
+    assert cli.main(["train", "examples/sort.toml", "--out", str(const), *TINY, "--train.steps=2", "--resume"]) == 0
+    assert "train.steps changed" not in capsys.readouterr().out
