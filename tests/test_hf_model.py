@@ -335,6 +335,10 @@ FAST_VARIANTS = {
     "qwen2_lora": ({"kind": "qwen2", "num_key_value_heads": 2},
                    LoraSpec(r=4, alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"])),
     "mistral": ({"kind": "mistral", "num_key_value_heads": 2, "sliding_window": None}, None),
+    # Llama 3.1 / 3.2's RoPE (low frequencies divided by the factor; original context 32 of the 64 here)
+    "llama3_rope": ({"num_key_value_heads": 2, "rope_parameters": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32, "rope_theta": 10000.0}}, None),
     # a Llama with biases on every projection (attention_bias, mlp_bias): o, gate/up and down too
     "llama_bias": ({"kind": "llama_biased", "num_key_value_heads": 2, "attention_bias": True, "mlp_bias": True},
                    LoraSpec(r=4, alpha=8, target_modules=["q_proj", "o_proj", "gate_proj", "down_proj"])),
@@ -533,9 +537,9 @@ def test_fast_lora_adapter_disabled_matches_transformers_base(tmp_path):
 
 
 def test_fast_path_falls_back_for_other_configs(tmp_path):
-    scaled, _ = load_policy(make_model_dir(tmp_path / "linear", rope_parameters={
-        "rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}))
-    assert scaled.fast_unsupported and "rope_type" in scaled.fast_unsupported
+    scaled, _ = load_policy(make_model_dir(tmp_path / "dynamic", rope_parameters={
+        "rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}))
+    assert scaled.fast_unsupported == "rope_type 'dynamic' (the lean forward takes 'default', 'linear', 'llama3')"
     assert not scaled.uses_fast_path and type(scaled.new_cache(1, 4)).__name__ == "HFCache"
     gpt2, tok = load_policy(make_model_dir(tmp_path / "gpt2", "gpt2"))
     assert "GPT2LMHeadModel is not one of LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM" in \
@@ -555,8 +559,10 @@ def test_fast_path_falls_back_for_other_configs(tmp_path):
     torch.testing.assert_close(a[am.bool()], b[am.bool()], atol=1e-5, rtol=0)
 
 
-def test_fast_bf16_close_to_transformers(tmp_path):
-    policy, tok = load_policy(make_model_dir(tmp_path, num_key_value_heads=2), dtype="bf16")
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_fast_bf16_close_to_transformers(tmp_path, kind):
+    # bf16 weights (Qwen 2's biases and Qwen 3's head norms in bf16 too)
+    policy, tok = load_policy(make_model_dir(tmp_path, kind, num_key_value_heads=2), dtype="bf16")
     assert policy.uses_fast_path
     ids, am = left_pad([tok.encode(s) for s in PROMPTS], tok.pad_id)
     with torch.no_grad():

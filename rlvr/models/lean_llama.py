@@ -14,7 +14,7 @@ q/k/v and gate/up each in one product from stacked copies, the head from a prepa
 
 ``lean_llama_unsupported(model)`` / ``peft_unsupported(model)`` say why a model cannot take this
 path (None = it can): it needs a plain ``LlamaForCausalLM``, ``MistralForCausalLM``,
-``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM`` (default RoPE over the full head dim,
+``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM`` (static RoPE over the full head dim: ``STATIC_ROPE``,
 no sliding window, no attention dropout) and, under peft, LoRA adapters only.
 
 Shapes: B rows, L tokens in this call, S keys attended (cache length + L), H query heads, Hkv
@@ -205,6 +205,12 @@ class LeanCache:
 
 
 # ---------------------------------------------------------------------- capability checks
+STATIC_ROPE = ("default", "linear", "llama3")
+"""RoPE types whose frequencies transformers computes once, into the rotary module's ``inv_freq``
+buffer, with no attention scaling: the lean forward's ``RopeTable`` reads that buffer, so it rotates
+as transformers does (Llama 3.1 / 3.2 use ``llama3``). Dynamic ones (``dynamic``, ``longrope``)
+change the frequencies with the length, and ``yarn`` scales the attention: those take transformers'
+forward."""
 _FAMILIES: dict = {}
 
 
@@ -233,8 +239,8 @@ def lean_llama_unsupported(hf_model: nn.Module) -> str | None:
 
     The lean path needs a plain ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` or
     ``Qwen3ForCausalLM`` (exact class, its own model, layer and attention classes: ``lean_families``;
-    another MLP module is called as it is), default RoPE over the full head dim, no sliding window
-    and no attention dropout.
+    another MLP module is called as it is), static RoPE (``STATIC_ROPE``) over the full head dim, no
+    sliding window and no attention dropout.
     """
     families = lean_families()
     if type(hf_model) not in families:
@@ -257,8 +263,8 @@ def lean_llama_unsupported(hf_model: nn.Module) -> str | None:
     if not isinstance(rope, dict):
         return f"unsupported rope parameters {rope!r}"
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        return f"rope_type {rope_type!r} (only 'default' RoPE is supported)"
+    if rope_type not in STATIC_ROPE:
+        return f"rope_type {rope_type!r} (the lean forward takes {', '.join(repr(t) for t in STATIC_ROPE)})"
     if rope.get("partial_rotary_factor", 1.0) not in (None, 1.0):
         return "partial rotary embedding"
     if getattr(cfg, "sliding_window", None) is not None:
@@ -286,8 +292,8 @@ def peft_unsupported(model: nn.Module) -> str | None:
 
 # ---------------------------------------------------------------------- rotary tables
 class RopeTable:
-    """cos / sin tables of a Llama's default RoPE, cached per device / dtype / inverse-frequency
-    buffer and grown to the longest position needed (the block size when the model has one)."""
+    """cos / sin tables of a Llama's RoPE (the rotary module's ``inv_freq``: ``STATIC_ROPE``), cached
+    per device / dtype / inverse-frequency buffer and grown to the longest position needed (the block size when the model has one)."""
 
     def __init__(self):
         self._tables: dict = {}
