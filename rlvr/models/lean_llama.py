@@ -274,6 +274,8 @@ def lean_llama_unsupported(hf_model: nn.Module) -> str | None:
     rot = getattr(inner, "rotary_emb", None)
     if rot is not None and float(getattr(rot, "attention_scaling", 1.0)) != 1.0:
         return "rotary attention_scaling != 1"
+    if rope_type != "default" and getattr(rot, "inv_freq", None) is None:   # RopeTable's formula is the default's
+        return f"rope_type {rope_type!r} without the rotary module's inv_freq buffer"
     for layer in layers:
         if float(getattr(layer.self_attn, "attention_dropout", 0.0) or 0.0) != 0.0:
             return "attention dropout > 0"
@@ -293,7 +295,8 @@ def peft_unsupported(model: nn.Module) -> str | None:
 # ---------------------------------------------------------------------- rotary tables
 class RopeTable:
     """cos / sin tables of a Llama's RoPE (the rotary module's ``inv_freq``: ``STATIC_ROPE``), cached
-    per device / dtype / inverse-frequency buffer and grown to the longest position needed (the block size when the model has one)."""
+    per device / dtype / inverse-frequency buffer and grown to the longest position needed (the
+    block size when the model has one)."""
 
     def __init__(self):
         self._tables: dict = {}
