@@ -1,6 +1,6 @@
 """rlvr's lean forward against transformers' forward on real model shapes (random weights, CPU).
 
-    python benchmarks/lean_forward.py [--arch qwen2.5-0.5b|smollm2-135m] [--rounds 3] [--numerics bf16|fp32]
+    python benchmarks/lean_forward.py [--arch qwen2.5-0.5b|llama3.2-1b|smollm2-135m] [--rounds 3] [--numerics bf16|fp32]
 
 Builds the architecture's config with random weights (no download; Qwen 2's zero-initialised
 q/k/v biases are drawn non-zero so that they count), wraps it in a LoRA adapter (r = 16, peft's
@@ -28,6 +28,12 @@ ARCHS = {
     "qwen2.5-0.5b": ("qwen2", dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                                    num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
                                    rope_theta=1e6, tie_word_embeddings=True)),
+    "llama3.2-1b": ("llama", dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                                  tie_word_embeddings=True, rope_parameters={
+                                      "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+                                      "rope_theta": 500000.0})),
     "smollm2-135m": ("llama", dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
                                    rope_theta=1e5, tie_word_embeddings=True)),
