@@ -335,6 +335,8 @@ FAST_VARIANTS = {
     "qwen2_lora": ({"kind": "qwen2", "num_key_value_heads": 2},
                    LoraSpec(r=4, alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"])),
     "mistral": ({"kind": "mistral", "num_key_value_heads": 2, "sliding_window": None}, None),
+    # a sliding window as wide as the model's context (64): it masks nothing, so the lean forward runs
+    "mistral_window": ({"kind": "mistral", "num_key_value_heads": 2, "sliding_window": 64}, None),
     # Llama 3.1 / 3.2's RoPE (low frequencies divided by the factor; original context 32 of the 64 here)
     "llama3_rope": ({"num_key_value_heads": 2, "rope_parameters": {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -536,6 +538,42 @@ def test_fast_lora_adapter_disabled_matches_transformers_base(tmp_path):
         torch.testing.assert_close(policy(ids, attention_mask=am), live)      # adapter back on
 
 
+def test_sliding_window_lean_within_it_transformers_beyond(tmp_path, monkeypatch):
+    """A Mistral with a 16-column sliding window: sequences and caches of at most 16 columns take the
+    lean forward (the window masks nothing there; same logits as transformers'), longer ones take
+    transformers' forward, which applies the window (its logits differ from the same weights'
+    without one), and the lean forward itself refuses them."""
+    import rlvr.models.hf_policy as hp
+    from rlvr.models.lean_llama import lean_forward
+
+    d = make_model_dir(tmp_path / "mistral", "mistral", num_key_value_heads=2, sliding_window=16)
+    policy, tok = load_policy(d)
+    assert policy.fast_unsupported is None and policy.sliding_window == 16 and policy.uses_fast_path
+    assert type(policy.new_cache(2, 16)).__name__ == "LeanCache"
+    assert type(policy.new_cache(2, 17)).__name__ == "HFCache"
+    calls = []
+    monkeypatch.setattr(hp, "lean_forward", lambda *a, **k: calls.append(a[1].shape) or lean_forward(*a, **k))
+    short, _ = left_pad([tok.encode(s) for s in PROMPTS], tok.pad_id)        # at most 10 columns
+    long = torch.tensor([tok.encode("abcdefghij" * 3)])                      # 30 columns
+    unwindowed, _ = load_policy(d)
+    unwindowed._hf_model().config.sliding_window = None                      # transformers without it
+    unwindowed.fast_path = False
+    with torch.no_grad():
+        fast, slow = _both(policy, lambda: policy(short))
+        assert calls == [short.shape]                                         # the lean forward, once
+        torch.testing.assert_close(fast, slow, atol=1e-5, rtol=0)
+        beyond = policy(long)
+        assert calls == [short.shape]                                         # not the lean forward
+        with transformers_path(policy):
+            torch.testing.assert_close(beyond, policy(long), atol=0, rtol=0)
+        free = unwindowed(long)
+        torch.testing.assert_close(beyond[:, :16], free[:, :16], atol=1e-5, rtol=0)  # inside the window
+        assert (beyond[0, 16:] - free[0, 16:]).abs().max() > 1e-3              # the window acts beyond it
+        with pytest.raises(ValueError, match="30 columns > the model's sliding window 16"):
+            lean_forward(policy._hf_model(), long, torch.ones_like(long), torch.arange(30)[None], None,
+                         None, policy._rope, policy.config.block_size)
+
+
 def test_fast_path_falls_back_for_other_configs(tmp_path):
     scaled, _ = load_policy(make_model_dir(tmp_path / "dynamic", rope_parameters={
         "rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}))
@@ -544,8 +582,6 @@ def test_fast_path_falls_back_for_other_configs(tmp_path):
     gpt2, tok = load_policy(make_model_dir(tmp_path / "gpt2", "gpt2"))
     assert "GPT2LMHeadModel is not one of LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM" in \
         gpt2.fast_unsupported and not gpt2.uses_fast_path
-    mistral, _ = load_policy(make_model_dir(tmp_path / "mistral", "mistral", sliding_window=16))
-    assert mistral.fast_unsupported == "sliding-window attention" and not mistral.uses_fast_path
     ids, am = left_pad([tok.encode(s) for s in PROMPTS], tok.pad_id)
     with torch.no_grad():                                                     # still works (transformers path)
         assert torch.isfinite(scaled(ids, attention_mask=am)).all()

@@ -81,8 +81,8 @@ def test_other_architectures_train_and_export(tmp_path, kind, lora, capsys):
     model_dir = make_model_dir(tmp_path / kind, kind, num_key_value_heads=2)
     from rlvr.models.hf import load_policy
 
-    # Qwen 2 and 3 take the lean forward; Mistral too, but not with its default sliding window (4,096)
-    assert (load_policy(model_dir)[0].fast_unsupported is None) == (kind in ("qwen2", "qwen3"))
+    # Qwen 2, Qwen 3 and Mistral (its default sliding window, 4,096, masks nothing here) take the lean forward
+    assert (load_policy(model_dir)[0].fast_unsupported is None) == (kind in ("qwen2", "qwen3", "mistral"))
     out = tmp_path / "run"
     extra = [f"--model.path={model_dir}", "--algorithm.kl_coef=0.05"]
     if lora:

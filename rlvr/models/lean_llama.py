@@ -239,8 +239,9 @@ def lean_llama_unsupported(hf_model: nn.Module) -> str | None:
 
     The lean path needs a plain ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` or
     ``Qwen3ForCausalLM`` (exact class, its own model, layer and attention classes: ``lean_families``;
-    another MLP module is called as it is), static RoPE (``STATIC_ROPE``) over the full head dim, no
-    sliding window and no attention dropout.
+    another MLP module is called as it is), static RoPE (``STATIC_ROPE``) over the full head dim and
+    no attention dropout. A sliding window is no reason: it masks nothing in a sequence no longer than
+    it, and the caller keeps longer ones off the lean forward (``sliding_window``).
     """
     families = lean_families()
     if type(hf_model) not in families:
@@ -257,8 +258,6 @@ def lean_llama_unsupported(hf_model: nn.Module) -> str | None:
     for layer in layers:
         if type(layer) is not layer_t or type(layer.self_attn) is not attn_t:
             return f"a decoder layer is not the stock {layer_t.__name__} / {attn_t.__name__}"
-        if getattr(layer.self_attn, "sliding_window", None) is not None:
-            return "sliding-window attention"
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
     if not isinstance(rope, dict):
         return f"unsupported rope parameters {rope!r}"
@@ -267,8 +266,6 @@ def lean_llama_unsupported(hf_model: nn.Module) -> str | None:
         return f"rope_type {rope_type!r} (the lean forward takes {', '.join(repr(t) for t in STATIC_ROPE)})"
     if rope.get("partial_rotary_factor", 1.0) not in (None, 1.0):
         return "partial rotary embedding"
-    if getattr(cfg, "sliding_window", None) is not None:
-        return "sliding-window attention"
     if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
         return "pretraining_tp > 1"
     rot = getattr(inner, "rotary_emb", None)
@@ -280,6 +277,24 @@ def lean_llama_unsupported(hf_model: nn.Module) -> str | None:
         if float(getattr(layer.self_attn, "attention_dropout", 0.0) or 0.0) != 0.0:
             return "attention dropout > 0"
     return None
+
+
+def sliding_window(hf_model: nn.Module) -> int | None:
+    """The narrowest sliding attention window of ``hf_model`` (its config's ``sliding_window``, and
+    any layer's own), or None when every layer attends to every earlier column.
+
+    transformers masks a key column ``kv`` from query column ``q`` when ``kv <= q - window`` (left
+    padding included in the columns), so in a sequence of at most ``window`` columns the window
+    masks nothing and the lean forward, which has no window, computes the same function. Mistral
+    7B v0.1 and its fine-tunes have 4,096; Qwen 2 has one only with ``use_sliding_window``.
+    ``HFPolicy`` sends longer sequences (and caches made for them) to transformers' forward, and
+    ``lean_forward`` refuses them."""
+    inner = getattr(hf_model, "model", None)
+    layers = list(getattr(inner, "layers", None) or [])
+    windows = [getattr(layer.self_attn, "sliding_window", None) for layer in layers if hasattr(layer, "self_attn")]
+    windows.append(getattr(hf_model.config, "sliding_window", None))
+    windows = [int(w) for w in windows if w is not None]
+    return min(windows) if windows else None
 
 
 def peft_unsupported(model: nn.Module) -> str | None:
@@ -983,11 +998,17 @@ def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, 
     a boolean mask (a cache in the grouped layout: ``_grouped_attention``), weight-major
     projections where ``_weight_major`` says so, a decode step's layers and head on its live rows
     only where ``_live_rows`` says so, and ``logits_to_keep`` applied before the final norm and head.
+    A model with a sliding window takes sequences (``full_am``'s columns) no longer than it only
+    (``sliding_window``; ValueError otherwise).
     """
     inner = hf_model.model
     B, L = ids.shape
     past = 0 if cache is None else cache.length
     S = past + L
+    window = sliding_window(hf_model)
+    if window is not None and full_am.size(1) > window:
+        raise ValueError(f"{full_am.size(1)} columns > the model's sliding window {window}: the lean forward "
+                         "has no window mask (HFPolicy sends such sequences to transformers' forward)")
     live = _live_rows(ids, full_am, cache)                                       # (n,) or None: all rows
     rows_bufs: dict = {}
     if live is not None:
