@@ -28,8 +28,8 @@ In bf16 the cached decode and the one-shot forward round differently (measured |
 exact should recompute ``logp_old`` with one no-grad forward instead of using ``Rollout.logp``.
 
 Lean Llama forward: a plain ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` or
-``Qwen3ForCausalLM`` (also under a peft LoRA wrapper; static RoPE, no sliding window, no attention
-dropout) runs through ``rlvr.models.lean_llama.lean_forward`` (same logits to float rounding,
+``Qwen3ForCausalLM`` (also under a peft LoRA wrapper; static RoPE, no attention dropout; with a
+sliding window, on sequences no longer than it) runs through ``rlvr.models.lean_llama.lean_forward`` (same logits to float rounding,
 several times less per-call overhead on small models). ``HFPolicy(..., fast=False)`` /
 ``load_policy(..., fast=False)`` or ``policy.fast_path = False`` force the transformers forward; ``policy.fast_unsupported`` says why a
 model cannot take the lean one (None = it can).

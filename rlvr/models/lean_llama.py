@@ -297,6 +297,14 @@ def sliding_window(hf_model: nn.Module) -> int | None:
     return min(windows) if windows else None
 
 
+def _within_window(hf_model: nn.Module, columns: int) -> None:
+    """ValueError when a sequence of ``columns`` columns is longer than ``hf_model``'s sliding window."""
+    window = sliding_window(hf_model)
+    if window is not None and columns > window:
+        raise ValueError(f"{columns} columns > the model's sliding window {window}: the lean forward "
+                         "has no window mask (HFPolicy sends such sequences to transformers' forward)")
+
+
 def peft_unsupported(model: nn.Module) -> str | None:
     """Only plain LoRA adapters act inside the wrapped modules; other peft types (prompt / prefix
     tuning) change the forward itself."""
@@ -1005,10 +1013,7 @@ def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, 
     B, L = ids.shape
     past = 0 if cache is None else cache.length
     S = past + L
-    window = sliding_window(hf_model)
-    if window is not None and full_am.size(1) > window:
-        raise ValueError(f"{full_am.size(1)} columns > the model's sliding window {window}: the lean forward "
-                         "has no window mask (HFPolicy sends such sequences to transformers' forward)")
+    _within_window(hf_model, full_am.size(1))
     live = _live_rows(ids, full_am, cache)                                       # (n,) or None: all rows
     rows_bufs: dict = {}
     if live is not None:
