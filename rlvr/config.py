@@ -116,6 +116,16 @@ class TaskConfig:
     reward_memory_mb: int = 4096
     """Address space (MB) a reward worker may use beyond what loading the task took (RLIMIT_AS); a
     reward that allocates more gets a MemoryError (status `error`). 0 = no limit."""
+    chat: Literal["messages", "user", "off"] = "messages"
+    """How prompts reach a tokenizer that has a chat template (a Hugging Face chat model's). `messages`:
+    the task's own chat messages through the template when it gives them (the arith task does),
+    else the prompt text as it is (TRL's rule: conversational prompts templated, plain ones not; a
+    run whose plain prompts meet a chat template says so at start). `user`: every prompt through
+    the template, the task's messages or the prompt as one user turn; refused when the tokenizer has
+    no template. `off`: the prompt text, always. Rewards and the goal see the prompt text either way."""
+    system: str = ""
+    """A system message placed first in every templated prompt (a task message with role `system`
+    is kept instead); needs prompts that go through a chat template."""
 
 
 @dataclass
@@ -716,7 +726,7 @@ def validate(cfg: Config, source: str | None = None) -> None:
     if s.temperature <= 0:
         bad("sampling.temperature", f"must be > 0 for training (greedy decoding has no usable logp), got {s.temperature}")
     _check_learnable(cfg, bad)
-    _check_reward_workers(cfg.task, bad)
+    _check_task_settings(cfg.task, bad)
     _check_distributed(cfg, bad)
     if not 0 < s.top_p <= 1:
         bad("sampling.top_p", f"must be in (0, 1], got {s.top_p}")
@@ -774,7 +784,7 @@ def _check_learnable(cfg: Config, bad) -> None:
             "always agrees: it needs train.samples_per_prompt >= 2")
 
 
-def _check_reward_workers(tc: TaskConfig, bad) -> None:
+def _check_task_settings(tc: TaskConfig, bad) -> None:
     if tc.reward_workers < -1:
         bad("task.reward_workers", f"must be -1 (one per core), 0 (in-process) or a number of workers, "
             f"got {tc.reward_workers}")
@@ -782,6 +792,8 @@ def _check_reward_workers(tc: TaskConfig, bad) -> None:
         bad("task.reward_timeout_s", f"must be > 0, got {tc.reward_timeout_s}")
     if tc.reward_memory_mb < 0:
         bad("task.reward_memory_mb", f"must be >= 0 (0 = no limit), got {tc.reward_memory_mb}")
+    if tc.system and tc.chat == "off":
+        bad("task.system", "is set, but task.chat = 'off' sends the prompt text without a chat template")
 
 
 def _no_fully_shard() -> str:

@@ -62,7 +62,8 @@ class Policy(Protocol):
 
 @runtime_checkable
 class Tokenizer(Protocol):
-    """Text <-> ids for one policy."""
+    """Text <-> ids for one policy. rlvr.run.build also sets ``prompt_format`` on the run's tokenizer
+    (rlvr.tokenizer.PromptFormat: whether task prompts go through the chat template)."""
 
     pad_id: int
     eos_id: int | None

@@ -29,7 +29,7 @@ from rlvr.models.tiny import TinyConfig, TinyTransformer
 from rlvr.policy import Policy, Tokenizer
 from rlvr.state import StateError, find_complete, find_state, load_policy_weights, verify, write_dir_atomically
 from rlvr.tasks import Task, load_task, names_a_file, resolve_weights
-from rlvr.tokenizer import CharTokenizer, encode_example
+from rlvr.tokenizer import CharTokenizer, PromptFormat, encode_example
 
 
 class RunError(RuntimeError):
@@ -412,6 +412,24 @@ def _hf_policy(cfg: config_mod.Config, device: torch.device, log) -> tuple[Polic
     return model, tokenizer
 
 
+def prompt_format(cfg: config_mod.Config, task: Task, tok: Tokenizer, log=print) -> PromptFormat:
+    """`task.chat` and `task.system` as the run's PromptFormat (rlvr.tokenizer.encode_example), checked
+    against the tokenizer: RunError for `user` or a system message without a chat template (a system
+    message under `off` is refused with the config); a note when plain prompts go past a chat
+    template (`messages`)."""
+    tc = cfg.task
+    where = f"model.path = {cfg.model.path!r}" if cfg.model.path else "the built-in model"
+    if not tok.has_chat_template and (tc.chat == "user" or tc.system):
+        key = "task.chat = 'user'" if tc.chat == "user" else "task.system"
+        raise RunError(f"{key} needs a tokenizer with a chat template; {where}'s has none")
+    first = task.train[0] if len(task.train) else task.heldout[0]
+    plain = not (isinstance(first.meta, dict) and first.meta.get("messages"))
+    if tc.chat == "messages" and tok.has_chat_template and plain:
+        log("note: the task's prompts are plain text and go to the model as they are, without its chat "
+            "template; --task.chat=user sends each as a user turn through the template")
+    return PromptFormat(chat=tc.chat, system=tc.system)
+
+
 def _built_in(cfg: config_mod.Config, task: Task) -> tuple[Policy, Tokenizer]:
     """The built-in model: from `model.init`, or random with a block sized to the task."""
     if cfg.model.init:
@@ -458,6 +476,7 @@ def build(cfg: config_mod.Config, log=print, autocast: str | None = None, time_b
     _import_optimizer_modules()
     baseline = costs.resident_bytes()
     model, tokenizer = _hf_policy(cfg, device, log) if cfg.model.path else _built_in(cfg, task)
+    tokenizer.prompt_format = prompt_format(cfg, task, tokenizer, log)
     lim = limits(cfg, task, tokenizer, model)
     numerics = choose_numerics(autocast or cfg.model.autocast, device, probe_shape(model, device),
                                time_bf16=time_bf16 and autocast is None)

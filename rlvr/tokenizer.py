@@ -12,6 +12,7 @@ the order given, so ``CharTokenizer("0123456789,")`` maps "0" to 3 and "," to 13
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
@@ -111,8 +112,28 @@ class CharTokenizer:
         return f"CharTokenizer(alphabet={self.alphabet!r})"
 
 
+@dataclass(frozen=True)
+class PromptFormat:
+    """How ``encode_example`` turns a task example into prompt ids for one run (``task.chat`` and
+    ``task.system``; rlvr.run.build sets it on the run's tokenizer as ``prompt_format``)."""
+
+    chat: str = "messages"
+    """``messages``, ``user`` or ``off`` (see rlvr.config.TaskConfig.chat)."""
+    system: str = ""
+    """A system message first in every templated prompt ("" = none)."""
+
+
 def encode_example(tok, example) -> list[int]:
-    """Prompt token ids of a task example: the chat template over `example.meta["messages"]` when
-    the task gives messages and the tokenizer has a template (Hugging Face), else the prompt text."""
+    """Prompt token ids of a task example, as the tokenizer's ``prompt_format`` says (default:
+    ``messages``): with a chat template (Hugging Face), the template over the task's
+    ``example.meta["messages"]`` when it gives them, or (``user``) over the prompt as one user turn,
+    after the format's system message when there is one; else (``off``, no template, or plain
+    prompts under ``messages``) the prompt text."""
+    fmt = getattr(tok, "prompt_format", None) or PromptFormat()
     messages = example.meta.get("messages") if isinstance(example.meta, dict) else None
-    return tok.encode_prompt(messages if messages and tok.has_chat_template else example.prompt)
+    if fmt.chat == "off" or not tok.has_chat_template or not (messages or fmt.chat == "user"):
+        return tok.encode_prompt(example.prompt)
+    turns = list(messages) if messages else [{"role": "user", "content": example.prompt}]
+    if fmt.system and not any(m.get("role") == "system" for m in turns):
+        turns = [{"role": "system", "content": fmt.system}] + turns
+    return tok.encode_prompt(turns)

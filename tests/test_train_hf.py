@@ -181,6 +181,43 @@ def test_chat_template_applies_when_the_task_gives_messages(tmp_path, capsys):
     assert price["prompt_tokens"] == len(templated) > len(plain) + 1
 
 
+def test_plain_prompts_take_the_chat_template_as_user_turns_when_asked(tmp_path, capsys, monkeypatch):
+    """Plain JSONL prompts on a chat model: sent as text by default, with a note at start; with
+    `task.chat = user` and `task.system` each goes through the template after the system message
+    (the price's prompt length and the prompts the sampler is given)."""
+    import rlvr.sampling
+
+    sampled = []
+    generate = rlvr.sampling.generate
+    monkeypatch.setattr(rlvr.sampling, "generate", lambda policy, prompts, **kw: sampled.append(
+        {len(p) for p in prompts}) or generate(policy, prompts, **kw))
+    model = make_model_dir(tmp_path / "chat-llama", chat=True)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"say {c}", "answer": c}) + "\n" for c in "abcdefghij"))
+    common = [f"--model.path={model}", "--task.path=rlvr.tasks.dataset:jsonl_task",
+              f'--task.options={{train = "{data}", max_new_tokens = 3}}', "--task.reward=exact_match",
+              "--train.steps=1", "--train.prompts_per_step=2", "--train.samples_per_prompt=2", "--eval.prompts=2",
+              "--eval.pass_k=0"]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    turns = [{"role": "system", "content": "Reply with one letter."}, {"role": "user", "content": "say a"}]
+    templated = tok.apply_chat_template(turns, add_generation_prompt=True, tokenize=True, return_dict=False)
+    from rlvr.models.hf_tokenizer import HFTokenizer
+
+    plain = HFTokenizer(tok).encode("say a")                                  # the text as rlvr encodes it
+    assert len(templated) > len(plain) + 4
+    for out, extra in ((tmp_path / "plain", []), (tmp_path / "user", ["--task.chat=user", "--task.system=Reply with one letter."])):
+        sampled.clear()
+        rc = cli.main(["train", "examples/sort.toml", "--out", str(out), *common, *extra])
+        captured = capsys.readouterr()
+        assert rc == 0, captured.err
+        assert ("prompts are plain text" in captured.out) == (not extra)
+        want = len(templated) if extra else len(plain)
+        assert json.loads((out / "price.json").read_text())["prompt_tokens"] == want
+        assert sampled and all(lengths == {want} for lengths in sampled)      # training and evaluation
+
+
 def test_lora_run_with_the_flat_optimizer_resumes_bit_for_bit(tmp_path, model_dir, monkeypatch):
     """LoRA adapters of whole-vector sizes train under rlvr.optim.FlatAdamW; its state saves in the
     per-parameter format and a resumed run continues on exactly the numbers of an uninterrupted one."""
