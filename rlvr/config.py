@@ -230,6 +230,11 @@ class TrainConfig:
     """μ: passes over the same rollouts before resampling."""
     minibatches: int = 1
     """Optimizer steps per pass (the P*G rows are split into this many minibatches)."""
+    micro_batches: int = 1
+    """Forward/backward parts of each minibatch (whole groups each), their gradients accumulated
+    before the minibatch's one optimizer step: the same update (each part's loss weighed by its share
+    of the aggregation's tokens or rows, rlvr.learn.accumulate) with about 1/micro_batches of the
+    training activations and logits in memory, for a little more time per step."""
     lr: float = 1e-3
     """Peak learning rate of AdamW."""
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
@@ -682,6 +687,7 @@ def validate(cfg: Config, source: str | None = None) -> None:
     for key, v in [("train.steps", t.steps), ("train.prompts_per_step", t.prompts_per_step),
                    ("train.samples_per_prompt", t.samples_per_prompt),
                    ("train.epochs_per_batch", t.epochs_per_batch), ("train.minibatches", t.minibatches),
+                   ("train.micro_batches", t.micro_batches),
                    ("model.n_layer", cfg.model.n_layer), ("model.n_head", cfg.model.n_head),
                    ("model.n_embd", cfg.model.n_embd), ("eval.batch_size", cfg.eval.batch_size),
                    ("algorithm.dynamic_sampling_rounds", a.dynamic_sampling_rounds)]:
@@ -704,6 +710,9 @@ def validate(cfg: Config, source: str | None = None) -> None:
     if t.minibatches > t.prompts_per_step:
         bad("train.minibatches", f"{t.minibatches} exceeds the {t.prompts_per_step} groups of a batch "
             "(minibatches are made of whole groups)")
+    elif t.minibatches * t.micro_batches > t.prompts_per_step:
+        bad("train.micro_batches", f"{t.micro_batches} parts of each of train.minibatches = {t.minibatches} "
+            f"exceed the {t.prompts_per_step} groups of a batch (parts are made of whole groups)")
     if t.lr <= 0:
         bad("train.lr", f"must be > 0, got {t.lr}")
     if not (t.save_every_minutes >= 0 and math.isfinite(t.save_every_minutes)):

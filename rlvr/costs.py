@@ -36,7 +36,8 @@ Memory (`memory(...)`, the peak resident set a run reaches, in bytes; `b` = byte
                       set to None only at the next step, so they live through sampling too)
     plus the largest of four phases:
     training        = activations + logits
-      activations   = trained tokens of one minibatch x layers x b x (6d + 4f + 2 Hkv D + H S)
+      activations   = trained tokens of one minibatch (of one of its train.micro_batches parts)
+                      x layers x b x (6d + 4f + 2 Hkv D + H S)
                       per layer and token: the attention block's RMSNorm input and output (2d), q
                       after RoPE (d), k and v (2 Hkv D), the softmax probabilities over S = Lp + T
                       keys (H S; the score matrix is materialised as a full rectangle), the attention
@@ -138,7 +139,8 @@ def memory(shape: ModelShape, *, prompts: int, group: int, prompt_len: int, resp
            n_params: int, trainable_params: int, has_reference_copy: bool, baseline: int = 0,
            bytes_per_param: int = 4, shared_prompt: bool = False, logprob_chunk_rows: int = 0,
            eval_rows: int = 0, export_copy: bool = False, weight_copy_bytes: int = 0) -> Memory:
-    """Predicted peak bytes of a run of P = `prompts` x G = `group` rows (module docstring);
+    """Predicted peak bytes of a run of P = `prompts` x G = `group` rows (module docstring), trained in
+    `minibatches` forward/backward parts a batch (train.minibatches x train.micro_batches);
     `weight_copy_bytes`: the bf16 weight copies each forward phase holds (CPU bf16 autocast)."""
     P, G, Lp, T, b = prompts, group, prompt_len, response_len, bytes_per_param
     rows = P * G // minibatches                                          # rows of one minibatch
@@ -386,6 +388,7 @@ def price(
     epochs_per_batch: int,
     minibatches: int,
     n_params: int,
+    micro_batches: int = 1,
     has_reference: bool,
     flops_fwd_per_token: float = 0.0,
     flops_train_per_token: float = 0.0,
@@ -410,7 +413,8 @@ def price(
     """Price a run from its shape; refuses, naming the number, when one it needs is missing.
 
     `flops_*_per_token` default to the 2N / 6N rule when not given (no attention term).
-    `trainable_params` (LoRA: the adapter) sizes the AdamW state; `reference_is_adapter_off` means
+    `micro_batches` (train.micro_batches): the parts a minibatch's forward and backward run in (memory
+    only). `trainable_params` (LoRA: the adapter) sizes the AdamW state; `reference_is_adapter_off` means
     the reference is the policy with its adapter disabled, so it holds no copy. `shared_prompt`:
     the reference and training forwards run each prompt once per group (P * Lp + P * G * T tokens).
     `matmul_flops_per_s` (measured with `threads` torch threads) gives the wall-time lower bound.
@@ -423,7 +427,7 @@ def price(
     """
     _check_counts(max_new_tokens=max_new_tokens, n_params=n_params, prompts_per_step=prompts_per_step,
                   samples_per_prompt=samples_per_prompt, steps=steps, epochs_per_batch=epochs_per_batch,
-                  minibatches=minibatches, sampling_rounds=sampling_rounds)
+                  minibatches=minibatches, sampling_rounds=sampling_rounds, micro_batches=micro_batches)
     if not isinstance(prompt_tokens, int) or prompt_tokens < 0:
         raise ValueError(f"cannot price the run: prompt_tokens must be a known number, got {prompt_tokens!r}")
     fwd = flops_fwd_per_token or 2 * n_params
@@ -442,8 +446,8 @@ def price(
     expected = expected_wall_seconds(flops_per_run, steps * rows * T * fwd, steps * (T - 1), matmul_flops_per_s,
                                      decode_step_s)
     extra = {} if shape is None else _memory_fields(memory(
-        shape, prompts=P, group=G, prompt_len=Lp, response_len=T, minibatches=minibatches, n_params=n_params,
-        trainable_params=n_params if trainable_params is None else trainable_params,
+        shape, prompts=P, group=G, prompt_len=Lp, response_len=T, minibatches=minibatches * micro_batches,
+        n_params=n_params, trainable_params=n_params if trainable_params is None else trainable_params,
         has_reference_copy=has_reference and not reference_is_adapter_off, baseline=baseline_bytes,
         bytes_per_param=bytes_per_param, shared_prompt=shared_prompt, logprob_chunk_rows=logprob_chunk_rows,
         eval_rows=eval_rows, export_copy=export_copy, weight_copy_bytes=weight_copy_bytes))

@@ -128,6 +128,40 @@ def minibatch_loss(learner: Learner, batch: Batch, idx: torch.Tensor, delta_rows
     return loss, stats
 
 
+def micro_rows(rows: torch.Tensor, G: int, parts: int) -> list[torch.Tensor]:
+    """`rows` (whole groups of G, in order) as at most `parts` runs of whole groups, in order."""
+    groups = rows.view(-1, G)
+    return [g.reshape(-1) for g in groups.chunk(min(parts, groups.size(0)))]
+
+
+def accumulate(learner: Learner, batch: Batch, rows: torch.Tensor, delta_rows: torch.Tensor,
+               scale: float = 1.0) -> dict:
+    """The backward of step 6 on `rows` into the parameters' gradients, in `train.micro_batches` parts
+    of whole groups: each part's forward and backward in turn, so one part's activations and logits
+    are alive at a time. A part's loss is weighted by its share of the aggregation's denominator
+    over `rows` (rlvr.losses.denominator: its tokens under token_mean, its rows otherwise), so the
+    accumulated gradient is the whole rows' gradient (to float rounding) whatever the split; giving
+    every part the same weight would not (under token_mean a part with fewer tokens would count as
+    much as one with more). `scale` multiplies every backward (a learner group's share). Returns
+    the statistics of the whole rows: "loss" and the others as means weighted the same way,
+    *_min / *_max over the parts."""
+    agg, mask = learner.cfg.algorithm.agg, batch.rollout.mask
+    parts = micro_rows(rows, learner.cfg.train.samples_per_prompt, learner.cfg.train.micro_batches)
+    total = losses.denominator(mask[rows], agg).clamp(min=1)
+    out: dict[str, float] = {}
+    for i, part in enumerate(parts):
+        w = 1.0 if len(parts) == 1 else float(losses.denominator(mask[part], agg) / total)
+        loss, stats = minibatch_loss(learner, batch, part, delta_rows)
+        (loss * (w * scale) if w * scale != 1.0 else loss).backward()
+        stats["loss"] = loss.item()
+        for k, v in stats.items():
+            if k.endswith("_min") or k.endswith("_max"):
+                out[k] = v if i == 0 else (min if k.endswith("_min") else max)(out[k], v)
+            else:
+                out[k] = out.get(k, 0.0) + w * v
+    return out
+
+
 def learn(learner: Learner, batch: Batch, *, delta_rows: torch.Tensor | None = None, shard=None) -> dict:
     """μ passes over the batch, each split into minibatches of whole groups; one clipped AdamW step
     per minibatch. Returns the mean of each statistic over the minibatches, the first minibatch's
@@ -156,11 +190,9 @@ def learn(learner: Learner, batch: Batch, *, delta_rows: torch.Tensor | None = N
     for _epoch in range(tc.epochs_per_batch):
         for idx in minibatch_rows(learner, len(batch.groups.examples), G):
             mine, scale = (idx, None) if shard is None else shard.rows(idx, G, batch.rollout.mask, cfg.algorithm.agg)
-            loss, stats = minibatch_loss(view, batch, mine, delta_rows)
             learner.opt.zero_grad(set_to_none=True)
-            (loss if scale is None else loss * scale).backward()
+            stats = accumulate(view, batch, mine, delta_rows, 1.0 if scale is None else scale)
             gnorm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
-            stats["loss"] = loss.item()
             if shard is not None:  # the whole minibatch's figures, the same on every rank
                 stats = shard.reduce(stats)
             lr_used = learner.sched.get_last_lr()[0]

@@ -532,7 +532,7 @@ def price_of(setup: Setup, rate: float | None = None, decode_s: float | None = N
         max_new_tokens=setup.limits.max_new_tokens,
         prompt_tokens=setup.limits.prompt_tokens,
         steps=cfg.train.steps, epochs_per_batch=cfg.train.epochs_per_batch, minibatches=cfg.train.minibatches,
-        n_params=model.num_params(), has_reference=cfg.algorithm.kl_coef > 0,
+        micro_batches=cfg.train.micro_batches, n_params=model.num_params(), has_reference=cfg.algorithm.kl_coef > 0,
         trainable_params=sum(p.numel() for p in model.trainable_params()),
         reference_is_adapter_off=model.has_adapter,
         shared_prompt=shares_prompt(cfg, model),
@@ -568,7 +568,8 @@ def check_memory(cfg: config_mod.Config, price: costs.Price, available: int | No
             f"this run needs about {price.memory_peak_bytes * gib:.2f} GiB at its peak (during "
             f"{price.memory_peak_phase}; {held * gib:.2f} GiB already held, {needed * gib:.2f} GiB more), but the "
             f"machine has {available * gib:.2f} GiB available (MemAvailable). Lower train.prompts_per_step, "
-            f"train.samples_per_prompt or sampling.max_new_tokens, raise train.minibatches, set "
+            f"train.samples_per_prompt or sampling.max_new_tokens, raise train.micro_batches (the same update) "
+            f"or train.minibatches, set "
             f"model.logprob_chunk_rows, or set train.memory_check = false to start anyway ({price.memory_line()})")
 
 

@@ -293,6 +293,24 @@ def test_two_learners_make_the_one_learner_update(ray_local, agg):
     assert s2["optimizer_steps"] == 2
 
 
+def test_two_learners_in_micro_batches_make_the_one_learner_update(ray_local):
+    """train.micro_batches = 2 on each rank of a learner group (each rank's groups in parts, one with no
+    token) makes the one-process update of the whole minibatch."""
+    one = run.build(tiny_cfg("--distributed.learners=2"))
+    two = run.build(tiny_cfg("--distributed.learners=2", "--train.micro_batches=2"))
+    l1, l2 = new_learner(one), new_learner(two)
+    batch = _uneven_batch(one)
+    s1 = learn(l1, copy.deepcopy(batch))
+    group = learners_mod.LearnerGroup(two.cfg, l2)
+    try:
+        s2 = group.learn(batch)
+    finally:
+        group.close()
+    for (name, p1), p2 in zip(one.model.named_parameters(), two.model.parameters()):
+        torch.testing.assert_close(p1, p2, rtol=0, atol=1e-6, msg=name)
+    assert math.isclose(s1["loss"], s2["loss"], rel_tol=1e-5, abs_tol=1e-6)
+
+
 def test_a_learner_group_that_fails_to_start_leaves_no_process_group(ray_local, monkeypatch):
     """A rank lost during the start (here: the wait for the other ranks' join fails) ends in a RunError
     with this process's process group destroyed and the actors gone, so a later group can start."""

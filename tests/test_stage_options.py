@@ -342,3 +342,61 @@ def test_a_process_reward_with_one_sample_per_prompt_stops_with_a_clear_error(tm
     err = capsys.readouterr().err
     assert rc == 2
     assert "position_per_token" in err and "train.samples_per_prompt = 1" in err and ">= 2" in err
+
+
+# ----------------------------------------------------------------------------------- micro-batches
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_sum_mean", "seq_mean_mean", "seq_sum_const"])
+def test_micro_batches_accumulate_the_whole_minibatch_gradient(agg, monkeypatch):
+    """train.micro_batches runs each minibatch's forward and backward in parts of whole groups and
+    accumulates: the gradient and the statistics are the whole minibatch's, whatever the split, under
+    every aggregation. Responses end at different lengths, so the parts hold different token counts
+    (a part's mean weighed as much as another's would not give the token_mean gradient)."""
+    import copy
+
+    import rlvr.learn
+    from rlvr.learn import Learner, make_optimizer, make_scheduler
+
+    setup = sort_setup(sampling__max_new_tokens=4, algorithm__scheme="centered", algorithm__agg=agg,
+                       algorithm__kl_coef=0.1, algorithm__entropy_coef=0.01, train__grad_clip=0)
+    setup.limits = run.Limits(4, setup.tokenizer.eos_id, setup.limits.prompt_tokens)
+    model = setup.model
+    gen = torch.Generator().manual_seed(0)
+    batch = rollout(setup, model, copy.deepcopy(model), lambda: list(setup.task.train[:4]), version=0, generator=gen)
+    tokens_per_group = batch.rollout.mask.view(4, 4, -1).sum((1, 2)).tolist()
+    assert len(set(tokens_per_group)) > 1, tokens_per_group
+    calls = []
+    real = rlvr.learn.minibatch_loss
+    monkeypatch.setattr(rlvr.learn, "minibatch_loss", lambda lrn, b, idx, d: calls.append(len(idx)) or real(lrn, b, idx, d))
+    grads, stats = {}, {}
+    for k in (1, 2, 4):
+        policy = copy.deepcopy(model)
+        setup.cfg.train.micro_batches = k
+        opt = make_optimizer(policy.trainable_params(), setup.cfg.train)
+        learner = Learner(policy, opt, make_scheduler(opt, setup.cfg.train), setup.cfg,
+                          torch.Generator().manual_seed(1), setup.limits.max_new_tokens)
+        calls.clear()
+        stats[k] = learn(learner, batch)
+        assert calls == [16 // k] * k                                  # k parts of whole groups
+        grads[k] = [p.grad.clone() for p in policy.trainable_params()]
+    for k in (2, 4):
+        for a, b in zip(grads[1], grads[k]):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+        for key in ("loss", "ratio_mean", "kl_ref", "policy_entropy", "grad_norm"):
+            assert stats[k][key] == pytest.approx(stats[1][key], rel=1e-5, abs=1e-7), key
+    assert any(g.abs().sum() > 0 for g in grads[1])
+
+
+def test_micro_batches_shrink_the_predicted_training_memory_and_are_checked():
+    setup = sort_setup()
+    prices = {}
+    for k in (1, 2):
+        setup.cfg.train.micro_batches = k
+        prices[k] = run.price_of(setup, rate=1e11, decode_s=0.01)
+    one, two = prices[1], prices[2]
+    assert two.memory_activation_bytes * 2 == one.memory_activation_bytes > 0     # half the rows at once
+    assert two.memory_logits_bytes * 2 == one.memory_logits_bytes > 0
+    assert two.grad_steps_per_batch == one.grad_steps_per_batch                     # the same updates
+    with pytest.raises(config_mod.ConfigError, match=r"train.micro_batches: 3 parts of each of train.minibatches = 2 "
+                                                      r"exceed the 4 groups"):
+        config_mod.load(None, ["--train.prompts_per_step=4", "--train.minibatches=2", "--train.micro_batches=3"])
