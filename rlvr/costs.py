@@ -245,6 +245,19 @@ class Price:
     numerics: str = ""
     """How the policy's forwards compute (model.autocast resolved, with the measured times); "" = not given."""
 
+    def peak_in_parts(self, factor: float) -> int:
+        """The predicted peak with training's activations and logits divided by `factor` (each minibatch's
+        forward and backward in `factor` times as many parts, train.micro_batches; about, as parts
+        hold whole groups), the other phases as they are; 0 without a memory prediction."""
+        if not self.memory_peak_bytes:
+            return 0
+        held = (self.memory_baseline_bytes + self.policy_bytes + self.reference_bytes + self.optimizer_bytes
+                + self.memory_gradient_bytes)
+        w = self.memory_weight_copy_bytes
+        training = int((self.memory_activation_bytes + self.memory_logits_bytes) / factor) + w
+        return held + max(training, self.memory_kv_cache_bytes + w, self.memory_eval_kv_cache_bytes + w,
+                          self.memory_export_bytes)
+
     def memory_line(self) -> str:
         """The predicted peak and its parts, in MiB."""
         mib = 1 / 2**20

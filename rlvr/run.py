@@ -567,10 +567,24 @@ def check_memory(cfg: config_mod.Config, price: costs.Price, available: int | No
         raise RunError(
             f"this run needs about {price.memory_peak_bytes * gib:.2f} GiB at its peak (during "
             f"{price.memory_peak_phase}; {held * gib:.2f} GiB already held, {needed * gib:.2f} GiB more), but the "
-            f"machine has {available * gib:.2f} GiB available (MemAvailable). Lower train.prompts_per_step, "
-            f"train.samples_per_prompt or sampling.max_new_tokens, raise train.micro_batches (the same update) "
-            f"or train.minibatches, set "
-            f"model.logprob_chunk_rows, or set train.memory_check = false to start anyway ({price.memory_line()})")
+            f"machine has {available * gib:.2f} GiB available (MemAvailable).{_parts_that_fit(cfg, price, held + available)}"
+            f" Lower train.prompts_per_step, train.samples_per_prompt or sampling.max_new_tokens, raise "
+            f"train.micro_batches (the same update) or train.minibatches, set model.logprob_chunk_rows, or set "
+            f"train.memory_check = false to start anyway ({price.memory_line()})")
+
+
+def _parts_that_fit(cfg: config_mod.Config, price: costs.Price, limit: int) -> str:
+    """A sentence naming the fewest train.micro_batches whose predicted peak fits under `limit` bytes,
+    when training is the phase that does not fit and some count (whole groups a part) does; else ""."""
+    t = cfg.train
+    if price.memory_peak_phase != "training":
+        return ""
+    for k in range(t.micro_batches + 1, t.prompts_per_step // t.minibatches + 1):
+        peak = price.peak_in_parts(k / t.micro_batches)
+        if peak <= limit:
+            return (f" With train.micro_batches = {k} (the same update, {k} forward/backward parts a minibatch) "
+                    f"the predicted peak is {peak / 2**30:.2f} GiB, which fits.")
+    return ""
 
 
 def cuda_free_bytes(device: torch.device) -> int:

@@ -82,6 +82,27 @@ def test_a_run_that_does_not_fit_is_refused_naming_the_numbers(monkeypatch):
     run.check_memory(config_mod.load(None, ["--train.memory_check=false"]), _price(8.0))
 
 
+def test_the_refusal_names_the_micro_batches_that_fit(monkeypatch):
+    """Training does not fit: activations 6 GiB + logits 2 GiB over 0.5 GiB held, 3.5 GiB available.
+    Two parts need 0.5 + 4 > 4 GiB; three (2.67 GiB of training) are the fewest that fit."""
+    cfg = config_mod.load(None, ["--train.prompts_per_step=8"])
+    monkeypatch.setattr(costs, "available_bytes", lambda: 3.5 * 2**30)
+    p = _price(8.5)
+    p.policy_bytes = p.reference_bytes = p.optimizer_bytes = p.memory_gradient_bytes = p.memory_weight_copy_bytes = 0
+    p.memory_activation_bytes, p.memory_logits_bytes, p.memory_kv_cache_bytes = 6 * 2**30, 2 * 2**30, 2**30
+    p.memory_eval_kv_cache_bytes = p.memory_export_bytes = 0
+    p.memory_peak_phase = "training"
+    assert p.peak_in_parts(1) == p.memory_peak_bytes and p.peak_in_parts(4) == int(2.5 * 2**30)
+    with pytest.raises(run.RunError) as e:
+        run.check_memory(cfg, p)
+    assert ("With train.micro_batches = 3 (the same update, 3 forward/backward parts a minibatch) the predicted "
+            "peak is 3.17 GiB, which fits." in str(e.value))
+    p.memory_kv_cache_bytes = 5 * 2**30                                     # sampling would not fit either
+    with pytest.raises(run.RunError) as e:
+        run.check_memory(cfg, p)
+    assert "With train.micro_batches" not in str(e.value)
+
+
 def test_a_gpu_run_whose_first_update_does_not_fit_is_refused():
     """On CUDA: reference copy + AdamW moments + gradients (16 bytes per trainable parameter with
     the reference) against the device's free memory; CPU runs and memory_check = false skip it."""
