@@ -135,30 +135,42 @@ def micro_rows(rows: torch.Tensor, G: int, parts: int) -> list[torch.Tensor]:
 
 
 def accumulate(learner: Learner, batch: Batch, rows: torch.Tensor, delta_rows: torch.Tensor,
-               scale: float = 1.0) -> dict:
+               scale: float = 1.0, group: bool = False) -> dict:
     """The backward of step 6 on `rows` into the parameters' gradients, in `train.micro_batches` parts
     of whole groups: each part's forward and backward in turn, so one part's activations and logits
     are alive at a time. A part's loss is weighted by its share of the aggregation's denominator
     over `rows` (rlvr.losses.denominator: its tokens under token_mean, its rows otherwise), so the
     accumulated gradient is the whole rows' gradient (to float rounding) whatever the split; giving
     every part the same weight would not (under token_mean a part with fewer tokens would count as
-    much as one with more). `scale` multiplies every backward (a learner group's share). Returns
-    the statistics of the whole rows: "loss" and the others as means weighted the same way,
+    much as one with more). `scale` multiplies every backward (a learner group's share).
+
+    `group` (a rank of a learner group): forwards and backwards are collectives there (DDP's
+    all-reduce, FSDP2's gathers), so every rank runs exactly `train.micro_batches` of them, a rank
+    with fewer groups than that repeating its first group at weight 0; under DDP all but the last
+    run without the all-reduce (`no_sync`), which then averages the accumulated gradients once.
+
+    Returns the statistics of the whole rows: "loss" and the others as means weighted the same way,
     *_min / *_max over the parts."""
-    agg, mask = learner.cfg.algorithm.agg, batch.rollout.mask
-    parts = micro_rows(rows, learner.cfg.train.samples_per_prompt, learner.cfg.train.micro_batches)
+    agg, mask, G = learner.cfg.algorithm.agg, batch.rollout.mask, learner.cfg.train.samples_per_prompt
+    n = learner.cfg.train.micro_batches
+    parts = micro_rows(rows, G, n)
     total = losses.denominator(mask[rows], agg).clamp(min=1)
+    weights = [1.0] if len(parts) == 1 else [float(losses.denominator(mask[p], agg) / total) for p in parts]
+    if group and len(parts) < n:
+        parts, weights = parts + [parts[0][:G]] * (n - len(parts)), weights + [0.0] * (n - len(parts))
+    no_sync = getattr(type(learner.policy), "no_sync", None)
     out: dict[str, float] = {}
-    for i, part in enumerate(parts):
-        w = 1.0 if len(parts) == 1 else float(losses.denominator(mask[part], agg) / total)
-        loss, stats = minibatch_loss(learner, batch, part, delta_rows)
-        (loss * (w * scale) if w * scale != 1.0 else loss).backward()
+    for i, (part, w) in enumerate(zip(parts, weights)):
+        local = no_sync is not None and i < len(parts) - 1
+        with learner.policy.no_sync() if local else contextlib.nullcontext():
+            loss, stats = minibatch_loss(learner, batch, part, delta_rows)
+            (loss * (w * scale) if w * scale != 1.0 else loss).backward()
         stats["loss"] = loss.item()
-        for k, v in stats.items():
-            if k.endswith("_min") or k.endswith("_max"):
-                out[k] = v if i == 0 else (min if k.endswith("_min") else max)(out[k], v)
+        for key, v in stats.items():
+            if key.endswith("_min") or key.endswith("_max"):
+                out[key] = v if i == 0 else (min if key.endswith("_min") else max)(out[key], v)
             else:
-                out[k] = out.get(k, 0.0) + w * v
+                out[key] = out.get(key, 0.0) + w * v
     return out
 
 
@@ -191,7 +203,7 @@ def learn(learner: Learner, batch: Batch, *, delta_rows: torch.Tensor | None = N
         for idx in minibatch_rows(learner, len(batch.groups.examples), G):
             mine, scale = (idx, None) if shard is None else shard.rows(idx, G, batch.rollout.mask, cfg.algorithm.agg)
             learner.opt.zero_grad(set_to_none=True)
-            stats = accumulate(view, batch, mine, delta_rows, 1.0 if scale is None else scale)
+            stats = accumulate(view, batch, mine, delta_rows, 1.0 if scale is None else scale, group=shard is not None)
             gnorm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
             if shard is not None:  # the whole minibatch's figures, the same on every rank
                 stats = shard.reduce(stats)

@@ -44,6 +44,11 @@ class DDPPolicy:
     def __call__(self, *args, **kwargs):
         return self._ddp(*args, **kwargs)
 
+    def no_sync(self):
+        """DDP's context in which backward passes accumulate gradients without the all-reduce (the next
+        backward outside it averages what was accumulated): rlvr.learn.accumulate's parts but the last."""
+        return self._ddp.no_sync()
+
     def __getattr__(self, name):
         return getattr(self._ddp.module, name)
 
