@@ -18,10 +18,9 @@ from safetensors.torch import load_file
 from rlvr import config as config_mod, losses, run
 from rlvr.distributed import fsdp, learners as learners_mod
 from rlvr.learn import learn
-from rlvr.rollout import Batch
 
-from test_distributed import (EXAMPLE, TINY, _cli_train, _uneven_batch, new_learner, one_group_for_two_ranks,  # noqa: F401
-                              ray_local, tiny_cfg)
+from test_distributed import (EXAMPLE, TINY, _cli_train, _uneven_batch, micro_batches_in_a_group,  # noqa: F401
+                              new_learner, one_group_for_two_ranks, ray_local, tiny_cfg)
 
 FSDP = ["--distributed.learners=2", "--distributed.sharding=fsdp2"]
 
@@ -112,21 +111,7 @@ def test_an_fsdp2_rank_without_groups_adds_nothing(ray_local):
 def test_fsdp2_ranks_in_micro_batches_make_the_one_learner_update(ray_local):
     # 3 groups over two ranks (2 and 1), train.micro_batches = 2: the rank with one group repeats it at
     # weight 0, since every sharded forward and backward is a collective both ranks must join
-    one = run.build(tiny_cfg(*FSDP))
-    two = run.build(tiny_cfg(*FSDP, "--train.micro_batches=2", "--distributed.timeout_s=60"))
-    l1, l2 = new_learner(one), new_learner(two)
-    full, G = _uneven_batch(one), one.cfg.train.samples_per_prompt
-    kept = full.groups.select(torch.arange(3), G)
-    batch = Batch(kept, [kept], full.delta[:3], full.logp_old[:3 * G], None, 0)
-    s1 = learn(l1, copy.deepcopy(batch))
-    group = learners_mod.LearnerGroup(two.cfg, l2)
-    try:
-        s2 = group.learn(batch)
-    finally:
-        group.close()
-    for (name, p1), p2 in zip(one.model.named_parameters(), two.model.parameters()):
-        torch.testing.assert_close(p1, p2, rtol=1e-4, atol=1e-6, msg=name)
-    assert math.isclose(s1["loss"], s2["loss"], rel_tol=1e-5, abs_tol=1e-6)
+    micro_batches_in_a_group(tuple(FSDP), 3, rtol=1e-4)
 
 
 def _fp32_moments(tmp_path: Path, args: tuple, init: dict, batch) -> dict:
