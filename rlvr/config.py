@@ -87,6 +87,11 @@ class ModelConfig:
     and let its G responses attend to the shared keys/values (same logits and gradients, less work)."""
     logprob_chunk_rows: int = 0
     """Compute log-softmax over this many rows at a time (large vocabularies); 0 = all at once."""
+    gradient_checkpointing: bool = False
+    """Hugging Face models: recompute each decoder layer in the backward instead of keeping its
+    activations: the backward keeps a layer's input and its q, k, v (rlvr.models.lean_llama's
+    checkpointed halves; transformers' own checkpointing for models outside the lean forward, whose
+    training forward then runs over whole rows), for one more forward of the layers' compute."""
 
 
 @dataclass
@@ -698,6 +703,8 @@ def validate(cfg: Config, source: str | None = None) -> None:
         bad("model.init", "model.init (an rlvr checkpoint) and model.path (a Hugging Face model) exclude each other")
     if m.lora_r and not m.path:
         bad("model.lora_r", "LoRA needs a Hugging Face model (model.path)")
+    if m.gradient_checkpointing and not m.path:
+        bad("model.gradient_checkpointing", "needs a Hugging Face model (model.path)")
     if m.lora_r and a.kl_coef > 0 and a.ref_refresh_every:
         bad("algorithm.ref_refresh_every", "with LoRA the reference is the adapter disabled (the initial model); "
             "it cannot be refreshed")

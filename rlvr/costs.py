@@ -43,7 +43,9 @@ Memory (`memory(...)`, the peak resident set a run reaches, in bytes; `b` = byte
                       keys (H S; the score matrix is materialised as a full rectangle), the attention
                       output (d); the MLP block's RMSNorm input and output (2d), gate and up outputs
                       (2f), SiLU(gate) and SiLU(gate) * up (2f); tokens = rows x (Lp + T), or
-                      P x Lp + rows x T with the prompt shared by its group
+                      P x Lp + rows x T with the prompt shared by its group; with gradient
+                      checkpointing tokens x b x (layers x (2d + 2 Hkv D) + that sum): each layer's
+                      input, q, k and v, and one layer recomputed at a time
       logits        = 4 x rows x T x V x 4 bytes (lm_head output, its copy joined with the prompt's
                       last position, the tempered copy, the saved log-softmax), or with
                       `model.logprob_chunk_rows` = c: 2 x rows x T x V x 4 + 3 x c x V x 4
@@ -76,6 +78,9 @@ class ModelShape:
     kv_heads: int          # Hkv (grouped-query attention: fewer key/value heads)
     head_dim: int          # D
     vocab: int             # V
+    checkpointed: bool = False
+    """The decoder layers are recomputed in the backward (model.gradient_checkpointing): the backward
+    keeps each layer's input and q, k, v, and one layer's activations at a time."""
 
 
 @dataclass
@@ -120,9 +125,12 @@ def kv_cache_bytes(shape: ModelShape, rows: int, prompt_len: int, response_len: 
 
 def activation_bytes(shape: ModelShape, tokens: int, keys: int, act_bytes: int) -> int:
     """Tensors the backward needs, over `tokens` trained tokens attending `keys` keys:
-    tokens x layers x b x (6d + 4f + 2 Hkv D + H keys)."""
+    tokens x layers x b x (6d + 4f + 2 Hkv D + H keys); checkpointed (`shape.checkpointed`), each
+    layer's input, q, k and v (tokens x layers x b x (2d + 2 Hkv D)) and one layer's activations."""
     s = shape
     per_token_layer = 6 * s.hidden + 4 * s.mlp + 2 * s.kv_heads * s.head_dim + s.heads * keys
+    if s.checkpointed:
+        return tokens * act_bytes * (s.layers * (2 * s.hidden + 2 * s.kv_heads * s.head_dim) + per_token_layer)
     return tokens * s.layers * act_bytes * per_token_layer
 
 

@@ -409,6 +409,8 @@ def _hf_policy(cfg: config_mod.Config, device: torch.device, log) -> tuple[Polic
         raise RunError(f"model.path = {mc.path!r}: {e}") from None
     if model.load_note:
         log(f"note: {model.load_note}")
+    if mc.gradient_checkpointing:
+        model.enable_gradient_checkpointing()
     return model, tokenizer
 
 
@@ -497,7 +499,8 @@ def model_shape(model: Policy) -> costs.ModelShape | None:
         return costs.ModelShape(
             layers=hf.num_hidden_layers, hidden=hf.hidden_size, mlp=getattr(hf, "intermediate_size", None)
             or 4 * hf.hidden_size, heads=heads, kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
-            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads, vocab=hf.vocab_size)
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads, vocab=hf.vocab_size,
+            checkpointed=bool(getattr(model, "gradient_checkpointing", False)))
     except (AttributeError, TypeError):
         return None
 

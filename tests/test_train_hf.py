@@ -258,3 +258,70 @@ def test_a_new_adapter_is_drawn_from_train_seed(model_dir):
     again, other = lora_a(0), lora_a(1)
     assert first and all(torch.equal(first[n], again[n]) for n in first)
     assert not any(torch.equal(first[n], other[n]) for n in first)
+
+
+@pytest.mark.parametrize("kind,lora", [("llama", 0), ("llama", 4), ("gemma", 4)])
+def test_gradient_checkpointing_recomputes_the_layers_for_the_same_gradient(tmp_path, kind, lora):
+    """model.gradient_checkpointing: a training forward's layers run again in the backward (the lean
+    forward's halves counted on a Llama, with the group's shared prompt; transformers' own on a Gemma,
+    counted with a pre-hook inside the layer), the gradient is the one without it; the price counts
+    the recompute in the training FLOPs and keeps the checkpointed activations; a run trains and exports."""
+    import dataclasses
+
+    import rlvr.models.lean_llama as lean
+    from rlvr import config as config_mod, costs, run, sampling
+
+    model_dir = make_model_dir(tmp_path / kind, kind, num_key_value_heads=2)
+    args = ["--train.prompts_per_step=4", "--train.samples_per_prompt=4", "--task.options={n = 3, heldout = 30}",
+            f"--model.path={model_dir}", f"--model.lora_r={lora}"]
+    plain = run.build(config_mod.load("examples/sort.toml", args), log=lambda *_: None)
+    ckpt = run.build(config_mod.load("examples/sort.toml", args + ["--model.gradient_checkpointing=true"]),
+                     log=lambda *_: None)
+    assert ckpt.model.gradient_checkpointing and not plain.model.gradient_checkpointing
+    lean_model = kind == "llama"
+    assert ckpt.model.differentiable_cache == lean_model          # transformers' checkpointing runs without a cache
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]] * 2)
+    am = torch.ones_like(ids)
+    grads = []
+    real_qkv = lean._qkv_in
+    for setup in (plain, ckpt):
+        calls = []
+        inner = setup.model._hf_model().model.layers[0].mlp        # inside transformers' checkpointed forward
+        hook = inner.register_forward_pre_hook(lambda *_: calls.append("layer"))
+        lean._qkv_in = lambda *a: calls.append("qkv") or real_qkv(*a)
+        try:
+            setup.model.train()
+            lp = sampling.sequence_token_logprobs(setup.model, (ids, am, 3), temperature=1.0, top_p=1.0,
+                                                  group_size=2)
+            forward = list(calls)
+            lp.sum().backward()
+        finally:
+            hook.remove()
+            lean._qkv_in = real_qkv
+        grads.append([p.grad.clone() for p in setup.model.trainable_params()])
+        if setup is ckpt:
+            what = "qkv" if lean_model else "layer"
+            assert forward.count(what) >= 1 and calls.count(what) == 2 * forward.count(what)
+        else:
+            assert "qkv" not in calls
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+    p_plain, p_ckpt = run.price_of(plain, rate=1e11, decode_s=0.01), run.price_of(ckpt, rate=1e11, decode_s=0.01)
+    shape = run.model_shape(ckpt.model)
+    assert shape.checkpointed and not run.model_shape(plain.model).checkpointed
+    assert p_ckpt.flops_train_per_batch > p_plain.flops_train_per_batch
+    Lp, T = p_ckpt.prompt_tokens, p_ckpt.max_new_tokens
+    tokens = 4 * Lp + 16 * T if lean_model else 16 * (Lp + T)    # the prompt once per group on the lean forward
+    assert p_ckpt.memory_activation_bytes == costs.activation_bytes(shape, tokens, Lp + T, 4)
+    assert p_ckpt.memory_activation_bytes < costs.activation_bytes(
+        dataclasses.replace(shape, checkpointed=False), tokens, Lp + T, 4)
+    assert train(tmp_path / "run", f"--model.path={model_dir}", f"--model.lora_r={lora}",
+                 "--model.gradient_checkpointing=true") == 0
+    assert (tmp_path / "run" / "hf" / "model.safetensors").is_file()
+
+
+def test_gradient_checkpointing_needs_a_hugging_face_model():
+    from rlvr import config as config_mod
+
+    with pytest.raises(config_mod.ConfigError, match="model.gradient_checkpointing: needs a Hugging Face model"):
+        config_mod.load("examples/sort.toml", ["--model.gradient_checkpointing=true"])

@@ -127,6 +127,9 @@ class HFPolicy(nn.Module):
         their left padding), and caches made for them, take the lean forward, where the window masks
         nothing; longer ones take transformers' forward, which applies it."""
         self._rope = RopeTable()
+        self.checkpoint_layers = False
+        """Training forwards with gradient run the lean forward's layers checkpointed
+        (``enable_gradient_checkpointing``)."""
 
     # ------------------------------------------------------------------ structure
     @property
@@ -175,7 +178,8 @@ class HFPolicy(nn.Module):
         if isinstance(cache, LeanCache) or (cache is None and self._lean_active(full_am.size(1))):
             with gpu_attention(ids.device):
                 logits = lean_forward(self._hf_model(), ids, full_am, positions, cache, logits_to_keep,
-                                      self._rope, self.config.block_size)
+                                      self._rope, self.config.block_size,
+                                      checkpoint=self.checkpoint_layers and self.training)
             if cache is not None:
                 cache.mask = full_am
                 cache.next_pos = cache.next_pos + am.sum(1)
@@ -236,6 +240,27 @@ class HFPolicy(nn.Module):
         # forward calls a layer's parts, never the layer, so its hooks would not run
         return not _layers_sharded(self._hf_model())
 
+    def enable_gradient_checkpointing(self) -> None:
+        """Recompute each decoder layer in the backward of a training forward: the lean forward's
+        checkpointed halves (``lean_forward(checkpoint=True)``: the shared prompt's cache still works),
+        or for a model outside the lean forward transformers' own (non-reentrant, so LoRA's frozen
+        inputs need no gradient hook), which runs a layer without a cache, so the training forward then
+        covers whole rows (``differentiable_cache`` False)."""
+        if self.fast_unsupported is None:
+            self.checkpoint_layers = True
+            return
+        hf = self._hf_model()
+        if hasattr(hf, "activation_checkpointing_enable"):      # transformers >= 5.2x's name
+            hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.differentiable_cache = False
+
+    @property
+    def gradient_checkpointing(self) -> bool:
+        """Whether a training forward recomputes its layers in the backward (``enable_gradient_checkpointing``)."""
+        return self.checkpoint_layers or bool(getattr(self._hf_model().model, "gradient_checkpointing", False))
+
     # ------------------------------------------------------------------ LoRA reference
     @contextlib.contextmanager
     def adapter_disabled(self):
@@ -281,7 +306,8 @@ class HFPolicy(nn.Module):
         config sets a wider head_dim: Qwen 3). ``seq_len`` is the mean number of keys a token attends
         to: pass the run's ``rlvr.costs.attended_keys(prompt_tokens, response_tokens)`` (``rlvr.costs.
         model_flops_per_token`` does); the default, ``block_size`` (the model's maximum context, 8,192
-        for SmolLM2), is only a loose upper bound.
+        for SmolLM2), is only a loose upper bound. With gradient checkpointing training adds the decoder
+        layers' forward once more (``2 (N - N_head) + 4 n_layer d_att seq_len``; the head is not recomputed).
         """
         cfg = self._hf_model().config.get_text_config() if hasattr(self.hf_config, "get_text_config") else self.hf_config
         n_layer = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer")
@@ -291,7 +317,9 @@ class HFPolicy(nn.Module):
         T = (self.config.block_size or 0) if seq_len is None else seq_len
         n, n_train = self._matmul_params()
         if training:
-            return round(4 * n + 2 * n_train + 12 * n_layer * d * T)
+            head = self._hf_model().get_output_embeddings()
+            recompute = (2 * (n - head.weight.numel()) + 4 * n_layer * d * T) if self.gradient_checkpointing else 0
+            return round(4 * n + 2 * n_train + 12 * n_layer * d * T + recompute)
         return round(2 * n + 4 * n_layer * d * T)
 
     # ------------------------------------------------------------------ save

@@ -30,6 +30,7 @@ import math
 import threading
 
 import torch
+import torch.utils.checkpoint
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -993,9 +994,45 @@ def _all_rows(t: torch.Tensor, live: torch.Tensor, B: int, bufs: dict, key: str)
     return buf.index_copy_(0, live, t)
 
 
+def _attention_masks(full_am: torch.Tensor, cache: LeanCache | None, past: int, L: int, Hkv: int, rep: int,
+                     dtype: torch.dtype, small: bool) -> tuple:
+    """(grouped, gmask, gchunks, addmask, sdpa_mask): the masks every layer of a forward shares, one
+    kind set, the others None (grouped False). A cache in the grouped layout: its boolean (P, G, L,
+    prefix + G * steps) mask and query chunks (``_group_chunks``); else with ``small`` one additive
+    (B*Hkv, rep*L, S) mask in ``dtype`` for the explicit products; else SDPA's boolean (B, 1, L, S)."""
+    B, S = full_am.size(0), past + L
+    if cache is not None and cache.group > 1:
+        gmask = _group_attend_mask(full_am, cache.prefix, cache.group, past, L)
+        return True, gmask, _group_chunks(gmask, Hkv, rep, dtype), None, None
+    if small:
+        addmask = _additive(_attend_mask(full_am, past, L), dtype)                # (B, L|1, S)
+        return False, None, None, addmask[:, None, None].expand(B, Hkv, rep, L, S).reshape(B * Hkv, rep * L, S), None
+    return False, None, None, None, _attend_mask(full_am, past, L)[:, None]       # (B, 1, L|1, S)
+
+
+def _qkv_in(layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, H: int, Hkv: int
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The first half of a decoder layer on the usual path (not weight-major): the input norm, then
+    the rotated q (B, L, H, D) and k, v (B, Hkv, L, D) (``_project_qkv``)."""
+    return _project_qkv(layer.self_attn, rms_norm(layer.input_layernorm, h), None, (cos, sin), H, Hkv, False)
+
+
+def _layer_out(layer: nn.Module, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               att: tuple) -> torch.Tensor:
+    """The rest of a decoder layer on the usual path: attention over k, v (the cache's, appended to;
+    ``att`` = (grouped, gmask, gchunks, addmask, sdpa_mask) as ``lean_forward`` built them), o_proj
+    and the residual, the MLP block and its residual -> the layer's output (B, L, d)."""
+    attn = layer.self_attn
+    grouped, gmask, gchunks, addmask, sdpa_mask = att
+    o = (_grouped_attention(q, k, v, gmask, gchunks, attn.scaling) if grouped
+         else _attention(q.transpose(1, 2), k, v, attn.scaling, addmask, sdpa_mask))
+    h = h + linear(attn.o_proj, o)
+    return h + _mlp(layer.mlp, rms_norm(layer.post_attention_layernorm, h))
+
+
 def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, positions: torch.Tensor,
                  cache: LeanCache | None, logits_to_keep: int | None, rope: RopeTable,
-                 block_size: int | None) -> torch.Tensor:
+                 block_size: int | None, checkpoint: bool = False) -> torch.Tensor:
     """Logits (B, L or logits_to_keep, V) in the weights' dtype of a stock ``LlamaForCausalLM`` (or a
     ``lean_families`` model).
 
@@ -1008,6 +1045,11 @@ def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, 
     only where ``_live_rows`` says so, and ``logits_to_keep`` applied before the final norm and head.
     A model with a sliding window takes sequences (``full_am``'s columns) no longer than it only
     (``sliding_window``; ValueError otherwise).
+
+    ``checkpoint`` (a training forward with gradient: model.gradient_checkpointing): each layer runs
+    as two checkpointed halves (``_qkv_in``, ``_layer_out``; torch.utils.checkpoint, non-reentrant)
+    with the cache append between them, so the backward keeps each layer's input and its q, k, v and
+    recomputes the rest; the append is not repeated by the recompute. The same numbers.
     """
     inner = hf_model.model
     B, L = ids.shape
@@ -1025,24 +1067,15 @@ def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, 
     H = cfg.num_attention_heads
     Hkv = getattr(cfg, "num_key_value_heads", None) or H
     rep = H // Hkv
-    grouped = cache is not None and cache.group > 1
-    small = ids.device.type == "cpu" and L * S <= SMALL_ATTENTION
     # Under CPU bf16 autocast the attention products cast their operands to bf16 (autocast's list):
     # the additive masks are built in bf16 once (0 and -inf are exact), and without gradient the
     # queries and the cached keys are cast once when made instead of at every layer's product (the
     # same values: a cast is elementwise), so a decode step does not re-cast the whole key cache.
     att_bf16 = _cpu_bf16_autocast(ids.device)
     kv_bf16 = att_bf16 and cache is not None and not torch.is_grad_enabled()
-    mask_dtype = torch.bfloat16 if att_bf16 else h.dtype
-    addmask = sdpa_mask = None
-    if grouped:  # one boolean mask shared by every layer: (P, G, L, prefix + G * steps)
-        gmask = _group_attend_mask(full_am, cache.prefix, cache.group, past, L)
-        gchunks = _group_chunks(gmask, Hkv, rep, mask_dtype)
-    elif small:  # one additive mask shared by every layer: (B*Hkv, rep*L, S)
-        addmask = _additive(_attend_mask(full_am, past, L), mask_dtype)          # (B, L|1, S)
-        addmask = addmask[:, None, None].expand(B, Hkv, rep, L, S).reshape(B * Hkv, rep * L, S)
-    else:
-        sdpa_mask = _attend_mask(full_am, past, L)[:, None]                      # (B, 1, L|1, S)
+    att = _attention_masks(full_am, cache, past, L, Hkv, rep, torch.bfloat16 if att_bf16 else h.dtype,
+                           small=ids.device.type == "cpu" and L * S <= SMALL_ATTENTION)
+    grouped, gmask, gchunks, addmask, sdpa_mask = att
 
     wm = _weight_major(h)                               # the products' dtype, or None: not weight-major
     # a no-gradient bf16 forward that is not weight-major (a prefill) makes the stacks decode reads
@@ -1051,9 +1084,16 @@ def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, 
     n, d = h.shape[0], h.size(-1)                                               # n: the rows computed
     if wm is not None:
         cosT, sinT = (c.reshape(n * L, c.size(-1)).t() for c in (cos, sin))   # (D, n*L)
+    checkpoint = checkpoint and torch.is_grad_enabled() and wm is None and live is None
     for li, layer in enumerate(inner.layers):
         attn = layer.self_attn
         D = attn.head_dim
+        if checkpoint:
+            q, k, v = torch.utils.checkpoint.checkpoint(_qkv_in, layer, h, cos, sin, H, Hkv, use_reentrant=False)
+            if cache is not None:
+                k, v = cache.append(li, k, v)
+            h = torch.utils.checkpoint.checkpoint(_layer_out, layer, h, q, k, v, att, use_reentrant=False)
+            continue
         x = rms_norm(layer.input_layernorm, h)
         if prestack:
             _prestack(layer)
@@ -1077,7 +1117,6 @@ def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, 
         else:
             h = h + linear(attn.o_proj, o)
             h = h + _mlp(layer.mlp, rms_norm(layer.post_attention_layernorm, h))
-
     k_keep = int(logits_to_keep) if logits_to_keep is not None else 0
     if 0 < k_keep < L:
         h = h[:, -k_keep:]
