@@ -260,8 +260,9 @@ def test_a_new_adapter_is_drawn_from_train_seed(model_dir):
     assert not any(torch.equal(first[n], other[n]) for n in first)
 
 
-@pytest.mark.parametrize("kind,lora", [("llama", 0), ("llama", 4), ("gemma", 4)])
-def test_gradient_checkpointing_recomputes_the_layers_for_the_same_gradient(tmp_path, kind, lora):
+@pytest.mark.parametrize("kind,lora,autocast", [("llama", 0, "off"), ("llama", 4, "off"), ("llama", 4, "bf16"),
+                                                ("gemma", 4, "off")])
+def test_gradient_checkpointing_recomputes_the_layers_for_the_same_gradient(tmp_path, kind, lora, autocast):
     """model.gradient_checkpointing: a training forward's layers run again in the backward (the lean
     forward's halves counted on a Llama, with the group's shared prompt; transformers' own on a Gemma,
     counted with a pre-hook inside the layer), the gradient is the one without it; the price counts
@@ -273,7 +274,7 @@ def test_gradient_checkpointing_recomputes_the_layers_for_the_same_gradient(tmp_
 
     model_dir = make_model_dir(tmp_path / kind, kind, num_key_value_heads=2)
     args = ["--train.prompts_per_step=4", "--train.samples_per_prompt=4", "--task.options={n = 3, heldout = 30}",
-            f"--model.path={model_dir}", f"--model.lora_r={lora}"]
+            f"--model.path={model_dir}", f"--model.lora_r={lora}", f"--model.autocast={autocast}"]
     plain = run.build(config_mod.load("examples/sort.toml", args), log=lambda *_: None)
     ckpt = run.build(config_mod.load("examples/sort.toml", args + ["--model.gradient_checkpointing=true"]),
                      log=lambda *_: None)
@@ -291,8 +292,9 @@ def test_gradient_checkpointing_recomputes_the_layers_for_the_same_gradient(tmp_
         lean._qkv_in = lambda *a: calls.append("qkv") or real_qkv(*a)
         try:
             setup.model.train()
-            lp = sampling.sequence_token_logprobs(setup.model, (ids, am, 3), temperature=1.0, top_p=1.0,
-                                                  group_size=2)
+            with setup.numerics.context():                      # bf16: the recompute runs under it too
+                lp = sampling.sequence_token_logprobs(setup.model, (ids, am, 3), temperature=1.0, top_p=1.0,
+                                                      group_size=2)
             forward = list(calls)
             lp.sum().backward()
         finally:
