@@ -572,8 +572,9 @@ def check_memory(cfg: config_mod.Config, price: costs.Price, available: int | No
             f"{price.memory_peak_phase}; {held * gib:.2f} GiB already held, {needed * gib:.2f} GiB more), but the "
             f"machine has {available * gib:.2f} GiB available (MemAvailable).{_parts_that_fit(cfg, price, held + available)}"
             f" Lower train.prompts_per_step, train.samples_per_prompt or sampling.max_new_tokens, raise "
-            f"train.micro_batches (the same update) or train.minibatches, set model.logprob_chunk_rows, or set "
-            f"train.memory_check = false to start anyway ({price.memory_line()})")
+            f"train.micro_batches (the same update) or train.minibatches, set model.logprob_chunk_rows"
+            f"{', model.gradient_checkpointing = true' if cfg.model.path and not cfg.model.gradient_checkpointing else ''}"
+            f", or set train.memory_check = false to start anyway ({price.memory_line()})")
 
 
 def _parts_that_fit(cfg: config_mod.Config, price: costs.Price, limit: int) -> str:

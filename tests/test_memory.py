@@ -97,6 +97,9 @@ def test_the_refusal_names_the_micro_batches_that_fit(monkeypatch):
         run.check_memory(cfg, p)
     assert ("With train.micro_batches = 3 (the same update, 3 forward/backward parts a minibatch) the predicted "
             "peak is 3.17 GiB, which fits." in str(e.value))
+    assert "model.gradient_checkpointing" not in str(e.value)                # the built-in model has none
+    with pytest.raises(run.RunError, match="model.gradient_checkpointing = true, or set train.memory_check"):
+        run.check_memory(config_mod.load(None, ["--train.prompts_per_step=8", "--model.path=some/hf-model"]), p)
     p.memory_kv_cache_bytes = 5 * 2**30                                     # sampling would not fit either
     with pytest.raises(run.RunError) as e:
         run.check_memory(cfg, p)
