@@ -78,7 +78,9 @@ def test_other_architectures_train_and_export(tmp_path, kind, lora, capsys):
     (no SDPA in transformers: eager attention, with a note) and Phi-3 (fused qkv_proj; no peft default
     targets, so "all-linear") train 2 steps through transformers' forward with GQA, and export hf/ that
     transformers loads; under LoRA only the adapted modules change in the merged export."""
-    model_dir = make_model_dir(tmp_path / kind, kind, num_key_value_heads=2)
+    from rlvr.distributed.fsdp import blocks
+
+    model_dir = make_model_dir(tmp_path / kind, kind, **({} if kind == "gpt2" else {"num_key_value_heads": 2}))
     from rlvr.models.hf import load_policy
 
     # Qwen 2, Qwen 3 and Mistral (its default sliding window, 4,096, masks nothing here) take the lean forward
@@ -261,10 +263,10 @@ def test_a_new_adapter_is_drawn_from_train_seed(model_dir):
 
 
 @pytest.mark.parametrize("kind,lora,autocast", [("llama", 0, "off"), ("llama", 4, "off"), ("llama", 4, "bf16"),
-                                                ("gemma", 4, "off")])
+                                                ("gemma", 4, "off"), ("gpt2", 0, "off")])
 def test_gradient_checkpointing_recomputes_the_layers_for_the_same_gradient(tmp_path, kind, lora, autocast):
     """model.gradient_checkpointing: a training forward's layers run again in the backward (the lean
-    forward's halves counted on a Llama, with the group's shared prompt; transformers' own on a Gemma,
+    forward's halves counted on a Llama, with the group's shared prompt; transformers' own on Gemma and GPT-2,
     counted with a pre-hook inside the layer), the gradient is the one without it; the price counts
     the recompute in the training FLOPs and keeps the checkpointed activations; a run trains and exports."""
     import dataclasses
@@ -272,7 +274,9 @@ def test_gradient_checkpointing_recomputes_the_layers_for_the_same_gradient(tmp_
     import rlvr.models.lean_llama as lean
     from rlvr import config as config_mod, costs, run, sampling
 
-    model_dir = make_model_dir(tmp_path / kind, kind, num_key_value_heads=2)
+    from rlvr.distributed.fsdp import blocks
+
+    model_dir = make_model_dir(tmp_path / kind, kind, **({} if kind == "gpt2" else {"num_key_value_heads": 2}))
     args = ["--train.prompts_per_step=4", "--train.samples_per_prompt=4", "--task.options={n = 3, heldout = 30}",
             f"--model.path={model_dir}", f"--model.lora_r={lora}", f"--model.autocast={autocast}"]
     plain = run.build(config_mod.load("examples/sort.toml", args), log=lambda *_: None)
@@ -287,7 +291,7 @@ def test_gradient_checkpointing_recomputes_the_layers_for_the_same_gradient(tmp_
     real_qkv = lean._qkv_in
     for setup in (plain, ckpt):
         calls = []
-        inner = setup.model._hf_model().model.layers[0].mlp        # inside transformers' checkpointed forward
+        inner = blocks(setup.model._hf_model())[0].mlp            # inside transformers' checkpointed forward
         hook = inner.register_forward_pre_hook(lambda *_: calls.append("layer"))
         lean._qkv_in = lambda *a: calls.append("qkv") or real_qkv(*a)
         try:

@@ -259,7 +259,9 @@ class HFPolicy(nn.Module):
     @property
     def gradient_checkpointing(self) -> bool:
         """Whether a training forward recomputes its layers in the backward (``enable_gradient_checkpointing``)."""
-        return self.checkpoint_layers or bool(getattr(self._hf_model().model, "gradient_checkpointing", False))
+        # transformers' own flag, on whichever modules carry it (GPT-2's live under .transformer)
+        return self.checkpoint_layers or any(getattr(m, "gradient_checkpointing", False) is True
+                                             for m in self._hf_model().modules())
 
     # ------------------------------------------------------------------ LoRA reference
     @contextlib.contextmanager
