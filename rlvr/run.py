@@ -186,10 +186,11 @@ DECODE_PROBE_STEPS = 3
 def decode_step_seconds(setup: Setup) -> float:
     """Seconds of one decode step of this run's sampling, measured on its own policy: the P x G rows
     of a step after a prompt of the longest prompt's length, through `rlvr.sampling.generate` (the
-    forward, the tempered log-softmax and the draw) under the run's numerics. One prompt's row
-    repeated P x G times (its prefill is cheap); a warm-up call (on a GPU with as many tokens as the
-    timed one: it pays for its first kernel choices per cache length, ~0.1 s each on an H200; on a
-    CPU 2 tokens), then 1 and 1 + DECODE_PROBE_STEPS timed, the difference over DECODE_PROBE_STEPS.
+    forward, the tempered log-softmax and the draw) under the run's numerics. P copies of one
+    prompt, G samples each: the cache layout of a real step (on the CPU a prompt's G rows share its
+    columns, ``LeanCache.repeat_interleave``; one prompt with P x G samples would not take that
+    layout); a warm-up call (on a GPU with as many tokens as the timed one: it pays for its first
+    kernel choices per cache length, ~0.1 s each on an H200; on a CPU 2 tokens), then 1 and 1 + DECODE_PROBE_STEPS timed, the difference over DECODE_PROBE_STEPS.
     No gradient; the run's generators untouched.
     0.0 when sampling runs in rollout workers (elsewhere) or a response has a single token."""
     cfg, model, device = setup.cfg, setup.model, setup.device
@@ -197,15 +198,16 @@ def decode_step_seconds(setup: Setup) -> float:
     if cfg.distributed.rollout_workers > 0 or n < 1:
         return 0.0
     prompt = [setup.tokenizer.pad_id] * max(1, setup.limits.prompt_tokens)
+    P = cfg.train.prompts_per_step
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def timed(tokens: int) -> float:
         t = time.perf_counter()
         with torch.no_grad(), setup.numerics.context():
-            sampling.generate(model, [prompt], samples_per_prompt=cfg.train.prompts_per_step * cfg.train.samples_per_prompt,
+            sampling.generate(model, [prompt] * P, samples_per_prompt=cfg.train.samples_per_prompt,
                               max_new_tokens=tokens, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
                               eos_id=None, pad_id=setup.tokenizer.pad_id,
-                              generators=sampling.prompt_generators(0, 0, 1, device=device))
+                              generators=sampling.prompt_generators(0, 0, P, device=device))
         sync()
         return time.perf_counter() - t
 

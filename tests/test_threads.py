@@ -174,11 +174,13 @@ def test_decode_step_is_measured_on_the_runs_policy_unless_workers_sample(monkey
     setup.model.train()
     got = run.decode_step_seconds(setup)
     assert got > 0 and setup.model.training                       # measured; the model's mode restored
-    rows = setup.cfg.train.prompts_per_step * setup.cfg.train.samples_per_prompt
+    P, G = setup.cfg.train.prompts_per_step, setup.cfg.train.samples_per_prompt
+    assert P > 1 and G > 1
     n = min(run.DECODE_PROBE_STEPS, setup.limits.max_new_tokens - 1)
     assert [kw["max_new_tokens"] for _, kw in calls] == [2, 1, 1 + n]       # CPU warm-up, then 1 and 1 + n tokens
-    assert all(kw["samples_per_prompt"] == rows and len(p) == 1 and len(p[0]) == setup.limits.prompt_tokens
-               and kw["eos_id"] is None for p, kw in calls)
+    # a real step's shape: P prompts of G samples each (the grouped cache layout), not one prompt x P*G
+    assert all(kw["samples_per_prompt"] == G and len(p) == P
+               and all(len(x) == setup.limits.prompt_tokens for x in p) and kw["eos_id"] is None for p, kw in calls)
     price = run.price_of(setup, rate=1e9, decode_s=0.25)
     assert price.decode_step_s == 0.25 and price.wall_seconds_expected > price.wall_seconds_estimate
     setup.cfg.distributed.rollout_workers = 2                     # sampled elsewhere: nothing measured here
