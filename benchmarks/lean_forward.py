@@ -1,6 +1,6 @@
 """rlvr's lean forward against transformers' forward on real model shapes (random weights, CPU).
 
-    python benchmarks/lean_forward.py [--arch qwen2.5-0.5b|llama3.2-1b|smollm2-135m] [--rounds 3] [--numerics bf16|fp32]
+    python benchmarks/lean_forward.py [--arch qwen2.5-0.5b|llama3.2-1b|smollm2-135m|gemma3-270m] [--rounds 3] [--numerics bf16|fp32]
 
 Builds the architecture's config with random weights (no download; Qwen 2's zero-initialised
 q/k/v biases are drawn non-zero so that they count), wraps it in a LoRA adapter (r = 16, peft's
@@ -37,6 +37,12 @@ ARCHS = {
     "smollm2-135m": ("llama", dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
                                    rope_theta=1e5, tie_word_embeddings=True)),
+    # Gemma 3 270M: 5 sliding-window layers (512, base 10,000) to each full one (base 1e6); responses here
+    # stay inside the window, where the lean forward runs
+    "gemma3-270m": ("gemma3_text", dict(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+                                        num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                                        max_position_embeddings=32768, sliding_window=512, query_pre_attn_scalar=256,
+                                        tie_word_embeddings=True)),
 }
 P, G, PROMPT, NEW, TEMPERATURE = 8, 8, 47, 16, 0.7
 

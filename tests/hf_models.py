@@ -51,6 +51,8 @@ def make_model_dir(path, kind="llama", *, pad=True, chat=False, tokenizer=True, 
                     m.bias.normal_(0, 0.5)
                 if name.endswith(("q_norm", "k_norm")):                  # and Qwen 3's head norms away from 1
                     m.weight.uniform_(0.5, 1.5)
+                elif name.endswith("norm") and not m.weight.any():     # Gemma's x * (1 + w) norms away from 0
+                    m.weight.normal_(0, 0.3)
     else:  # GPT-2 keeps its default dropouts (0.1): load_policy must zero them
         cfg = GPT2Config(vocab_size=48, n_embd=64, n_layer=2, n_head=4, n_positions=64,
                          bos_token_id=1, eos_token_id=2)

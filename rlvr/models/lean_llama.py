@@ -1,6 +1,6 @@
 """The lean Llama forward: a stock ``LlamaForCausalLM``'s own weights with transformers' glue replaced
-(and Mistral's, Qwen 2's, Qwen 3's: the same layers, Qwen 2 with q/k/v biases, Qwen 3 with per-head
-q/k norms; ``lean_families``).
+(and Mistral's, Qwen 2's, Qwen 3's, Gemma 3's: the same layers, Qwen 2 with q/k/v biases, Qwen 3 with
+per-head q/k norms, Gemma 3 with those and norms around its attention and MLP; ``lean_families``).
 
 ``lean_forward`` calls the model's weight-holding submodules (embeddings, norms, q/k/v/o
 projections, MLPs, head; so peft LoRA layers and ``disable_adapter()`` act as usual) but replaces
@@ -14,8 +14,8 @@ q/k/v and gate/up each in one product from stacked copies, the head from a prepa
 
 ``lean_llama_unsupported(model)`` / ``peft_unsupported(model)`` say why a model cannot take this
 path (None = it can): it needs a plain ``LlamaForCausalLM``, ``MistralForCausalLM``,
-``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM`` (static RoPE over the full head dim: ``STATIC_ROPE``,
-no sliding window, no attention dropout) and, under peft, LoRA adapters only.
+``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` or ``Gemma3ForCausalLM`` (static RoPE over the full head
+dim: ``STATIC_ROPE``, no attention dropout, no soft-capping) and, under peft, LoRA adapters only.
 
 Shapes: B rows, L tokens in this call, S keys attended (cache length + L), H query heads, Hkv
 key/value heads, D head dim, rep = H // Hkv.
@@ -217,19 +217,24 @@ _FAMILIES: dict = {}
 
 def lean_families() -> dict[type, tuple[type, type, type, type]]:
     """The causal-LM classes the lean forward runs, each with its (model, decoder layer, attention,
-    MLP) classes: Llama, Mistral, Qwen 2 and Qwen 3, whose layers compute the same function (RMSNorm,
-    rotary q/k, grouped-query attention, SiLU-gated MLP); Qwen 2's q/k/v projections carry biases,
-    which the products here add as its Linear layers do, and Qwen 3 normalizes each query and key
-    head before the rotation (``q_norm`` / ``k_norm``, ``_head_norm_t``). Those transformers lacks
-    are left out."""
+    MLP) classes: Llama, Mistral, Qwen 2, Qwen 3 and Gemma 3 (text), whose layers compute the same
+    function (RMSNorm, rotary q/k, grouped-query attention, gated MLP); Qwen 2's q/k/v projections
+    carry biases, which the products here add as its Linear layers do, and Qwen 3 and Gemma 3
+    normalize each query and key head before the rotation (``q_norm`` / ``k_norm``,
+    ``_head_norm_t``). Gemma 3 also normalizes the attention's and the MLP's outputs before their
+    residual adds (``_sandwich``), scales its embeddings (its embedding module does), computes
+    RMSNorm as x * (1 + w) (its norm modules are called), gates with tanh-GELU (its ``act_fn``) and
+    has a rotary table per layer type (``layer_rope_types``). Those transformers lacks are left out."""
     if not _FAMILIES:
         import importlib
 
-        for mod, prefix in (("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2"), ("qwen3", "Qwen3")):
+        for mod, prefix, inner in (("llama", "Llama", "Model"), ("mistral", "Mistral", "Model"),
+                                   ("qwen2", "Qwen2", "Model"), ("qwen3", "Qwen3", "Model"),
+                                   ("gemma3", "Gemma3", "TextModel")):
             try:
                 m = importlib.import_module(f"transformers.models.{mod}.modeling_{mod}")
                 _FAMILIES[getattr(m, f"{prefix}ForCausalLM")] = tuple(
-                    getattr(m, f"{prefix}{part}") for part in ("Model", "DecoderLayer", "Attention", "MLP"))
+                    getattr(m, f"{prefix}{part}") for part in (inner, "DecoderLayer", "Attention", "MLP"))
             except (ImportError, AttributeError):  # pragma: no cover - an older transformers
                 continue
     return _FAMILIES
@@ -238,10 +243,11 @@ def lean_families() -> dict[type, tuple[type, type, type, type]]:
 def lean_llama_unsupported(hf_model: nn.Module) -> str | None:
     """Why the lean Llama forward cannot run ``hf_model`` (None = it can).
 
-    The lean path needs a plain ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` or
-    ``Qwen3ForCausalLM`` (exact class, its own model, layer and attention classes: ``lean_families``;
-    another MLP module is called as it is), static RoPE (``STATIC_ROPE``) over the full head dim and
-    no attention dropout. A sliding window is no reason: it masks nothing in a sequence no longer than
+    The lean path needs a plain ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
+    ``Qwen3ForCausalLM`` or ``Gemma3ForCausalLM`` (exact class, its own model, layer and attention
+    classes: ``lean_families``; another MLP module is called as it is), static RoPE (``STATIC_ROPE``;
+    each table's, where there is one per layer type: ``layer_rope_types``) over the full head dim, no
+    attention dropout, no logit soft-capping and causal attention. A sliding window is no reason: it masks nothing in a sequence no longer than
     it, and the caller keeps longer ones off the lean forward (``sliding_window``).
     """
     families = lean_families()
@@ -262,18 +268,28 @@ def lean_llama_unsupported(hf_model: nn.Module) -> str | None:
     rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
     if not isinstance(rope, dict):
         return f"unsupported rope parameters {rope!r}"
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in STATIC_ROPE:
-        return f"rope_type {rope_type!r} (the lean forward takes {', '.join(repr(t) for t in STATIC_ROPE)})"
-    if rope.get("partial_rotary_factor", 1.0) not in (None, 1.0):
-        return "partial rotary embedding"
+    rot = getattr(inner, "rotary_emb", None)
+    keys = sorted({t for t in layer_rope_types(hf_model) if t is not None})
+    for key in keys or [None]:          # Gemma 3: one table per layer type, each with its own parameters
+        params = rope if key is None else rope.get(key) or {}
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type not in STATIC_ROPE:
+            return f"rope_type {rope_type!r} (the lean forward takes {', '.join(repr(t) for t in STATIC_ROPE)})"
+        if params.get("partial_rotary_factor", 1.0) not in (None, 1.0):
+            return "partial rotary embedding"
+        scaling = getattr(rot, "attention_scaling" if key is None else f"{key}_attention_scaling", 1.0)
+        if rot is not None and float(scaling if scaling is not None else 1.0) != 1.0:
+            return "rotary attention_scaling != 1"
+        if (rope_type != "default" or key is not None) and _inv_freq_buffer(rot, key) is None:
+            # RopeTable's own formula is the default single table's
+            return f"rope_type {rope_type!r} without the rotary module's inv_freq buffer"
     if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
         return "pretraining_tp > 1"
-    rot = getattr(inner, "rotary_emb", None)
-    if rot is not None and float(getattr(rot, "attention_scaling", 1.0)) != 1.0:
-        return "rotary attention_scaling != 1"
-    if rope_type != "default" and getattr(rot, "inv_freq", None) is None:   # RopeTable's formula is the default's
-        return f"rope_type {rope_type!r} without the rotary module's inv_freq buffer"
+    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if getattr(cfg, name, None) is not None:
+            return f"{name} = {getattr(cfg, name)} (the lean forward does not soft-cap)"
+    if getattr(cfg, "use_bidirectional_attention", False):
+        return "bidirectional attention"
     for layer in layers:
         if float(getattr(layer.self_attn, "attention_dropout", 0.0) or 0.0) != 0.0:
             return "attention dropout > 0"
@@ -326,17 +342,18 @@ class RopeTable:
         self._tables: dict = {}
 
     def __call__(self, hf_model: nn.Module, positions: torch.Tensor, dtype: torch.dtype,
-                 block_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (B, L, 1, D) in ``dtype`` for ``positions`` (B, L) (all < ``block_size``).
+                 block_size: int | None, key: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (B, L, 1, D) in ``dtype`` for ``positions`` (B, L) (all < ``block_size``), from
+        rotary table ``key`` (``layer_rope_types``; None: the model's one table).
 
         As transformers does: ``freqs = pos.float() * inv_freq`` in float32, ``emb = cat(freqs,
         freqs)``, cos / sin in float32, cast to the activations' dtype. ``sin`` is returned with its
         first half negated so that ``rotate_half(x) * sin == x.roll(D // 2, -1) * sin_signed``
         (exactly: negation is exact).
         """
-        inv_freq = _inv_freq(hf_model, positions.device)
+        inv_freq = _inv_freq(hf_model, positions.device, key)
         dev = positions.device
-        key = (dev, dtype, inv_freq.data_ptr(), inv_freq.dtype, inv_freq._version)
+        key = (dev, dtype, key, inv_freq.data_ptr(), inv_freq.dtype, inv_freq._version)
         tab = self._tables.get(key)
         need = block_size if block_size is not None else (int(positions.max()) + 1 if positions.numel() else 1)
         if tab is None or tab[0].size(0) < need:
@@ -346,16 +363,35 @@ class RopeTable:
             cos_h, sin_h = freqs.cos(), freqs.sin()
             cos = torch.cat([cos_h, cos_h], dim=-1).to(dtype)
             sin = torch.cat([-sin_h, sin_h], dim=-1).to(dtype)
-            self._tables = {k: v for k, v in self._tables.items() if k[:2] != key[:2]}  # stale
+            self._tables = {k: v for k, v in self._tables.items() if k[:3] != key[:3]}  # stale
             tab = self._tables[key] = (cos, sin)
         cos, sin = tab
         return cos[positions].unsqueeze(2), sin[positions].unsqueeze(2)
 
 
-def _inv_freq(hf_model: nn.Module, device) -> torch.Tensor:
-    """The model's rotary ``inv_freq`` buffer (D/2,), or the default-RoPE formula from its config."""
+def layer_rope_types(hf_model: nn.Module) -> list[str | None]:
+    """Each decoder layer's rotary table: None for all of them when the rotary module holds one
+    table (``inv_freq``), else the layer's type (Gemma 3: ``sliding_attention`` layers rotate with
+    base 10,000, ``full_attention`` ones with their own base and scaling: the module's
+    ``{type}_inv_freq``)."""
+    inner = hf_model.model
+    n = len(inner.layers)
+    rot = getattr(inner, "rotary_emb", None)
+    if not getattr(rot, "layer_types", None):
+        return [None] * n
+    return list(hf_model.config.layer_types[:n])
+
+
+def _inv_freq_buffer(rot: nn.Module | None, key: str | None) -> torch.Tensor | None:
+    """The rotary module's inverse frequencies for table ``key`` (None: its one ``inv_freq``)."""
+    return getattr(rot, "inv_freq" if key is None else f"{key}_inv_freq", None)
+
+
+def _inv_freq(hf_model: nn.Module, device, key: str | None = None) -> torch.Tensor:
+    """The model's rotary ``inv_freq`` buffer (D/2,) (table ``key``: ``layer_rope_types``), or the
+    default-RoPE formula from its config."""
     rot = getattr(hf_model.model, "rotary_emb", None)
-    inv_freq = getattr(rot, "inv_freq", None)
+    inv_freq = _inv_freq_buffer(rot, key)
     if inv_freq is not None:
         return inv_freq
     cfg = hf_model.config  # pragma: no cover - stock Llama always has the buffer
@@ -1010,11 +1046,45 @@ def _attention_masks(full_am: torch.Tensor, cache: LeanCache | None, past: int, 
     return False, None, None, None, _attend_mask(full_am, past, L)[:, None]       # (B, 1, L|1, S)
 
 
+def _rope_tables(hf_model: nn.Module, rope: RopeTable, positions: torch.Tensor, dtype: torch.dtype,
+                 block_size: int | None, transposed: bool) -> tuple[list, dict]:
+    """(each layer's rotary table key, ``layer_rope_types``; {key: (cos, sin)}) for ``positions``
+    (n, L): each (n, L, 1, D), or ``transposed`` (D, n*L) for the weight-major products."""
+    keys = layer_rope_types(hf_model)
+    tables = {k: rope(hf_model, positions, dtype, block_size, k) for k in set(keys)}
+    if transposed:
+        tables = {k: tuple(c.reshape(-1, c.size(-1)).t() for c in t) for k, t in tables.items()}
+    return keys, tables
+
+
 def _qkv_in(layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, H: int, Hkv: int
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The first half of a decoder layer on the usual path (not weight-major): the input norm, then
     the rotated q (B, L, H, D) and k, v (B, Hkv, L, D) (``_project_qkv``)."""
     return _project_qkv(layer.self_attn, rms_norm(layer.input_layernorm, h), None, (cos, sin), H, Hkv, False)
+
+
+def _sandwich(layer: nn.Module) -> bool:
+    """Whether a decoder layer normalizes its attention's and its MLP's outputs before their residual
+    adds (Gemma 3: ``post_attention_layernorm`` on the attention's output, ``pre_feedforward_layernorm``
+    before the MLP, ``post_feedforward_layernorm`` after it); a Llama layer's ``post_attention_layernorm``
+    is its MLP's input norm."""
+    return layer._modules.get("pre_feedforward_layernorm") is not None      # a dict lookup: called per layer and step
+
+
+def _attn_residual(layer: nn.Module, a: torch.Tensor) -> torch.Tensor:
+    """What a layer adds to its residual stream from its attention block's output ``a`` (o_proj's)."""
+    return rms_norm(layer.post_attention_layernorm, a) if _sandwich(layer) else a
+
+
+def _mlp_norm(layer: nn.Module) -> nn.Module:
+    """A layer's norm before its MLP."""
+    return layer.pre_feedforward_layernorm if _sandwich(layer) else layer.post_attention_layernorm
+
+
+def _mlp_residual(layer: nn.Module, m: torch.Tensor) -> torch.Tensor:
+    """What a layer adds to its residual stream from its MLP's output ``m``."""
+    return rms_norm(layer.post_feedforward_layernorm, m) if _sandwich(layer) else m
 
 
 def _layer_out(layer: nn.Module, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -1026,8 +1096,8 @@ def _layer_out(layer: nn.Module, h: torch.Tensor, q: torch.Tensor, k: torch.Tens
     grouped, gmask, gchunks, addmask, sdpa_mask = att
     o = (_grouped_attention(q, k, v, gmask, gchunks, attn.scaling) if grouped
          else _attention(q.transpose(1, 2), k, v, attn.scaling, addmask, sdpa_mask))
-    h = h + linear(attn.o_proj, o)
-    return h + _mlp(layer.mlp, rms_norm(layer.post_attention_layernorm, h))
+    h = h + _attn_residual(layer, linear(attn.o_proj, o))
+    return h + _mlp_residual(layer, _mlp(layer.mlp, rms_norm(_mlp_norm(layer), h)))
 
 
 def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, positions: torch.Tensor,
@@ -1061,7 +1131,6 @@ def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, 
     if live is not None:
         ids, positions = ids[live], positions[live]                              # (n, 1)
     h = inner.embed_tokens(ids)                                                  # (n, L, d); n = B or live
-    cos, sin = rope(hf_model, positions, h.dtype, block_size)                    # (n, L, 1, D)
 
     cfg = hf_model.config
     H = cfg.num_attention_heads
@@ -1082,12 +1151,12 @@ def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, 
     prestack = (wm is None and att_bf16 and not torch.is_grad_enabled()
                 and getattr(_SCOPE, "weights", None) is not None)
     n, d = h.shape[0], h.size(-1)                                               # n: the rows computed
-    if wm is not None:
-        cosT, sinT = (c.reshape(n * L, c.size(-1)).t() for c in (cos, sin))   # (D, n*L)
+    rope_keys, tables = _rope_tables(hf_model, rope, positions, h.dtype, block_size, wm is not None)
     checkpoint = checkpoint and torch.is_grad_enabled() and wm is None and live is None
     for li, layer in enumerate(inner.layers):
         attn = layer.self_attn
         D = attn.head_dim
+        cos, sin = tables[rope_keys[li]]                # (n, L, 1, D); weight-major: (D, n*L)
         if checkpoint:
             q, k, v = torch.utils.checkpoint.checkpoint(_qkv_in, layer, h, cos, sin, H, Hkv, use_reentrant=False)
             if cache is not None:
@@ -1097,7 +1166,7 @@ def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, 
         x = rms_norm(layer.input_layernorm, h)
         if prestack:
             _prestack(layer)
-        q, k, v = _project_qkv(attn, x, wm, (cos, sin) if wm is None else (cosT, sinT), H, Hkv, kv_bf16)
+        q, k, v = _project_qkv(attn, x, wm, (cos, sin), H, Hkv, kv_bf16)
         if kv_bf16:
             q, k = q.to(torch.bfloat16), k.to(torch.bfloat16)
         if live is not None:                                                     # every row, zeros if finished
@@ -1111,12 +1180,12 @@ def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, 
         if live is not None:
             o = o.index_select(0, live)                                          # (n, L, H*D)
         if wm is not None:
-            h = h + linear_t(attn.o_proj, o.view(n * L, H * D).to(wm).t()).t().view(n, L, d)
-            x = rms_norm(layer.post_attention_layernorm, h).view(n * L, d)
-            h = h + _mlp_t(layer.mlp, x, wm).t().view(n, L, d)
+            h = h + _attn_residual(layer, linear_t(attn.o_proj, o.view(n * L, H * D).to(wm).t()).t().view(n, L, d))
+            x = rms_norm(_mlp_norm(layer), h).view(n * L, d)
+            h = h + _mlp_residual(layer, _mlp_t(layer.mlp, x, wm).t().view(n, L, d))
         else:
-            h = h + linear(attn.o_proj, o)
-            h = h + _mlp(layer.mlp, rms_norm(layer.post_attention_layernorm, h))
+            h = h + _attn_residual(layer, linear(attn.o_proj, o))
+            h = h + _mlp_residual(layer, _mlp(layer.mlp, rms_norm(_mlp_norm(layer), h)))
     k_keep = int(logits_to_keep) if logits_to_keep is not None else 0
     if 0 < k_keep < L:
         h = h[:, -k_keep:]
