@@ -335,8 +335,8 @@ FAST_VARIANTS = {
     "qwen2_lora": ({"kind": "qwen2", "num_key_value_heads": 2},
                    LoraSpec(r=4, alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"])),
     "mistral": ({"kind": "mistral", "num_key_value_heads": 2, "sliding_window": None}, None),
-    # a sliding window as wide as the model's context (64): it masks nothing, so the lean forward runs
-    "mistral_window": ({"kind": "mistral", "num_key_value_heads": 2, "sliding_window": 64}, None),
+    # a sliding window narrower than the tests' sequences (8 columns): its mask acts
+    "mistral_window": ({"kind": "mistral", "num_key_value_heads": 2, "sliding_window": 8}, None),
     # Llama 3.1 / 3.2's RoPE (low frequencies divided by the factor; original context 32 of the 64 here)
     "llama3_rope": ({"num_key_value_heads": 2, "rope_parameters": {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -349,8 +349,8 @@ FAST_VARIANTS = {
     # Gemma 3 (text): scaled embeddings, x * (1 + w) norms (drawn away from 0) around the attention and the
     # MLP, q/k head norms, tanh-GELU, a tied head, attention scaled by query_pre_attn_scalar (256: not
     # 1 / sqrt(head_dim)), and one rotary table per layer type (a sliding layer, then a full one with
-    # another base and linear scaling); its window as wide as the context
-    "gemma3": ({"kind": "gemma3_text", "num_key_value_heads": 2, "sliding_window": 64,
+    # another base and linear scaling); the sliding layer's window is 6 columns
+    "gemma3": ({"kind": "gemma3_text", "num_key_value_heads": 2, "sliding_window": 6,
                 "layer_types": ["sliding_attention", "full_attention"],
                 "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                     "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}}},
@@ -547,40 +547,51 @@ def test_fast_lora_adapter_disabled_matches_transformers_base(tmp_path):
         torch.testing.assert_close(policy(ids, attention_mask=am), live)      # adapter back on
 
 
-def test_sliding_window_lean_within_it_transformers_beyond(tmp_path, monkeypatch):
-    """A Mistral with a 16-column sliding window: sequences and caches of at most 16 columns take the
-    lean forward (the window masks nothing there; same logits as transformers'), longer ones take
-    transformers' forward, which applies the window (its logits differ from the same weights'
-    without one), and the lean forward itself refuses them."""
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_sliding_windows_are_masked_as_transformers_masks_them(tmp_path, monkeypatch, kind):
+    """A 16-column sliding window (Mistral: every layer; Qwen 2 with use_sliding_window: its second
+    layer only, the first attends to everything): 30-column sequences, left-padded or not, take the
+    lean forward with transformers' logits, which differ from the same weights' without a window
+    beyond column 16 (the window acts) and equal them inside it; so does cached decoding past the
+    window, in the grouped layout (a prompt's G rows) and the repeated one."""
     import rlvr.models.hf_policy as hp
-    from rlvr.models.lean_llama import lean_forward
+    from rlvr.models.lean_llama import layer_windows, lean_forward
 
-    d = make_model_dir(tmp_path / "mistral", "mistral", num_key_value_heads=2, sliding_window=16)
+    extra = {"use_sliding_window": True, "max_window_layers": 1} if kind == "qwen2" else {}
+    d = make_model_dir(tmp_path / kind, kind, num_key_value_heads=2, sliding_window=16, **extra)
     policy, tok = load_policy(d)
     assert policy.fast_unsupported is None and policy.sliding_window == 16 and policy.uses_fast_path
-    assert type(policy.new_cache(2, 16)).__name__ == "LeanCache"
-    assert type(policy.new_cache(2, 17)).__name__ == "HFCache"
+    assert layer_windows(policy._hf_model()) == ([None, 16] if kind == "qwen2" else [16, 16])
+    assert type(policy.new_cache(2, 40)).__name__ == "LeanCache"
     calls = []
     monkeypatch.setattr(hp, "lean_forward", lambda *a, **k: calls.append(a[1].shape) or lean_forward(*a, **k))
-    short, _ = left_pad([tok.encode(s) for s in PROMPTS], tok.pad_id)        # at most 10 columns
-    long = torch.tensor([tok.encode("abcdefghij" * 3)])                      # 30 columns
+    ids, am = left_pad([tok.encode(s * 3) for s in ("abcdefghij", "xyz 12")], tok.pad_id)  # 30 columns, padded
     unwindowed, _ = load_policy(d)
-    unwindowed._hf_model().config.sliding_window = None                      # transformers without it
+    cfg = unwindowed._hf_model().config
+    for layer in unwindowed._hf_model().model.layers:      # transformers with a window wider than all
+        if layer.self_attn.__dict__.get("sliding_window") is not None:
+            layer.self_attn.sliding_window = 10**6
+    cfg.sliding_window = 10**6
     unwindowed.fast_path = False
     with torch.no_grad():
-        fast, slow = _both(policy, lambda: policy(short))
-        assert calls == [short.shape]                                         # the lean forward, once
-        torch.testing.assert_close(fast, slow, atol=1e-5, rtol=0)
-        beyond = policy(long)
-        assert calls == [short.shape]                                         # not the lean forward
-        with transformers_path(policy):
-            torch.testing.assert_close(beyond, policy(long), atol=0, rtol=0)
-        free = unwindowed(long)
-        torch.testing.assert_close(beyond[:, :16], free[:, :16], atol=1e-5, rtol=0)  # inside the window
-        assert (beyond[0, 16:] - free[0, 16:]).abs().max() > 1e-3              # the window acts beyond it
-        with pytest.raises(ValueError, match="30 columns > the model's sliding window 16"):
-            lean_forward(policy._hf_model(), long, torch.ones_like(long), torch.arange(30)[None], None,
-                         None, policy._rope, policy.config.block_size)
+        fast, slow = _both(policy, lambda: policy(ids, attention_mask=am))
+        assert calls == [ids.shape]                                           # the lean forward, once
+        real = am.bool()
+        torch.testing.assert_close(fast[real], slow[real], atol=1e-5, rtol=0)
+        free = unwindowed(ids, attention_mask=am)
+        torch.testing.assert_close(fast[0, :16], free[0, :16], atol=1e-5, rtol=0)  # inside the window
+        assert (fast[0, 16:] - free[0, 16:]).abs().max() > 1e-3                # the window acts beyond it
+    prompts = [tok.encode("abcdefghij" * 2), tok.encode("xyz")]                   # 20 and 3 columns
+    for group in (4.0, 0.0):                                  # grouped layout, then the repeated one
+        monkeypatch.setattr("rlvr.models.lean_llama.GROUP_ATTENTION_FLOPS", group)
+
+        def sample():
+            with torch.no_grad():
+                return sampling.generate(policy, prompts, samples_per_prompt=2, max_new_tokens=12, temperature=0.9,
+                                         eos_id=None, pad_id=tok.pad_id, generators=sampling.prompt_generators(3, 0, 2))
+        lean, ref = _both(policy, sample)
+        assert torch.equal(lean.ids, ref.ids)
+        torch.testing.assert_close(lean.logp, ref.logp, atol=1e-5, rtol=0)
 
 
 def test_fast_path_falls_back_for_other_configs(tmp_path):

@@ -123,9 +123,8 @@ class HFPolicy(nn.Module):
                                              or peft_unsupported(self.model))
         """Why the lean Llama forward cannot be used for this model (None = it can)."""
         self.sliding_window: int | None = sliding_window(self._hf_model())
-        """The model's sliding attention window (None: none). Sequences up to this many columns (with
-        their left padding), and caches made for them, take the lean forward, where the window masks
-        nothing; longer ones take transformers' forward, which applies it."""
+        """The model's narrowest sliding attention window (None: none); the lean forward masks each
+        layer's as transformers does."""
         self._rope = RopeTable()
         self.checkpoint_layers = False
         """Training forwards with gradient run the lean forward's layers checkpointed
@@ -175,7 +174,7 @@ class HFPolicy(nn.Module):
         if bs is not None and L > 0 and int(positions.max()) >= bs:
             raise ValueError(f"position {int(positions.max())} >= block_size {bs} (max_position_embeddings)")
 
-        if isinstance(cache, LeanCache) or (cache is None and self._lean_active(full_am.size(1))):
+        if isinstance(cache, LeanCache) or (cache is None and self._lean_active()):
             with gpu_attention(ids.device):
                 logits = lean_forward(self._hf_model(), ids, full_am, positions, cache, logits_to_keep,
                                       self._rope, self.config.block_size,
@@ -207,9 +206,8 @@ class HFPolicy(nn.Module):
     def new_cache(self, batch_size: int, max_len: int) -> HFCache | LeanCache:
         """An empty cache for ``batch_size`` rows: a ``LeanCache`` when the lean Llama forward is in
         use, else an ``HFCache`` (DynamicCache built from the model config). ``forward`` picks the
-        path from the cache's type, so a cache keeps its path even if ``fast_path`` changes (a model
-        with a sliding window gets a ``LeanCache`` only for ``max_len`` within the window)."""
-        if self._lean_active(max_len):
+        path from the cache's type, so a cache keeps its path even if ``fast_path`` changes."""
+        if self._lean_active():
             return LeanCache(self._hf_model().config.num_hidden_layers, batch_size, max_len,
                              next(self.model.parameters()).device)
         from transformers import DynamicCache
@@ -223,15 +221,12 @@ class HFPolicy(nn.Module):
     # ------------------------------------------------------------------ lean Llama forward
     @property
     def uses_fast_path(self) -> bool:
-        """True when a call without a cache would take the lean Llama forward now (for a model with
-        a sliding window: on sequences within it)."""
+        """True when a call without a cache would take the lean Llama forward now."""
         return self._lean_active()
 
-    def _lean_active(self, length: int = 0) -> bool:
-        """Whether a forward over ``length`` columns takes the lean forward now."""
+    def _lean_active(self) -> bool:
+        """Whether a forward takes the lean forward now."""
         if not self.fast_path or self.fast_unsupported is not None:
-            return False
-        if self.sliding_window is not None and length > self.sliding_window:
             return False
         # gradient checkpointing lives in transformers' layer call; honour it by falling back
         if self.training and getattr(self._hf_model().model, "gradient_checkpointing", False):

@@ -247,8 +247,8 @@ def lean_llama_unsupported(hf_model: nn.Module) -> str | None:
     ``Qwen3ForCausalLM`` or ``Gemma3ForCausalLM`` (exact class, its own model, layer and attention
     classes: ``lean_families``; another MLP module is called as it is), static RoPE (``STATIC_ROPE``;
     each table's, where there is one per layer type: ``layer_rope_types``) over the full head dim, no
-    attention dropout, no logit soft-capping and causal attention. A sliding window is no reason: it masks nothing in a sequence no longer than
-    it, and the caller keeps longer ones off the lean forward (``sliding_window``).
+    attention dropout, no logit soft-capping and causal attention. Sliding windows are masked as
+    transformers masks them (``layer_windows``).
     """
     families = lean_families()
     if type(hf_model) not in families:
@@ -296,30 +296,30 @@ def lean_llama_unsupported(hf_model: nn.Module) -> str | None:
     return None
 
 
+def layer_windows(hf_model: nn.Module) -> list[int | None]:
+    """Each decoder layer's sliding attention window, or None where the layer attends to every earlier
+    column: the attention module's own ``sliding_window`` where it has one (Qwen 2 / 3 and Gemma 3
+    give it to their ``sliding_attention`` layers only), else the config's (Mistral: every layer).
+
+    transformers masks key column ``kv`` from query column ``q`` when ``kv <= q - window``, columns
+    counted in the row's padded sequence (left padding included); the lean forward's masks do the
+    same (``_attend_mask``, ``_group_attend_mask``)."""
+    inner = hf_model.model
+    cfg_window = getattr(hf_model.config, "sliding_window", None)
+    windows = []
+    for layer in inner.layers:
+        attn = layer.self_attn
+        w = attn.sliding_window if "sliding_window" in vars(attn) else cfg_window
+        windows.append(None if w is None else int(w))
+    return windows
+
+
 def sliding_window(hf_model: nn.Module) -> int | None:
-    """The narrowest sliding attention window of ``hf_model`` (its config's ``sliding_window``, and
-    any layer's own), or None when every layer attends to every earlier column.
-
-    transformers masks a key column ``kv`` from query column ``q`` when ``kv <= q - window`` (left
-    padding included in the columns), so in a sequence of at most ``window`` columns the window
-    masks nothing and the lean forward, which has no window, computes the same function. Mistral
-    7B v0.1 and its fine-tunes have 4,096; Qwen 2 has one only with ``use_sliding_window``.
-    ``HFPolicy`` sends longer sequences (and caches made for them) to transformers' forward, and
-    ``lean_forward`` refuses them."""
-    inner = getattr(hf_model, "model", None)
-    layers = list(getattr(inner, "layers", None) or [])
-    windows = [getattr(layer.self_attn, "sliding_window", None) for layer in layers if hasattr(layer, "self_attn")]
-    windows.append(getattr(hf_model.config, "sliding_window", None))
-    windows = [int(w) for w in windows if w is not None]
+    """The narrowest sliding attention window of ``hf_model``'s layers (``layer_windows``), or None
+    when every layer attends to every earlier column. Mistral 7B v0.1 and its fine-tunes have 4,096,
+    Gemma 3's local layers 512; Qwen 2 has one only with ``use_sliding_window``."""
+    windows = [w for w in layer_windows(hf_model) if w is not None] if hasattr(hf_model, "model") else []
     return min(windows) if windows else None
-
-
-def _within_window(hf_model: nn.Module, columns: int) -> None:
-    """ValueError when a sequence of ``columns`` columns is longer than ``hf_model``'s sliding window."""
-    window = sliding_window(hf_model)
-    if window is not None and columns > window:
-        raise ValueError(f"{columns} columns > the model's sliding window {window}: the lean forward "
-                         "has no window mask (HFPolicy sends such sequences to transformers' forward)")
 
 
 def peft_unsupported(model: nn.Module) -> str | None:
@@ -402,18 +402,22 @@ def _inv_freq(hf_model: nn.Module, device, key: str | None = None) -> torch.Tens
 
 
 # ---------------------------------------------------------------------- forward
-def _attend_mask(full_am: torch.Tensor, past: int, L: int) -> torch.Tensor:
-    """(B, L, S) bool, True = attend: key column j <= query column past+i, and the key is real or it
-    is the query's own column (so no row is fully masked and pad queries stay finite)."""
+def _attend_mask(full_am: torch.Tensor, past: int, L: int, window: int | None = None) -> torch.Tensor:
+    """(B, L, S) bool, True = attend: key column j <= query column past+i (and, with a sliding
+    ``window``, j > past+i - window), and the key is real or it is the query's own column (so no row
+    is fully masked and pad queries stay finite)."""
     keym = full_am.bool()                                                        # (B, S)
     S = keym.size(1)
     if L == 1:
         mask = keym.clone()
         mask[:, -1] = True
+        if window is not None and S > window:
+            mask[:, :S - window] = False                                         # j <= (S - 1) - window
         return mask[:, None, :]                                                  # (B, 1, S)
     qcol = torch.arange(past, S, device=full_am.device)[:, None]                 # (L, 1)
     kcol = torch.arange(S, device=full_am.device)[None, :]                       # (1, S)
-    return (keym[:, None, :] | (kcol == qcol)[None]) & (kcol <= qcol)[None]      # (B, L, S)
+    seen = kcol <= qcol if window is None else (kcol <= qcol) & (kcol > qcol - window)
+    return (keym[:, None, :] | (kcol == qcol)[None]) & seen[None]               # (B, L, S)
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
@@ -440,18 +444,26 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float
     return o.reshape(B, H, L, D).transpose(1, 2).reshape(B, L, H * D)
 
 
-def _group_attend_mask(full_am: torch.Tensor, prefix: int, G: int, past: int, L: int) -> torch.Tensor:
+def _group_attend_mask(full_am: torch.Tensor, prefix: int, G: int, past: int, L: int,
+                       window: int | None = None) -> torch.Tensor:
     """(P, G, L, prefix + G * n) bool, True = attend, for the grouped layout (``LeanCache``): row g
     of prompt p, query i (its step ``past - prefix + i``) sees the prompt's real columns and, of the
     G * n step columns (step s, row g' at ``s * G + g'``), its own row's that are real or its own
-    and not later. ``full_am`` (B, prefix + n) is the rows' mask (the same prompt columns in a group)."""
+    and not later. ``full_am`` (B, prefix + n) is the rows' mask (the same prompt columns in a group).
+    A sliding ``window`` counts columns in each row's own sequence (the prompt's, then its steps:
+    step s is column prefix + s), as transformers does for that row alone."""
     B, S = full_am.shape
     P, n = B // G, S - prefix
     keym = full_am.bool()
     pm = keym[::G, :prefix][:, None, None, :].expand(P, G, L, prefix)             # (P, G, L, prefix)
     qstep = torch.arange(past - prefix, n, device=full_am.device)[:, None]        # (L, 1)
     kstep = torch.arange(n, device=full_am.device)[None, :]                       # (1, n)
-    sm = (keym[:, prefix:].view(P, G, 1, n) | (kstep == qstep)) & (kstep <= qstep)  # (P, G, L, n)
+    seen = kstep <= qstep
+    if window is not None:
+        pcol = torch.arange(prefix, device=full_am.device)[None, :]               # (1, prefix)
+        pm = pm & (pcol > prefix + qstep - window)                                # (P, G, L, prefix)
+        seen = seen & (kstep > qstep - window)
+    sm = (keym[:, prefix:].view(P, G, 1, n) | (kstep == qstep)) & seen            # (P, G, L, n)
     own = torch.eye(G, dtype=torch.bool, device=full_am.device)                    # (G, G')
     sm = (sm[..., None] & own[None, :, None, None, :]).reshape(P, G, L, n * G)    # column s * G + g'
     return torch.cat([pm, sm], dim=-1)
@@ -1031,19 +1043,28 @@ def _all_rows(t: torch.Tensor, live: torch.Tensor, B: int, bufs: dict, key: str)
 
 
 def _attention_masks(full_am: torch.Tensor, cache: LeanCache | None, past: int, L: int, Hkv: int, rep: int,
-                     dtype: torch.dtype, small: bool) -> tuple:
-    """(grouped, gmask, gchunks, addmask, sdpa_mask): the masks every layer of a forward shares, one
-    kind set, the others None (grouped False). A cache in the grouped layout: its boolean (P, G, L,
-    prefix + G * steps) mask and query chunks (``_group_chunks``); else with ``small`` one additive
-    (B*Hkv, rep*L, S) mask in ``dtype`` for the explicit products; else SDPA's boolean (B, 1, L, S)."""
+                     dtype: torch.dtype, small: bool, window: int | None = None) -> tuple:
+    """(grouped, gmask, gchunks, addmask, sdpa_mask): the masks the layers of a forward with sliding
+    ``window`` (None: none) share, one kind set, the others None (grouped False). A cache in the
+    grouped layout: its boolean (P, G, L, prefix + G * steps) mask and query chunks
+    (``_group_chunks``); else with ``small`` one additive (B*Hkv, rep*L, S) mask in ``dtype`` for the
+    explicit products; else SDPA's boolean (B, 1, L, S)."""
     B, S = full_am.size(0), past + L
     if cache is not None and cache.group > 1:
-        gmask = _group_attend_mask(full_am, cache.prefix, cache.group, past, L)
+        gmask = _group_attend_mask(full_am, cache.prefix, cache.group, past, L, window)
         return True, gmask, _group_chunks(gmask, Hkv, rep, dtype), None, None
     if small:
-        addmask = _additive(_attend_mask(full_am, past, L), dtype)                # (B, L|1, S)
+        addmask = _additive(_attend_mask(full_am, past, L, window), dtype)        # (B, L|1, S)
         return False, None, None, addmask[:, None, None].expand(B, Hkv, rep, L, S).reshape(B * Hkv, rep * L, S), None
-    return False, None, None, None, _attend_mask(full_am, past, L)[:, None]       # (B, 1, L|1, S)
+    return False, None, None, None, _attend_mask(full_am, past, L, window)[:, None]  # (B, 1, L|1, S)
+
+
+def _layer_masks(hf_model: nn.Module, full_am: torch.Tensor, cache: LeanCache | None, past: int, L: int, Hkv: int,
+                 rep: int, dtype: torch.dtype, small: bool) -> tuple[list, dict]:
+    """(each layer's window key, {key: ``_attention_masks``}): a window at least as wide as the
+    sequence masks nothing, so those layers share the unwindowed masks (key None)."""
+    windows = [None if w is None or w >= full_am.size(1) else w for w in layer_windows(hf_model)]
+    return windows, {w: _attention_masks(full_am, cache, past, L, Hkv, rep, dtype, small, w) for w in set(windows)}
 
 
 def _rope_tables(hf_model: nn.Module, rope: RopeTable, positions: torch.Tensor, dtype: torch.dtype,
@@ -1113,8 +1134,8 @@ def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, 
     a boolean mask (a cache in the grouped layout: ``_grouped_attention``), weight-major
     projections where ``_weight_major`` says so, a decode step's layers and head on its live rows
     only where ``_live_rows`` says so, and ``logits_to_keep`` applied before the final norm and head.
-    A model with a sliding window takes sequences (``full_am``'s columns) no longer than it only
-    (``sliding_window``; ValueError otherwise).
+    Layers with a sliding window (``layer_windows``) attend through masks with the window applied
+    (built once per distinct window narrower than the sequence).
 
     ``checkpoint`` (a training forward with gradient: model.gradient_checkpointing): each layer runs
     as two checkpointed halves (``_qkv_in``, ``_layer_out``; torch.utils.checkpoint, non-reentrant)
@@ -1125,7 +1146,6 @@ def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, 
     B, L = ids.shape
     past = 0 if cache is None else cache.length
     S = past + L
-    _within_window(hf_model, full_am.size(1))
     live = _live_rows(ids, full_am, cache)                                       # (n,) or None: all rows
     rows_bufs: dict = {}
     if live is not None:
@@ -1142,9 +1162,8 @@ def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, 
     # same values: a cast is elementwise), so a decode step does not re-cast the whole key cache.
     att_bf16 = _cpu_bf16_autocast(ids.device)
     kv_bf16 = att_bf16 and cache is not None and not torch.is_grad_enabled()
-    att = _attention_masks(full_am, cache, past, L, Hkv, rep, torch.bfloat16 if att_bf16 else h.dtype,
-                           small=ids.device.type == "cpu" and L * S <= SMALL_ATTENTION)
-    grouped, gmask, gchunks, addmask, sdpa_mask = att
+    windows, atts = _layer_masks(hf_model, full_am, cache, past, L, Hkv, rep, torch.bfloat16 if att_bf16 else h.dtype,
+                                 small=ids.device.type == "cpu" and L * S <= SMALL_ATTENTION)
 
     wm = _weight_major(h)                               # the products' dtype, or None: not weight-major
     # a no-gradient bf16 forward that is not weight-major (a prefill) makes the stacks decode reads
@@ -1157,6 +1176,7 @@ def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, 
         attn = layer.self_attn
         D = attn.head_dim
         cos, sin = tables[rope_keys[li]]                # (n, L, 1, D); weight-major: (D, n*L)
+        att = atts[windows[li]]
         if checkpoint:
             q, k, v = torch.utils.checkpoint.checkpoint(_qkv_in, layer, h, cos, sin, H, Hkv, use_reentrant=False)
             if cache is not None:
@@ -1173,10 +1193,10 @@ def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, 
             q, k, v = (_all_rows(t, live, B, rows_bufs, key) for t, key in ((q, "q"), (k, "k"), (v, "v")))
         if cache is not None:
             k, v = cache.append(li, k, v)                                        # grouped: keys (P, Hkv, D, S)
-        if grouped:
-            o = _grouped_attention(q, k, v, gmask, gchunks, attn.scaling)        # (B, L, H*D)
+        if att[0]:                                                               # the grouped layout
+            o = _grouped_attention(q, k, v, att[1], att[2], attn.scaling)        # (B, L, H*D)
         else:
-            o = _attention(q.transpose(1, 2), k, v, attn.scaling, addmask, sdpa_mask)  # (B, L, H*D)
+            o = _attention(q.transpose(1, 2), k, v, attn.scaling, att[3], att[4])  # (B, L, H*D)
         if live is not None:
             o = o.index_select(0, live)                                          # (n, L, H*D)
         if wm is not None:
