@@ -346,6 +346,13 @@ FAST_VARIANTS = {
                    LoraSpec(r=4, alpha=8, target_modules=["q_proj", "o_proj", "gate_proj", "down_proj"])),
     # Qwen 3: a norm on each query and key head before the rotation (weights drawn away from 1)
     "qwen3": ({"kind": "qwen3", "num_key_value_heads": 2}, LoraSpec(r=4, alpha=8, target_modules="all-linear")),
+    # Gemma: scaled embeddings, x * (1 + w) norms (drawn away from 0), tanh-GELU, a tied head
+    "gemma": ({"kind": "gemma", "num_key_value_heads": 2}, LoraSpec(r=4, alpha=8, target_modules="all-linear")),
+    # Gemma 2: those and norms around the attention and the MLP, attention scaled by query_pre_attn_scalar,
+    # sliding (6 columns) and full layers alternating, its attention scores and logits soft-capped (caps
+    # small enough to act on this model's small scores and logits)
+    "gemma2": ({"kind": "gemma2", "num_key_value_heads": 2, "sliding_window": 6, "attn_logit_softcapping": 0.02,
+                "final_logit_softcapping": 0.5}, None),
     # Gemma 3 (text): scaled embeddings, x * (1 + w) norms (drawn away from 0) around the attention and the
     # MLP, q/k head norms, tanh-GELU, a tied head, attention scaled by query_pre_attn_scalar (256: not
     # 1 / sqrt(head_dim)), and one rotary table per layer type (a sliding layer, then a full one with
@@ -600,8 +607,8 @@ def test_fast_path_falls_back_for_other_configs(tmp_path):
     assert scaled.fast_unsupported == "rope_type 'dynamic' (the lean forward takes 'default', 'linear', 'llama3')"
     assert not scaled.uses_fast_path and type(scaled.new_cache(1, 4)).__name__ == "HFCache"
     gpt2, tok = load_policy(make_model_dir(tmp_path / "gpt2", "gpt2"))
-    assert ("GPT2LMHeadModel is not one of Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
-            "Qwen3ForCausalLM") in \
+    assert ("GPT2LMHeadModel is not one of Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM, LlamaForCausalLM, "
+            "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM") in \
         gpt2.fast_unsupported and not gpt2.uses_fast_path
     ids, am = left_pad([tok.encode(s) for s in PROMPTS], tok.pad_id)
     with torch.no_grad():                                                     # still works (transformers path)
@@ -616,9 +623,9 @@ def test_fast_path_falls_back_for_other_configs(tmp_path):
     torch.testing.assert_close(a[am.bool()], b[am.bool()], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "gemma3_text"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"])
 def test_fast_bf16_close_to_transformers(tmp_path, kind):
-    # bf16 weights (Qwen 2's biases, Qwen 3's head norms and Gemma 3's norms in bf16 too)
+    # bf16 weights (Qwen 2's biases, Qwen 3's head norms and the Gemmas' norms in bf16 too)
     extra = {"layer_types": ["sliding_attention", "full_attention"]} if kind == "gemma3_text" else {}
     policy, tok = load_policy(make_model_dir(tmp_path, kind, num_key_value_heads=2, **extra), dtype="bf16")
     assert policy.uses_fast_path

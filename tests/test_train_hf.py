@@ -76,17 +76,16 @@ def test_trains_and_writes_a_plain_hf_model(tmp_path, model_dir, lora, capsys):
                                        ("gemma3_text", ["all-linear"])])
 def test_other_architectures_train_and_export(tmp_path, kind, lora, capsys):
     """Qwen 2 (q/k/v biases), Qwen 3 (q/k norms), Mistral, Gemma (tied head, scaled embeddings), Gemma 2
-    (no SDPA in transformers: eager attention, with a note), Phi-3 (fused qkv_proj; no peft default
-    targets, so "all-linear") train 2 steps through transformers' forward with GQA, Gemma 3 through the lean
-    forward, and export hf/ that transformers loads; under LoRA only the adapted modules change in the merged export."""
+    (no SDPA in transformers: eager attention, with a note; soft-capped scores), Gemma 3 and Phi-3 (fused
+    qkv_proj; no peft default targets, so "all-linear"; transformers' forward) train 2 steps with GQA and
+    export hf/ that transformers loads; under LoRA only the adapted modules change in the merged export."""
     from rlvr.distributed.fsdp import blocks
 
     model_dir = make_model_dir(tmp_path / kind, kind, **({} if kind == "gpt2" else {"num_key_value_heads": 2}))
     from rlvr.models.hf import load_policy
 
-    # Qwen 2, Qwen 3, Mistral and Gemma 3 (their default sliding windows, 4,096, mask nothing here) take the
-    # lean forward
-    assert (load_policy(model_dir)[0].fast_unsupported is None) == (kind in ("qwen2", "qwen3", "mistral", "gemma3_text"))
+    # all but Phi-3 take the lean forward
+    assert (load_policy(model_dir)[0].fast_unsupported is None) == (kind != "phi3")
     out = tmp_path / "run"
     extra = [f"--model.path={model_dir}", "--algorithm.kl_coef=0.05"]
     if lora:
@@ -265,11 +264,12 @@ def test_a_new_adapter_is_drawn_from_train_seed(model_dir):
 
 
 @pytest.mark.parametrize("kind,lora,autocast", [("llama", 0, "off"), ("llama", 4, "off"), ("llama", 4, "bf16"),
-                                                ("gemma", 4, "off"), ("gpt2", 0, "off"), ("gemma3_text", 4, "off")])
+                                                ("gemma", 4, "off"), ("gpt2", 0, "off"), ("gpt2", 4, "off"),
+                                                ("gemma3_text", 4, "off")])
 def test_gradient_checkpointing_recomputes_the_layers_for_the_same_gradient(tmp_path, kind, lora, autocast):
     """model.gradient_checkpointing: a training forward's layers run again in the backward (the lean
-    forward's halves counted on a Llama and a Gemma 3, with the group's shared prompt; transformers' own on Gemma
-    and GPT-2,
+    forward's halves counted on a Llama, a Gemma and a Gemma 3, with the group's shared prompt; transformers'
+    own on GPT-2, full and LoRA,
     counted with a pre-hook inside the layer), the gradient is the one without it; the price counts
     the recompute in the training FLOPs and keeps the checkpointed activations; a run trains and exports."""
     import dataclasses
@@ -286,7 +286,7 @@ def test_gradient_checkpointing_recomputes_the_layers_for_the_same_gradient(tmp_
     ckpt = run.build(config_mod.load("examples/sort.toml", args + ["--model.gradient_checkpointing=true"]),
                      log=lambda *_: None)
     assert ckpt.model.gradient_checkpointing and not plain.model.gradient_checkpointing
-    lean_model = kind in ("llama", "gemma3_text")
+    lean_model = kind != "gpt2"
     assert ckpt.model.differentiable_cache == lean_model          # transformers' checkpointing runs without a cache
     ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]] * 2)
     am = torch.ones_like(ids)

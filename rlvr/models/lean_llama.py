@@ -14,8 +14,8 @@ q/k/v and gate/up each in one product from stacked copies, the head from a prepa
 
 ``lean_llama_unsupported(model)`` / ``peft_unsupported(model)`` say why a model cannot take this
 path (None = it can): it needs a plain ``LlamaForCausalLM``, ``MistralForCausalLM``,
-``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` or ``Gemma3ForCausalLM`` (static RoPE over the full head
-dim: ``STATIC_ROPE``, no attention dropout, no soft-capping) and, under peft, LoRA adapters only.
+``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` or a Gemma 1 / 2 / 3 ``ForCausalLM`` (static RoPE over
+the full head dim: ``STATIC_ROPE``, no attention dropout) and, under peft, LoRA adapters only.
 
 Shapes: B rows, L tokens in this call, S keys attended (cache length + L), H query heads, Hkv
 key/value heads, D head dim, rep = H // Hkv.
@@ -217,19 +217,22 @@ _FAMILIES: dict = {}
 
 def lean_families() -> dict[type, tuple[type, type, type, type]]:
     """The causal-LM classes the lean forward runs, each with its (model, decoder layer, attention,
-    MLP) classes: Llama, Mistral, Qwen 2, Qwen 3 and Gemma 3 (text), whose layers compute the same
-    function (RMSNorm, rotary q/k, grouped-query attention, gated MLP); Qwen 2's q/k/v projections
-    carry biases, which the products here add as its Linear layers do, and Qwen 3 and Gemma 3
-    normalize each query and key head before the rotation (``q_norm`` / ``k_norm``,
-    ``_head_norm_t``). Gemma 3 also normalizes the attention's and the MLP's outputs before their
-    residual adds (``_sandwich``), scales its embeddings (its embedding module does), computes
-    RMSNorm as x * (1 + w) (its norm modules are called), gates with tanh-GELU (its ``act_fn``) and
-    has a rotary table per layer type (``layer_rope_types``). Those transformers lacks are left out."""
+    MLP) classes: Llama, Mistral, Qwen 2, Qwen 3 and Gemma 1, 2 and 3 (text), whose layers compute
+    the same function (RMSNorm, rotary q/k, grouped-query attention, gated MLP); Qwen 2's q/k/v
+    projections carry biases, which the products here add as its Linear layers do, and Qwen 3 and
+    Gemma 3 normalize each query and key head before the rotation (``q_norm`` / ``k_norm``,
+    ``_head_norm_t``). The Gemmas scale their embeddings (their embedding modules do), compute
+    RMSNorm as x * (1 + w) (their norm modules are called) and gate with tanh-GELU (their
+    ``act_fn``); Gemma 2 and 3 also normalize the attention's and the MLP's outputs before their
+    residual adds (``_sandwich``), Gemma 2 soft-caps its attention scores and logits
+    (``_softcap``), Gemma 3 has a rotary table per layer type (``layer_rope_types``). Those
+    transformers lacks are left out."""
     if not _FAMILIES:
         import importlib
 
         for mod, prefix, inner in (("llama", "Llama", "Model"), ("mistral", "Mistral", "Model"),
                                    ("qwen2", "Qwen2", "Model"), ("qwen3", "Qwen3", "Model"),
+                                   ("gemma", "Gemma", "Model"), ("gemma2", "Gemma2", "Model"),
                                    ("gemma3", "Gemma3", "TextModel")):
             try:
                 m = importlib.import_module(f"transformers.models.{mod}.modeling_{mod}")
@@ -244,11 +247,11 @@ def lean_llama_unsupported(hf_model: nn.Module) -> str | None:
     """Why the lean Llama forward cannot run ``hf_model`` (None = it can).
 
     The lean path needs a plain ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
-    ``Qwen3ForCausalLM`` or ``Gemma3ForCausalLM`` (exact class, its own model, layer and attention
+    ``Qwen3ForCausalLM``, ``GemmaForCausalLM``, ``Gemma2ForCausalLM`` or ``Gemma3ForCausalLM`` (exact class, its own model, layer and attention
     classes: ``lean_families``; another MLP module is called as it is), static RoPE (``STATIC_ROPE``;
     each table's, where there is one per layer type: ``layer_rope_types``) over the full head dim, no
-    attention dropout, no logit soft-capping and causal attention. Sliding windows are masked as
-    transformers masks them (``layer_windows``).
+    attention dropout and causal attention. Sliding windows are masked as transformers masks them
+    (``layer_windows``), soft-capped scores and logits capped as it caps them (``_softcap``).
     """
     families = lean_families()
     if type(hf_model) not in families:
@@ -285,9 +288,6 @@ def lean_llama_unsupported(hf_model: nn.Module) -> str | None:
             return f"rope_type {rope_type!r} without the rotary module's inv_freq buffer"
     if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
         return "pretraining_tp > 1"
-    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if getattr(cfg, name, None) is not None:
-            return f"{name} = {getattr(cfg, name)} (the lean forward does not soft-cap)"
     if getattr(cfg, "use_bidirectional_attention", False):
         return "bidirectional attention"
     for layer in layers:
@@ -420,17 +420,31 @@ def _attend_mask(full_am: torch.Tensor, past: int, L: int, window: int | None = 
     return (keym[:, None, :] | (kcol == qcol)[None]) & seen[None]               # (B, L, S)
 
 
+def _softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """``tanh(x / cap) * cap`` (Gemma 2's attention scores and logits; transformers' order of ops),
+    or ``x`` for no cap."""
+    return x if cap is None else torch.tanh(x / cap) * cap
+
+
+def _scores(addmask: torch.Tensor, q: torch.Tensor, kT: torch.Tensor, scaling: float, cap: float | None) -> torch.Tensor:
+    """Attention scores ``addmask + q @ kT * scaling`` (one ``baddbmm``), soft-capped before the mask
+    where the model caps them (``_softcap``, as transformers' eager attention)."""
+    if cap is None:
+        return torch.baddbmm(addmask, q, kT, alpha=scaling)
+    return _softcap(torch.bmm(q, kT) * scaling, cap) + addmask
+
+
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
-               addmask: torch.Tensor | None, sdpa_mask: torch.Tensor | None) -> torch.Tensor:
+               addmask: torch.Tensor | None, sdpa_mask: torch.Tensor | None, cap: float | None = None) -> torch.Tensor:
     """q (B, H, L, D), k / v (B, Hkv, S, D) -> o (B, L, H * D): explicit products with ``addmask``
-    (B*Hkv, rep*L, S) additive, else SDPA with ``sdpa_mask`` (B, 1, L, S) boolean."""
+    (B*Hkv, rep*L, S) additive (scores soft-capped at ``cap``), else SDPA with ``sdpa_mask`` (B, 1, L, S)
+    boolean (never with a cap: ``lean_forward`` builds additive masks for soft-capping models)."""
     B, H, L, D = q.shape
     Hkv, S = k.size(1), k.size(2)
     rep = H // Hkv
     if addmask is not None:
         # the rep query heads of a kv head attend to its keys as one batch: no head repeat
-        s_ = torch.baddbmm(addmask, q.reshape(B * Hkv, rep * L, D),
-                           k.reshape(B * Hkv, S, D).transpose(1, 2), alpha=scaling)
+        s_ = _scores(addmask, q.reshape(B * Hkv, rep * L, D), k.reshape(B * Hkv, S, D).transpose(1, 2), scaling, cap)
         pr = torch.softmax(s_, dim=-1, dtype=torch.float32).to(v.dtype)
         o = torch.bmm(pr, v.reshape(B * Hkv, S, D))                              # (B*Hkv, rep*L, D)
     elif rep > 1 and L == 1:    # one query: group the heads as queries of their kv head
@@ -492,7 +506,7 @@ def _group_chunks(gmask: torch.Tensor, Hkv: int, rep: int, dtype: torch.dtype) -
 
 
 def _grouped_attention(q: torch.Tensor, kT: torch.Tensor, v: torch.Tensor, gmask: torch.Tensor,
-                       chunks: list[tuple], scaling: float) -> torch.Tensor:
+                       chunks: list[tuple], scaling: float, cap: float | None = None) -> torch.Tensor:
     """Attention in the grouped layout: q (B, L, H, D) rotated queries, kT (P, Hkv, D, S) and v
     (P, Hkv, S, D) a prompt's columns (``LeanCache``'s grouped layout), gmask (P, G, L, S) from
     ``_group_attend_mask``, its ``_group_chunks`` -> o (B, L, H * D). The G rows x L queries x rep
@@ -509,7 +523,7 @@ def _grouped_attention(q: torch.Tensor, kT: torch.Tensor, v: torch.Tensor, gmask
         if add is None:
             add = _group_addmask(gmask[:, :, i:i + Lc], Hkv, rep, q.dtype)
         qc = q6[:, :, :, i:i + Lc].reshape(P * Hkv, G * Lc * rep, D)
-        s_ = torch.baddbmm(add, qc, kT, alpha=scaling)                             # (P*Hkv, G*Lc*rep, S)
+        s_ = _scores(add, qc, kT, scaling, cap)                                   # (P*Hkv, G*Lc*rep, S)
         pr = torch.softmax(s_, dim=-1, dtype=torch.float32).to(v.dtype)
         o = torch.bmm(pr, vv).view(P, Hkv, G, Lc, rep, D)
         outs.append(o.permute(0, 2, 3, 1, 4, 5).reshape(B, Lc, H * D))             # (B, Lc, H*D)
@@ -1115,8 +1129,9 @@ def _layer_out(layer: nn.Module, h: torch.Tensor, q: torch.Tensor, k: torch.Tens
     and the residual, the MLP block and its residual -> the layer's output (B, L, d)."""
     attn = layer.self_attn
     grouped, gmask, gchunks, addmask, sdpa_mask = att
-    o = (_grouped_attention(q, k, v, gmask, gchunks, attn.scaling) if grouped
-         else _attention(q.transpose(1, 2), k, v, attn.scaling, addmask, sdpa_mask))
+    cap = getattr(attn, "attn_logit_softcapping", None)
+    o = (_grouped_attention(q, k, v, gmask, gchunks, attn.scaling, cap) if grouped
+         else _attention(q.transpose(1, 2), k, v, attn.scaling, addmask, sdpa_mask, cap))
     h = h + _attn_residual(layer, linear(attn.o_proj, o))
     return h + _mlp_residual(layer, _mlp(layer.mlp, rms_norm(_mlp_norm(layer), h)))
 
@@ -1163,7 +1178,8 @@ def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, 
     att_bf16 = _cpu_bf16_autocast(ids.device)
     kv_bf16 = att_bf16 and cache is not None and not torch.is_grad_enabled()
     windows, atts = _layer_masks(hf_model, full_am, cache, past, L, Hkv, rep, torch.bfloat16 if att_bf16 else h.dtype,
-                                 small=ids.device.type == "cpu" and L * S <= SMALL_ATTENTION)
+                                 small=(ids.device.type == "cpu" and L * S <= SMALL_ATTENTION)
+                                 or getattr(cfg, "attn_logit_softcapping", None) is not None)  # SDPA cannot cap
 
     wm = _weight_major(h)                               # the products' dtype, or None: not weight-major
     # a no-gradient bf16 forward that is not weight-major (a prefill) makes the stacks decode reads
@@ -1176,7 +1192,7 @@ def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, 
         attn = layer.self_attn
         D = attn.head_dim
         cos, sin = tables[rope_keys[li]]                # (n, L, 1, D); weight-major: (D, n*L)
-        att = atts[windows[li]]
+        att, cap = atts[windows[li]], getattr(attn, "attn_logit_softcapping", None)
         if checkpoint:
             q, k, v = torch.utils.checkpoint.checkpoint(_qkv_in, layer, h, cos, sin, H, Hkv, use_reentrant=False)
             if cache is not None:
@@ -1194,9 +1210,9 @@ def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, 
         if cache is not None:
             k, v = cache.append(li, k, v)                                        # grouped: keys (P, Hkv, D, S)
         if att[0]:                                                               # the grouped layout
-            o = _grouped_attention(q, k, v, att[1], att[2], attn.scaling)        # (B, L, H*D)
+            o = _grouped_attention(q, k, v, att[1], att[2], attn.scaling, cap)   # (B, L, H*D)
         else:
-            o = _attention(q.transpose(1, 2), k, v, attn.scaling, att[3], att[4])  # (B, L, H*D)
+            o = _attention(q.transpose(1, 2), k, v, attn.scaling, att[3], att[4], cap)  # (B, L, H*D)
         if live is not None:
             o = o.index_select(0, live)                                          # (n, L, H*D)
         if wm is not None:
@@ -1209,5 +1225,6 @@ def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, 
     k_keep = int(logits_to_keep) if logits_to_keep is not None else 0
     if 0 < k_keep < L:
         h = h[:, -k_keep:]
-    logits = output_head(hf_model.lm_head, rms_norm(inner.norm, h))              # (n, L', V)
+    logits = _softcap(output_head(hf_model.lm_head, rms_norm(inner.norm, h)),    # (n, L', V)
+                      getattr(cfg, "final_logit_softcapping", None))
     return logits if live is None else _all_rows(logits, live, B, rows_bufs, "logits")
