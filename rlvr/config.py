@@ -142,6 +142,13 @@ class SamplingConfig:
     top_p: float = 1.0
     """Nucleus sampling mass; logp (the ratio) is taken under the renormalised nucleus, the KL to the
     reference and the entropy bonus under the tempered distribution without it."""
+    top_k: int = 0
+    """Sample from the k most probable tokens only (0 = off); applied before top_p, whose mass is then
+    taken over those k (as transformers and vLLM do). Part of the nucleus: logp, the KL and the
+    entropy bonus treat it as they treat top_p."""
+    min_p: float = 0.0
+    """Sample only tokens with at least min_p times the most probable token's probability (0 = off;
+    e.g. 0.05); applied after top_k and top_p. Part of the nucleus like top_p."""
     max_new_tokens: int = 0
     """Bound on response length in tokens; 0 = the task's own bound."""
 
@@ -746,6 +753,10 @@ def validate(cfg: Config, source: str | None = None) -> None:
     _check_distributed(cfg, bad)
     if not 0 < s.top_p <= 1:
         bad("sampling.top_p", f"must be in (0, 1], got {s.top_p}")
+    if s.top_k < 0:
+        bad("sampling.top_k", f"must be >= 0 (0 = off), got {s.top_k}")
+    if not 0 <= s.min_p < 1:
+        bad("sampling.min_p", f"must be in [0, 1) (0 = off), got {s.min_p}")
     _check_algorithm(cfg, bad)
     for name, w in cfg.task.reward_weights.items():
         if not isinstance(w, (int, float)) or isinstance(w, bool) or not math.isfinite(w):

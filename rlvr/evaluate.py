@@ -23,7 +23,7 @@ from rlvr.tasks import Task
 def evaluate(model: Policy, tok: Tokenizer, task: Task, *, reward_weights: dict[str, float], limits: Limits,
              prompts: int = 0, batch_size: int = 1000, pass_k: int = 0, pass_k_prompts: int = 200,
              temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, pool=None,
-             autocast=contextlib.nullcontext) -> dict:
+             autocast=contextlib.nullcontext, top_k: int = 0, min_p: float = 0.0) -> dict:
     """Goal and reward of greedy responses on held-out prompts, plus pass@k when asked.
 
     ``pool``: a :class:`rlvr.reward_pool.RewardPool` holding this task scores the responses in its
@@ -46,7 +46,8 @@ def evaluate(model: Policy, tok: Tokenizer, task: Task, *, reward_weights: dict[
     }
     if pass_k:
         sampled = sample_and_score(model, tok, task, examples[:pass_k_prompts], G=pass_k, limits=limits,
-                                   weights=reward_weights, temperature=temperature, top_p=top_p, generator=gen,
+                                   weights=reward_weights, temperature=temperature, top_p=top_p, top_k=top_k,
+                                   min_p=min_p, generator=gen,
                                    chunk_prompts=max(1, batch_size // pass_k), pool=pool, autocast=autocast)
         res[f"pass@{pass_k}"] = _mean(sampled.hits.any(dim=1).tolist())
         res[f"mean@{pass_k}"] = _mean(sampled.hits.view(-1).tolist())

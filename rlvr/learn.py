@@ -94,7 +94,8 @@ def minibatch_loss(learner: Learner, batch: Batch, idx: torch.Tensor, delta_rows
 
     The KL is scored under the tempered distribution without the nucleus on both sides (logp_ref
     is; the policy's side comes from the same forward as logp), so it is 0 at π = π_ref whatever
-    top_p. With kl_in = "reward" the KL is already in Δ (rlvr.rollout) and only logged here.
+    the nucleus (top_p, top_k, min_p). With kl_in = "reward" the KL is already in Δ (rlvr.rollout)
+    and only logged here.
     `delta_rows` is (B,) or (B, T)."""
     cfg = learner.cfg
     ac, sc, G = cfg.algorithm, cfg.sampling, cfg.train.samples_per_prompt
@@ -102,6 +103,7 @@ def minibatch_loss(learner: Learner, batch: Batch, idx: torch.Tensor, delta_rows
     kl_on, bonus_on = batch.logp_ref is not None, ac.entropy_coef > 0
     with learner.autocast():
         out = sampling.sequence_token_logprobs(learner.policy, sub, temperature=sc.temperature, top_p=sc.top_p,
+                                               top_k=sc.top_k, min_p=sc.min_p,
                                                chunk_rows=cfg.model.logprob_chunk_rows or None,
                                                group_size=G if cfg.model.share_prompt_forward else None,
                                                return_full=kl_on, return_entropy=bonus_on)

@@ -385,7 +385,7 @@ def entropy_from_logits(logits: Tensor, *, temperature: float = 1.0, chunk_rows:
 
     WITH gradient: ∂H/∂z_v = -p_v (log p_v + H), z = logits / temperature. Computed in float32
     (float64 stays float64). Give it the learner's logits at the response positions (the same
-    tensor token_logprobs reads), at the sampling temperature; the nucleus (top_p) is not applied,
+    tensor token_logprobs reads), at the sampling temperature; the nucleus (top_p, top_k, min_p) is not applied,
     as in TRL and verl: the entropy of the tempered distribution. With chunk_rows set, B*T rows
     are processed chunk_rows at a time in the forward and the backward (the softmax is recomputed
     per chunk), so at most one (chunk_rows, V) float32 block exists at once; values and gradients

@@ -306,7 +306,8 @@ def run_probe(cfg: config.Config, *, prompts: int, samples: int, schemes: Sequen
     K = samples
     with open_pool(cfg.task, task) as pool:
         scored = sample_and_score(model, tok, task, examples, G=K, limits=limits, weights=weights,
-                                  temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, generator=gen,
+                                  temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
+                                  top_k=cfg.sampling.top_k, min_p=cfg.sampling.min_p, generator=gen,
                                   chunk_prompts=max(1, cfg.eval.batch_size // K), pool=pool,
                                   autocast=numerics.context)
     responses, rewards, goals = scored.responses, scored.rewards, scored.hits

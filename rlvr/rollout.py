@@ -95,7 +95,7 @@ def sample_and_score(policy: Policy, tok: Tokenizer, task: Task, examples: list,
                      weights: dict[str, float], temperature: float, top_p: float,
                      generator: torch.Generator | None, chunk_prompts: int = 0, pool=None,
                      base_seed: int | None = None, first_prompt: int = 0,
-                     autocast=contextlib.nullcontext) -> Groups:
+                     autocast=contextlib.nullcontext, top_k: int = 0, min_p: float = 0.0) -> Groups:
     """Sample G responses per example (temperature 0 = greedy), decode them and score them.
 
     A response is decoded up to its end token when the task has one (`limits.eos_id`), and in full
@@ -118,8 +118,8 @@ def sample_and_score(policy: Policy, tok: Tokenizer, task: Task, examples: list,
         with autocast():
             rollouts.append(sampling.generate(
                 policy, [encode_example(tok, ex) for ex in examples[i:i + step]], samples_per_prompt=G,
-                max_new_tokens=limits.max_new_tokens, temperature=temperature, top_p=top_p,
-                eos_id=limits.eos_id, pad_id=tok.pad_id, generators=gens[i:i + step] if gens else None))
+                max_new_tokens=limits.max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                min_p=min_p, eos_id=limits.eos_id, pad_id=tok.pad_id, generators=gens[i:i + step] if gens else None))
     rollout = rollouts[0] if len(rollouts) == 1 else sampling.concat(rollouts, tok.pad_id)
     stop = limits.eos_id is not None
     responses = [tok.decode(r, stop_at_eos=stop) for r in rollout.response_ids.tolist()]
@@ -198,7 +198,8 @@ def reference_logprobs(policy: Policy, reference: Policy | None, rollout: sampli
     a huge, meaningless KL (see rlvr.sampling.OUTSIDE_NUCLEUS_LOGP)."""
     with torch.no_grad(), (policy.adapter_disabled() if reference is None else contextlib.nullcontext()), autocast():
         return sampling.sequence_token_logprobs(reference if reference is not None else policy, rollout,
-                                                temperature=temperature, top_p=1.0, chunk_rows=chunk_rows,
+                                                temperature=temperature, top_p=1.0, top_k=0, min_p=0.0,
+                                                chunk_rows=chunk_rows,
                                                 group_size=group_size)
 
 
@@ -236,7 +237,8 @@ def rollout(setup, policy: Policy, reference: Policy | None, examples_fn, *, ver
         else:
             got = sample_and_score(policy, tok, setup.task, examples, G=G, limits=setup.limits,
                                    weights=setup.reward_weights, temperature=sc.temperature, top_p=sc.top_p,
-                                   generator=generator, pool=pool, autocast=setup.numerics.context)
+                                   top_k=sc.top_k, min_p=sc.min_p, generator=generator, pool=pool,
+                                   autocast=setup.numerics.context)
         return add_overlong_penalty(got, ac, setup.limits.max_new_tokens) if ac.overlong_buffer else got
 
     if ac.dynamic_sampling:
@@ -286,14 +288,15 @@ def training_logprobs(policy: Policy, rollout: sampling.Rollout, cfg, autocast=c
                       full: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(logp, logp_full), each (B, T) and detached: one no-grad forward of `policy` under the training
     numerics `autocast()`, scored under the sampling distribution (the tempered nucleus) and, with
-    `full` and top_p < 1, also under the tempered distribution without the nucleus (the KL's side;
-    else `logp` serves as both: equal at top_p = 1)."""
+    `full` and a nucleus (top_p, top_k or min_p), also under the tempered distribution without it (the
+    KL's side; else `logp` serves as both: equal without truncation)."""
     sc, G = cfg.sampling, cfg.train.samples_per_prompt
-    kw = dict(temperature=sc.temperature, top_p=sc.top_p, chunk_rows=cfg.model.logprob_chunk_rows or None,
+    kw = dict(temperature=sc.temperature, top_p=sc.top_p, top_k=sc.top_k, min_p=sc.min_p,
+              chunk_rows=cfg.model.logprob_chunk_rows or None,
               group_size=G if cfg.model.share_prompt_forward else None)
     policy.eval()
     with autocast():
-        if full and sc.top_p < 1.0:
+        if full and sampling.truncates(sc.top_p, sc.top_k, sc.min_p):
             out = sampling.sequence_token_logprobs(policy, rollout, return_full=True, **kw)
             return out.logp.detach(), out.logp_full.detach()
         logp = sampling.sequence_token_logprobs(policy, rollout, **kw).detach()     # (B, T)

@@ -206,6 +206,7 @@ def decode_step_seconds(setup: Setup) -> float:
         with torch.no_grad(), setup.numerics.context():
             sampling.generate(model, [prompt] * P, samples_per_prompt=cfg.train.samples_per_prompt,
                               max_new_tokens=tokens, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
+                              top_k=cfg.sampling.top_k, min_p=cfg.sampling.min_p,
                               eos_id=None, pad_id=setup.tokenizer.pad_id,
                               generators=sampling.prompt_generators(0, 0, P, device=device))
         sync()

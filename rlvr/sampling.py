@@ -3,9 +3,12 @@
 How the sampling distribution enters ``logp`` (the same helper serves sampler and trainer):
 
 1. Temperature: ``z = logits / temperature`` (logits in float32).
-2. Top-p (nucleus): sort ``softmax(z)`` descending and keep the smallest prefix whose mass reaches
-   ``top_p`` (a token is kept when the mass strictly before it is < top_p, so the top token is
-   always kept; ties are broken by a stable sort). Tokens outside are set to -inf.
+2. Truncation (the "nucleus"; ``nucleus_mask``), in transformers' order: ``top_k`` keeps the k most
+   probable tokens (0 = all); ``top_p`` then sorts ``softmax(z)`` descending and keeps the
+   smallest prefix whose mass, renormalized over the top-k tokens, reaches ``top_p`` (a token is
+   kept when the mass strictly before it is < top_p, so the top token is always kept; ties are
+   broken by a stable sort); ``min_p`` then keeps the tokens whose probability is at least min_p
+   times the top token's (0 = all). Tokens outside are set to -inf.
 3. ``logp = log_softmax(z_nucleus)``: the log of the *renormalized* nucleus probability, i.e. the
    distribution ``torch.multinomial`` actually draws from.
 
@@ -21,9 +24,9 @@ finite (no -inf - -inf = NaN).
 
 The KL to a reference is scored under ONE distribution on both sides: the tempered distribution
 without the nucleus (as TRL does). ``Rollout.logp_full`` keeps the sampler's log-prob of each token
-under it (when top_p < 1; it equals ``logp`` otherwise), and ``sequence_token_logprobs(...,
+under it (when top_p, top_k or min_p truncate it; it equals ``logp`` otherwise), and ``sequence_token_logprobs(...,
 return_full=True)`` gives the learner's from the same forward (the nucleus log-prob is derived from
-it: log p_nucleus = log p_full - log(mass of the nucleus)), so KL = 0 when π = π_ref whatever top_p,
+it: log p_nucleus = log p_full - log(mass of the nucleus)), so KL = 0 when π = π_ref whatever the truncation,
 and a token that left the nucleus keeps its finite tempered log-prob in the KL.
 
 Greedy decoding is ``temperature == 0`` (top_p ignored): the argmax is taken and ``logp`` is the
@@ -74,7 +77,11 @@ class Rollout:
     """Nucleus mass used to sample; ``sequence_token_logprobs`` defaults to it."""
     logp_full: torch.Tensor | None = None
     """(B, T) float32: log-prob of each token under the tempered distribution WITHOUT the nucleus
-    (what the KL to the reference compares); None when top_p = 1, where it is ``logp``."""
+    (what the KL to the reference compares); None without truncation, where it is ``logp``."""
+    top_k: int = 0
+    """Top-k used to sample (0 = off); ``sequence_token_logprobs`` defaults to it."""
+    min_p: float = 0.0
+    """Min-p used to sample (0 = off); ``sequence_token_logprobs`` defaults to it."""
 
     @property
     def tempered_logp(self) -> torch.Tensor:
@@ -88,7 +95,7 @@ class Rollout:
         """
         return Rollout(ids=self.ids[idx], attention_mask=self.attention_mask[idx], prompt_len=self.prompt_len,
                        mask=self.mask[idx], logp=self.logp[idx], truncated=self.truncated[idx],
-                       temperature=self.temperature, top_p=self.top_p,
+                       temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                        logp_full=None if self.logp_full is None else self.logp_full[idx])
 
     @property
@@ -116,8 +123,9 @@ def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:
     """
     if not rollouts:
         raise ValueError("concat: no rollouts given")
-    if len({(r.temperature, r.top_p) for r in rollouts}) != 1:
-        raise ValueError("concat: rollouts were sampled from different distributions (temperature / top_p)")
+    if len({(r.temperature, r.top_p, r.top_k, r.min_p) for r in rollouts}) != 1:
+        raise ValueError("concat: rollouts were sampled from different distributions (temperature / top_p / "
+                         "top_k / min_p)")
     Lp = max(r.prompt_len for r in rollouts)
     T = max(r.mask.shape[1] for r in rollouts)
     full = any(r.logp_full is not None for r in rollouts)
@@ -133,20 +141,38 @@ def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:
         del parts["logp_full"]
     return Rollout(**{k: torch.cat(v) for k, v in parts.items()}, prompt_len=Lp,
                    truncated=torch.cat([r.truncated for r in rollouts]),
-                   temperature=rollouts[0].temperature, top_p=rollouts[0].top_p)
+                   temperature=rollouts[0].temperature, top_p=rollouts[0].top_p, top_k=rollouts[0].top_k,
+                   min_p=rollouts[0].min_p)
 
 
 # ---------------------------------------------------------------------- the sampling distribution
-def nucleus_mask(z: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Bool mask (..., V), True on the nucleus of ``softmax(z)`` at mass ``top_p`` (no gradient)."""
+def truncates(top_p: float, top_k: int = 0, min_p: float = 0.0) -> bool:
+    """Whether these settings cut the tempered distribution down to a nucleus (``nucleus_mask``)."""
+    return top_p < 1.0 or top_k > 0 or min_p > 0.0
+
+
+def nucleus_mask(z: torch.Tensor, top_p: float, top_k: int = 0, min_p: float = 0.0) -> torch.Tensor:
+    """Bool mask (..., V), True on the nucleus of ``softmax(z)``: the ``top_k`` most probable tokens
+    (0: all), of those the smallest prefix whose mass renormalized over them reaches ``top_p``, of
+    those the tokens with at least ``min_p`` times the top token's probability (module docstring;
+    no gradient)."""
     with torch.no_grad():
         probs = torch.softmax(z.float(), dim=-1)
         sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
-        keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < top_p       # mass before each token < top_p
+        before = sorted_p.cumsum(-1) - sorted_p                      # mass before each token
+        if top_k > 0:
+            in_k = torch.arange(sorted_p.size(-1), device=z.device) < top_k
+            mass_k = sorted_p[..., :top_k].sum(-1, keepdim=True)    # top_p over the top-k, renormalized
+            keep_sorted = in_k & (before < top_p * mass_k) if top_p < 1.0 else in_k.expand_as(sorted_p)
+        else:
+            keep_sorted = before < top_p
+        if min_p > 0.0:
+            keep_sorted = keep_sorted & (sorted_p >= min_p * sorted_p[..., :1])
         return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
 
 
-def sampling_logprobs(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0) -> torch.Tensor:
+def sampling_logprobs(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                      min_p: float = 0.0) -> torch.Tensor:
     """log-probs (..., V) of the distribution sampled from: log_softmax of the tempered nucleus.
 
     -inf outside the nucleus. ``temperature == 0`` means greedy: the temperature-1 full softmax.
@@ -154,16 +180,20 @@ def sampling_logprobs(logits: torch.Tensor, temperature: float = 1.0, top_p: flo
     if temperature == 0:
         return F.log_softmax(logits.float(), dim=-1)
     z = logits.float() / temperature
-    if top_p < 1.0:
-        z = z.masked_fill(~nucleus_mask(z, top_p), float("-inf"))
+    if truncates(top_p, top_k, min_p):
+        z = z.masked_fill(~nucleus_mask(z, top_p, top_k, min_p), float("-inf"))
     return F.log_softmax(z, dim=-1)
 
 
-def _check_sampling_args(temperature: float, top_p: float) -> None:
+def _check_sampling_args(temperature: float, top_p: float, top_k: int = 0, min_p: float = 0.0) -> None:
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < 0 or int(top_k) != top_k:
+        raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {top_k}")
+    if not 0.0 <= min_p < 1.0:
+        raise ValueError(f"min_p must be in [0, 1) (0 = off), got {min_p}")
 
 
 # ---------------------------------------------------------------------- per-prompt seeding
@@ -259,9 +289,9 @@ def _next_tokens(logprobs: torch.Tensor, temperature: float, generator, noise_t:
 
 # ---------------------------------------------------------------------- generation
 def _check_generate_args(model, prompts, samples_per_prompt: int, max_new_tokens: int, temperature: float,
-                         top_p: float) -> torch.device:
+                         top_p: float, top_k: int = 0, min_p: float = 0.0) -> torch.device:
     """ValueError on arguments `generate` cannot sample from; else the device of the model."""
-    _check_sampling_args(temperature, top_p)
+    _check_sampling_args(temperature, top_p, top_k, min_p)
     if samples_per_prompt < 1 or max_new_tokens < 1:
         raise ValueError("samples_per_prompt and max_new_tokens must be >= 1")
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -279,7 +309,7 @@ def _check_generate_args(model, prompts, samples_per_prompt: int, max_new_tokens
 def generate(model, prompts: list[list[int]], *, samples_per_prompt: int, max_new_tokens: int,
              temperature: float = 1.0, top_p: float = 1.0, eos_id: int | None, pad_id: int,
              generator: torch.Generator | None = None,
-             generators: list[torch.Generator] | None = None) -> Rollout:
+             generators: list[torch.Generator] | None = None, top_k: int = 0, min_p: float = 0.0) -> Rollout:
     """Sample ``samples_per_prompt`` responses per prompt; row b = prompt b // G, sample b % G.
 
     One prefill forward over the P left-padded prompts, whose KV cache is then repeated G times,
@@ -289,8 +319,10 @@ def generate(model, prompts: list[list[int]], *, samples_per_prompt: int, max_ne
     ``model`` meets ``rlvr.policy.Policy``: ``model(ids, attention_mask=, cache=, logits_to_keep=)
     -> logits``; ``model.new_cache(batch_size, max_len)`` returns an object with
     ``repeat_interleave(G)`` to decode incrementally, or None to re-run the whole sequence each step
-    (slow; for test oracles and foreign models); ``model.config.block_size`` bounds the context. Draws use ``torch.multinomial(generator=)``,
-    so a seeded generator reproduces the rollout (on the same device and thread count).
+    (slow; for test oracles and foreign models); ``model.config.block_size`` bounds the context.
+    Draws use ``torch.multinomial(generator=)``, so a seeded generator reproduces the rollout (on the
+    same device and thread count). ``top_p``, ``top_k``, ``min_p``: the nucleus drawn from (module
+    docstring; ``logp`` is under it).
 
     ``generators`` (one per prompt, see ``prompt_generators``) replaces ``generator``: prompt p's G
     rows draw their (G, max_new_tokens) uniforms from ``generators[p]`` up front and each token is
@@ -298,7 +330,7 @@ def generate(model, prompts: list[list[int]], *, samples_per_prompt: int, max_ne
     row depends only on its prompt's generator and the weights, not on the other prompts of the call
     (what lets rollout workers shard prompts and still draw the same rows).
     """
-    device = _check_generate_args(model, prompts, samples_per_prompt, max_new_tokens, temperature, top_p)
+    device = _check_generate_args(model, prompts, samples_per_prompt, max_new_tokens, temperature, top_p, top_k, min_p)
     G, T, P = samples_per_prompt, max_new_tokens, len(prompts)
     Lp = max(len(p) for p in prompts)
     B = P * G
@@ -321,7 +353,7 @@ def generate(model, prompts: list[list[int]], *, samples_per_prompt: int, max_ne
     out = torch.full((B, T), pad_id, dtype=torch.long, device=device)
     alive_cols = torch.zeros((B, T), dtype=torch.bool, device=device)
     logp = torch.zeros((B, T), dtype=torch.float32, device=device)
-    nucleus = temperature > 0 and top_p < 1.0
+    nucleus = temperature > 0 and truncates(top_p, top_k, min_p)
     logp_full = torch.zeros((B, T), dtype=torch.float32, device=device) if nucleus else None
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     steps = 0
@@ -329,7 +361,7 @@ def generate(model, prompts: list[list[int]], *, samples_per_prompt: int, max_ne
         if noise is not None and temperature > 0 and not nucleus:  # per-prompt uniforms, no nucleus
             tok, tok_logp = sample_tempered(logits, temperature, noise[:, t])             # (B,), (B,)
         else:
-            logprobs = sampling_logprobs(logits, temperature, top_p)   # (B, V)
+            logprobs = sampling_logprobs(logits, temperature, top_p, top_k, min_p)   # (B, V)
             tok = _next_tokens(logprobs, temperature, generator, None if noise is None else noise[:, t])  # (B,)
             tok_logp = logprobs.gather(1, tok.unsqueeze(1)).squeeze(1)
         alive = ~finished                                           # this token is real
@@ -364,7 +396,7 @@ def generate(model, prompts: list[list[int]], *, samples_per_prompt: int, max_ne
         truncated=~finished if eos_id is not None else torch.zeros(B, dtype=torch.bool, device=device),
         temperature=float(temperature),
         top_p=float(top_p),
-        logp_full=logp_full[:, :steps].contiguous() if nucleus else None,
+        logp_full=logp_full[:, :steps].contiguous() if nucleus else None, top_k=int(top_k), min_p=float(min_p),
     )
 
 
@@ -376,12 +408,12 @@ class TokenLogprobs(NamedTuple):
     logp: torch.Tensor
     """Under the sampling distribution (tempered nucleus): the ratio's numerator."""
     logp_full: torch.Tensor | None
-    """Under the tempered distribution without the nucleus: the KL's side (``logp`` when top_p = 1)."""
+    """Under the tempered distribution without the nucleus: the KL's side (``logp`` without truncation)."""
     entropy: torch.Tensor | None
     """Entropy of the tempered distribution without the nucleus (rlvr.losses.entropy_from_logits)."""
 
 
-def _nucleus_token_logprobs(logits, ids, *, temperature, top_p, chunk_rows=None):
+def _nucleus_token_logprobs(logits, ids, *, temperature, top_p, top_k=0, min_p=0.0, chunk_rows=None):
     """(nucleus, full) log-probs at ids from one log-softmax; chunked over rows.
 
     full = log_softmax(logits / temperature) at ids; nucleus = full - logsumexp(full over the
@@ -395,7 +427,7 @@ def _nucleus_token_logprobs(logits, ids, *, temperature, top_p, chunk_rows=None)
         full = F.log_softmax(z, dim=-1)                                          # (b, T, V)
         tok = ids[s:s + step].unsqueeze(-1)                                      # (b, T, 1)
         lp_full = full.gather(-1, tok).squeeze(-1)                               # (b, T)
-        keep = nucleus_mask(z, top_p)                                            # (b, T, V)
+        keep = nucleus_mask(z, top_p, top_k, min_p)                              # (b, T, V)
         log_mass = torch.logsumexp(full.masked_fill(~keep, float("-inf")), dim=-1)  # (b, T) <= 0
         inside = keep.gather(-1, tok).squeeze(-1)                                # (b, T)
         nuc_parts.append(torch.where(inside, lp_full - log_mass, torch.full_like(lp_full, OUTSIDE_NUCLEUS_LOGP)))
@@ -428,13 +460,13 @@ def _response_logits(model, ids, am, Lp, T, G):
     return model(ids, attention_mask=am, logits_to_keep=T + 1)[:, :-1]                              # (B, T, V)
 
 
-def _score(logits, targets, off, *, temperature, top_p, chunk_rows, entropy: bool):
+def _score(logits, targets, off, *, temperature, top_p, top_k, min_p, chunk_rows, entropy: bool):
     """(logp, logp_full, entropy or None) of `targets` (b, w) under `logits` (b, w, V), 0 where `off`."""
-    if top_p >= 1.0:
+    if not truncates(top_p, top_k, min_p):
         lp = lp_full = token_logprobs(logits, targets, temperature=temperature, chunk_rows=chunk_rows)
     else:
-        lp, lp_full = _nucleus_token_logprobs(logits, targets, temperature=temperature, top_p=top_p,
-                                              chunk_rows=chunk_rows)
+        lp, lp_full = _nucleus_token_logprobs(logits, targets, temperature=temperature, top_p=top_p, top_k=top_k,
+                                              min_p=min_p, chunk_rows=chunk_rows)
     ent = (entropy_from_logits(logits, temperature=temperature, chunk_rows=chunk_rows).masked_fill(off, 0.0)
            if entropy else None)
     return lp.float().masked_fill(off, 0.0), lp_full.float().masked_fill(off, 0.0), ent
@@ -443,13 +475,14 @@ def _score(logits, targets, off, *, temperature, top_p, chunk_rows, entropy: boo
 def sequence_token_logprobs(model, rollout: Rollout | tuple, *, temperature: float | None = None,
                             top_p: float | None = None, chunk_rows: int | None = None,
                             group_size: int | None = None, return_full: bool = False,
-                            return_entropy: bool = False) -> torch.Tensor | TokenLogprobs:
+                            return_entropy: bool = False, top_k: int | None = None,
+                            min_p: float | None = None) -> torch.Tensor | TokenLogprobs:
     """(B, T) log-probs of the generated tokens under the sampling distribution, WITH gradient.
 
     ``rollout`` is a ``Rollout`` or a tuple ``(ids, attention_mask, prompt_len)``. One forward
     over ``ids`` with ``attention_mask``; the logits at positions Lp-1 ... Lp+T-2 predict the T
-    response tokens. ``temperature`` / ``top_p`` default to the rollout's own (required with a
-    tuple); ``temperature == 0`` scores under the temperature-1 softmax as ``generate`` does. The
+    response tokens. ``temperature`` / ``top_p`` / ``top_k`` / ``min_p`` default to the rollout's own
+    (temperature and top_p required with a tuple, where top_k and min_p default to off); ``temperature == 0`` scores under the temperature-1 softmax as ``generate`` does. The
     result is 0 where the response mask (``attention_mask[:, Lp:]``) is 0. ``chunk_rows`` bounds
     the rows whose (rows, T, V) log-softmax is materialized at once (large vocabularies).
 
@@ -464,7 +497,7 @@ def sequence_token_logprobs(model, rollout: Rollout | tuple, *, temperature: flo
 
     ``return_full`` / ``return_entropy``: return a ``TokenLogprobs`` that also holds, from the SAME
     forward, the log-probs under the tempered distribution without the nucleus (what the KL to the
-    reference compares; with top_p < 1 the nucleus log-prob is derived from it at the cost of one
+    reference compares; with a nucleus (``truncates``) the nucleus log-prob is derived from it at the cost of one
     logsumexp, so both come from one log-softmax) and/or the per-token entropy of that distribution
     (rlvr.losses.entropy_from_logits: one more softmax pass).
     """
@@ -472,11 +505,14 @@ def sequence_token_logprobs(model, rollout: Rollout | tuple, *, temperature: flo
         ids, am, Lp = rollout.ids, rollout.attention_mask, rollout.prompt_len
         temperature = rollout.temperature if temperature is None else temperature
         top_p = rollout.top_p if top_p is None else top_p
+        top_k = rollout.top_k if top_k is None else top_k
+        min_p = rollout.min_p if min_p is None else min_p
     else:
         ids, am, Lp = rollout
         if temperature is None or top_p is None:
             raise ValueError("pass temperature= and top_p= when giving (ids, attention_mask, prompt_len)")
-    _check_sampling_args(temperature, top_p)
+        top_k, min_p = top_k or 0, min_p or 0.0
+    _check_sampling_args(temperature, top_p, top_k, min_p)
     T = T_out = ids.size(1) - Lp
     if T < 1 or Lp < 1:
         raise ValueError(f"need a prompt and at least one response column, got Lp={Lp}, T={T}")
@@ -484,11 +520,12 @@ def sequence_token_logprobs(model, rollout: Rollout | tuple, *, temperature: flo
     if T_real < T:
         ids, am, T = ids[:, :Lp + T_real], am[:, :Lp + T_real], T_real
     if temperature == 0:
-        temperature, top_p = 1.0, 1.0
+        temperature, top_p, top_k, min_p = 1.0, 1.0, 0, 0.0
     logits = _response_logits(model, ids, am, Lp, T, group_size or 1)                            # (B, T, V)
     lp, lp_full, entropy = (x if x is None or T == T_out else F.pad(x, (0, T_out - T))          # (B, T_out)
                             for x in _score(logits, ids[:, Lp:], am[:, Lp:] == 0, temperature=temperature,
-                                            top_p=top_p, chunk_rows=chunk_rows, entropy=return_entropy))
+                                            top_p=top_p, top_k=top_k, min_p=min_p, chunk_rows=chunk_rows,
+                                            entropy=return_entropy))
     if not (return_full or return_entropy):
         return lp
     return TokenLogprobs(lp, lp_full if return_full else None, entropy)

@@ -45,6 +45,8 @@ def test_unknown_section(tmp_path):
     ("[train]\nseed = 1\n\nlr = -1.0\n", r"train\.lr: must be > 0, got -1\.0 \(.*c\.toml:4\)"),
     ("[sampling]\n# nucleus\ntop_p = 1.5\n", r"sampling\.top_p: must be in \(0, 1\], got 1\.5 \(.*c\.toml:3\)"),
     ("[sampling]\ntop_p = 1.5\n", r"sampling\.top_p"),
+    ("[sampling]\ntop_k = -1\n", r"sampling\.top_k: must be >= 0 \(0 = off\), got -1 \(.*c\.toml:2\)"),
+    ("[sampling]\nmin_p = 1.0\n", r"sampling\.min_p: must be in \[0, 1\) \(0 = off\), got 1\.0 \(.*c\.toml:2\)"),
     ("[sampling]\ntemperature = 0.0\n", r"sampling\.temperature"),
     ("[algorithm]\nscheme = \"loo\"\n[train]\nsamples_per_prompt = 1\n", r"loo"),
     ("[algorithm]\ntop_k = 9\n", r"algorithm\.top_k"),

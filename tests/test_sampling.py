@@ -16,6 +16,7 @@ from rlvr import sampling
 from rlvr.sampling import (
     OUTSIDE_NUCLEUS_LOGP,
     Rollout,
+    concat,
     generate,
     nucleus_mask,
     sampling_logprobs,
@@ -224,6 +225,17 @@ def test_token_outside_current_nucleus_gets_finite_floor_and_no_nan_grad():
 
 
 # ---------------------------------------------------------------------- the sampled distribution
+def assert_draws_follow(r: Rollout, q: torch.Tensor) -> None:
+    """The first tokens of ``r``'s rows (one prompt, many samples) follow ``q`` (V,): none outside its
+    support, a chi-square within bounds, and each row's stored logp is log q of its token."""
+    counts = torch.bincount(r.response_ids[:, 0], minlength=q.numel()).float()
+    assert counts[q == 0].sum() == 0
+    exp = q[q > 0] * r.ids.size(0)
+    chi2 = ((counts[q > 0] - exp) ** 2 / exp).sum().item()
+    assert chi2 < 25.0, (chi2, counts, exp)                          # df <= 6; p(chi2 > 25) < 1e-3
+    torch.testing.assert_close(r.logp[:, 0], q.log()[r.response_ids[:, 0]])
+
+
 @pytest.mark.parametrize("temperature,top_p", [(0.7, 0.9), (1.5, 1.0), (1.0, 0.5)])
 def test_sample_frequencies_match_tempered_nucleus(temperature, top_p):
     logits = torch.tensor([-1.0, 0.5, 1.0, 2.0, 0.2, -0.4, 1.6])
@@ -243,13 +255,67 @@ def test_sample_frequencies_match_tempered_nucleus(temperature, top_p):
     q = torch.zeros(V)
     q[keep] = p[keep] / p[keep].sum()
     assert nucleus_mask(logits / temperature, top_p).tolist() == [i in keep for i in range(V)]
-    counts = torch.bincount(r.response_ids[:, 0], minlength=V).float()
-    assert counts[q == 0].sum() == 0
-    exp = q[q > 0] * N
-    chi2 = ((counts[q > 0] - exp) ** 2 / exp).sum().item()
-    assert chi2 < 25.0, (chi2, counts, exp)                          # df <= 6; p(chi2 > 25) < 1e-3
-    torch.testing.assert_close(r.logp[:, 0], q.log()[r.response_ids[:, 0]])
+    assert_draws_follow(r, q)
     torch.testing.assert_close(sampling_logprobs(logits, temperature, top_p).exp(), q)
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k,min_p", [(1.0, 1.0, 3, 0.0), (0.7, 0.8, 4, 0.0),
+                                                           (1.0, 1.0, 0, 0.3), (1.3, 0.9, 5, 0.2)])
+def test_top_k_and_min_p_nucleus_by_hand(temperature, top_p, top_k, min_p):
+    """top_k keeps the k most probable tokens, top_p then the smallest prefix whose mass over those k
+    (renormalized) reaches top_p, min_p then the tokens with at least min_p times the top one's
+    probability: the set built here by hand; generate draws from that set renormalized (frequencies,
+    the stored logp) and the trainer recomputes the same logp."""
+    logits = torch.tensor([-1.0, 0.5, 1.0, 2.0, 0.2, -0.4, 1.6])
+    V, N = logits.numel(), 6000
+    p = torch.softmax(logits / temperature, 0)
+    order = sorted(range(V), key=lambda i: -p[i].item())
+    kept = order[:top_k] if top_k else order
+    total, keep, mass = sum(p[i].item() for i in kept), [], 0.0
+    for i in kept:
+        if mass >= top_p * total:
+            break
+        keep.append(i)
+        mass += p[i].item()
+    keep = [i for i in keep if p[i] >= min_p * p[order[0]]]
+    q = torch.zeros(V)
+    q[keep] = p[keep] / p[keep].sum()
+    assert nucleus_mask(logits / temperature, top_p, top_k, min_p).tolist() == [i in keep for i in range(V)]
+    assert 1 <= len(keep) < V
+    torch.testing.assert_close(sampling_logprobs(logits, temperature, top_p, top_k, min_p).exp(), q)
+    m = MarkovMock(logits.expand(V, V).clone())
+    r = generate(m, [[BOS]], samples_per_prompt=N, max_new_tokens=1, temperature=temperature, top_p=top_p,
+                 top_k=top_k, min_p=min_p, eos_id=None, pad_id=PAD, generator=torch.Generator().manual_seed(0))
+    assert (r.top_k, r.min_p) == (top_k, min_p) and r.select(slice(0, 2)).top_k == top_k
+    assert_draws_follow(r, q)
+    torch.testing.assert_close(sequence_token_logprobs(m, r), r.logp)                 # the rollout's own nucleus
+    torch.testing.assert_close(r.logp_full[:, 0], torch.log(p)[r.response_ids[:, 0]])  # the KL's side: none
+
+
+def test_nucleus_mask_agrees_with_transformers_warpers():
+    """On random logits (no ties) the nucleus equals what transformers' TopK, TopP and MinP logits
+    warpers, chained in its generation order, leave finite."""
+    warpers = pytest.importorskip("transformers.generation.logits_process")
+    gen = torch.Generator().manual_seed(0)
+    for top_p, top_k, min_p in [(0.9, 0, 0.0), (1.0, 5, 0.0), (0.7, 8, 0.0), (1.0, 0, 0.1), (0.8, 12, 0.05)]:
+        z = torch.randn(16, 40, generator=gen) * 2
+        scores = z.clone()
+        if top_k:
+            scores = warpers.TopKLogitsWarper(top_k)(None, scores)
+        if top_p < 1.0:
+            scores = warpers.TopPLogitsWarper(top_p)(None, scores)
+        if min_p:
+            scores = warpers.MinPLogitsWarper(min_p)(None, scores)
+        assert torch.equal(nucleus_mask(z, top_p, top_k, min_p), torch.isfinite(scores)), (top_p, top_k, min_p)
+
+
+def test_sampling_settings_are_checked():
+    for kw, msg in [({"top_k": -1}, "top_k must be an integer >= 0"), ({"min_p": 1.0}, r"min_p must be in \[0, 1\)")]:
+        with pytest.raises(ValueError, match=msg):
+            generate(MODEL, [[BOS]], samples_per_prompt=1, max_new_tokens=1, eos_id=None, pad_id=PAD, **kw)
+    with pytest.raises(ValueError, match="top_k"):
+        concat([gen(seed=1, top_p=0.9), generate(MODEL, [[BOS]], samples_per_prompt=1, max_new_tokens=1, top_p=0.9,
+                                                   top_k=2, eos_id=None, pad_id=PAD)], PAD)
 
 
 # ---------------------------------------------------------------------- random shapes (oracle)

@@ -135,11 +135,14 @@ def test_nucleus_and_full_logprobs_come_from_one_forward():
     assert bool(((roll.logp - roll.logp_full)[m] >= -1e-6).all())
 
 
-def test_kl_is_zero_at_the_reference_with_top_p_below_one():
-    # the case, short: top_p = 0.8 with the KL on; π = π_ref on the first minibatch
-    setup = sort_setup(sampling__temperature=0.7, sampling__top_p=0.8, algorithm__kl_coef=0.1)
+@pytest.mark.parametrize("nucleus", [{"sampling__top_p": 0.8}, {"sampling__top_k": 3, "sampling__min_p": 0.1}])
+def test_kl_is_zero_at_the_reference_with_top_p_below_one(nucleus):
+    # the case, short: top_p = 0.8 (or top_k and min_p) with the KL on; π = π_ref on the first minibatch
+    setup = sort_setup(sampling__temperature=0.7, algorithm__kl_coef=0.1, **nucleus)
     gen = torch.Generator().manual_seed(0)
     batch = rollout(setup, setup.model, setup.model, lambda: list(setup.task.train[:4]), version=0, generator=gen)
+    r = batch.rollout                                                           # sampled from the configured nucleus
+    assert (r.top_p, r.top_k, r.min_p) == (setup.cfg.sampling.top_p, setup.cfg.sampling.top_k, setup.cfg.sampling.min_p)
     from rlvr.learn import Learner, make_optimizer, make_scheduler
     opt = make_optimizer(setup.model.trainable_params(), setup.cfg.train)
     learner = Learner(setup.model, opt, make_scheduler(opt, setup.cfg.train), setup.cfg,

@@ -324,11 +324,13 @@ def test_trainer_several_passes_move_the_ratio(tmp_path):
     assert summary["price"]["sampled_tokens_per_grad_step"] == P * G * T / 3
 
 
-def test_trainer_one_pass_ratio_one_under_temperature_and_nucleus(tmp_path):
-    # logp_old is the sampler's log-prob under the tempered, renormalised nucleus; the trainer's
-    # recomputation must use the same distribution, or the first-pass ratio is not 1
+@pytest.mark.parametrize("nucleus", [["--sampling.top_p=0.9"], ["--sampling.top_k=3"], ["--sampling.min_p=0.2"],
+                                     ["--sampling.top_k=4", "--sampling.top_p=0.8", "--sampling.min_p=0.1"]])
+def test_trainer_one_pass_ratio_one_under_temperature_and_nucleus(tmp_path, nucleus):
+    # logp_old is the sampler's log-prob under the tempered, renormalised nucleus (top_p, top_k,
+    # min_p); the trainer's recomputation must use the same distribution, or the first-pass ratio is not 1
     out = tmp_path / "nucleus"
-    rc, _, stderr = train_run(out, *ONE_STEP, "--sampling.temperature=0.7", "--sampling.top_p=0.9")
+    rc, _, stderr = train_run(out, *ONE_STEP, "--sampling.temperature=0.7", *nucleus)
     assert rc == 0, stderr
     (row,) = train_rows(out)
     assert abs(row["train/ratio_min"] - 1) < 1e-4 and abs(row["train/ratio_max"] - 1) < 1e-4

@@ -64,7 +64,8 @@ class RolloutWorker:
         s.model.eval()
         groups = sample_and_score(s.model, s.tokenizer, s.task, examples, G=cfg.train.samples_per_prompt,
                                   limits=s.limits, weights=s.reward_weights, temperature=cfg.sampling.temperature,
-                                  top_p=cfg.sampling.top_p, generator=None, pool=self.pool, base_seed=base_seed,
+                                  top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k, min_p=cfg.sampling.min_p,
+                                  generator=None, pool=self.pool, base_seed=base_seed,
                                   first_prompt=first_prompt, autocast=s.numerics.context)
         return self.version, groups
 

@@ -48,7 +48,7 @@ Reference policy with LoRA: the base model with the adapter switched off, no
 second copy::
 
     with torch.no_grad(), policy.adapter_disabled():
-        logp_ref = sampling.sequence_token_logprobs(policy, rollout, temperature=T, top_p=1.0)
+        logp_ref = sampling.sequence_token_logprobs(policy, rollout, temperature=T, top_p=1.0, top_k=0, min_p=0.0)
 
 The reference is then always the *initial* model; a "refresh the reference" schedule has no
 meaning (``ref.load_state_dict(model.state_dict())`` must be skipped for LoRA policies).
