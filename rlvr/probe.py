@@ -237,11 +237,14 @@ class ProbeResult:
     sampled_tokens: int
     reward_failures: dict[str, int]
     notes: list[str] = field(default_factory=list)
+    top_k: int = 0
+    min_p: float = 0.0
 
     def to_dict(self) -> dict:
         return {
             "source": self.source, "split": self.split, "reward": self.reward, "schemes": self.schemes,
-            "seed": self.seed, "temperature": self.temperature, "top_p": self.top_p,
+            "seed": self.seed, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+            "min_p": self.min_p,
             "prompts": self.summary.prompts, "samples": self.summary.samples,
             "sampled_tokens": self.sampled_tokens, "reward_failures": self.reward_failures, "notes": self.notes,
             "groups": [{"prompt": p, "answer": a, "responses": resp, **asdict(g), "worth_sampling": g.worth_sampling}
@@ -321,8 +324,8 @@ def run_probe(cfg: config.Config, *, prompts: int, samples: int, schemes: Sequen
                      + (f"; first error: {scored.errors[0]}" if scored.errors else ""))
     return ProbeResult(
         source=source, split=split, reward=weights, schemes=schemes, seed=seed,
-        temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
-        prompts=[ex.prompt for ex in examples], answers=[str(ex.answer) for ex in examples],
+        temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
+        min_p=cfg.sampling.min_p, prompts=[ex.prompt for ex in examples], answers=[str(ex.answer) for ex in examples],
         responses=[responses[i * K:(i + 1) * K] for i in range(len(examples))],
         groups=groups, summary=summarize(groups), sampled_tokens=sampled_tokens, reward_failures=failures,
         notes=notes,
@@ -365,7 +368,8 @@ def format_lines(res: ProbeResult) -> list[str]:
     reward = " + ".join(f"{w:g}*{name}" if w != 1 else name for name, w in res.reward.items())
     width = max(len(p) for p in res.prompts)
     lines = [f"probe: {res.source}; {n} {res.split} prompts x {k} samples (temperature {res.temperature:g}, "
-             f"top_p {res.top_p:g}, seed {res.seed}); reward {reward}"]
+             f"top_p {res.top_p:g}{f', top_k {res.top_k}' if res.top_k else ''}"
+             f"{f', min_p {res.min_p:g}' if res.min_p else ''}, seed {res.seed}); reward {reward}"]
     for p, a, resp, g in zip(res.prompts, res.answers, res.responses, res.groups):
         counts = " ".join(f"{sch} {c}/{k}" for sch, c in g.nonzero.items())
         lines.append(f"[{g.index}] {p:<{width}}  rewards {' '.join(_num(v) for v in g.rewards)}  "

@@ -127,6 +127,11 @@ def test_probe_end_to_end_text_and_json(capsys):
     # reproducible: the same probe samples the same responses
     rc, js2, _ = run(capsys, *argv, "--json")
     assert json.loads(js2)["groups"] == res["groups"]
+    assert (res["top_k"], res["min_p"]) == (0, 0.0) and "top_k" not in out
+    # the nucleus it samples from is the config's, and says so
+    rc, out, err = run(capsys, *argv, "--sampling.top_k=2", "--sampling.min_p=0.1")
+    assert rc == 0, err
+    assert "top_p 1, top_k 2, min_p 0.1, seed" in out.splitlines()[0]
 
 
 def test_probe_a_trained_checkpoint(capsys, tmp_path):
