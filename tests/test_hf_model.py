@@ -353,6 +353,10 @@ FAST_VARIANTS = {
     # small enough to act on this model's small scores and logits)
     "gemma2": ({"kind": "gemma2", "num_key_value_heads": 2, "sliding_window": 6, "attn_logit_softcapping": 0.02,
                 "final_logit_softcapping": 0.5}, None),
+    # Phi-3: q/k/v fused in one qkv_proj and gate/up in one gate_up_proj (LoRA on the fused modules), a sliding
+    # window of 8 columns
+    "phi3": ({"kind": "phi3", "num_key_value_heads": 2, "sliding_window": 8},
+             LoraSpec(r=4, alpha=8, target_modules="all-linear")),
     # Gemma 3 (text): scaled embeddings, x * (1 + w) norms (drawn away from 0) around the attention and the
     # MLP, q/k head norms, tanh-GELU, a tied head, attention scaled by query_pre_attn_scalar (256: not
     # 1 / sqrt(head_dim)), and one rotary table per layer type (a sliding layer, then a full one with
@@ -608,7 +612,7 @@ def test_fast_path_falls_back_for_other_configs(tmp_path):
     assert not scaled.uses_fast_path and type(scaled.new_cache(1, 4)).__name__ == "HFCache"
     gpt2, tok = load_policy(make_model_dir(tmp_path / "gpt2", "gpt2"))
     assert ("GPT2LMHeadModel is not one of Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM, LlamaForCausalLM, "
-            "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM") in \
+            "MistralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM") in \
         gpt2.fast_unsupported and not gpt2.uses_fast_path
     ids, am = left_pad([tok.encode(s) for s in PROMPTS], tok.pad_id)
     with torch.no_grad():                                                     # still works (transformers path)
@@ -978,18 +982,18 @@ def test_bf16_decode_stacks_and_packed_head_keep_autocasts_numbers(fast_variant,
     assert held == (2 * len(hf.model.layers), 1 if lean_llama._packed_linear_ok() else 0)
 
     layer = hf.model.layers[0]
-    q = layer.self_attn.q_proj
+    mods = lean_llama._qkv_mods(layer.self_attn)           # q, k, v (Phi-3: its one fused qkv_proj)
+    q = mods[0]
     W = (q.base_layer if hasattr(q, "base_layer") else q).weight
     xT = torch.randn(W.size(1), 3).to(torch.bfloat16)
     with autocast_context(True, "cpu"), torch.no_grad():
-        mods = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
         prod, outs = lean_llama._stacked_t_bf16(mods, xT)
         want = [lean_llama._linear_t_bf16(m, xT) for m in mods]
         assert all(torch.equal(a, b) for a, b in zip(outs, want))
         W.mul_(2.0)                                         # changed in place: stacked again
         try:
             _, outs2 = lean_llama._stacked_t_bf16(mods, xT)
-            assert torch.equal(outs2[1], outs[1]) and not torch.equal(outs2[0], outs[0])
+            assert not torch.equal(outs2[0], outs[0]) and all(torch.equal(a, b) for a, b in zip(outs2[1:], outs[1:]))
             assert torch.equal(outs2[0], lean_llama._linear_t_bf16(mods[0], xT))
         finally:
             W.mul_(0.5)

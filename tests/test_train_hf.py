@@ -77,15 +77,15 @@ def test_trains_and_writes_a_plain_hf_model(tmp_path, model_dir, lora, capsys):
 def test_other_architectures_train_and_export(tmp_path, kind, lora, capsys):
     """Qwen 2 (q/k/v biases), Qwen 3 (q/k norms), Mistral, Gemma (tied head, scaled embeddings), Gemma 2
     (no SDPA in transformers: eager attention, with a note; soft-capped scores), Gemma 3 and Phi-3 (fused
-    qkv_proj; no peft default targets, so "all-linear"; transformers' forward) train 2 steps with GQA and
-    export hf/ that transformers loads; under LoRA only the adapted modules change in the merged export."""
+    qkv_proj and gate_up_proj; no peft default targets, so "all-linear") train 2 steps on the lean forward
+    with GQA and export hf/ that transformers loads; under LoRA only the adapted modules change in the merged export."""
     from rlvr.distributed.fsdp import blocks
 
     model_dir = make_model_dir(tmp_path / kind, kind, **({} if kind == "gpt2" else {"num_key_value_heads": 2}))
     from rlvr.models.hf import load_policy
 
-    # all but Phi-3 take the lean forward
-    assert (load_policy(model_dir)[0].fast_unsupported is None) == (kind != "phi3")
+    # all take the lean forward
+    assert load_policy(model_dir)[0].fast_unsupported is None
     out = tmp_path / "run"
     extra = [f"--model.path={model_dir}", "--algorithm.kl_coef=0.05"]
     if lora:

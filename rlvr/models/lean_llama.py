@@ -225,14 +225,16 @@ def lean_families() -> dict[type, tuple[type, type, type, type]]:
     RMSNorm as x * (1 + w) (their norm modules are called) and gate with tanh-GELU (their
     ``act_fn``); Gemma 2 and 3 also normalize the attention's and the MLP's outputs before their
     residual adds (``_sandwich``), Gemma 2 soft-caps its attention scores and logits
-    (``_softcap``), Gemma 3 has a rotary table per layer type (``layer_rope_types``). Those
+    (``_softcap``), Gemma 3 has a rotary table per layer type (``layer_rope_types``). Phi-3 fuses
+    q/k/v into one ``qkv_proj`` and gate/up into one ``gate_up_proj`` (``_qkv_mods``,
+    ``_gate_up_mods``: the same rows, as the stacked products already compute them). Those
     transformers lacks are left out."""
     if not _FAMILIES:
         import importlib
 
         for mod, prefix, inner in (("llama", "Llama", "Model"), ("mistral", "Mistral", "Model"),
                                    ("qwen2", "Qwen2", "Model"), ("qwen3", "Qwen3", "Model"),
-                                   ("gemma", "Gemma", "Model"), ("gemma2", "Gemma2", "Model"),
+                                   ("gemma", "Gemma", "Model"), ("gemma2", "Gemma2", "Model"), ("phi3", "Phi3", "Model"),
                                    ("gemma3", "Gemma3", "TextModel")):
             try:
                 m = importlib.import_module(f"transformers.models.{mod}.modeling_{mod}")
@@ -293,6 +295,8 @@ def lean_llama_unsupported(hf_model: nn.Module) -> str | None:
     for layer in layers:
         if float(getattr(layer.self_attn, "attention_dropout", 0.0) or 0.0) != 0.0:
             return "attention dropout > 0"
+        if any(getattr(layer._modules.get(n), "p", 0.0) for n in ("resid_attn_dropout", "resid_mlp_dropout")):
+            return "residual dropout > 0"                                          # Phi-3's
     return None
 
 
@@ -771,7 +775,26 @@ def _mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``mlp(x)``: a stock MLP's products through ``linear``."""
     if not _stock_mlp(mlp) or _hooked(mlp):
         return mlp(x)
-    return linear(mlp.down_proj, mlp.act_fn(linear(mlp.gate_proj, x)) * linear(mlp.up_proj, x))
+    parts = [linear(m, x) for m in _gate_up_mods(mlp)]
+    g, u = parts if len(parts) == 2 else parts[0].chunk(2, dim=-1)
+    return linear(mlp.down_proj, _act(mlp)(g) * u)
+
+
+def _qkv_mods(attn: nn.Module) -> tuple[nn.Module, ...]:
+    """An attention's q/k/v projections: (q_proj, k_proj, v_proj), or Phi-3's fused (qkv_proj,), whose
+    output rows are q's, then k's, then v's."""
+    return (attn.qkv_proj,) if "qkv_proj" in attn._modules else (attn.q_proj, attn.k_proj, attn.v_proj)
+
+
+def _gate_up_mods(mlp: nn.Module) -> tuple[nn.Module, ...]:
+    """A gated MLP's gate and up projections: (gate_proj, up_proj), or Phi-3's fused (gate_up_proj,),
+    whose output rows are the gate's, then up's."""
+    return (mlp.gate_up_proj,) if "gate_up_proj" in mlp._modules else (mlp.gate_proj, mlp.up_proj)
+
+
+def _act(mlp: nn.Module) -> nn.Module:
+    """A gated MLP's activation module (``act_fn``; Phi-3's ``activation_fn``)."""
+    return mlp.act_fn if "act_fn" in mlp._modules else mlp.activation_fn
 
 
 # ---------------------------------------------------------------------- weight-major products
@@ -968,9 +991,11 @@ def _mlp_t(mlp: nn.Module, x: torch.Tensor, dtype: torch.dtype = torch.float32) 
     if not _stock_mlp(mlp):
         return mlp(x).t()
     xT = x.to(dtype).t()
-    stacked = _stacked_t_bf16((mlp.gate_proj, mlp.up_proj), xT) if dtype == torch.bfloat16 else None
-    g, u = stacked[1] if stacked is not None else (linear_t(mlp.gate_proj, xT), linear_t(mlp.up_proj, xT))
-    mT = mlp.act_fn(g) * u                                                       # (I, rows)
+    mods = _gate_up_mods(mlp)
+    stacked = _stacked_t_bf16(mods, xT) if dtype == torch.bfloat16 else None
+    parts = stacked[1] if stacked is not None else [linear_t(m, xT) for m in mods]
+    g, u = parts if len(parts) == 2 else parts[0].chunk(2, dim=0)
+    mT = _act(mlp)(g) * u                                                        # (I, rows)
     return linear_t(mlp.down_proj, mT)
 
 
@@ -978,10 +1003,9 @@ def _prestack(layer: nn.Module) -> None:
     """Make a decoder layer's stacked bf16 copies (q/k/v, gate/up; ``_stack_plan``) in the current
     region: a no-gradient bf16 prefill calls it before its own products, so that their copies are
     already the stacks' rows and the decode steps that follow read the stacks."""
-    attn = layer.self_attn
-    _stack_plan((attn.q_proj, attn.k_proj, attn.v_proj))
+    _stack_plan(_qkv_mods(layer.self_attn))
     if _stock_mlp(layer.mlp):
-        _stack_plan((layer.mlp.gate_proj, layer.mlp.up_proj))
+        _stack_plan(_gate_up_mods(layer.mlp))
 
 
 def _project_qkv(attn: nn.Module, x: torch.Tensor, wm: torch.dtype | None, rot: tuple[torch.Tensor, torch.Tensor],
@@ -996,9 +1020,10 @@ def _project_qkv(attn: nn.Module, x: torch.Tensor, wm: torch.dtype | None, rot: 
     D = attn.head_dim
     if wm is None:
         cos, sin = rot
-        q = linear(attn.q_proj, x).view(B, L, H, D)
-        k = linear(attn.k_proj, x).view(B, L, Hkv, D)
-        v = linear(attn.v_proj, x).view(B, L, Hkv, D).transpose(1, 2)            # (B, Hkv, L, D)
+        outs = [linear(m, x) for m in _qkv_mods(attn)]
+        q, k, v = outs if len(outs) == 3 else outs[0].split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q, k = q.view(B, L, H, D), k.view(B, L, Hkv, D)
+        v = v.view(B, L, Hkv, D).transpose(1, 2)                                 # (B, Hkv, L, D)
         if getattr(attn, "q_norm", None) is not None:                            # Qwen 3: per-head norms
             q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
         q = q * cos + q.roll(D // 2, dims=-1) * sin                              # (B, L, H, D)
@@ -1006,9 +1031,11 @@ def _project_qkv(attn: nn.Module, x: torch.Tensor, wm: torch.dtype | None, rot: 
         return q, k, v
     cosT, sinT = rot
     xT = x.view(B * L, d).to(wm).t()                                             # (d, B*L), cast once
-    stacked = _stacked_t_bf16((attn.q_proj, attn.k_proj, attn.v_proj), xT) if wm == torch.bfloat16 else None
+    mods = _qkv_mods(attn)
+    stacked = _stacked_t_bf16(mods, xT) if wm == torch.bfloat16 else None
     if stacked is not None:
-        prod, (_, _, vT) = stacked
+        prod = stacked[0]                                    # rows: q's, k's, v's (then LoRA A factors')
+        vT = prod[(H + Hkv) * D:(H + 2 * Hkv) * D]
         qkT = prod[:(H + Hkv) * D].view(H + Hkv, D, B * L)                       # q and k: adjacent rows
         if getattr(attn, "q_norm", None) is not None:
             qkT = torch.cat([_head_norm_t(attn.q_norm, qkT[:H]), _head_norm_t(attn.k_norm, qkT[H:])])
@@ -1017,13 +1044,13 @@ def _project_qkv(attn: nn.Module, x: torch.Tensor, wm: torch.dtype | None, rot: 
             qkT = qkT.to(torch.bfloat16)
         qT, kT = qkT[:H], qkT[H:]
     else:
-        qT = linear_t(attn.q_proj, xT).reshape(H, D, B * L)
-        kT = linear_t(attn.k_proj, xT).reshape(Hkv, D, B * L)
+        outs = [linear_t(m, xT) for m in mods]
+        qT, kT, vT = outs if len(outs) == 3 else outs[0].split([H * D, Hkv * D, Hkv * D], dim=0)
+        qT, kT = qT.reshape(H, D, B * L), kT.reshape(Hkv, D, B * L)
         if getattr(attn, "q_norm", None) is not None:
             qT, kT = _head_norm_t(attn.q_norm, qT), _head_norm_t(attn.k_norm, kT)
         qT = qT * cosT + qT.roll(D // 2, dims=1) * sinT
         kT = kT * cosT + kT.roll(D // 2, dims=1) * sinT
-        vT = linear_t(attn.v_proj, xT)
     q = qT.permute(2, 0, 1).view(B, L, H, D)
     k = kT.permute(2, 0, 1).view(B, L, Hkv, D).transpose(1, 2)
     v = vT.t().view(B, L, Hkv, D).transpose(1, 2)
