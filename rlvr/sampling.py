@@ -482,9 +482,10 @@ def sequence_token_logprobs(model, rollout: Rollout | tuple, *, temperature: flo
     ``rollout`` is a ``Rollout`` or a tuple ``(ids, attention_mask, prompt_len)``. One forward
     over ``ids`` with ``attention_mask``; the logits at positions Lp-1 ... Lp+T-2 predict the T
     response tokens. ``temperature`` / ``top_p`` / ``top_k`` / ``min_p`` default to the rollout's own
-    (temperature and top_p required with a tuple, where top_k and min_p default to off); ``temperature == 0`` scores under the temperature-1 softmax as ``generate`` does. The
-    result is 0 where the response mask (``attention_mask[:, Lp:]``) is 0. ``chunk_rows`` bounds
-    the rows whose (rows, T, V) log-softmax is materialized at once (large vocabularies).
+    (temperature and top_p required with a tuple, where top_k and min_p default to off);
+    ``temperature == 0`` scores under the temperature-1 softmax as ``generate`` does. The result is 0
+    where the response mask (``attention_mask[:, Lp:]``) is 0. ``chunk_rows`` bounds the rows whose
+    (rows, T, V) log-softmax is materialized at once (large vocabularies).
 
     ``group_size=G`` (rows grouped by prompt: row b = prompt b // G, the G rows of a group carry
     the same prompt) on a model whose KV cache is differentiable (``model.differentiable_cache``,

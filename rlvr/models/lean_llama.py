@@ -1,6 +1,7 @@
 """The lean Llama forward: a stock ``LlamaForCausalLM``'s own weights with transformers' glue replaced
-(and Mistral's, Qwen 2's, Qwen 3's, Gemma 3's: the same layers, Qwen 2 with q/k/v biases, Qwen 3 with
-per-head q/k norms, Gemma 3 with those and norms around its attention and MLP; ``lean_families``).
+(and Mistral's, Qwen 2's, Qwen 3's, Gemma 1 / 2 / 3's, Phi-3's: the same layers, Qwen 2 with q/k/v
+biases, Qwen 3 with per-head q/k norms, the Gemmas with (1 + w) norms, Gemma 2 / 3 with norms around
+the attention and the MLP, Phi-3 with fused projections; ``lean_families``).
 
 ``lean_forward`` calls the model's weight-holding submodules (embeddings, norms, q/k/v/o
 projections, MLPs, head; so peft LoRA layers and ``disable_adapter()`` act as usual) but replaces
@@ -14,8 +15,8 @@ q/k/v and gate/up each in one product from stacked copies, the head from a prepa
 
 ``lean_llama_unsupported(model)`` / ``peft_unsupported(model)`` say why a model cannot take this
 path (None = it can): it needs a plain ``LlamaForCausalLM``, ``MistralForCausalLM``,
-``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` or a Gemma 1 / 2 / 3 ``ForCausalLM`` (static RoPE over
-the full head dim: ``STATIC_ROPE``, no attention dropout) and, under peft, LoRA adapters only.
+``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, a Gemma 1 / 2 / 3 or a ``Phi3ForCausalLM`` (static RoPE
+over the full head dim: ``STATIC_ROPE``, no attention dropout) and, under peft, LoRA adapters only.
 
 Shapes: B rows, L tokens in this call, S keys attended (cache length + L), H query heads, Hkv
 key/value heads, D head dim, rep = H // Hkv.
@@ -234,7 +235,8 @@ def lean_families() -> dict[type, tuple[type, type, type, type]]:
 
         for mod, prefix, inner in (("llama", "Llama", "Model"), ("mistral", "Mistral", "Model"),
                                    ("qwen2", "Qwen2", "Model"), ("qwen3", "Qwen3", "Model"),
-                                   ("gemma", "Gemma", "Model"), ("gemma2", "Gemma2", "Model"), ("phi3", "Phi3", "Model"),
+                                   ("gemma", "Gemma", "Model"), ("gemma2", "Gemma2", "Model"),
+                                   ("phi3", "Phi3", "Model"),
                                    ("gemma3", "Gemma3", "TextModel")):
             try:
                 m = importlib.import_module(f"transformers.models.{mod}.modeling_{mod}")
@@ -249,10 +251,11 @@ def lean_llama_unsupported(hf_model: nn.Module) -> str | None:
     """Why the lean Llama forward cannot run ``hf_model`` (None = it can).
 
     The lean path needs a plain ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
-    ``Qwen3ForCausalLM``, ``GemmaForCausalLM``, ``Gemma2ForCausalLM`` or ``Gemma3ForCausalLM`` (exact class, its own model, layer and attention
-    classes: ``lean_families``; another MLP module is called as it is), static RoPE (``STATIC_ROPE``;
-    each table's, where there is one per layer type: ``layer_rope_types``) over the full head dim, no
-    attention dropout and causal attention. Sliding windows are masked as transformers masks them
+    ``Qwen3ForCausalLM``, ``GemmaForCausalLM``, ``Gemma2ForCausalLM``, ``Gemma3ForCausalLM`` or
+    ``Phi3ForCausalLM`` (exact class, its own model, layer and attention classes: ``lean_families``;
+    another MLP module is called as it is), static RoPE (``STATIC_ROPE``; each table's, where there
+    is one per layer type: ``layer_rope_types``) over the full head dim, no attention or residual
+    dropout and causal attention. Sliding windows are masked as transformers masks them
     (``layer_windows``), soft-capped scores and logits capped as it caps them (``_softcap``).
     """
     families = lean_families()
@@ -430,7 +433,8 @@ def _softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
     return x if cap is None else torch.tanh(x / cap) * cap
 
 
-def _scores(addmask: torch.Tensor, q: torch.Tensor, kT: torch.Tensor, scaling: float, cap: float | None) -> torch.Tensor:
+def _scores(addmask: torch.Tensor, q: torch.Tensor, kT: torch.Tensor, scaling: float,
+            cap: float | None) -> torch.Tensor:
     """Attention scores ``addmask + q @ kT * scaling`` (one ``baddbmm``), soft-capped before the mask
     where the model caps them (``_softcap``, as transformers' eager attention)."""
     if cap is None:
