@@ -151,6 +151,12 @@ class SamplingConfig:
     e.g. 0.05); applied after top_k and top_p. Part of the nucleus like top_p."""
     max_new_tokens: int = 0
     """Bound on response length in tokens; 0 = the task's own bound."""
+    stop: list = field(default_factory=list)
+    """Strings that end a response, like vLLM's `stop` and transformers' `stop_strings`, e.g.
+    ["</answer>"]: a row ends at the token whose text completes one of them. That token is part of
+    the response (sampled, trained on, shown to the rewards with the stop string in its text), and
+    the row counts as ended, not truncated. Training, evaluation and the probe all stop there.
+    Empty = end at the task's end token only. Needs a task with an end token."""
 
 
 @dataclass
@@ -757,6 +763,8 @@ def validate(cfg: Config, source: str | None = None) -> None:
         bad("sampling.top_k", f"must be >= 0 (0 = off), got {s.top_k}")
     if not 0 <= s.min_p < 1:
         bad("sampling.min_p", f"must be in [0, 1) (0 = off), got {s.min_p}")
+    if not all(isinstance(x, str) and x for x in s.stop):
+        bad("sampling.stop", f"must be a list of non-empty strings, got {s.stop!r}")
     _check_algorithm(cfg, bad)
     for name, w in cfg.task.reward_weights.items():
         if not isinstance(w, (int, float)) or isinstance(w, bool) or not math.isfinite(w):

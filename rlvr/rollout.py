@@ -99,7 +99,8 @@ def sample_and_score(policy: Policy, tok: Tokenizer, task: Task, examples: list,
     """Sample G responses per example (temperature 0 = greedy), decode them and score them.
 
     A response is decoded up to its end token when the task has one (`limits.eos_id`), and in full
-    on fixed-length tasks. `chunk_prompts` > 0 samples that many prompts per generate call (memory);
+    on fixed-length tasks; with stop strings (`limits.stop`) up to and including the token that
+    completed one. `chunk_prompts` > 0 samples that many prompts per generate call (memory);
     the draws come from `generator` in order, so chunking does not change them. `pool`: a
     rlvr.reward_pool.RewardPool scores in its supervised workers (None: in this process).
     Sampling is seeded per prompt (rlvr.sampling.prompt_generators): one base seed is drawn from
@@ -113,16 +114,19 @@ def sample_and_score(policy: Policy, tok: Tokenizer, task: Task, examples: list,
     gens = (sampling.prompt_generators(base_seed, first_prompt, len(examples), device)
             if base_seed is not None else None)
     step = chunk_prompts or len(examples)
+    stop = sampling.StopStrings(limits.stop, tok.decode) if limits.stop else None
     rollouts = []
     for i in range(0, len(examples), step):
         with autocast():
             rollouts.append(sampling.generate(
                 policy, [encode_example(tok, ex) for ex in examples[i:i + step]], samples_per_prompt=G,
                 max_new_tokens=limits.max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                min_p=min_p, eos_id=limits.eos_id, pad_id=tok.pad_id, generators=gens[i:i + step] if gens else None))
+                min_p=min_p, eos_id=limits.eos_id, pad_id=tok.pad_id, generators=gens[i:i + step] if gens else None,
+                stop=stop))
     rollout = rollouts[0] if len(rollouts) == 1 else sampling.concat(rollouts, tok.pad_id)
-    stop = limits.eos_id is not None
-    responses = [tok.decode(r, stop_at_eos=stop) for r in rollout.response_ids.tolist()]
+    ends = limits.eos_id is not None
+    responses = [tok.decode(r[:n], stop_at_eos=ends)
+                 for r, n in zip(rollout.response_ids.tolist(), rollout.response_lengths.tolist())]
     return Groups(examples, rollout, responses, *score_groups(task, weights, examples, responses, G, pool))
 
 

@@ -46,6 +46,8 @@ class Limits:
     """The end token; None on fixed-length tasks (exactly max_new_tokens tokens, no end token)."""
     prompt_tokens: int
     """Tokens of the longest prompt, train and held-out (pricing and the context check)."""
+    stop: tuple = ()
+    """`sampling.stop`: strings that end a response at the token completing one (rlvr.sampling.StopStrings)."""
 
 
 @dataclass
@@ -389,7 +391,10 @@ def limits(cfg: config_mod.Config, task: Task, tok: Tokenizer, model: Policy | N
         longest = examples[lengths.index(n)]
         raise RunError(f"task prompt {longest.prompt[:60]!r} has {n} tokens; with max_new_tokens = {max_new} that "
                        f"exceeds the model's context of {block} tokens ({cfg.model.path or cfg.model.init or 'built-in'})")
-    return Limits(max_new, None if task.fixed_length else tok.eos_id, n)
+    if cfg.sampling.stop and task.fixed_length:
+        raise RunError(f"sampling.stop = {cfg.sampling.stop!r}, but the task's responses have a fixed length "
+                       f"({max_new} tokens, no end token): there is nothing to stop early")
+    return Limits(max_new, None if task.fixed_length else tok.eos_id, n, tuple(cfg.sampling.stop))
 
 
 def _hf_policy(cfg: config_mod.Config, device: torch.device, log) -> tuple[Policy, Tokenizer]:

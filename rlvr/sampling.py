@@ -288,6 +288,36 @@ def _next_tokens(logprobs: torch.Tensor, temperature: float, generator, noise_t:
 
 
 # ---------------------------------------------------------------------- generation
+class StopStrings:
+    """``generate``'s ``stop``: a row ends at the token whose text completes one of ``strings``
+    (vLLM's ``stop``, transformers' ``stop_strings``).
+
+    Called after each step with the tokens so far ``(B, t)`` and the rows to check ``(B,)`` bool;
+    returns ``(B,)`` bool, the checked rows whose text now contains a stop string. Only a row's
+    last tokens are decoded: as many as the longest stop string has UTF-8 bytes (every token
+    decodes to at least one byte), plus one before them, so that a tokenizer that drops the
+    leading space of a decoded piece cannot hide a stop string that starts with one. A stop string
+    that was complete earlier would have ended the row then, so any hit is completed by the
+    newest token. ``decode``: token ids (list) -> text, the tokenizer's (special tokens dropped).
+    """
+
+    def __init__(self, strings, decode):
+        strings = tuple(strings)
+        if not strings or not all(isinstance(x, str) and x for x in strings):
+            raise ValueError(f"stop strings must be non-empty strings, got {strings!r}")
+        self.strings = strings
+        self.decode = decode
+        self.window = max(len(x.encode("utf-8")) for x in strings) + 1
+
+    def __call__(self, out: torch.Tensor, check: torch.Tensor) -> torch.Tensor:
+        cols = out[:, max(0, out.shape[1] - self.window):].tolist()     # (B, <= window)
+        hit = [False] * len(cols)
+        for b in torch.nonzero(check).view(-1).tolist():
+            text = self.decode(cols[b])
+            hit[b] = any(x in text for x in self.strings)
+        return torch.tensor(hit, dtype=torch.bool, device=out.device)
+
+
 def _check_generate_args(model, prompts, samples_per_prompt: int, max_new_tokens: int, temperature: float,
                          top_p: float, top_k: int = 0, min_p: float = 0.0) -> torch.device:
     """ValueError on arguments `generate` cannot sample from; else the device of the model."""
@@ -305,16 +335,27 @@ def _check_generate_args(model, prompts, samples_per_prompt: int, max_new_tokens
     return first_param.device if first_param is not None else torch.device("cpu")
 
 
+def _prefill(model, prompt_ids: torch.Tensor, prompt_am: torch.Tensor, G: int, max_len: int):
+    """The prompts' forward: ((P, V) logits at the last column, the cache repeated G times or None)."""
+    cache = model.new_cache(prompt_ids.shape[0], max_len)
+    if cache is None:
+        return model(prompt_ids, attention_mask=prompt_am)[:, -1], None
+    logits = model(prompt_ids, attention_mask=prompt_am, cache=cache, logits_to_keep=1)[:, -1]
+    return logits, cache.repeat_interleave(G) if G > 1 else cache
+
+
 @torch.no_grad()
 def generate(model, prompts: list[list[int]], *, samples_per_prompt: int, max_new_tokens: int,
              temperature: float = 1.0, top_p: float = 1.0, eos_id: int | None, pad_id: int,
              generator: torch.Generator | None = None,
-             generators: list[torch.Generator] | None = None, top_k: int = 0, min_p: float = 0.0) -> Rollout:
+             generators: list[torch.Generator] | None = None, top_k: int = 0, min_p: float = 0.0,
+             stop: StopStrings | None = None) -> Rollout:
     """Sample ``samples_per_prompt`` responses per prompt; row b = prompt b // G, sample b % G.
 
     One prefill forward over the P left-padded prompts, whose KV cache is then repeated G times,
-    then one forward per new token. Stops when every row has produced ``eos_id``; with
-    ``eos_id=None`` runs exactly ``max_new_tokens`` steps and nothing is truncated.
+    then one forward per new token. A row ends at ``eos_id`` or, with ``stop`` (a ``StopStrings``),
+    at the token that completes a stop string (kept, like eos); sampling stops when every row has
+    ended. With neither, runs exactly ``max_new_tokens`` steps and nothing is truncated.
 
     ``model`` meets ``rlvr.policy.Policy``: ``model(ids, attention_mask=, cache=, logits_to_keep=)
     -> logits``; ``model.new_cache(batch_size, max_len)`` returns an object with
@@ -337,14 +378,8 @@ def generate(model, prompts: list[list[int]], *, samples_per_prompt: int, max_ne
     prompt_ids = torch.tensor([[pad_id] * (Lp - len(p)) + list(p) for p in prompts], device=device)  # (P, Lp)
     prompt_am = torch.tensor([[0] * (Lp - len(p)) + [1] * len(p) for p in prompts], device=device)   # (P, Lp)
 
-    cache = model.new_cache(P, Lp + T)
+    logits, cache = _prefill(model, prompt_ids, prompt_am, G, Lp + T)                             # (P, V)
     use_cache = cache is not None
-    if use_cache:
-        logits = model(prompt_ids, attention_mask=prompt_am, cache=cache, logits_to_keep=1)[:, -1]  # (P, V)
-        if G > 1:
-            cache = cache.repeat_interleave(G)
-    else:
-        logits = model(prompt_ids, attention_mask=prompt_am)[:, -1]                                # (P, V)
     prompt_ids = prompt_ids.repeat_interleave(G, dim=0)             # (B, Lp)
     prompt_am = prompt_am.repeat_interleave(G, dim=0)               # (B, Lp)
     logits = logits.repeat_interleave(G, dim=0)                     # (B, V)
@@ -375,8 +410,10 @@ def generate(model, prompts: list[list[int]], *, samples_per_prompt: int, max_ne
         steps = t + 1
         if eos_id is not None:
             finished = finished | (tok == eos_id)
-            if bool(finished.all()):
-                break
+        if stop is not None:
+            finished = finished | stop(out[:, :t + 1], ~finished)
+        if (eos_id is not None or stop is not None) and bool(finished.all()):
+            break
         if t == T - 1:
             break
         if use_cache:
@@ -393,7 +430,8 @@ def generate(model, prompts: list[list[int]], *, samples_per_prompt: int, max_ne
         prompt_len=Lp,
         mask=resp_mask.float(),
         logp=logp[:, :steps].contiguous(),
-        truncated=~finished if eos_id is not None else torch.zeros(B, dtype=torch.bool, device=device),
+        truncated=(~finished if eos_id is not None or stop is not None
+                   else torch.zeros(B, dtype=torch.bool, device=device)),
         temperature=float(temperature),
         top_p=float(top_p),
         logp_full=logp_full[:, :steps].contiguous() if nucleus else None, top_k=int(top_k), min_p=float(min_p),
