@@ -157,6 +157,12 @@ class SamplingConfig:
     the response (sampled, trained on, shown to the rewards with the stop string in its text), and
     the row counts as ended, not truncated. Training, evaluation and the probe all stop there.
     Empty = end at the task's end token only. Needs a task with an end token."""
+    max_tool_calls: int = 0
+    """Tool calls per response (0 = off; needs `stop` and a task with a `tool`): when a response
+    stops at a stop string, the task's tool reads the response so far and returns text that is
+    inserted into it (attended to, never trained on: mask 0, no loss, KL or entropy) or None to end
+    it there, and sampling goes on after the insertion, up to this many times. The response,
+    inserted text included, stays within max_new_tokens. See rlvr.tools."""
 
 
 @dataclass
@@ -765,6 +771,11 @@ def validate(cfg: Config, source: str | None = None) -> None:
         bad("sampling.min_p", f"must be in [0, 1) (0 = off), got {s.min_p}")
     if not all(isinstance(x, str) and x for x in s.stop):
         bad("sampling.stop", f"must be a list of non-empty strings, got {s.stop!r}")
+    if s.max_tool_calls < 0:
+        bad("sampling.max_tool_calls", f"must be >= 0 (0 = off), got {s.max_tool_calls}")
+    if s.max_tool_calls and not s.stop:
+        bad("sampling.max_tool_calls", "needs sampling.stop: the stop strings that end a tool call "
+                                       "(e.g. stop = [\"</calc>\"])")
     _check_algorithm(cfg, bad)
     for name, w in cfg.task.reward_weights.items():
         if not isinstance(w, (int, float)) or isinstance(w, bool) or not math.isfinite(w):

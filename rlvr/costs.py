@@ -252,6 +252,9 @@ class Price:
     """FLOPs of the logp_old forward (algorithm.logp_old = recompute; 0 = the sampler's log-probs)."""
     numerics: str = ""
     """How the policy's forwards compute (model.autocast resolved, with the measured times); "" = not given."""
+    tool_calls: int = 0
+    """sampling.max_tool_calls: the sampling forwards include that many continuations per response
+    at most, each a prefill of the whole context then decoding (priced as if every row called)."""
 
     def peak_in_parts(self, factor: float) -> int:
         """The predicted peak with training's activations and logits divided by `factor` (each minibatch's
@@ -313,7 +316,9 @@ class Price:
             f"price: per run: {self.forward_tokens_per_run:,} forward + {self.trained_tokens_per_run:,} trained tokens, "
             f"{self.flops_per_run:.3g} FLOP",
             f"price: model copies held: {'; '.join(copies)}; parameters {self.n_params:,}",
-        ] + ([f"price: numerics: {self.numerics}"] if self.numerics else []) + ([self.wall_line()] if self.matmul_flops_per_s else []) + ([self.memory_line()] if self.memory_peak_bytes else [])
+        ] + ([f"price: tool calls: sampling forwards priced with {self.tool_calls} continuation(s) per response, "
+              f"each over its whole context (the most they can take; sampled tokens stay within T)"]
+             if self.tool_calls else []) + ([f"price: numerics: {self.numerics}"] if self.numerics else []) + ([self.wall_line()] if self.matmul_flops_per_s else []) + ([self.memory_line()] if self.memory_peak_bytes else [])
 
     def wall_line(self) -> str:
         worst = (f" ({self.wall_seconds_estimate * self.sampling_rounds:,.1f} s in the worst case of dynamic sampling)"
@@ -430,6 +435,7 @@ def price(
     matmul_kind: str = "fp32",
     decode_step_s: float = 0.0,
     weight_copy_bytes: int = 0,
+    tool_calls: int = 0,
 ) -> Price:
     """Price a run from its shape; refuses, naming the number, when one it needs is missing.
 
@@ -445,6 +451,7 @@ def price(
     = recompute) adds one log-prob forward per batch; `numerics` is the model.autocast line and
     `matmul_kind` what `matmul_flops_per_s` measures ("fp32", or "bf16 autocast"). `decode_step_s`
     (one decode step of the P x G rows, measured) gives the expected wall time (`expected_wall_seconds`).
+    `tool_calls`: continuations per row in sampling, each at most Lp + T prefilled and T decoded (rlvr.tools).
     """
     _check_counts(max_new_tokens=max_new_tokens, n_params=n_params, prompts_per_step=prompts_per_step,
                   samples_per_prompt=samples_per_prompt, steps=steps, epochs_per_batch=epochs_per_batch,
@@ -457,12 +464,10 @@ def price(
     rows = P * G
     per_batch = rows * T
     grad_steps = epochs_per_batch * minibatches
-    sampling_fwd = sampling_forward_tokens(P, Lp, rows * T)
+    sampling_fwd = sampling_forward_tokens(P, Lp, rows * T) + tool_calls * rows * (Lp + 2 * T)
     per_forward = logp_forward_tokens(rows, G, Lp, T, shared_prompt=shared_prompt)
-    ref_fwd = per_forward if has_reference else 0
-    old_fwd = per_forward if recompute_logp_old else 0
-    trained = epochs_per_batch * per_forward
-    policy = n_params * bytes_per_param
+    ref_fwd, old_fwd = (per_forward if has_reference else 0), (per_forward if recompute_logp_old else 0)
+    trained, policy = epochs_per_batch * per_forward, n_params * bytes_per_param
     flops_per_run = float(((sampling_fwd + ref_fwd + old_fwd) * fwd + trained * trn) * steps)
     expected = expected_wall_seconds(flops_per_run, steps * rows * T * fwd, steps * (T - 1), matmul_flops_per_s,
                                      decode_step_s)
@@ -488,6 +493,6 @@ def price(
         logp_old_bytes=per_batch * 4, matmul_flops_per_s=float(matmul_flops_per_s), threads=threads,
         wall_seconds_estimate=flops_per_run / matmul_flops_per_s if matmul_flops_per_s > 0 else 0.0,
         decode_step_s=float(decode_step_s) if expected else 0.0, wall_seconds_expected=expected,
-        flops_logp_old_per_batch=float(old_fwd * fwd), numerics=numerics, matmul_kind=matmul_kind,
+        flops_logp_old_per_batch=float(old_fwd * fwd), numerics=numerics, matmul_kind=matmul_kind, tool_calls=tool_calls,
         **extra,
     )

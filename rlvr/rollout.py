@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from rlvr import advantages, costs, losses, sampling
+from rlvr import advantages, costs, losses, sampling, tools
 from rlvr.policy import Policy, Tokenizer
 from rlvr.rewards import goal_hits, score_batch, steps_of
 from rlvr.run import Limits, RunError
@@ -41,6 +42,9 @@ class Groups:
     errors: list[str]
     totals: list[float] = field(default_factory=list)
     """Per row, the weighted reward as scored (Python floats; `rewards` holds them in float32)."""
+    tools: tools.ToolStats | None = None
+    """What the tool loop did (rlvr.tools), when the run calls the task's tool; its forward_tokens
+    are the whole sampling call's."""
 
     @property
     def goal_failures(self) -> int:
@@ -58,7 +62,7 @@ class Groups:
             responses=[self.responses[i] for i in rows.tolist()], rewards=self.rewards[groups], hits=self.hits[groups],
             per_reward={k: [v[i] for i in rows.tolist()] for k, v in self.per_reward.items()},
             failures=self.failures, status_counts=self.status_counts, errors=self.errors,
-            totals=[self.totals[i] for i in rows.tolist()] if self.totals else [],
+            totals=[self.totals[i] for i in rows.tolist()] if self.totals else [], tools=self.tools,
         )
 
 
@@ -74,6 +78,7 @@ def merge(parts: list[Groups], pad_id: int) -> Groups:
         status_counts={k: sum(p.status_counts.get(k, 0) for p in parts) for k in parts[0].status_counts},
         errors=[e for p in parts for e in p.errors][:5],
         totals=[t for p in parts for t in p.totals],
+        tools=None if parts[0].tools is None else functools.reduce(tools.ToolStats.add, (p.tools for p in parts)),
     )
 
 
@@ -100,7 +105,8 @@ def sample_and_score(policy: Policy, tok: Tokenizer, task: Task, examples: list,
 
     A response is decoded up to its end token when the task has one (`limits.eos_id`), and in full
     on fixed-length tasks; with stop strings (`limits.stop`) up to and including the token that
-    completed one. `chunk_prompts` > 0 samples that many prompts per generate call (memory);
+    completed one; with tool calls (`limits.tool_calls` > 0, the task's `tool`, rlvr.tools) the whole
+    response, inserted results included. `chunk_prompts` > 0 samples that many prompts per generate call (memory);
     the draws come from `generator` in order, so chunking does not change them. `pool`: a
     rlvr.reward_pool.RewardPool scores in its supervised workers (None: in this process).
     Sampling is seeded per prompt (rlvr.sampling.prompt_generators): one base seed is drawn from
@@ -115,19 +121,31 @@ def sample_and_score(policy: Policy, tok: Tokenizer, task: Task, examples: list,
             if base_seed is not None else None)
     step = chunk_prompts or len(examples)
     stop = sampling.StopStrings(limits.stop, tok.decode) if limits.stop else None
-    rollouts = []
+    kw = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
+    rollouts, tool_stats = [], tools.ToolStats() if limits.tool_calls else None
     for i in range(0, len(examples), step):
+        chunk = examples[i:i + step]
         with autocast():
-            rollouts.append(sampling.generate(
-                policy, [encode_example(tok, ex) for ex in examples[i:i + step]], samples_per_prompt=G,
-                max_new_tokens=limits.max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                min_p=min_p, eos_id=limits.eos_id, pad_id=tok.pad_id, generators=gens[i:i + step] if gens else None,
-                stop=stop))
+            r = sampling.generate(
+                policy, [encode_example(tok, ex) for ex in chunk], samples_per_prompt=G,
+                max_new_tokens=limits.max_new_tokens, eos_id=limits.eos_id, pad_id=tok.pad_id,
+                generators=gens[i:i + step] if gens else None, stop=stop, **kw)
+        if tool_stats is not None:  # answer the tool calls and sample on (rlvr.tools)
+            first_fwd = costs.sampling_forward_tokens(len(chunk), r.prompt_len, r.mask.numel())
+            r, st = tools.respond_with_tools(
+                policy, tok, r, [ex for ex in chunk for _ in range(G)], task.tool,
+                max_new_tokens=limits.max_new_tokens, eos_id=limits.eos_id, stop=limits.stop,
+                max_calls=limits.tool_calls, base_seed=base_seed, first_row=(first_prompt + i) * G, sample_kw=kw,
+                autocast=autocast)
+            tool_stats = tool_stats.add(st)
+            tool_stats.forward_tokens += first_fwd
+        rollouts.append(r)
     rollout = rollouts[0] if len(rollouts) == 1 else sampling.concat(rollouts, tok.pad_id)
     ends = limits.eos_id is not None
-    responses = [tok.decode(r[:n], stop_at_eos=ends)
-                 for r, n in zip(rollout.response_ids.tolist(), rollout.response_lengths.tolist())]
-    return Groups(examples, rollout, responses, *score_groups(task, weights, examples, responses, G, pool))
+    extent = sampling.response_extent(rollout.attention_mask[:, rollout.prompt_len:]).tolist()  # inserted text too
+    responses = [tok.decode(r[:n], stop_at_eos=ends) for r, n in zip(rollout.response_ids.tolist(), extent)]
+    return Groups(examples, rollout, responses, *score_groups(task, weights, examples, responses, G, pool),
+                  tools=tool_stats)
 
 
 @dataclass
@@ -255,7 +273,8 @@ def rollout(setup, policy: Policy, reference: Policy | None, examples_fn, *, ver
     cost = {"sampled_tokens": 0, "forward_tokens": 0, "flops": 0.0}
     fwd_flops, _ = costs.model_flops_per_token(policy, setup.limits.prompt_tokens, setup.limits.max_new_tokens)
     for p in parts:  # every round is paid for, kept or not
-        n_fwd = costs.sampling_forward_tokens(len(p.examples), p.rollout.prompt_len, p.rollout.mask.numel())
+        n_fwd = (p.tools.forward_tokens if p.tools is not None else
+                 costs.sampling_forward_tokens(len(p.examples), p.rollout.prompt_len, p.rollout.mask.numel()))
         cost["sampled_tokens"] += int(p.rollout.mask.sum())
         cost["forward_tokens"] += n_fwd
         cost["flops"] += n_fwd * fwd_flops

@@ -48,6 +48,8 @@ class Limits:
     """Tokens of the longest prompt, train and held-out (pricing and the context check)."""
     stop: tuple = ()
     """`sampling.stop`: strings that end a response at the token completing one (rlvr.sampling.StopStrings)."""
+    tool_calls: int = 0
+    """`sampling.max_tool_calls`: the task's tool answers up to this many stop strings per response (rlvr.tools)."""
 
 
 @dataclass
@@ -394,7 +396,11 @@ def limits(cfg: config_mod.Config, task: Task, tok: Tokenizer, model: Policy | N
     if cfg.sampling.stop and task.fixed_length:
         raise RunError(f"sampling.stop = {cfg.sampling.stop!r}, but the task's responses have a fixed length "
                        f"({max_new} tokens, no end token): there is nothing to stop early")
-    return Limits(max_new, None if task.fixed_length else tok.eos_id, n, tuple(cfg.sampling.stop))
+    if cfg.sampling.max_tool_calls and task.tool is None:
+        raise RunError(f"sampling.max_tool_calls = {cfg.sampling.max_tool_calls}, but the task {task.name!r} has no "
+                       "tool (Task.tool) to call")
+    return Limits(max_new, None if task.fixed_length else tok.eos_id, n, tuple(cfg.sampling.stop),
+                  cfg.sampling.max_tool_calls)
 
 
 def _hf_policy(cfg: config_mod.Config, device: torch.device, log) -> tuple[Policy, Tokenizer]:
@@ -556,7 +562,7 @@ def price_of(setup: Setup, rate: float | None = None, decode_s: float | None = N
         shape=model_shape(model) if on_cpu else None, baseline_bytes=baseline,
         logprob_chunk_rows=cfg.model.logprob_chunk_rows, eval_rows=eval_rows(setup),
         export_copy=model.has_adapter, recompute_logp_old=cfg.algorithm.logp_old == "recompute",
-        numerics=setup.numerics.describe(),
+        numerics=setup.numerics.describe(), tool_calls=setup.limits.tool_calls,
         weight_copy_bytes=2 * model.num_params() if on_cpu and setup.numerics.bf16 else 0,
     )
 

@@ -319,20 +319,34 @@ class StopStrings:
 
 
 def _check_generate_args(model, prompts, samples_per_prompt: int, max_new_tokens: int, temperature: float,
-                         top_p: float, top_k: int = 0, min_p: float = 0.0) -> torch.device:
+                         top_p: float, top_k: int = 0, min_p: float = 0.0, budgets=None) -> torch.device:
     """ValueError on arguments `generate` cannot sample from; else the device of the model."""
     _check_sampling_args(temperature, top_p, top_k, min_p)
     if samples_per_prompt < 1 or max_new_tokens < 1:
         raise ValueError("samples_per_prompt and max_new_tokens must be >= 1")
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("need at least one prompt, and every prompt needs at least one token")
+    if budgets is not None and (len(budgets) != len(prompts) or not all(1 <= b <= max_new_tokens for b in budgets)):
+        raise ValueError(f"budgets must give each of the {len(prompts)} prompts 1 to max_new_tokens "
+                         f"({max_new_tokens}) tokens, got {list(budgets)}")
     block_size = model.config.block_size
-    longest = max(len(p) for p in prompts)
-    if block_size is not None and longest + max_new_tokens > block_size:
-        raise ValueError(f"longest prompt ({longest}) + max_new_tokens ({max_new_tokens}) "
+    need = [len(p) + (max_new_tokens if budgets is None else b) for p, b in zip(prompts, budgets or prompts)]
+    if block_size is not None and max(need) > block_size:
+        longest = len(prompts[need.index(max(need))])
+        raise ValueError(f"longest prompt ({longest}) + max_new_tokens ({max(need) - longest}) "
                          f"exceeds the model's block_size ({block_size})")
     first_param = next(iter(model.parameters()), None)
     return first_param.device if first_param is not None else torch.device("cpu")
+
+
+def _ended(ended, alive, tok, out, eos_id, stop):
+    """(B,) rows that ended at eos or at a stop string, after the step that sampled `tok` (B,);
+    `out` (B, t) the tokens so far, `alive` the rows that sampled a real token."""
+    if eos_id is not None:
+        ended = ended | (alive & (tok == eos_id))
+    if stop is not None:
+        ended = ended | stop(out, alive & ~ended)
+    return ended
 
 
 def _prefill(model, prompt_ids: torch.Tensor, prompt_am: torch.Tensor, G: int, max_len: int):
@@ -349,13 +363,13 @@ def generate(model, prompts: list[list[int]], *, samples_per_prompt: int, max_ne
              temperature: float = 1.0, top_p: float = 1.0, eos_id: int | None, pad_id: int,
              generator: torch.Generator | None = None,
              generators: list[torch.Generator] | None = None, top_k: int = 0, min_p: float = 0.0,
-             stop: StopStrings | None = None) -> Rollout:
+             stop: StopStrings | None = None, budgets: list[int] | None = None) -> Rollout:
     """Sample ``samples_per_prompt`` responses per prompt; row b = prompt b // G, sample b % G.
 
-    One prefill forward over the P left-padded prompts, whose KV cache is then repeated G times,
-    then one forward per new token. A row ends at ``eos_id`` or, with ``stop`` (a ``StopStrings``),
-    at the token that completes a stop string (kept, like eos); sampling stops when every row has
-    ended. With neither, runs exactly ``max_new_tokens`` steps and nothing is truncated.
+    One prefill forward over the P left-padded prompts, whose KV cache is then repeated G times, then
+    one forward per new token. A row ends at ``eos_id`` or at the token completing a ``stop`` string
+    (kept, like eos), until every row has ended; with neither, exactly ``max_new_tokens`` steps run and
+    nothing is truncated. ``budgets[p]`` (<= ``max_new_tokens``) cuts prompt p's rows after that many.
 
     ``model`` meets ``rlvr.policy.Policy``: ``model(ids, attention_mask=, cache=, logits_to_keep=)
     -> logits``; ``model.new_cache(batch_size, max_len)`` returns an object with
@@ -371,7 +385,8 @@ def generate(model, prompts: list[list[int]], *, samples_per_prompt: int, max_ne
     row depends only on its prompt's generator and the weights, not on the other prompts of the call
     (what lets rollout workers shard prompts and still draw the same rows).
     """
-    device = _check_generate_args(model, prompts, samples_per_prompt, max_new_tokens, temperature, top_p, top_k, min_p)
+    device = _check_generate_args(model, prompts, samples_per_prompt, max_new_tokens, temperature, top_p, top_k, min_p,
+                                  budgets)
     G, T, P = samples_per_prompt, max_new_tokens, len(prompts)
     Lp = max(len(p) for p in prompts)
     B = P * G
@@ -391,6 +406,8 @@ def generate(model, prompts: list[list[int]], *, samples_per_prompt: int, max_ne
     nucleus = temperature > 0 and truncates(top_p, top_k, min_p)
     logp_full = torch.zeros((B, T), dtype=torch.float32, device=device) if nucleus else None
     finished = torch.zeros(B, dtype=torch.bool, device=device)
+    ended = torch.zeros(B, dtype=torch.bool, device=device)         # at eos or a stop string
+    cap = None if budgets is None else torch.tensor(budgets, device=device).repeat_interleave(G)  # (B,)
     steps = 0
     for t in range(T):
         if noise is not None and temperature > 0 and not nucleus:  # per-prompt uniforms, no nucleus
@@ -408,11 +425,9 @@ def generate(model, prompts: list[list[int]], *, samples_per_prompt: int, max_ne
             full = F.log_softmax(logits.float() / temperature, dim=-1)                      # (B, V)
             logp_full[:, t] = full.gather(1, tok.unsqueeze(1)).squeeze(1).masked_fill(finished, 0.0)
         steps = t + 1
-        if eos_id is not None:
-            finished = finished | (tok == eos_id)
-        if stop is not None:
-            finished = finished | stop(out[:, :t + 1], ~finished)
-        if (eos_id is not None or stop is not None) and bool(finished.all()):
+        ended = _ended(ended, alive, tok, out[:, :t + 1], eos_id, stop)
+        finished = ended if cap is None else ended | (cap <= t + 1)
+        if bool(finished.all()):
             break
         if t == T - 1:
             break
@@ -430,7 +445,7 @@ def generate(model, prompts: list[list[int]], *, samples_per_prompt: int, max_ne
         prompt_len=Lp,
         mask=resp_mask.float(),
         logp=logp[:, :steps].contiguous(),
-        truncated=(~finished if eos_id is not None or stop is not None
+        truncated=(~ended if eos_id is not None or stop is not None
                    else torch.zeros(B, dtype=torch.bool, device=device)),
         temperature=float(temperature),
         top_p=float(top_p),

@@ -237,6 +237,12 @@ def step_row(step: int, batch: Batch, stats: dict, state: RunState, t0: float) -
     }
     for name, vals in groups.per_reward.items():
         row[f"train/reward_{name}"] = sum(vals) / len(vals)
+    used = [p.tools for p in batch.parts if p.tools is not None]
+    if used:  # the tool loop (rlvr.tools), over every sampling round of the step
+        responses = sum(len(p.responses) for p in batch.parts)
+        row["train/tool_calls_per_response"] = sum(t.calls for t in used) / responses
+        row["train/tool_errors"] = sum(t.errors for t in used)
+        row["train/tool_inserted_tokens"] = sum(t.inserted_tokens for t in used)
     return row
 
 
@@ -250,6 +256,10 @@ def record(run_dir: RunDir, state: RunState, step: int, batch: Batch, row: dict)
         what = "reward or goal" if statuses.get("goal_error") else "reward"
         run_dir.warn(step, f"{row['train/reward_failures']} {what} calls failed (scored 0, see train/reward_failures): "
                      f"{ {k: v for k, v in statuses.items() if v} }" + (f"; first error: {errors[0]}" if errors else ""))
+    if row.get("train/tool_errors"):
+        first = next(t.first_error for p in batch.parts if p.tools is not None for t in [p.tools] if t.first_error)
+        run_dir.warn(step, f"{row['train/tool_errors']} tool calls failed (their responses ended there, see "
+                     f"train/tool_errors); first error: {first}")
     for msg in state.watch.after_step(step, row):
         run_dir.warn(step, msg)
     run_dir.rollouts(step, batch.groups, batch.delta, cfg.log.rollouts_per_step)

@@ -106,6 +106,11 @@ class Task:
     """For a process reward (one that returns a list of per-step scores): the text that ends a
     step, e.g. "\\n"; "" = one step per response character, i.e. per token with the character
     tokenizer (see rlvr.advantages.token_steps)."""
+    tool: Callable[[str, str, Any], str | None] | None = None
+    """``tool(prompt, response_so_far, answer)``: called when a response stops at one of the run's
+    ``sampling.stop`` strings (with ``sampling.max_tool_calls`` > 0); returns the text to insert
+    into the response before sampling goes on, or None to end the response there. It runs in
+    the trainer's process on model output: parse, never ``eval``. See rlvr.tools."""
 
 
 class TaskError(ValueError):
@@ -198,6 +203,8 @@ def validate_task(task: Any) -> None:
         raise TaskError(f"fixed_length must be a bool, got {task.fixed_length!r}")
     if not isinstance(task.step_delimiter, str):
         raise TaskError(f"step_delimiter must be a str, got {task.step_delimiter!r}")
+    if task.tool is not None and not callable(task.tool):
+        raise TaskError(f"tool must be None or callable, got {task.tool!r:.80}")
 
 
 def is_file(target: str) -> bool:

@@ -32,10 +32,22 @@ Rewards
 
 The goal is exact correctness: the last number in the reply equals the answer exactly (the check
 of ``correct``).
+
+A calculator tool
+-----------------
+``calculator=True`` gives the task a tool (rlvr.tools) and a prompt that offers it
+(``CALCULATOR_TEMPLATE``): the reply may write ``<calc>23 * 45</calc>``, and the tool inserts
+``<result>1035</result>``. Run it with ``sampling.stop = ["</calc>"]`` and
+``sampling.max_tool_calls`` >= 1. The tool (``calculator_tool``, through ``calculate``) parses integers, ``+ - *`` and
+parentheses (Python's ``ast``, never ``eval``), at most ``MAX_CALC_CHARS`` characters; anything
+else gets ``<result>?</result>``. The rewards read the whole reply, inserted results included, so
+a reply that ends right after a correct result scores 1.0: using the tool is the point. ``format``
+pays only a bare number, so leave it out of calculator runs.
 """
 
 from __future__ import annotations
 
+import ast
 import operator
 import random
 import re
@@ -51,6 +63,13 @@ OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 """The operations and how each answer is computed."""
 OP_NAMES = {"+": "add", "-": "sub", "*": "mul"}
 COMMUTATIVE = frozenset("+*")
+CALCULATOR_TEMPLATE = ("What is {a} {op} {b}? You may compute with <calc>expression</calc>; its result follows as "
+                       "<result>value</result>. End with the number only.")
+"""The prompt with ``calculator=True``."""
+MAX_CALC_CHARS = 64
+"""Longest expression the calculator evaluates (bounds the size of any product)."""
+CALC = re.compile(r"<calc>((?:(?!<calc>).)*?)</calc>", re.S)
+"""A call: the text between the last ``<calc>`` and the ``</calc>`` after it."""
 ENUMERATE_LIMIT = 200_000
 """Problem spaces of at most this many problems are enumerated and shuffled; larger ones are sampled."""
 NUMBER = re.compile(r"(?<![\d.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
@@ -81,6 +100,39 @@ def goal(prompt: str, response: str, answer: int) -> bool:
 def format_reward(prompt: str, response: str, answer: int) -> float:
     """1.0 when the reply is a single number and nothing else (whitespace around it allowed), else 0.0."""
     return 1.0 if NUMBER.fullmatch(response.strip()) else 0.0
+
+
+_CALC_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+
+
+def _calc_value(node: ast.AST) -> int:
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.BinOp) and type(node.op) in _CALC_OPS:
+        return _CALC_OPS[type(node.op)](_calc_value(node.left), _calc_value(node.right))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        v = _calc_value(node.operand)
+        return -v if isinstance(node.op, ast.USub) else v
+    raise ValueError(f"not integer arithmetic: {type(node).__name__}")
+
+
+def calculate(expr: str) -> int | None:
+    """The value of ``expr`` (integers, ``+ - *``, parentheses, at most MAX_CALC_CHARS characters),
+    parsed with ``ast`` and evaluated node by node; None for anything else."""
+    if len(expr) > MAX_CALC_CHARS:
+        return None
+    try:
+        return _calc_value(ast.parse(expr.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, RecursionError):
+        return None
+
+
+def calculator_tool(prompt: str, response: str, answer: int) -> str:
+    """The task's tool: the value of the reply's last ``<calc>...</calc>`` as ``<result>N</result>``,
+    ``<result>?</result>`` when it is not integer arithmetic or there is no call."""
+    calls = CALC.findall(response)
+    value = calculate(calls[-1]) if calls else None
+    return f"<result>{'?' if value is None else value}</result>"
 
 
 def _operand_range(digits: int) -> range:
@@ -132,13 +184,20 @@ def _check_args(ops: str, digits: int, heldout: int, n_train: int | None, prompt
 
 
 def arith_task(ops: str = "+", digits: int = 2, n_train: int | None = None, heldout: int = 200, seed: int = 0,
-               prompt_template: str = DEFAULT_TEMPLATE, max_new_tokens: int = 16) -> Task:
+               prompt_template: str | None = None, max_new_tokens: int = 16, calculator: bool = False) -> Task:
     """The arithmetic task: ``a op b`` for ``op`` in ``ops`` and ``digits``-digit operands.
+
+    ``prompt_template`` None: ``DEFAULT_TEMPLATE``, or ``CALCULATOR_TEMPLATE`` with ``calculator``
+    (the calculator tool, module docstring).
 
     ``heldout`` problems are drawn first with ``random.Random(seed)``, then ``n_train`` more for
     train (None = every remaining problem when the space is enumerated, else 100,000 or half the
     space, whichever is smaller). The same arguments always give the same task.
     """
+    if prompt_template is None:
+        prompt_template = CALCULATOR_TEMPLATE if calculator else DEFAULT_TEMPLATE
+    if not isinstance(calculator, bool):
+        raise ValueError(f"arith_task: calculator must be true or false, got {calculator!r}")
     _check_args(ops, digits, heldout, n_train, prompt_template)
     rng = random.Random(seed)
     nums = _operand_range(digits)
@@ -182,7 +241,8 @@ def arith_task(ops: str = "+", digits: int = 2, n_train: int | None = None, held
     held = [example(k) for k in keys[:heldout]]
     train = [example(k) for k in keys[heldout:]]
     return Task(name=f"arith-{'-'.join(OP_NAMES[o] for o in ops)}-{digits}d", train=train, heldout=held,
-                rewards=rewards, goal=goal, max_new_tokens=max_new_tokens)
+                rewards=rewards, goal=goal, max_new_tokens=max_new_tokens,
+                tool=calculator_tool if calculator else None)
 
 
 TASK = arith_task

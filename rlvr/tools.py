@@ -1,0 +1,208 @@
+"""Tool calls inside a response: sampling stops at a stop string, the task's tool answers, its text
+is inserted into the response, and sampling continues.
+
+This is the single-turn tool loop of Search-R1, ReTool or ToRL (and of TRL's and verl's tool
+rollouts): the policy writes a call that ends with one of ``sampling.stop`` (``</calc>``), the
+task's ``tool(prompt, response_so_far, answer)`` returns the text to insert (``<result>42</result>``)
+or None to end the response there, and the policy goes on writing after the inserted text, up to
+``sampling.max_tool_calls`` calls. Row b of the resulting ``Rollout``::
+
+    [left-padded prompt | sampled ... </calc> | inserted | sampled ... </calc> | inserted | sampled ... eos | pad]
+
+* ``mask`` is 1 on the sampled tokens only. The inserted tokens are attended to
+  (``attention_mask`` is 1 over the whole response) but are not the policy's actions: they carry
+  ``logp`` 0 and no loss, KL or entropy term, and the learner's recomputed log-probs at their
+  positions are masked out like padding.
+* The sampler's ``logp`` of a token after an insertion is taken with the inserted text in its
+  context, as the learner's forward computes it.
+* The whole response, inserted text included, stays within ``max_new_tokens``: the price and
+  the context check of a run hold as they are. A row whose inserted text does not fit is cut
+  there and counts as truncated.
+* The rewards and the goal see the whole response text, inserted results included.
+
+A tool runs in the trainer's process, one call at a time (not in the reward workers): it must be
+safe on any text (never ``eval`` it; parse it). A tool that raises ends its row (the failure is
+counted and its first message logged); the run goes on.
+
+Continuations are sampled per row with a generator seeded from the call's base seed, the row's
+index in the whole batch and the round, so a row's draws do not depend on how prompts are split
+over calls or workers (as ``rlvr.sampling.prompt_generators`` does for first rounds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from rlvr import costs, sampling
+
+ROUND_SEED_MIX = 0x2545F4914F6CDD1D
+"""Mixes the round number into the continuation seeds."""
+
+
+@dataclass
+class ToolStats:
+    """What the tool loop of one sampling call did."""
+
+    calls: int = 0
+    """Tool calls answered (inserted text or None)."""
+    errors: int = 0
+    """Tool calls that raised, or whose text the tokenizer could not encode (their rows ended)."""
+    inserted_tokens: int = 0
+    """Tokens of inserted text (attended, never trained on)."""
+    forward_tokens: int = 0
+    """Token positions the continuations computed (their prefills over the whole context, then decode)."""
+    first_error: str = ""
+
+    def add(self, other: "ToolStats") -> "ToolStats":
+        return ToolStats(self.calls + other.calls, self.errors + other.errors,
+                         self.inserted_tokens + other.inserted_tokens, self.forward_tokens + other.forward_tokens,
+                         self.first_error or other.first_error)
+
+
+@dataclass
+class _Row:
+    """One response being written: its tokens so far and what each is."""
+
+    prompt: list[int]
+    tokens: list[int]
+    sampled: list[bool]
+    logp: list[float]
+    logp_full: list[float]
+    ended: bool
+    """At eos, at a stop string the tool answered None to, or after a tool failure."""
+    at_stop: bool
+    """The last sampled piece ended at a stop string (a call for the tool)."""
+    calls: int = 0
+    cut: bool = False
+    """The inserted text did not fit the response bound."""
+
+
+def _rows(rollout: sampling.Rollout, eos_id: int | None) -> list[_Row]:
+    """The rows of a first-round rollout, each cut to its own tokens."""
+    Lp, rows = rollout.prompt_len, []
+    full = rollout.tempered_logp
+    for b in range(rollout.ids.size(0)):
+        n = int(rollout.mask[b].sum())
+        prompt = rollout.ids[b, :Lp][rollout.attention_mask[b, :Lp].bool()].tolist()
+        toks = rollout.response_ids[b, :n].tolist()
+        at_eos = eos_id is not None and n > 0 and toks[-1] == eos_id
+        truncated = bool(rollout.truncated[b])
+        rows.append(_Row(prompt, toks, [True] * n, rollout.logp[b, :n].tolist(), full[b, :n].tolist(),
+                         ended=at_eos, at_stop=not at_eos and not truncated))
+    return rows
+
+
+def _call(tool: Callable, prompt: str, text: str, answer: Any, tok, stats: ToolStats) -> list[int] | None:
+    """The tool's inserted tokens, or None when the row ends (the tool said so, or failed)."""
+    stats.calls += 1
+    try:
+        out = tool(prompt, text, answer)
+        if out is None:
+            return None
+        if not isinstance(out, str):
+            raise TypeError(f"the tool returned a {type(out).__name__}, not a str or None")
+        return tok.encode(out, bos=False)
+    except Exception as e:  # noqa: BLE001 - a failing tool ends its row; the run goes on
+        stats.errors += 1
+        stats.first_error = stats.first_error or f"{type(e).__name__}: {e}"
+        return None
+
+
+def _continue(policy, rows: list[_Row], idx: list[int], budgets: list[int], *, first_row: int, base_seed,
+              round_: int, pad_id: int, eos_id, stop, sample_kw: dict, autocast) -> int:
+    """Sample the continuations of rows `idx` (one per row, G = 1), each within its budget; append
+    them. Returns the token positions computed."""
+    prompts = [rows[i].prompt + rows[i].tokens for i in idx]
+    gens = None
+    if base_seed is not None:
+        seed = (base_seed + ROUND_SEED_MIX * round_) % 2 ** 63
+        device = next(iter(policy.parameters())).device
+        gens = [sampling.prompt_generators(seed, first_row + i, 1, device)[0] for i in idx]
+    with autocast():
+        r = sampling.generate(policy, prompts, samples_per_prompt=1, max_new_tokens=max(budgets), budgets=budgets,
+                              eos_id=eos_id, pad_id=pad_id, generators=gens, stop=stop, **sample_kw)
+    full = r.tempered_logp
+    for k, i in enumerate(idx):
+        n = int(r.mask[k].sum())
+        toks = r.response_ids[k, :n].tolist()
+        row = rows[i]
+        row.tokens += toks
+        row.sampled += [True] * n
+        row.logp += r.logp[k, :n].tolist()
+        row.logp_full += full[k, :n].tolist()
+        at_eos = eos_id is not None and n > 0 and toks[-1] == eos_id
+        row.ended = at_eos
+        row.at_stop = not at_eos and not bool(r.truncated[k])
+    return costs.sampling_forward_tokens(len(idx), r.prompt_len, r.mask.numel())
+
+
+def _assemble(first: sampling.Rollout, rows: list[_Row], pad_id: int) -> sampling.Rollout:
+    """The rows as one Rollout: the first round's left-padded prompts, then each row's tokens."""
+    B, Lp = len(rows), first.prompt_len
+    T = max(1, max(len(r.tokens) for r in rows))
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    mask = torch.zeros((B, T), dtype=torch.float32)
+    att = torch.zeros((B, T), dtype=torch.long)
+    logp = torch.zeros((B, T), dtype=torch.float32)
+    logp_full = torch.zeros((B, T), dtype=torch.float32)
+    for b, r in enumerate(rows):
+        n = len(r.tokens)
+        ids[b, :n] = torch.tensor(r.tokens, dtype=torch.long)
+        att[b, :n] = 1
+        mask[b, :n] = torch.tensor(r.sampled, dtype=torch.float32)
+        logp[b, :n] = torch.tensor(r.logp, dtype=torch.float32)           # 0 on inserted tokens
+        logp_full[b, :n] = torch.tensor(r.logp_full, dtype=torch.float32)
+    dev = first.ids.device
+    truncated = torch.tensor([r.cut or not (r.ended or r.at_stop) for r in rows], dtype=torch.bool, device=dev)
+    nucleus = first.logp_full is not None
+    return sampling.Rollout(
+        ids=torch.cat([first.prompt_ids, ids.to(dev)], dim=1),
+        attention_mask=torch.cat([first.attention_mask[:, :Lp], att.to(dev)], dim=1),
+        prompt_len=Lp, mask=mask.to(dev), logp=logp.to(dev), truncated=truncated,
+        temperature=first.temperature, top_p=first.top_p, top_k=first.top_k, min_p=first.min_p,
+        logp_full=logp_full.to(dev) if nucleus else None)
+
+
+def respond_with_tools(policy, tok, first: sampling.Rollout, examples: list, tool: Callable, *, max_new_tokens: int,
+                       eos_id: int | None, stop: tuple[str, ...], max_calls: int, base_seed: int | None,
+                       first_row: int, sample_kw: dict, autocast) -> tuple[sampling.Rollout, ToolStats]:
+    """Answer the tool calls of the first-round `first` (row b is `examples[b]`'s response; row b
+    is row `first_row + b` of the whole batch) and sample on, up to `max_calls` calls per row.
+
+    `sample_kw`: temperature, top_p, top_k, min_p, as the first round sampled. `autocast()`: the
+    sampling forwards' context. Returns the assembled rollout (module docstring) and the counts."""
+    stats = ToolStats()
+    stopper = sampling.StopStrings(stop, tok.decode)
+    rows = _rows(first, eos_id)
+    for round_ in range(1, max_calls + 1):
+        idx, budgets = [], []
+        for i, r in enumerate(rows):
+            if r.ended or r.cut or not r.at_stop:
+                continue
+            ex = examples[i]
+            inserted = _call(tool, ex.prompt, tok.decode(r.tokens), ex.answer, tok, stats)
+            r.calls += 1
+            if inserted is None:
+                r.ended = True
+                continue
+            room = max_new_tokens - len(r.tokens)
+            kept = inserted[:room]
+            r.tokens += kept
+            r.sampled += [False] * len(kept)
+            r.logp += [0.0] * len(kept)
+            r.logp_full += [0.0] * len(kept)
+            stats.inserted_tokens += len(kept)
+            if len(inserted) >= room:
+                r.cut = True
+                continue
+            idx.append(i)
+            budgets.append(room - len(inserted))
+        if not idx:
+            break
+        stats.forward_tokens += _continue(policy, rows, idx, budgets, first_row=first_row, base_seed=base_seed,
+                                          round_=round_, pad_id=tok.pad_id, eos_id=eos_id, stop=stopper,
+                                          sample_kw=sample_kw, autocast=autocast)
+    return _assemble(first, rows, tok.pad_id), stats

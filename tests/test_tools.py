@@ -1,0 +1,219 @@
+"""Tool calls inside a response (rlvr.tools): layout by hand on a scripted model, the learner's
+log-probs against the sampler's with inserted text in the context (built-in and Hugging Face
+policies), chunking, the arith task's calculator, the config checks and a short training run."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from contextlib import redirect_stderr, redirect_stdout
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rlvr import config as config_mod, run, tools
+from rlvr.rollout import sample_and_score
+from rlvr.sampling import StopStrings, generate, sequence_token_logprobs
+from rlvr.tasks.arith import arith_task, calculate, calculator_tool
+from test_sampling import BOS, EOS, PAD, MarkovMock
+
+PIECES = {3: "<c>", 4: "7", 5: "</c>", 6: "<r>", 7: "9", 8: "</r>", 9: "!"}
+
+
+class PieceTokenizer:
+    """Whole pieces: encode takes the longest known piece at each position."""
+
+    pad_id, eos_id = PAD, EOS
+
+    def decode(self, ids, stop_at_eos=False):
+        return "".join(PIECES.get(i, "") for i in ids)
+
+    def encode(self, text, bos=False):
+        ids, i = [], 0
+        while i < len(text):
+            k = max((k for k, p in PIECES.items() if text.startswith(p, i)), key=lambda k: len(PIECES[k]),
+                    default=None)
+            if k is None:
+                raise ValueError(f"cannot encode {text[i:]!r}")
+            ids.append(k)
+            i += len(PIECES[k])
+        return ids
+
+
+def table(nxt: dict[int, int], V: int = 10) -> torch.Tensor:
+    t = torch.zeros(V, V)
+    for a in range(V):
+        t[a, nxt.get(a, EOS)] = 50.0
+    return t
+
+
+def respond(model, prompts, tool, *, max_new_tokens=12, max_calls=1):
+    tok = PieceTokenizer()
+    first = generate(model, prompts, samples_per_prompt=1, max_new_tokens=max_new_tokens, eos_id=EOS, pad_id=PAD,
+                     generator=None, stop=StopStrings(["</c>"], tok.decode))
+    examples = [SimpleNamespace(prompt=f"p{i}", answer=i) for i in range(len(prompts))]
+    return tools.respond_with_tools(model, tok, first, examples, tool, max_new_tokens=max_new_tokens, eos_id=EOS,
+                                    stop=("</c>",), max_calls=max_calls, base_seed=None, first_row=0,
+                                    sample_kw=dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0),
+                                    autocast=contextlib.nullcontext)
+
+
+def test_the_tool_text_is_inserted_attended_and_never_trained_on():
+    seen = []
+
+    def tool(prompt, text, answer):
+        seen.append((prompt, text, answer))
+        return "<r>9</r>"
+
+    m = MarkovMock(table({3: 4, 4: 5, 8: 9}))             # "<c>" "7" "</c>" ... "</r>" -> "!" -> eos
+    r, stats = respond(m, [[BOS, 3], [BOS, 9]], tool)
+    assert seen == [("p0", "7</c>", 0)]                        # row 1 ended at eos: no call
+    assert r.response_ids.tolist() == [[4, 5, 6, 7, 8, 9, EOS], [EOS] + [PAD] * 6]
+    assert r.mask.tolist() == [[1, 1, 0, 0, 0, 1, 1], [1, 0, 0, 0, 0, 0, 0]]
+    assert r.attention_mask[:, r.prompt_len:].tolist() == [[1] * 7, [1] + [0] * 6]
+    assert (r.logp[r.mask == 0] == 0).all() and (r.logp[r.mask == 1].abs() < 1e-6).all()
+    assert r.truncated.tolist() == [False, False]
+    assert (stats.calls, stats.errors, stats.inserted_tokens) == (1, 0, 3)
+    # the continuation's prefill ran over the whole context: prompt, sampled call, inserted result
+    assert stats.forward_tokens == 7 + 2
+
+
+def test_calls_stop_at_max_calls_and_the_bound_cuts_the_response():
+    m = MarkovMock(table({3: 4, 4: 5, 8: 3}))             # after "</r>" it calls again, forever
+    r, stats = respond(m, [[BOS, 3]], lambda p, t, a: "<r>9</r>", max_calls=1)
+    assert r.response_ids.tolist() == [[4, 5, 6, 7, 8, 3, 4, 5]]
+    assert r.mask.tolist() == [[1, 1, 0, 0, 0, 1, 1, 1]] and not r.truncated.any()  # ended at its stop string
+    r, stats = respond(m, [[BOS, 3]], lambda p, t, a: "<r>9</r>", max_calls=5)
+    assert r.response_ids.tolist() == [[4, 5, 6, 7, 8, 3, 4, 5, 6, 7, 8, 3]]     # 12 = max_new_tokens
+    assert r.mask.tolist() == [[1, 1, 0, 0, 0, 1, 1, 1, 0, 0, 0, 1]] and r.truncated.all()
+    assert stats.calls == 2
+    # an inserted text longer than the room left is cut there, and the row is truncated
+    r, stats = respond(m, [[BOS, 3]], lambda p, t, a: "<r>9</r>", max_new_tokens=4)
+    assert r.response_ids.tolist() == [[4, 5, 6, 7]] and r.mask.tolist() == [[1, 1, 0, 0]] and r.truncated.all()
+    assert stats.inserted_tokens == 2
+
+
+@pytest.mark.parametrize("tool,errors", [(lambda p, t, a: None, 0), (lambda p, t, a: 1 / 0, 1),
+                                         (lambda p, t, a: 42, 1), (lambda p, t, a: "<r>unknown</r>", 1)])
+def test_a_tool_that_answers_none_or_fails_ends_its_row(tool, errors):
+    m = MarkovMock(table({3: 4, 4: 5, 8: 9}))
+    r, stats = respond(m, [[BOS, 3]], tool)
+    assert r.response_ids.tolist() == [[4, 5]] and r.mask.tolist() == [[1, 1]] and not r.truncated.any()
+    assert (stats.calls, stats.errors) == (1, errors)
+    assert bool(stats.first_error) == bool(errors)
+
+
+def test_calculator():
+    assert calculate("23 * 45") == 1035 and calculate("(1 + 2) * -3") == -9 and calculate(" 7 ") == 7
+    for bad in ["2 ** 3", "__import__('os')", "1 / 2", "1.5 + 1", "x + 1", "", "1 +", "9" * 65, "True + 1"]:
+        assert calculate(bad) is None, bad
+    assert calculator_tool("", "let me see <calc>2*3</calc>", 6) == "<result>6</result>"
+    assert calculator_tool("", "<calc>1</calc> then <calc>4-9</calc>", 0) == "<result>-5</result>"
+    assert calculator_tool("", "<calc>2**99</calc>", 0) == "<result>?</result>"
+    assert calculator_tool("", "no call </calc>", 0) == "<result>?</result>"
+    task = arith_task(digits=1, heldout=5, calculator=True)
+    assert task.tool is calculator_tool and "<calc>" in task.train[0].prompt
+    assert arith_task(digits=1, heldout=5).tool is None
+
+
+def calc_setup(stop='["</calc>"]'):
+    options = "{digits = 1, heldout = 5, calculator = true, max_new_tokens = 24}"
+    cfg = config_mod.load(None, ["--task.path=rlvr.tasks.arith:arith_task", f"--task.options={options}",
+                                 "--task.reward=correct", f"--sampling.stop={stop}", "--sampling.max_tool_calls=2",
+                                 "--model.n_layer=1", "--model.n_embd=32", "--model.n_head=2"])
+    return run.build(cfg, log=lambda *a: None)
+
+
+def test_the_learner_scores_sampled_tokens_as_the_sampler_did_with_results_in_context():
+    setup = calc_setup(stop='["a", "<"]')       # characters a random policy writes: it calls often
+    tok, task = setup.tokenizer, setup.task
+    examples = list(task.train[:6])
+    groups = sample_and_score(setup.model, tok, task, examples, G=4, limits=setup.limits,
+                              weights={"correct": 1.0}, temperature=1.0, top_p=1.0,
+                              generator=torch.Generator().manual_seed(0))
+    r = groups.rollout
+    inserted = (r.attention_mask[:, r.prompt_len:] == 1) & (r.mask == 0)
+    assert groups.tools.calls > 0 and inserted.any()          # the random policy does call the tool
+    lp = sequence_token_logprobs(setup.model, r)
+    assert torch.allclose(lp * r.mask, r.logp, atol=1e-5)      # ratio 1 at the first pass
+    called = torch.nonzero(inserted.any(1)).view(-1).tolist()
+    for b in called:  # the rewards see the inserted results (cut short when the row hit the bound)
+        assert "<result>?</result>" in groups.responses[b] or (r.truncated[b] and "<r" in groups.responses[b])
+    assert any("<result>?</result>" in groups.responses[b] for b in called)
+    # chunked sampling draws the same rows (continuations are seeded per row of the whole batch)
+    again = sample_and_score(setup.model, tok, task, examples, G=4, limits=setup.limits, weights={"correct": 1.0},
+                             temperature=1.0, top_p=1.0, generator=torch.Generator().manual_seed(0), chunk_prompts=4)
+    assert again.responses == groups.responses and torch.equal(again.rollout.mask, r.mask[:, :again.rollout.mask.size(1)])
+
+
+def test_tool_calls_need_stop_strings_and_a_task_tool():
+    with pytest.raises(config_mod.ConfigError, match="sampling.max_tool_calls.*sampling.stop"):
+        config_mod.load(None, ["--sampling.max_tool_calls=1"])
+    with pytest.raises(config_mod.ConfigError, match="sampling.max_tool_calls"):
+        config_mod.load(None, ["--sampling.max_tool_calls=-1", '--sampling.stop=["x"]'])
+    cfg = config_mod.load(None, ["--task.path=rlvr.tasks.arith:arith_task", "--task.options={digits = 1, heldout = 5}",
+                                 "--task.reward=correct", '--sampling.stop=["</calc>"]', "--sampling.max_tool_calls=1"])
+    with pytest.raises(run.RunError, match="no tool"):
+        run.build(cfg, log=lambda *a: None)
+
+
+def test_a_training_run_with_the_calculator(tmp_path):
+    from rlvr.cli import main
+
+    config = tmp_path / "calc.toml"
+    config.write_text('[task]\npath = "rlvr.tasks.arith:arith_task"\nreward = "correct"\n'
+                      'options = { digits = 1, heldout = 10, calculator = true, max_new_tokens = 24 }\n'
+                      '[sampling]\nstop = ["a", "e", "o"]\nmax_tool_calls = 2\n')
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        rc = main(["train", str(config), "--out", str(tmp_path / "run"), "--model.n_layer=1", "--model.n_embd=32", "--model.n_head=2", "--train.steps=2",
+                   "--train.prompts_per_step=4", "--train.samples_per_prompt=4", "--eval.every=0",
+                   "--eval.pass_k=0", "--log.rollouts_per_step=4", "--task.reward_workers=0"])
+    assert rc == 0, err.getvalue()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "train/reward" in r]
+    assert len(train) == 2 and all("train/tool_calls_per_response" in r for r in train)
+    assert all(r["train/tool_errors"] == 0 for r in train)
+    assert sum(r["train/tool_calls_per_response"] for r in train) > 0       # "a", "e", "o" are written by chance
+    responses = [x for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()
+                 for x in json.loads(line)["responses"]]
+    assert any("<result>?</result>" in x for x in responses)
+    # the price bounds the sampling forwards with every row calling every time; the run stays within it
+    price = json.loads((tmp_path / "run" / "price.json").read_text())
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert price["tool_calls"] == 2 and "price: tool calls:" in out.getvalue()
+    rows, Lp, T = 16, price["prompt_tokens"], 24
+    assert price["forward_tokens_sampling_per_batch"] == 4 * Lp + rows * T + 2 * rows * (Lp + 2 * T)
+    assert summary["cost/forward_tokens"] <= price["forward_tokens_per_run"]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_hugging_face_policy_scores_its_tool_rollouts_as_it_sampled_them(tmp_path, dtype):
+    """The lean forward: the first round's grouped cache, continuations over the whole context, and
+    the learner's forward with each prompt shared by its group, inserted text attended in between."""
+    pytest.importorskip("transformers")
+    from hf_models import make_model_dir
+    from rlvr.models.hf import load_policy
+    from rlvr.sampling import prompt_generators
+
+    policy, tok = load_policy(make_model_dir(tmp_path, num_key_value_heads=2, tie_word_embeddings=True), dtype=dtype)
+    prompts = [tok.encode("ab, c"), tok.encode("x"), tok.encode("12 3:")]
+    G, stop = 4, ("a", "7")
+    kw = dict(temperature=1.0, top_p=0.95, top_k=0, min_p=0.0)
+    first = generate(policy, prompts, samples_per_prompt=G, max_new_tokens=20, eos_id=tok.eos_id, pad_id=tok.pad_id,
+                     generators=prompt_generators(3, 0, 3), stop=StopStrings(stop, tok.decode), **kw)
+    examples = [SimpleNamespace(prompt=str(p), answer=0) for p in prompts for _ in range(G)]
+    r, stats = tools.respond_with_tools(policy, tok, first, examples, lambda p, t, a: " ok:", max_new_tokens=20,
+                                        eos_id=tok.eos_id, stop=stop, max_calls=3, base_seed=3, first_row=0,
+                                        sample_kw=kw, autocast=contextlib.nullcontext)
+    inserted = (r.attention_mask[:, r.prompt_len:] == 1) & (r.mask == 0)
+    assert stats.calls > 0 and inserted.sum() == stats.inserted_tokens
+    continued = inserted.flip(1).cummax(1).values.flip(1) & ~inserted & (r.mask == 1)  # sampled before an insertion
+    after = (r.mask == 1) & inserted.cummax(1).values                                  # sampled after one
+    assert continued.any() and after.any()
+    for group_size in (None, G):
+        out = sequence_token_logprobs(policy, r, group_size=group_size, return_full=True)
+        assert torch.allclose(out.logp * r.mask, r.logp, atol=1e-5), (out.logp * r.mask - r.logp).abs().max()
+        assert torch.allclose(out.logp_full * r.mask, r.logp_full, atol=1e-5)   # the KL's side, without the nucleus
