@@ -6,6 +6,7 @@ prompts the policy never trained on.
 - `pass@k` / `mean@k`: k responses sampled per prompt at the training temperature and top-p;
   pass@k is the fraction of prompts with at least one response meeting the goal (with n = k
   samples the unbiased estimator of Chen et al. reduces to this), mean@k the mean goal rate.
+- `tool_calls_per_response`, `tool_errors`: with tool calls on (rlvr.tools), of the greedy responses.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ def evaluate(model: Policy, tok: Tokenizer, task: Task, *, reward_weights: dict[
         "reward_failures": greedy.reward_failures,
         "goal_failures": greedy.goal_failures,
     }
+    if greedy.tools is not None:  # how the greedy responses used the task's tool (rlvr.tools)
+        res["tool_calls_per_response"] = greedy.tools.calls / len(examples)
+        res["tool_errors"] = greedy.tools.errors
     if pass_k:
         sampled = sample_and_score(model, tok, task, examples[:pass_k_prompts], G=pass_k, limits=limits,
                                    weights=reward_weights, temperature=temperature, top_p=top_p, top_k=top_k,

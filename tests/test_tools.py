@@ -177,6 +177,9 @@ def test_a_training_run_with_the_calculator(tmp_path):
     assert len(train) == 2 and all("train/tool_calls_per_response" in r for r in train)
     assert all(r["train/tool_errors"] == 0 for r in train)
     assert sum(r["train/tool_calls_per_response"] for r in train) > 0       # "a", "e", "o" are written by chance
+    evals = [r for r in rows if "eval/goal" in r]                           # step 0 and the end
+    assert len(evals) == 2 and all(r["eval/tool_errors"] == 0 and r["eval/tool_calls_per_response"] >= 0
+                                   for r in evals)
     responses = [x for line in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()
                  for x in json.loads(line)["responses"]]
     assert any("<result>?</result>" in x for x in responses)
