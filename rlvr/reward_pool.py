@@ -56,7 +56,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
-from rlvr.rewards import Reward, Score, StepScores, check_goal, check_value, score, steps_of
+from rlvr.rewards import Reward, Score, StepScores, call_tool, check_goal, check_value, score, steps_of
 
 __all__ = ["RewardPool", "RewardPoolError", "open_pool", "available_cores", "DEFAULT_TIMEOUT_S",
            "DEFAULT_MEMORY_MB"]
@@ -74,6 +74,11 @@ MAX_TRIES = 3
 _WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
                "TOKENIZERS_PARALLELISM": "false"}
 """One thread per worker: the pool is the parallelism (and torch in a worker would otherwise take every core)."""
+
+
+TOOL_JOB = "\x00tool"
+"""The job name under which a worker calls the task's tool (rlvr.tools) instead of a reward: its
+Score's value is the text to insert (or None)."""
 
 
 class RewardPoolError(RuntimeError):
@@ -195,6 +200,8 @@ def _serve() -> None:
             p, r, a = ([items[i][k] for i in idx] for k in range(3))
             if name is None:
                 scores: Any = (check_goal(task.goal, *items[i], interrupts=True) for i in idx)
+            elif name == TOOL_JOB:
+                scores = (call_tool(task.tool, *items[i], interrupts=True) for i in idx)
             else:
                 reward = task.rewards[name]
                 batched = None
@@ -337,6 +344,12 @@ class RewardPool:
         """{name: one Score per response} for the task's rewards ``names``."""
         return self.run(names, prompts, responses, answers, goal=False)[0]
 
+    def tool_calls(self, prompts: Sequence[str], responses: Sequence[str], answers: Sequence[Any]) -> list[Score]:
+        """The task's tool on every response (rlvr.rewards.call_tool): value the text to insert or None
+        when status is ``ok``; a call past the timeout, or whose worker died, has status ``timeout`` /
+        ``crashed``, as a reward call would."""
+        return self.run([TOOL_JOB], prompts, responses, answers, goal=False)[0][TOOL_JOB]
+
     def goals(self, prompts: Sequence[str], responses: Sequence[str], answers: Sequence[Any]) -> list[Score]:
         """The task's goal per response as a Score (value 1.0 met, 0.0 not; see rlvr.rewards.check_goal)."""
         return self.run([], prompts, responses, answers, goal=True)[1]
@@ -348,7 +361,7 @@ class RewardPool:
         if len(prompts) != n or len(answers) != n:
             raise ValueError(f"{len(prompts)} prompts, {len(responses)} responses and {len(answers)} answers; "
                              "they must be aligned, one row per response")
-        unknown = [x for x in names if x not in self.reward_names]
+        unknown = [x for x in names if x not in self.reward_names and x != TOOL_JOB]
         if unknown:
             raise ValueError(f"reward {unknown[0]!r} is not one of the pool's task {self.task_path!r} rewards "
                              f"({', '.join(self.reward_names)})")

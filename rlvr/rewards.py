@@ -107,6 +107,24 @@ def score(fn: RewardFn | Reward, prompt: str, response: str, answer: Any, *, int
     return check_value(v)
 
 
+def call_tool(fn, prompt: str, response: str, answer: Any, *, interrupts: bool = False) -> Score:
+    """Run a task's tool (rlvr.tools) on one response without letting it crash the caller, as
+    `score` runs a reward: ``Score(text, "ok", "")`` where text is the str to insert or None (end the
+    response); a tool that raises gives value None and status ``error`` (``exit`` for SystemExit,
+    and for KeyboardInterrupt with ``interrupts``), one that returns anything else ``bad_type``."""
+    try:
+        out = fn(prompt, response, answer)
+    except Exception as e:  # a tool must never take the run down
+        return Score(None, "error", f"{type(e).__name__}: {e}")
+    except BaseException as e:
+        if isinstance(e, KeyboardInterrupt) and not interrupts:
+            raise
+        return Score(None, "exit", f"{type(e).__name__}: {e}".rstrip(": "))
+    if out is not None and not isinstance(out, str):
+        return Score(None, "bad_type", f"the tool returned a {type(out).__name__}, not a str or None")
+    return Score(out, "ok", "")
+
+
 class StepScores(float):
     """A process reward's value: a float equal to the mean of its per-step scores, which it keeps
     in ``steps``. Arithmetic gives plain floats, so totals, logs and JSON see the mean; read the

@@ -20,9 +20,10 @@ or None to end the response there, and the policy goes on writing after the inse
   there and counts as truncated.
 * The rewards and the goal see the whole response text, inserted results included.
 
-A tool runs in the trainer's process, one call at a time (not in the reward workers): it must be
-safe on any text (never ``eval`` it; parse it). A tool that raises ends its row (the failure is
-counted and its first message logged); the run goes on.
+The calls of a round run in the reward workers (rlvr.reward_pool: in parallel, each with the
+reward timeout and memory limit), or in the trainer's process without them. A tool reads model
+output: parse it, never ``eval`` it. A tool that raises, times out or returns text the tokenizer
+cannot encode ends its row (the failure is counted and its first message logged); the run goes on.
 
 Continuations are sampled per row with a generator seeded from the call's base seed, the row's
 index in the whole batch and the round, so a row's draws do not depend on how prompts are split
@@ -32,11 +33,12 @@ over calls or workers (as ``rlvr.sampling.prompt_generators`` does for first rou
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
 from rlvr import costs, sampling
+from rlvr.rewards import call_tool
 
 ROUND_SEED_MIX = 0x2545F4914F6CDD1D
 """Mixes the round number into the continuation seeds."""
@@ -95,20 +97,27 @@ def _rows(rollout: sampling.Rollout, eos_id: int | None) -> list[_Row]:
     return rows
 
 
-def _call(tool: Callable, prompt: str, text: str, answer: Any, tok, stats: ToolStats) -> list[int] | None:
-    """The tool's inserted tokens, or None when the row ends (the tool said so, or failed)."""
-    stats.calls += 1
-    try:
-        out = tool(prompt, text, answer)
-        if out is None:
-            return None
-        if not isinstance(out, str):
-            raise TypeError(f"the tool returned a {type(out).__name__}, not a str or None")
-        return tok.encode(out, bos=False)
-    except Exception as e:  # noqa: BLE001 - a failing tool ends its row; the run goes on
-        stats.errors += 1
-        stats.first_error = stats.first_error or f"{type(e).__name__}: {e}"
-        return None
+def _call_tools(tool: Callable, pool, prompts: list[str], texts: list[str], answers: list, tok,
+                stats: ToolStats) -> list[list[int] | None]:
+    """Each call's inserted tokens, or None where the row ends (the tool said so, or failed: raised,
+    timed out in a worker, returned text the tokenizer cannot encode). `pool`: a
+    rlvr.reward_pool.RewardPool runs the calls in its workers, in parallel and time-limited."""
+    got = (pool.tool_calls(prompts, texts, answers) if pool is not None else
+           [call_tool(tool, p, t, a) for p, t, a in zip(prompts, texts, answers)])
+    out = []
+    for s in got:
+        stats.calls += 1
+        ids, error = None, f"{s.status}: {s.detail}" if s.status != "ok" else ""
+        if not error and s.value is not None:
+            try:
+                ids = tok.encode(s.value, bos=False)
+            except ValueError as e:
+                error = f"the tokenizer cannot encode the tool's text: {e}"
+        if error:
+            stats.errors += 1
+            stats.first_error = stats.first_error or error
+        out.append(ids)
+    return out
 
 
 def _continue(policy, rows: list[_Row], idx: list[int], budgets: list[int], *, first_row: int, base_seed,
@@ -168,22 +177,24 @@ def _assemble(first: sampling.Rollout, rows: list[_Row], pad_id: int) -> samplin
 
 def respond_with_tools(policy, tok, first: sampling.Rollout, examples: list, tool: Callable, *, max_new_tokens: int,
                        eos_id: int | None, stop: tuple[str, ...], max_calls: int, base_seed: int | None,
-                       first_row: int, sample_kw: dict, autocast) -> tuple[sampling.Rollout, ToolStats]:
+                       first_row: int, sample_kw: dict, autocast, pool=None) -> tuple[sampling.Rollout, ToolStats]:
     """Answer the tool calls of the first-round `first` (row b is `examples[b]`'s response; row b
     is row `first_row + b` of the whole batch) and sample on, up to `max_calls` calls per row.
 
     `sample_kw`: temperature, top_p, top_k, min_p, as the first round sampled. `autocast()`: the
-    sampling forwards' context. Returns the assembled rollout (module docstring) and the counts."""
+    sampling forwards' context. `pool`: a RewardPool whose workers run the calls (None: here, one by one).
+    Returns the assembled rollout (module docstring) and the counts."""
     stats = ToolStats()
     stopper = sampling.StopStrings(stop, tok.decode)
     rows = _rows(first, eos_id)
     for round_ in range(1, max_calls + 1):
         idx, budgets = [], []
-        for i, r in enumerate(rows):
-            if r.ended or r.cut or not r.at_stop:
-                continue
-            ex = examples[i]
-            inserted = _call(tool, ex.prompt, tok.decode(r.tokens), ex.answer, tok, stats)
+        calling = [i for i, r in enumerate(rows) if r.at_stop and not (r.ended or r.cut)]
+        answers = _call_tools(tool, pool, [examples[i].prompt for i in calling],
+                              [tok.decode(rows[i].tokens) for i in calling], [examples[i].answer for i in calling],
+                              tok, stats)
+        for i, inserted in zip(calling, answers):
+            r = rows[i]
             r.calls += 1
             if inserted is None:
                 r.ended = True

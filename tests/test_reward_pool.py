@@ -55,9 +55,14 @@ TASK = textwrap.dedent('''
         behave(prompt, response, answer)
         return response == answer
 
+    def tool(prompt, response, answer):
+        """Misbehaves as the rewards do; otherwise the response in brackets, or None on "none"."""
+        behave(prompt, response, answer)
+        return None if response == "none" else "[" + response + "]"
+
     def make(n=3):
         return Task(name="misbehaving", train=[Example("p%d" % i, "a") for i in range(n)],
-                    heldout=[Example("h", "a")], goal=goal, max_new_tokens=4,
+                    heldout=[Example("h", "a")], goal=goal, max_new_tokens=4, tool=tool,
                     rewards={"behave": Reward("behave", behave, CARD),
                              "batched": Reward("batched", behave, CARD, batch_fn=batched)})
 ''')
@@ -98,6 +103,18 @@ def test_each_failure_has_its_status_and_the_pool_goes_on(pool, response, status
     assert (s[0].value, s[2].value) == (2.0, 4.0)          # the rest of the chunk was scored
     assert pool.restarts == before + (status in ("timeout", "crashed"))
     assert [x.value for x in scores_of(pool, ["abc"] * 4)] == [3.0] * 4   # and the next call works
+
+
+def test_tool_calls_run_in_the_workers_with_the_same_statuses(pool):
+    before = pool.restarts
+    responses = ["ab", "none", "sleep", "exit", "_exit", "x"]
+    got = pool.tool_calls(["p"] * 6, responses, ["a"] * 6)
+    assert [s.status for s in got] == ["ok", "ok", "timeout", "exit", "crashed", "ok"]
+    assert (got[0].value, got[1].value, got[5].value) == ("[ab]", None, "[x]")
+    assert pool.restarts == before + 2
+    from rlvr.rewards import call_tool
+    task = load_task(pool.task_path)
+    assert [call_tool(task.tool, "p", r, "a") for r in ("ab", "none")] == got[:2]   # as in the trainer's process
 
 
 def test_many_failures_in_one_batch_leave_every_other_score_right(pool):

@@ -170,7 +170,7 @@ def test_a_training_run_with_the_calculator(tmp_path):
     with redirect_stdout(out), redirect_stderr(err):
         rc = main(["train", str(config), "--out", str(tmp_path / "run"), "--model.n_layer=1", "--model.n_embd=32", "--model.n_head=2", "--train.steps=2",
                    "--train.prompts_per_step=4", "--train.samples_per_prompt=4", "--eval.every=0",
-                   "--eval.pass_k=0", "--log.rollouts_per_step=4", "--task.reward_workers=0"])
+                   "--eval.pass_k=0", "--log.rollouts_per_step=4", "--task.reward_workers=1"])  # the tool in a worker
     assert rc == 0, err.getvalue()
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "train/reward" in r]
@@ -220,3 +220,27 @@ def test_a_hugging_face_policy_scores_its_tool_rollouts_as_it_sampled_them(tmp_p
         out = sequence_token_logprobs(policy, r, group_size=group_size, return_full=True)
         assert torch.allclose(out.logp * r.mask, r.logp, atol=1e-5), (out.logp * r.mask - r.logp).abs().max()
         assert torch.allclose(out.logp_full * r.mask, r.logp_full, atol=1e-5)   # the KL's side, without the nucleus
+
+
+def test_a_failing_tool_is_counted_and_warned_about_and_the_run_goes_on(tmp_path):
+    from rlvr.cli import main
+
+    (tmp_path / "boom.py").write_text(
+        "import dataclasses\nfrom rlvr.tasks.arith import arith_task\n\n"
+        "def boom(prompt, response, answer):\n    raise RuntimeError('no calculator today')\n\n"
+        "def make():\n    return dataclasses.replace(arith_task(digits=1, heldout=5, calculator=True), tool=boom)\n")
+    config = tmp_path / "boom.toml"
+    config.write_text(f'[task]\npath = "{tmp_path / "boom.py"}:make"\nreward = "correct"\n'
+                      '[sampling]\nstop = ["a", "e", "o"]\nmax_tool_calls = 1\nmax_new_tokens = 12\n')
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        rc = main(["train", str(config), "--out", str(tmp_path / "run"), "--model.n_layer=1", "--model.n_embd=32",
+                   "--model.n_head=2", "--train.steps=1", "--train.prompts_per_step=4",
+                   "--train.samples_per_prompt=4", "--eval.every=0", "--eval.at_start=false", "--eval.pass_k=0",
+                   "--task.reward_workers=0"])
+    assert rc == 0, err.getvalue()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    step = next(r for r in rows if "train/reward" in r)
+    assert step["train/tool_errors"] == step["train/tool_calls_per_response"] * 16 > 0
+    warning = next(r["warning"] for r in rows if "warning" in r and "tool calls failed" in r["warning"])
+    assert "error: RuntimeError: no calculator today" in warning

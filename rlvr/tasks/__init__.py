@@ -110,7 +110,7 @@ class Task:
     """``tool(prompt, response_so_far, answer)``: called when a response stops at one of the run's
     ``sampling.stop`` strings (with ``sampling.max_tool_calls`` > 0); returns the text to insert
     into the response before sampling goes on, or None to end the response there. It runs in
-    the trainer's process on model output: parse, never ``eval``. See rlvr.tools."""
+    the reward workers (or the trainer's process) on model output: parse, never ``eval``. See rlvr.tools."""
 
 
 class TaskError(ValueError):
