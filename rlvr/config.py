@@ -163,6 +163,12 @@ class SamplingConfig:
     inserted into it (attended to, never trained on: mask 0, no loss, KL or entropy) or None to end
     it there, and sampling goes on after the insertion, up to this many times. The response,
     inserted text included, stays within max_new_tokens. See rlvr.tools."""
+    tool_role: str = ""
+    """How the tool's text is inserted: "" = as it is, inside the assistant's turn (the Search-R1 /
+    ReTool pattern; the tool writes any markup, e.g. "<result>42</result>"); a role name (e.g. "tool"
+    or "user") = as a turn of that role through the model's chat template: the assistant's turn is
+    closed, the role's turn holds the text, and the next assistant turn is opened (all of it
+    inserted, never trained on). Needs a tokenizer with a chat template."""
 
 
 @dataclass

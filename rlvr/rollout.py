@@ -136,14 +136,15 @@ def sample_and_score(policy: Policy, tok: Tokenizer, task: Task, examples: list,
                 policy, tok, r, [ex for ex in chunk for _ in range(G)], task.tool,
                 max_new_tokens=limits.max_new_tokens, eos_id=limits.eos_id, stop=limits.stop,
                 max_calls=limits.tool_calls, base_seed=base_seed, first_row=(first_prompt + i) * G, sample_kw=kw,
-                autocast=autocast, pool=pool)
+                autocast=autocast, pool=pool, role=limits.tool_role)
             tool_stats = tool_stats.add(st)
             tool_stats.forward_tokens += first_fwd
         rollouts.append(r)
     rollout = rollouts[0] if len(rollouts) == 1 else sampling.concat(rollouts, tok.pad_id)
-    ends = limits.eos_id is not None
-    extent = sampling.response_extent(rollout.attention_mask[:, rollout.prompt_len:]).tolist()  # inserted text too
-    responses = [tok.decode(r[:n], stop_at_eos=ends) for r, n in zip(rollout.response_ids.tolist(), extent)]
+    # each row up to its last token, inserted text included (a chat turn inserted by a tool holds eos):
+    # decode drops special tokens, so a final eos is not in the text
+    extent = sampling.response_extent(rollout.attention_mask[:, rollout.prompt_len:]).tolist()
+    responses = [tok.decode(r[:n]) for r, n in zip(rollout.response_ids.tolist(), extent)]
     return Groups(examples, rollout, responses, *score_groups(task, weights, examples, responses, G, pool),
                   tools=tool_stats)
 

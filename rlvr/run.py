@@ -50,6 +50,8 @@ class Limits:
     """`sampling.stop`: strings that end a response at the token completing one (rlvr.sampling.StopStrings)."""
     tool_calls: int = 0
     """`sampling.max_tool_calls`: the task's tool answers up to this many stop strings per response (rlvr.tools)."""
+    tool_role: str = ""
+    """`sampling.tool_role`: "" inserts the tool's text as it is; a role, as that role's chat turn."""
 
 
 @dataclass
@@ -399,8 +401,19 @@ def limits(cfg: config_mod.Config, task: Task, tok: Tokenizer, model: Policy | N
     if cfg.sampling.max_tool_calls and task.tool is None:
         raise RunError(f"sampling.max_tool_calls = {cfg.sampling.max_tool_calls}, but the task {task.name!r} has no "
                        "tool (Task.tool) to call")
+    role = cfg.sampling.tool_role
+    if role and cfg.sampling.max_tool_calls:
+        why = "" if tok.has_chat_template else "the tokenizer has no chat template"
+        if not why:
+            try:
+                tok.turn_text(role, "42")
+            except Exception as e:  # noqa: BLE001 - a template that cannot render the turn (jinja's errors too)
+                why = f"{type(e).__name__}: {e}"
+        if why:
+            raise RunError(f"sampling.tool_role = {role!r} needs a chat template that renders a {role!r} turn after "
+                           f"the assistant's: {why} (tool_role = \"\" inserts the tool's text as it is)")
     return Limits(max_new, None if task.fixed_length else tok.eos_id, n, tuple(cfg.sampling.stop),
-                  cfg.sampling.max_tool_calls)
+                  cfg.sampling.max_tool_calls, role)
 
 
 def _hf_policy(cfg: config_mod.Config, device: torch.device, log) -> tuple[Policy, Tokenizer]:

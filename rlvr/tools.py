@@ -18,7 +18,12 @@ or None to end the response there, and the policy goes on writing after the inse
 * The whole response, inserted text included, stays within ``max_new_tokens``: the price and
   the context check of a run hold as they are. A row whose inserted text does not fit is cut
   there and counts as truncated.
-* The rewards and the goal see the whole response text, inserted results included.
+* The rewards and the goal see the whole response text, inserted results included (special
+  tokens dropped, as decoding drops them).
+* With ``sampling.tool_role`` the text is inserted as that role's chat turn
+  (``HFTokenizer.turn_text``): the assistant turn's closing (often the end token), the turn, and
+  the next assistant turn's opening. An end token inserted there does not end the response: only a
+  sampled one does.
 
 The calls of a round run in the reward workers (rlvr.reward_pool: in parallel, each with the
 reward timeout and memory limit), or in the trainer's process without them. A tool reads model
@@ -98,10 +103,11 @@ def _rows(rollout: sampling.Rollout, eos_id: int | None) -> list[_Row]:
 
 
 def _call_tools(tool: Callable, pool, prompts: list[str], texts: list[str], answers: list, tok,
-                stats: ToolStats) -> list[list[int] | None]:
+                stats: ToolStats, role: str = "") -> list[list[int] | None]:
     """Each call's inserted tokens, or None where the row ends (the tool said so, or failed: raised,
     timed out in a worker, returned text the tokenizer cannot encode). `pool`: a
-    rlvr.reward_pool.RewardPool runs the calls in its workers, in parallel and time-limited."""
+    rlvr.reward_pool.RewardPool runs the calls in its workers, in parallel and time-limited. `role`:
+    the text goes in as that role's chat turn (``tok.turn_text``), else as it is."""
     got = (pool.tool_calls(prompts, texts, answers) if pool is not None else
            [call_tool(tool, p, t, a) for p, t, a in zip(prompts, texts, answers)])
     out = []
@@ -110,7 +116,7 @@ def _call_tools(tool: Callable, pool, prompts: list[str], texts: list[str], answ
         ids, error = None, f"{s.status}: {s.detail}" if s.status != "ok" else ""
         if not error and s.value is not None:
             try:
-                ids = tok.encode(s.value, bos=False)
+                ids = tok.encode(tok.turn_text(role, s.value) if role else s.value, bos=False)
             except ValueError as e:
                 error = f"the tokenizer cannot encode the tool's text: {e}"
         if error:
@@ -177,12 +183,14 @@ def _assemble(first: sampling.Rollout, rows: list[_Row], pad_id: int) -> samplin
 
 def respond_with_tools(policy, tok, first: sampling.Rollout, examples: list, tool: Callable, *, max_new_tokens: int,
                        eos_id: int | None, stop: tuple[str, ...], max_calls: int, base_seed: int | None,
-                       first_row: int, sample_kw: dict, autocast, pool=None) -> tuple[sampling.Rollout, ToolStats]:
+                       first_row: int, sample_kw: dict, autocast, pool=None,
+                       role: str = "") -> tuple[sampling.Rollout, ToolStats]:
     """Answer the tool calls of the first-round `first` (row b is `examples[b]`'s response; row b
     is row `first_row + b` of the whole batch) and sample on, up to `max_calls` calls per row.
 
     `sample_kw`: temperature, top_p, top_k, min_p, as the first round sampled. `autocast()`: the
     sampling forwards' context. `pool`: a RewardPool whose workers run the calls (None: here, one by one).
+    `role`: insert each text as that role's chat turn (sampling.tool_role), else as it is.
     Returns the assembled rollout (module docstring) and the counts."""
     stats = ToolStats()
     stopper = sampling.StopStrings(stop, tok.decode)
@@ -192,7 +200,7 @@ def respond_with_tools(policy, tok, first: sampling.Rollout, examples: list, too
         calling = [i for i, r in enumerate(rows) if r.at_stop and not (r.ended or r.cut)]
         answers = _call_tools(tool, pool, [examples[i].prompt for i in calling],
                               [tok.decode(rows[i].tokens) for i in calling], [examples[i].answer for i in calling],
-                              tok, stats)
+                              tok, stats, role)
         for i, inserted in zip(calling, answers):
             r = rows[i]
             r.calls += 1

@@ -244,3 +244,71 @@ def test_a_failing_tool_is_counted_and_warned_about_and_the_run_goes_on(tmp_path
     assert step["train/tool_errors"] == step["train/tool_calls_per_response"] * 16 > 0
     warning = next(r["warning"] for r in rows if "warning" in r and "tool calls failed" in r["warning"])
     assert "error: RuntimeError: no calculator today" in warning
+
+
+EOS_CHAT = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<eos>{% endfor %}"
+            "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def test_turn_text_is_what_the_chat_template_adds_after_the_assistant(tmp_path):
+    pytest.importorskip("transformers")
+    from hf_models import make_model_dir
+    from rlvr.models.hf import load_policy
+
+    _, tok = load_policy(make_model_dir(tmp_path, chat=True))
+    assert tok.turn_text("tool", "42") == " <bos>tool: 42 assistant:"       # the tests' template, by hand
+    tok.tok.chat_template = EOS_CHAT
+    assert tok.turn_text("user", "ok") == "<eos>user: ok<eos>assistant:"
+    tok.tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools') }}"
+                             "{% endif %}{{ m['content'] }}{% endfor %}")
+    with pytest.raises(Exception, match="no tools"):
+        tok.turn_text("tool", "42")
+    tok.tok.chat_template = "{% for m in messages[-1:] %}{{ m['content'] }}{% endfor %}"   # drops earlier turns
+    with pytest.raises(ValueError, match="continuation"):
+        tok.turn_text("tool", "42")
+
+
+def test_a_tool_turn_through_the_chat_template_holds_eos_and_the_response_goes_on(tmp_path):
+    """The inserted turn closes the assistant's turn with eos; the row is not ended by it, the learner
+    scores the sampled tokens as the sampler did, and the rewards see the text on both sides."""
+    pytest.importorskip("transformers")
+    from hf_models import make_model_dir
+    from rlvr.models.hf import load_policy
+    from rlvr.rewards import Reward, RewardCard
+    from rlvr.run import Limits
+    from rlvr.tasks import Example, Task
+
+    policy, tok = load_policy(make_model_dir(tmp_path, chat=True))
+    tok.tok.chat_template = EOS_CHAT
+    seen = []
+    card = RewardCard(pays_for="length", ignores="all", exploit="long text")
+    task = Task(name="t", train=[Example("ab", 0)], heldout=[Example("cd", 0)],
+                rewards={"n": Reward("n", lambda p, r, a: seen.append(r) or 0.0, card)},
+                goal=lambda p, r, a: False, max_new_tokens=24, tool=lambda p, r, a: "42")
+    limits = Limits(24, tok.eos_id, 4, stop=("a", "b", "c"), tool_calls=2, tool_role="tool")
+    groups = sample_and_score(policy, tok, task, [Example("ab", 0), Example("x", 0)], G=4, limits=limits,
+                              weights={"n": 1.0}, temperature=1.0, top_p=1.0,
+                              generator=torch.Generator().manual_seed(1), pool=None)
+    r = groups.rollout
+    turn = tok.encode(tok.turn_text("tool", "42"), bos=False)
+    assert turn[0] == tok.eos_id and groups.tools.calls > 0
+    resp = r.response_ids.tolist()
+    rows = [b for b in range(len(resp)) if any(resp[b][t:t + len(turn)] == turn for t in range(len(resp[b])))]
+    assert rows and groups.tools.inserted_tokens >= len(turn)
+    for b in rows:  # after the inserted eos, the row goes on: sampled tokens follow the turn
+        t = next(t for t in range(len(resp[b])) if resp[b][t:t + len(turn)] == turn)
+        assert r.mask[b, t:t + len(turn)].sum() == 0 and r.attention_mask[b, r.prompt_len + t + len(turn) - 1] == 1
+        assert "tool: 42" in seen[b] and "assistant:" in seen[b]
+    continued = [b for b in rows if r.mask[b].nonzero().max() > r.mask[b].nonzero().min() + len(turn)]
+    assert continued
+    lp = sequence_token_logprobs(policy, r, group_size=4)
+    assert torch.allclose(lp * r.mask, r.logp, atol=1e-5)
+
+
+def test_a_tool_role_needs_a_chat_template_that_renders_it():
+    cfg = config_mod.load(None, ["--task.path=rlvr.tasks.arith:arith_task",
+                                 "--task.options={digits = 1, heldout = 5, calculator = true}", "--task.reward=correct",
+                                 '--sampling.stop=["</calc>"]', "--sampling.max_tool_calls=1",
+                                 "--sampling.tool_role=tool"])
+    with pytest.raises(run.RunError, match="sampling.tool_role = 'tool' needs a chat template.*has no chat template"):
+        run.build(cfg, log=lambda *a: None)

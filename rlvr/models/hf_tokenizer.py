@@ -44,6 +44,24 @@ class HFTokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tok, "chat_template", None))
 
+    TURN_SENTINEL = "rlvr-turn-sentinel-7c1f"
+
+    def turn_text(self, role: str, content: str) -> str:
+        """The text that follows an assistant's words when a ``role`` turn holding ``content`` comes
+        next, as the chat template renders it: the assistant turn's closing, the new turn, and the
+        opening of the next assistant turn (rlvr.tools inserts it after a tool call). Found as the
+        difference between the template over [user, assistant] and over [user, assistant, role] with
+        the generation prompt; ValueError when the template renders the shared turns differently."""
+        msgs = [{"role": "user", "content": "?"}, {"role": "assistant", "content": self.TURN_SENTINEL}]
+        base = self.tok.apply_chat_template(msgs, tokenize=False)
+        full = self.tok.apply_chat_template(msgs + [{"role": role, "content": content}], tokenize=False,
+                                            add_generation_prompt=True)
+        cut = base.find(self.TURN_SENTINEL) + len(self.TURN_SENTINEL)
+        if cut < len(self.TURN_SENTINEL) or not full.startswith(base[:cut]):
+            raise ValueError(f"the chat template does not render a {role!r} turn after the assistant's as a "
+                             "continuation of the conversation before it")
+        return full[cut:]
+
     def encode(self, text: str, *, bos: bool | None = None, eos: bool = False) -> list[int]:
         """Ids of ``text``: no specials, except BOS first when the tokenizer adds it by default
         (or ``bos=True``), and eos last only with ``eos=True``."""
