@@ -99,7 +99,7 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
                            batch_size=cfg.eval.batch_size, pass_k=cfg.eval.pass_k,
                            pass_k_prompts=cfg.eval.pass_k_prompts, temperature=cfg.sampling.temperature,
                            top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k, min_p=cfg.sampling.min_p,
-                           seed=cfg.train.seed, pool=pool, autocast=numerics.context)
+                           seed=cfg.train.seed, pool=pool, autocast=numerics.context, group_by=cfg.eval.group_by)
         res["numerics"] = numerics.describe()
     except (config.ConfigError, run.RunError, TaskError, RewardPoolError, StateError) as e:
         return _fail(str(e))

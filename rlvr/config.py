@@ -325,6 +325,12 @@ class EvalConfig:
     """Prompts decoded together during evaluation."""
     keep_best: bool = True
     """Keep the checkpoint with the highest held-out goal in RUN_DIR/best (`rlvr eval RUN_DIR/best`)."""
+    group_by: str = ""
+    """A key of the held-out examples' meta to report the goal by, e.g. a dataset column
+    (`data_source`, `level`, `subject`), reasoning-gym's `source_dataset`, or the arithmetic task's
+    `op`: each evaluation also logs eval/goal_by_<key>/<value> and eval/prompts_by_<key>/<value>
+    (the 50 largest groups; examples without the key are "(none)"). Empty = off. Refused at start
+    when no held-out example has the key."""
 
 
 @dataclass

@@ -7,6 +7,8 @@ prompts the policy never trained on.
   pass@k is the fraction of prompts with at least one response meeting the goal (with n = k
   samples the unbiased estimator of Chen et al. reduces to this), mean@k the mean goal rate.
 - `tool_calls_per_response`, `tool_errors`: with tool calls on (rlvr.tools), of the greedy responses.
+- `goal_by_<key>/<value>`, `prompts_by_<key>/<value>`: with `group_by`, the goal of each group of
+  held-out prompts sharing that value of their meta's key (`goal_by_groups`).
 """
 
 from __future__ import annotations
@@ -20,16 +22,22 @@ from rlvr.rollout import sample_and_score
 from rlvr.run import Limits
 from rlvr.tasks import Task
 
+MAX_GROUPS = 50
+"""Most groups `goal_by_groups` reports (the largest; ties broken by value)."""
+NO_VALUE = "(none)"
+"""The group of examples whose meta lacks the key."""
+
 
 def evaluate(model: Policy, tok: Tokenizer, task: Task, *, reward_weights: dict[str, float], limits: Limits,
              prompts: int = 0, batch_size: int = 1000, pass_k: int = 0, pass_k_prompts: int = 200,
              temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, pool=None,
-             autocast=contextlib.nullcontext, top_k: int = 0, min_p: float = 0.0) -> dict:
+             autocast=contextlib.nullcontext, top_k: int = 0, min_p: float = 0.0, group_by: str = "") -> dict:
     """Goal and reward of greedy responses on held-out prompts, plus pass@k when asked.
 
     ``pool``: a :class:`rlvr.reward_pool.RewardPool` holding this task scores the responses in its
     workers (time- and memory-limited, in parallel); None scores in this process. ``autocast()``: the
-    context the sampling forwards run in (a training run's numerics, rlvr.run.Numerics.context)."""
+    context the sampling forwards run in (a training run's numerics, rlvr.run.Numerics.context).
+    ``group_by``: also the goal per value of that meta key (`goal_by_groups`)."""
     was_training = model.training
     model.eval()
     examples = list(task.heldout[:prompts] if prompts else task.heldout)
@@ -45,6 +53,8 @@ def evaluate(model: Policy, tok: Tokenizer, task: Task, *, reward_weights: dict[
         "reward_failures": greedy.reward_failures,
         "goal_failures": greedy.goal_failures,
     }
+    if group_by:
+        res.update(goal_by_groups(examples, greedy.hits.view(-1).tolist(), group_by))
     if greedy.tools is not None:  # how the greedy responses used the task's tool (rlvr.tools)
         res["tool_calls_per_response"] = greedy.tools.calls / len(examples)
         res["tool_errors"] = greedy.tools.errors
@@ -57,6 +67,26 @@ def evaluate(model: Policy, tok: Tokenizer, task: Task, *, reward_weights: dict[
         res[f"mean@{pass_k}"] = _mean(sampled.hits.view(-1).tolist())
     model.train(was_training)
     return res
+
+
+def group_value(example, key: str) -> str:
+    """The example's meta value for `key` as text (NO_VALUE when it has none)."""
+    meta = example.meta if isinstance(example.meta, dict) else {}
+    return str(meta[key]) if key in meta else NO_VALUE
+
+
+def goal_by_groups(examples: list, hits: list, key: str) -> dict:
+    """{goal_by_<key>/<value>: goal rate, prompts_by_<key>/<value>: count} over the MAX_GROUPS
+    largest groups of `examples` by `group_value(example, key)`; `hits[i]` is example i's goal."""
+    groups: dict[str, list] = {}
+    for ex, h in zip(examples, hits):
+        groups.setdefault(group_value(ex, key), []).append(float(h))
+    largest = sorted(groups, key=lambda v: (-len(groups[v]), v))[:MAX_GROUPS]
+    out = {}
+    for v in sorted(largest):
+        out[f"goal_by_{key}/{v}"] = _mean(groups[v])
+        out[f"prompts_by_{key}/{v}"] = len(groups[v])
+    return out
 
 
 def _mean(xs: list) -> float:

@@ -357,6 +357,16 @@ def probe_shape(model: Policy, device: torch.device) -> tuple[int, int, int]:
     return (rows, shape.hidden, shape.mlp) if shape is not None else (rows, 1024, 1024)
 
 
+def check_group_by(cfg: config_mod.Config, task: Task) -> None:
+    """RunError when eval.group_by names a key no held-out example's meta has (listing those it has)."""
+    key = cfg.eval.group_by
+    metas = [ex.meta for ex in task.heldout if isinstance(ex.meta, dict)]
+    if key and not any(key in m for m in metas):
+        keys = sorted({k for m in metas for k in m})
+        raise RunError(f"eval.group_by = {key!r}: no held-out example of the task {task.name!r} has it in its meta "
+                       f"(their keys: {', '.join(keys[:20]) or 'none'})")
+
+
 def reward_weights(cfg: config_mod.Config, task: Task) -> dict[str, float]:
     """{reward name: weight} the run optimises; names checked against the task."""
     return resolve_weights(task, cfg.task.reward, cfg.task.reward_weights)
@@ -498,6 +508,7 @@ def build(cfg: config_mod.Config, log=print, autocast: str | None = None, time_b
                                   max_new_tokens=cfg.sampling.max_new_tokens or task.max_new_tokens,
                                   fixed_length=task.fixed_length)
     weights = reward_weights(cfg, task)
+    check_group_by(cfg, task)
     if cfg.model.path:  # their import is part of the process's baseline, not of the model
         with contextlib.suppress(ImportError):
             import peft  # noqa: F401

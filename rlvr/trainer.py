@@ -273,7 +273,8 @@ def run_eval(run_dir: RunDir, state: RunState, step: int) -> dict:
                    limits=setup.limits, prompts=cfg.eval.prompts, batch_size=cfg.eval.batch_size,
                    pass_k=cfg.eval.pass_k, pass_k_prompts=cfg.eval.pass_k_prompts,
                    temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
-                   min_p=cfg.sampling.min_p, seed=cfg.train.seed, pool=state.pool, autocast=setup.numerics.context)
+                   min_p=cfg.sampling.min_p, seed=cfg.train.seed, pool=state.pool, autocast=setup.numerics.context,
+                   group_by=cfg.eval.group_by)
     row = {"step": step, **{f"eval/{k}": v for k, v in res.items()}}
     run_dir.metrics(row)
     for msg in state.watch.after_eval(step, row["eval/goal"]):
