@@ -317,6 +317,10 @@ def run_probe(cfg: config.Config, *, prompts: int, samples: int, schemes: Sequen
     sampled_tokens = int(scored.rollout.mask.sum())
     if scored.goal_failures:
         notes.append(f"{scored.goal_failures} goal checks raised and count as not met")
+    if scored.tools is not None:  # the run calls the task's tool (rlvr.tools)
+        t = scored.tools
+        notes.append(f"tool calls: {t.calls / len(responses):.2f} per response, {t.inserted_tokens} tokens inserted"
+                     + (f"; {t.errors} failed, first: {t.first_error}" if t.errors else ""))
     groups = probe_counts(rewards, schemes, goals)
     failures = {s: c for s, c in scored.status_counts.items() if s not in ("ok", "goal_error") and c}
     if failures:

@@ -23,7 +23,8 @@ Each PNG carries what it shows in a `rlvr:series` text chunk (JSON read back fro
 matplotlib lines: per panel its x axis and every line's label, x and y), so a test or a script can
 check a plot from the file alone (`read_png_series`).
 
-Files written (and the only ones ever overwritten): report.html and the PNG names in PLOTS.
+Files written (and the only ones ever overwritten): report.html and the PNG names in PLOTS (tool_calls.png only
+for runs with tool calls).
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ PLOTS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
      [("train/entropy", "entropy")]),
     ("response_len.png", "Response length", "tokens",
      [("train/response_len", "mean response length")]),
+    ("tool_calls.png", "Tool calls (runs with sampling.max_tool_calls)", "calls per response",
+     [("train/tool_calls_per_response", "tool calls per response")]),
 ]
 EVAL_SERIES = [("eval/goal", "held-out goal"), ("eval/reward", "held-out reward")]
 OUTPUT_NAMES = frozenset([HTML_NAME, *(p[0] for p in PLOTS)])

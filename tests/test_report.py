@@ -289,6 +289,19 @@ def test_pngs_show_each_series_against_steps_and_sampled_tokens(tmp_path):
         assert len(img.convert("RGB").getcolors(maxcolors=1 << 16) or []) > 20
 
 
+def test_a_run_with_tool_calls_gets_their_plot(tmp_path):
+    run = make_run(tmp_path / "run")
+    rows = [dict(train_row(s), **{"train/tool_calls_per_response": 0.25 * s}) for s in range(1, 5)]
+    write_metrics(run, rows)
+    rc, out, err = cli("report", run)
+    assert rc == 0, err
+    png = run / "report" / "tool_calls.png"
+    assert lines_of(png, 0)["tool calls per response"] == ([1, 2, 3, 4], pytest.approx([0.25, 0.5, 0.75, 1.0]))
+    plain = make_run(tmp_path / "plain")                     # a run without tools: no such plot, no note
+    assert cli("report", plain)[0] == 0
+    assert not (plain / "report" / "tool_calls.png").exists() and "tool calls" not in html_of(plain / "report")
+
+
 def write_metrics(run: Path, rows: list[dict]) -> None:
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 

@@ -312,3 +312,20 @@ def test_a_tool_role_needs_a_chat_template_that_renders_it():
                                  "--sampling.tool_role=tool"])
     with pytest.raises(run.RunError, match="sampling.tool_role = 'tool' needs a chat template.*has no chat template"):
         run.build(cfg, log=lambda *a: None)
+
+
+def test_the_probe_says_how_often_the_tool_was_called(tmp_path):
+    from rlvr.cli import main
+
+    config = tmp_path / "calc.toml"
+    config.write_text('[task]\npath = "rlvr.tasks.arith:arith_task"\nreward = "correct"\nreward_workers = 0\n'
+                      'options = { digits = 1, heldout = 10, calculator = true, max_new_tokens = 24 }\n'
+                      '[sampling]\nstop = ["a", "e", "o"]\nmax_tool_calls = 2\n'
+                      '[model]\nn_layer = 1\nn_embd = 32\nn_head = 2\n')
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        rc = main(["probe", str(config), "--prompts", "4", "--samples", "4", "--json"])
+    assert rc == 0, err.getvalue()
+    notes = json.loads(out.getvalue())["notes"]
+    note = next(n for n in notes if n.startswith("tool calls: "))
+    assert float(note.split()[2]) > 0 and "tokens inserted" in note
