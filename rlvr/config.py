@@ -169,6 +169,12 @@ class SamplingConfig:
     or "user") = as a turn of that role through the model's chat template: the assistant's turn is
     closed, the role's turn holds the text, and the next assistant turn is opened (all of it
     inserted, never trained on). Needs a tokenizer with a chat template."""
+    tool_on_end: bool = False
+    """Also call the task's tool when a response ends at its end token, within max_tool_calls: a
+    multi-turn environment, whose tool reads the conversation so far and returns the next turn
+    (feedback such as "higher" or "wrong, try again", best with tool_role = "user") or None to end
+    the episode. The sampled end token stays in the response (trained on, like every sampled
+    token); a chat turn's closing is then inserted from after it."""
 
 
 @dataclass
@@ -785,9 +791,11 @@ def validate(cfg: Config, source: str | None = None) -> None:
         bad("sampling.stop", f"must be a list of non-empty strings, got {s.stop!r}")
     if s.max_tool_calls < 0:
         bad("sampling.max_tool_calls", f"must be >= 0 (0 = off), got {s.max_tool_calls}")
-    if s.max_tool_calls and not s.stop:
-        bad("sampling.max_tool_calls", "needs sampling.stop: the stop strings that end a tool call "
-                                       "(e.g. stop = [\"</calc>\"])")
+    if s.max_tool_calls and not (s.stop or s.tool_on_end):
+        bad("sampling.max_tool_calls", "needs sampling.stop (the stop strings that end a tool call, e.g. "
+                                       "stop = [\"</calc>\"]) or sampling.tool_on_end = true")
+    if s.tool_on_end and not s.max_tool_calls:
+        bad("sampling.tool_on_end", "calls the tool at a response's end, so it needs sampling.max_tool_calls >= 1")
     _check_algorithm(cfg, bad)
     for name, w in cfg.task.reward_weights.items():
         if not isinstance(w, (int, float)) or isinstance(w, bool) or not math.isfinite(w):

@@ -136,7 +136,7 @@ def sample_and_score(policy: Policy, tok: Tokenizer, task: Task, examples: list,
                 policy, tok, r, [ex for ex in chunk for _ in range(G)], task.tool,
                 max_new_tokens=limits.max_new_tokens, eos_id=limits.eos_id, stop=limits.stop,
                 max_calls=limits.tool_calls, base_seed=base_seed, first_row=(first_prompt + i) * G, sample_kw=kw,
-                autocast=autocast, pool=pool, role=limits.tool_role)
+                autocast=autocast, pool=pool, role=limits.tool_role, on_end=limits.tool_on_end)
             tool_stats = tool_stats.add(st)
             tool_stats.forward_tokens += first_fwd
         rollouts.append(r)

@@ -52,6 +52,8 @@ class Limits:
     """`sampling.max_tool_calls`: the task's tool answers up to this many stop strings per response (rlvr.tools)."""
     tool_role: str = ""
     """`sampling.tool_role`: "" inserts the tool's text as it is; a role, as that role's chat turn."""
+    tool_on_end: bool = False
+    """`sampling.tool_on_end`: a response that ends at eos calls the tool too (a multi-turn environment)."""
 
 
 @dataclass
@@ -408,6 +410,8 @@ def limits(cfg: config_mod.Config, task: Task, tok: Tokenizer, model: Policy | N
     if cfg.sampling.stop and task.fixed_length:
         raise RunError(f"sampling.stop = {cfg.sampling.stop!r}, but the task's responses have a fixed length "
                        f"({max_new} tokens, no end token): there is nothing to stop early")
+    if cfg.sampling.tool_on_end and task.fixed_length:
+        raise RunError("sampling.tool_on_end = true, but the task's responses have a fixed length (no end token)")
     if cfg.sampling.max_tool_calls and task.tool is None:
         raise RunError(f"sampling.max_tool_calls = {cfg.sampling.max_tool_calls}, but the task {task.name!r} has no "
                        "tool (Task.tool) to call")
@@ -423,7 +427,7 @@ def limits(cfg: config_mod.Config, task: Task, tok: Tokenizer, model: Policy | N
             raise RunError(f"sampling.tool_role = {role!r} needs a chat template that renders a {role!r} turn after "
                            f"the assistant's: {why} (tool_role = \"\" inserts the tool's text as it is)")
     return Limits(max_new, None if task.fixed_length else tok.eos_id, n, tuple(cfg.sampling.stop),
-                  cfg.sampling.max_tool_calls, role)
+                  cfg.sampling.max_tool_calls, role, cfg.sampling.tool_on_end)
 
 
 def _hf_policy(cfg: config_mod.Config, device: torch.device, log) -> tuple[Policy, Tokenizer]:

@@ -1,8 +1,9 @@
 """Tool calls inside a response: sampling stops at a stop string, the task's tool answers, its text
 is inserted into the response, and sampling continues.
 
-This is the single-turn tool loop of Search-R1, ReTool or ToRL (and of TRL's and verl's tool
-rollouts): the policy writes a call that ends with one of ``sampling.stop`` (``</calc>``), the
+This is the tool loop of Search-R1, ReTool or ToRL (and of TRL's and verl's tool rollouts), and,
+with ``sampling.tool_on_end``, a multi-turn environment (the tool is also called when a response
+ends at eos, and returns the next user turn or None to end the episode): the policy writes a call that ends with one of ``sampling.stop`` (``</calc>``), the
 task's ``tool(prompt, response_so_far, answer)`` returns the text to insert (``<result>42</result>``)
 or None to end the response there, and the policy goes on writing after the inserted text, up to
 ``sampling.max_tool_calls`` calls. Row b of the resulting ``Rollout``::
@@ -78,10 +79,12 @@ class _Row:
     sampled: list[bool]
     logp: list[float]
     logp_full: list[float]
-    ended: bool
-    """At eos, at a stop string the tool answered None to, or after a tool failure."""
+    at_eos: bool
+    """The last sampled piece ended at eos."""
     at_stop: bool
     """The last sampled piece ended at a stop string (a call for the tool)."""
+    done: bool = False
+    """The tool answered None, or failed: the response ends here."""
     calls: int = 0
     cut: bool = False
     """The inserted text did not fit the response bound."""
@@ -98,25 +101,27 @@ def _rows(rollout: sampling.Rollout, eos_id: int | None) -> list[_Row]:
         at_eos = eos_id is not None and n > 0 and toks[-1] == eos_id
         truncated = bool(rollout.truncated[b])
         rows.append(_Row(prompt, toks, [True] * n, rollout.logp[b, :n].tolist(), full[b, :n].tolist(),
-                         ended=at_eos, at_stop=not at_eos and not truncated))
+                         at_eos=at_eos, at_stop=not at_eos and not truncated))
     return rows
 
 
 def _call_tools(tool: Callable, pool, prompts: list[str], texts: list[str], answers: list, tok,
-                stats: ToolStats, role: str = "") -> list[list[int] | None]:
+                stats: ToolStats, role: str = "", after_end: list[bool] | None = None) -> list[list[int] | None]:
     """Each call's inserted tokens, or None where the row ends (the tool said so, or failed: raised,
     timed out in a worker, returned text the tokenizer cannot encode). `pool`: a
     rlvr.reward_pool.RewardPool runs the calls in its workers, in parallel and time-limited. `role`:
-    the text goes in as that role's chat turn (``tok.turn_text``), else as it is."""
+    the text goes in as that role's chat turn (``tok.turn_text``; ``after_end[k]``: call k's response
+    ended at its end token, which already closed the assistant's turn), else as it is."""
     got = (pool.tool_calls(prompts, texts, answers) if pool is not None else
            [call_tool(tool, p, t, a) for p, t, a in zip(prompts, texts, answers)])
     out = []
-    for s in got:
+    for k, s in enumerate(got):
         stats.calls += 1
         ids, error = None, f"{s.status}: {s.detail}" if s.status != "ok" else ""
         if not error and s.value is not None:
             try:
-                ids = tok.encode(tok.turn_text(role, s.value) if role else s.value, bos=False)
+                text = tok.turn_text(role, s.value, after_end=bool(after_end and after_end[k])) if role else s.value
+                ids = tok.encode(text, bos=False)
             except ValueError as e:
                 error = f"the tokenizer cannot encode the tool's text: {e}"
         if error:
@@ -148,9 +153,8 @@ def _continue(policy, rows: list[_Row], idx: list[int], budgets: list[int], *, f
         row.sampled += [True] * n
         row.logp += r.logp[k, :n].tolist()
         row.logp_full += full[k, :n].tolist()
-        at_eos = eos_id is not None and n > 0 and toks[-1] == eos_id
-        row.ended = at_eos
-        row.at_stop = not at_eos and not bool(r.truncated[k])
+        row.at_eos = eos_id is not None and n > 0 and toks[-1] == eos_id
+        row.at_stop = not row.at_eos and not bool(r.truncated[k])
     return costs.sampling_forward_tokens(len(idx), r.prompt_len, r.mask.numel())
 
 
@@ -171,7 +175,8 @@ def _assemble(first: sampling.Rollout, rows: list[_Row], pad_id: int) -> samplin
         logp[b, :n] = torch.tensor(r.logp, dtype=torch.float32)           # 0 on inserted tokens
         logp_full[b, :n] = torch.tensor(r.logp_full, dtype=torch.float32)
     dev = first.ids.device
-    truncated = torch.tensor([r.cut or not (r.ended or r.at_stop) for r in rows], dtype=torch.bool, device=dev)
+    truncated = torch.tensor([r.cut or not (r.at_eos or r.at_stop or r.done) for r in rows], dtype=torch.bool,
+                             device=dev)
     nucleus = first.logp_full is not None
     return sampling.Rollout(
         ids=torch.cat([first.prompt_ids, ids.to(dev)], dim=1),
@@ -183,29 +188,30 @@ def _assemble(first: sampling.Rollout, rows: list[_Row], pad_id: int) -> samplin
 
 def respond_with_tools(policy, tok, first: sampling.Rollout, examples: list, tool: Callable, *, max_new_tokens: int,
                        eos_id: int | None, stop: tuple[str, ...], max_calls: int, base_seed: int | None,
-                       first_row: int, sample_kw: dict, autocast, pool=None,
-                       role: str = "") -> tuple[sampling.Rollout, ToolStats]:
+                       first_row: int, sample_kw: dict, autocast, pool=None, role: str = "",
+                       on_end: bool = False) -> tuple[sampling.Rollout, ToolStats]:
     """Answer the tool calls of the first-round `first` (row b is `examples[b]`'s response; row b
     is row `first_row + b` of the whole batch) and sample on, up to `max_calls` calls per row.
 
     `sample_kw`: temperature, top_p, top_k, min_p, as the first round sampled. `autocast()`: the
     sampling forwards' context. `pool`: a RewardPool whose workers run the calls (None: here, one by one).
-    `role`: insert each text as that role's chat turn (sampling.tool_role), else as it is.
+    `role`: insert each text as that role's chat turn (sampling.tool_role), else as it is. `on_end`:
+    a response that ends at eos calls the tool too (sampling.tool_on_end: the environment's next turn).
     Returns the assembled rollout (module docstring) and the counts."""
     stats = ToolStats()
-    stopper = sampling.StopStrings(stop, tok.decode)
+    stopper = sampling.StopStrings(stop, tok.decode) if stop else None
     rows = _rows(first, eos_id)
     for round_ in range(1, max_calls + 1):
         idx, budgets = [], []
-        calling = [i for i, r in enumerate(rows) if r.at_stop and not (r.ended or r.cut)]
+        calling = [i for i, r in enumerate(rows) if (r.at_stop or on_end and r.at_eos) and not (r.done or r.cut)]
         answers = _call_tools(tool, pool, [examples[i].prompt for i in calling],
                               [tok.decode(rows[i].tokens) for i in calling], [examples[i].answer for i in calling],
-                              tok, stats, role)
+                              tok, stats, role, [rows[i].at_eos for i in calling])
         for i, inserted in zip(calling, answers):
             r = rows[i]
             r.calls += 1
             if inserted is None:
-                r.ended = True
+                r.done = True
                 continue
             room = max_new_tokens - len(r.tokens)
             kept = inserted[:room]

@@ -329,3 +329,72 @@ def test_the_probe_says_how_often_the_tool_was_called(tmp_path):
     notes = json.loads(out.getvalue())["notes"]
     note = next(n for n in notes if n.startswith("tool calls: "))
     assert float(note.split()[2]) > 0 and "tokens inserted" in note
+
+
+def respond_on_end(model, prompts, tool, *, max_calls=1, max_new_tokens=12):
+    tok = PieceTokenizer()
+    first = generate(model, prompts, samples_per_prompt=1, max_new_tokens=max_new_tokens, eos_id=EOS, pad_id=PAD,
+                     generator=None)
+    examples = [SimpleNamespace(prompt=f"p{i}", answer=i) for i in range(len(prompts))]
+    return tools.respond_with_tools(model, tok, first, examples, tool, max_new_tokens=max_new_tokens, eos_id=EOS,
+                                    stop=(), max_calls=max_calls, base_seed=None, first_row=0,
+                                    sample_kw=dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0),
+                                    autocast=contextlib.nullcontext, on_end=True)
+
+
+def test_tool_on_end_gives_the_next_turn_after_the_sampled_end_token():
+    seen = []
+
+    def env(prompt, text, answer):
+        seen.append(text)
+        return "<r>" if len(seen) == 1 else None                # feedback once, then the episode ends
+
+    m = MarkovMock(table({3: 4, 6: 9}))                          # "<c>" -> "7" -> eos; "<r>" -> "!" -> eos
+    r, stats = respond_on_end(m, [[BOS, 3]], env, max_calls=3)
+    assert r.response_ids.tolist() == [[4, EOS, 6, 9, EOS]]     # the sampled eos stays, the turn follows it
+    assert r.mask.tolist() == [[1, 1, 0, 1, 1]] and not r.truncated.any()
+    assert seen == ["7", "7<r>!"] and stats.calls == 2          # the second call answered None: done
+    r, _ = respond_on_end(m, [[BOS, 3]], lambda p, t, a: "<r>", max_calls=1)
+    assert r.response_ids.tolist() == [[4, EOS, 6, 9, EOS]] and not r.truncated.any()   # calls used up: ended
+
+
+def test_a_chat_turn_after_a_sampled_end_token_starts_after_it(tmp_path):
+    pytest.importorskip("transformers")
+    from hf_models import make_model_dir
+    from rlvr.models.hf import load_policy
+    from rlvr.rewards import Reward, RewardCard
+    from rlvr.run import Limits
+    from rlvr.tasks import Example, Task
+
+    policy, tok = load_policy(make_model_dir(tmp_path, chat=True))
+    tok.tok.chat_template = EOS_CHAT
+    assert tok.turn_text("user", "no", after_end=True) == "user: no<eos>assistant:"
+    assert tok.turn_text("user", "no") == "<eos>user: no<eos>assistant:"
+    card = RewardCard(pays_for="nothing", ignores="all", exploit="none")
+    task = Task(name="t", train=[Example("ab", 0)], heldout=[Example("cd", 0)],
+                rewards={"n": Reward("n", lambda p, r, a: 0.0, card)}, goal=lambda p, r, a: False,
+                max_new_tokens=40, tool=lambda p, r, a: "no")
+    limits = Limits(40, tok.eos_id, 4, tool_calls=2, tool_role="user", tool_on_end=True)
+    groups = sample_and_score(policy, tok, task, [Example("ab", 0), Example("x", 0)], G=4, limits=limits,
+                              weights={"n": 1.0}, temperature=1.0, top_p=1.0,
+                              generator=torch.Generator().manual_seed(2), pool=None)
+    r = groups.rollout
+    turn = tok.encode(tok.turn_text("user", "no", after_end=True), bos=False)
+    resp, found = r.response_ids.tolist(), 0
+    for b, row in enumerate(resp):
+        for t in range(1, len(row) - len(turn) + 1):
+            if row[t:t + len(turn)] == turn:
+                found += 1
+                assert row[t - 1] == tok.eos_id and r.mask[b, t - 1] == 1   # the policy's own end token, trained on
+                assert r.mask[b, t:t + len(turn)].sum() == 0
+    assert found > 0 and groups.tools.calls > 0
+    lp = sequence_token_logprobs(policy, r, group_size=4)
+    assert torch.allclose(lp * r.mask, r.logp, atol=1e-5)
+
+
+def test_tool_on_end_needs_tool_calls_and_an_end_token():
+    with pytest.raises(config_mod.ConfigError, match="sampling.tool_on_end.*max_tool_calls"):
+        config_mod.load(None, ["--sampling.tool_on_end=true"])
+    cfg = config_mod.load(None, ["--sampling.tool_on_end=true", "--sampling.max_tool_calls=1"])   # no stop needed
+    with pytest.raises(run.RunError, match="tool_on_end.*fixed length"):
+        run.build(cfg, log=lambda *a: None)                                    # the sort task has no end token

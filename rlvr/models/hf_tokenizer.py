@@ -46,12 +46,14 @@ class HFTokenizer:
 
     TURN_SENTINEL = "rlvr-turn-sentinel-7c1f"
 
-    def turn_text(self, role: str, content: str) -> str:
+    def turn_text(self, role: str, content: str, *, after_end: bool = False) -> str:
         """The text that follows an assistant's words when a ``role`` turn holding ``content`` comes
         next, as the chat template renders it: the assistant turn's closing, the new turn, and the
         opening of the next assistant turn (rlvr.tools inserts it after a tool call). Found as the
         difference between the template over [user, assistant] and over [user, assistant, role] with
-        the generation prompt; ValueError when the template renders the shared turns differently."""
+        the generation prompt; ValueError when the template renders the shared turns differently.
+        ``after_end``: the assistant's words already end with the end token (the model sampled it), so
+        a closing that starts with that token's text starts after it."""
         msgs = [{"role": "user", "content": "?"}, {"role": "assistant", "content": self.TURN_SENTINEL}]
         base = self.tok.apply_chat_template(msgs, tokenize=False)
         full = self.tok.apply_chat_template(msgs + [{"role": role, "content": content}], tokenize=False,
@@ -60,7 +62,9 @@ class HFTokenizer:
         if cut < len(self.TURN_SENTINEL) or not full.startswith(base[:cut]):
             raise ValueError(f"the chat template does not render a {role!r} turn after the assistant's as a "
                              "continuation of the conversation before it")
-        return full[cut:]
+        text = full[cut:]
+        end = self.tok.convert_ids_to_tokens(self.eos_id) if after_end and self.eos_id is not None else None
+        return text[len(end):] if end and text.startswith(end) else text
 
     def encode(self, text: str, *, bos: bool | None = None, eos: bool = False) -> list[int]:
         """Ids of ``text``: no specials, except BOS first when the tokenizer adds it by default
