@@ -1,19 +1,21 @@
-"""Does a policy learn to call a tool? A lookup task only a tool can answer, trained with and without tool calls.
+"""Does a policy learn to use a tool, and to use an environment's feedback? Two tasks only those can solve.
 
-    python benchmarks/tool_use.py [--steps N] [--out runs/tool_use] [--section.key=value ...]
+    python benchmarks/tool_use.py [--runs NAME ...] [--steps N] [--out runs/tool_use] [--section.key=value ...]
 
-The task (`lookup_task`, defined here): the prompt is a 3-digit key and a question mark ("482?");
-the answer is a 3-digit value of a hash of the key that the policy cannot compute and that
-no training example repeats for a held-out key. The task's tool reads the key from the prompt and answers
-"=VALUE". A response calls it by writing "#" (the run's stop string); the tool's text is inserted
-(attended, never trained on) and sampling goes on. The reward and the goal: the last three digits
-of the response, inserted text included, are the answer.
+Each run is the real command `rlvr train` from the same random built-in model (2 layers, d = 64),
+P = 32, G = 8, one after the other; the script prints the held-out goal (200 prompts, greedy) at
+step 0, by step and at the end, the tool calls per held-out response and the wall time.
 
-Runs the real command `rlvr train` twice from the same random built-in model, one after the other:
-`sampling.max_tool_calls = 1`, and 0 (the same stop string ends the response, no tool). Prints the
-held-out goal at step 0 and at the end, the tool calls per held-out response, and wall time. What a
-working tool loop predicts: with the tool the policy learns to write "#" and stop after the
-inserted value (goal -> 1); without it the goal stays near chance (1 in 1000 per guess).
+* lookup (`lookup_task`): the prompt is a 3-digit key ("482?"), the answer a 3-digit hash of it
+  that no other key tells. The task's tool reads the key and inserts "=VALUE" when the response
+  writes "#" (the stop string). `lookup_tool` (max_tool_calls = 1) against `lookup_no_tool` (0):
+  with the tool the policy learns to call it and stop after the value; without it a guess is right
+  1 time in 1000.
+* guess (`guess_task`): a secret digit hides behind a 4-digit key (a hash). Each guess ends at the
+  end token; the environment (the task's tool with sampling.tool_on_end) answers "<" or ">" and the
+  policy guesses again, up to 4 guesses; a right guess ends the episode. `guess_feedback` against
+  `guess_one_shot` (one guess, no environment): one guess is right 1 time in 10, four random ones
+  about 1 in 3; a policy that reads the feedback and halves the range wins every episode.
 """
 
 from __future__ import annotations
@@ -57,9 +59,41 @@ def lookup_task(heldout: int = 200, seed: int = 0) -> Task:
                 max_new_tokens=8, alphabet="0123456789?#=", tool=lookup)
 
 
+def secret(key: str) -> int:
+    """The digit a guessing episode hides behind a 4-digit key (a hash: other keys do not tell it)."""
+    return (int(key) * 2654435761 >> 7) % 10
+
+
+def referee(prompt: str, response: str, answer: str) -> str | None:
+    """The guessing game's environment, called when a guess ends: None when the last digit guessed
+    is the secret (the episode ends), else "<" (the secret is smaller) or ">" (larger); "?" when the
+    turn holds no digit."""
+    digits = [c for c in response if c.isdigit()]
+    if not digits:
+        return "?"
+    guess, target = int(digits[-1]), int(answer)
+    return None if guess == target else ("<" if target < guess else ">")
+
+
+def guessed(prompt: str, response: str, answer: str) -> float:
+    digits = [c for c in response if c.isdigit()]
+    return 1.0 if digits and digits[-1] == answer else 0.0
+
+
+def guess_task(heldout: int = 200, train: int = 4000, seed: int = 0) -> Task:
+    keys = random.Random(seed).sample(range(10000), heldout + train)
+    ex = [Example(prompt=f"{k:04d}?", answer=str(secret(f"{k:04d}"))) for k in keys]
+    card = RewardCard(pays_for="a conversation whose last guess is the secret digit",
+                      ignores="how many guesses it took",
+                      exploit="none known that fails the goal: it is the goal's own check")
+    return Task(name="guess", train=ex[heldout:], heldout=ex[:heldout],
+                rewards={"guessed": Reward("guessed", guessed, card)}, goal=lambda p, r, a: guessed(p, r, a) == 1.0,
+                max_new_tokens=12, alphabet="0123456789?<>", tool=referee)
+
+
 CONFIG = """[task]
-path = "{path}:lookup_task"
-reward = "correct"
+path = "{path}:{task}"
+reward = "{reward}"
 
 [model]
 n_layer = 2
@@ -67,8 +101,7 @@ n_head = 4
 n_embd = 64
 
 [sampling]
-stop = ["#"]
-max_tool_calls = {calls}
+{sampling}
 
 [algorithm]
 scheme = "normalized"
@@ -85,31 +118,42 @@ every = {every}
 pass_k = 0
 """
 
+RUNS = {
+    # name: (task, reward, [sampling] lines, default steps)
+    "lookup_tool": ("lookup_task", "correct", 'stop = ["#"]\nmax_tool_calls = 1', 60),
+    "lookup_no_tool": ("lookup_task", "correct", 'stop = ["#"]\nmax_tool_calls = 0', 60),
+    "guess_feedback": ("guess_task", "guessed", "max_tool_calls = 3\ntool_on_end = true", 600),
+    "guess_one_shot": ("guess_task", "guessed", "max_tool_calls = 0", 600),
+}
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    ap.add_argument("--steps", type=int, default=0, help="steps of every run (default: each run's own)")
     ap.add_argument("--out", default="runs/tool_use")
     args, extra = ap.parse_known_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for calls in (1, 0):
-        config = out / f"tool_calls_{calls}.toml"
-        config.write_text(CONFIG.format(path=Path(__file__).resolve(), calls=calls, steps=args.steps,
-                                        every=max(1, args.steps // 3)))
-        run = out / f"tool_calls_{calls}"
+    for name in args.runs:
+        task, reward, sampling_lines, steps = RUNS[name]
+        steps = args.steps or steps
+        config = out / f"{name}.toml"
+        config.write_text(CONFIG.format(path=Path(__file__).resolve(), task=task, reward=reward,
+                                        sampling=sampling_lines, steps=steps, every=max(1, steps // 6)))
+        run = out / name
         cmd = ["rlvr", "train", str(config), "--out", str(run), "--overwrite", *extra]
         print("$", " ".join(cmd), flush=True)
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         evals = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "eval/goal" in r]
         summary = json.loads((run / "summary.json").read_text())
-        rows.append((calls, evals, summary))
-    print(f"\n{'max_tool_calls':>14} {'goal at 0':>9} {'goal at end':>11} {'calls/response':>14} {'train s':>8}  "
+        rows.append((name, evals, summary))
+    print(f"\n{'run':<16} {'goal at 0':>9} {'goal at end':>11} {'calls/response':>14} {'train s':>8}  "
           "held-out goal by step")
-    for calls, evals, s in rows:
+    for name, evals, s in rows:
         trail = " -> ".join(f"{e['eval/goal']:.2f}@{e['step']}" for e in evals)
-        print(f"{calls:>14} {evals[0]['eval/goal']:>9.3f} {evals[-1]['eval/goal']:>11.3f} "
+        print(f"{name:<16} {evals[0]['eval/goal']:>9.3f} {evals[-1]['eval/goal']:>11.3f} "
               f"{evals[-1].get('eval/tool_calls_per_response', 0.0):>14.2f} {s['wall_seconds']:>8.1f}  {trail}")
     return 0
 
