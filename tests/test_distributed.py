@@ -225,6 +225,17 @@ def test_zero_one_and_two_rollout_workers_draw_the_same_rows(ray_local):
     assert not torch.equal(runs[0][0][2], runs[0][1][2])  # the second step sampled with the updated weights
 
 
+def test_tool_calls_draw_the_same_rows_with_and_without_rollout_workers(ray_local):
+    """The tool loop's continuations are seeded per row of the whole batch: sharding keeps them."""
+    calc = ["--task.path=rlvr.tasks.arith:arith_task", "--task.reward=correct",
+            "--task.options={digits = 1, heldout = 10, calculator = true, max_new_tokens = 16}",
+            '--sampling.stop=["a", "e", "o"]', "--sampling.max_tool_calls=2"]
+    runs = {n: _two_steps(tiny_cfg(*calc, f"--distributed.rollout_workers={n}")) for n in (0, 2)}
+    for (r0, d0, l0, v0), (r, d, lp, v) in zip(runs[0], runs[2]):
+        assert torch.equal(r0, r) and torch.equal(d0, d) and v0 == v
+        torch.testing.assert_close(l0, lp, rtol=0, atol=1e-6)
+
+
 def test_a_killed_rollout_worker_is_replaced_and_its_share_sampled_again(ray_local):
     cfg = tiny_cfg("--distributed.rollout_workers=2")
     setup = run.build(cfg)
