@@ -11,9 +11,10 @@ step 0, by step and at the end, the tool calls per held-out response and the wal
   writes "#" (the stop string). `lookup_tool` (max_tool_calls = 1) against `lookup_no_tool` (0):
   with the tool the policy learns to call it and stop after the value; without it a guess is right
   1 time in 1000.
-* guess (`guess_task`): a secret digit hides behind a 4-digit key (a hash). Each guess ends at the
-  end token; the environment (the task's tool with sampling.tool_on_end) answers "<" or ">" and the
-  policy guesses again, up to 4 guesses; a right guess ends the episode. `guess_feedback` against
+* guess (rlvr.tasks.guess, compact style, 0 to 9): a secret digit hides behind a 4-digit key (a
+  hash). Each guess ends at the end token; the environment (the task's tool with
+  sampling.tool_on_end) answers "<" or ">" and the policy guesses again, up to 4 guesses; a right
+  guess ends the episode. `guess_feedback` against
   `guess_one_shot` (one guess, no environment): one guess is right 1 time in 10, four random ones
   about 1 in 3; a policy that reads the feedback and halves the range wins every episode.
 """
@@ -59,41 +60,10 @@ def lookup_task(heldout: int = 200, seed: int = 0) -> Task:
                 max_new_tokens=8, alphabet="0123456789?#=", tool=lookup)
 
 
-def secret(key: str) -> int:
-    """The digit a guessing episode hides behind a 4-digit key (a hash: other keys do not tell it)."""
-    return (int(key) * 2654435761 >> 7) % 10
-
-
-def referee(prompt: str, response: str, answer: str) -> str | None:
-    """The guessing game's environment, called when a guess ends: None when the last digit guessed
-    is the secret (the episode ends), else "<" (the secret is smaller) or ">" (larger); "?" when the
-    turn holds no digit."""
-    digits = [c for c in response if c.isdigit()]
-    if not digits:
-        return "?"
-    guess, target = int(digits[-1]), int(answer)
-    return None if guess == target else ("<" if target < guess else ">")
-
-
-def guessed(prompt: str, response: str, answer: str) -> float:
-    digits = [c for c in response if c.isdigit()]
-    return 1.0 if digits and digits[-1] == answer else 0.0
-
-
-def guess_task(heldout: int = 200, train: int = 4000, seed: int = 0) -> Task:
-    keys = random.Random(seed).sample(range(10000), heldout + train)
-    ex = [Example(prompt=f"{k:04d}?", answer=str(secret(f"{k:04d}"))) for k in keys]
-    card = RewardCard(pays_for="a conversation whose last guess is the secret digit",
-                      ignores="how many guesses it took",
-                      exploit="none known that fails the goal: it is the goal's own check")
-    return Task(name="guess", train=ex[heldout:], heldout=ex[:heldout],
-                rewards={"guessed": Reward("guessed", guessed, card)}, goal=lambda p, r, a: guessed(p, r, a) == 1.0,
-                max_new_tokens=12, alphabet="0123456789?<>", tool=referee)
-
-
 CONFIG = """[task]
-path = "{path}:{task}"
+path = "{task}"
 reward = "{reward}"
+options = {options}
 
 [model]
 n_layer = 2
@@ -118,12 +88,14 @@ every = {every}
 pass_k = 0
 """
 
+GUESS = "rlvr.tasks.guess:guess_task"
+GUESS_OPTIONS = '{ low = 0, high = 9, style = "compact", train = 4000 }'
 RUNS = {
-    # name: (task, reward, [sampling] lines, default steps)
-    "lookup_tool": ("lookup_task", "correct", 'stop = ["#"]\nmax_tool_calls = 1', 60),
-    "lookup_no_tool": ("lookup_task", "correct", 'stop = ["#"]\nmax_tool_calls = 0', 60),
-    "guess_feedback": ("guess_task", "guessed", "max_tool_calls = 3\ntool_on_end = true", 600),
-    "guess_one_shot": ("guess_task", "guessed", "max_tool_calls = 0", 600),
+    # name: (task path, options, reward, [sampling] lines, default steps); "{here}" is this file
+    "lookup_tool": ("{here}:lookup_task", "{}", "correct", 'stop = ["#"]\nmax_tool_calls = 1', 60),
+    "lookup_no_tool": ("{here}:lookup_task", "{}", "correct", 'stop = ["#"]\nmax_tool_calls = 0', 60),
+    "guess_feedback": (GUESS, GUESS_OPTIONS, "guessed", "max_tool_calls = 3\ntool_on_end = true", 600),
+    "guess_one_shot": (GUESS, GUESS_OPTIONS, "guessed", "max_tool_calls = 0", 600),
 }
 
 
@@ -137,11 +109,12 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for name in args.runs:
-        task, reward, sampling_lines, steps = RUNS[name]
+        task, options, reward, sampling_lines, steps = RUNS[name]
         steps = args.steps or steps
         config = out / f"{name}.toml"
-        config.write_text(CONFIG.format(path=Path(__file__).resolve(), task=task, reward=reward,
-                                        sampling=sampling_lines, steps=steps, every=max(1, steps // 6)))
+        config.write_text(CONFIG.format(task=task.replace("{here}", str(Path(__file__).resolve())), options=options,
+                                        reward=reward, sampling=sampling_lines, steps=steps,
+                                        every=max(1, steps // 6)))
         run = out / name
         cmd = ["rlvr", "train", str(config), "--out", str(run), "--overwrite", *extra]
         print("$", " ".join(cmd), flush=True)
