@@ -94,8 +94,8 @@ RUNS = {
     # name: (task path, options, reward, [sampling] lines, default steps); "{here}" is this file
     "lookup_tool": ("{here}:lookup_task", "{}", "correct", 'stop = ["#"]\nmax_tool_calls = 1', 60),
     "lookup_no_tool": ("{here}:lookup_task", "{}", "correct", 'stop = ["#"]\nmax_tool_calls = 0', 60),
-    "guess_feedback": (GUESS, GUESS_OPTIONS, "guessed", "max_tool_calls = 3\ntool_on_end = true", 600),
-    "guess_one_shot": (GUESS, GUESS_OPTIONS, "guessed", "max_tool_calls = 0", 600),
+    "guess_feedback": (GUESS, GUESS_OPTIONS, "guessed", "max_tool_calls = 3\ntool_on_end = true", 1200),
+    "guess_one_shot": (GUESS, GUESS_OPTIONS, "guessed", "max_tool_calls = 0", 1200),
 }
 
 
