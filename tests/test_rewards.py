@@ -1,4 +1,4 @@
-"""Safe scoring: every failure of a reward gets a named status, never a silent 0 (USERS.md 11)."""
+"""Safe scoring: every failure of a reward gets a named status, never a silent 0."""
 
 import math
 
