@@ -22,7 +22,9 @@ from rlvr.tokenizer import encode_example
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sort.toml"
 TINY = [
-    "--model.init=", "--task.path=rlvr.tasks.sort:sort_task", "--task.reward=position", "--task.reward_weights={}",
+    # model.autocast = off: "auto" times fp32 against bf16 at each build, so two builds of one config (the
+    # one-process learner and the group) could choose differently when the machine is busy
+    "--model.autocast=off", "--model.init=", "--task.path=rlvr.tasks.sort:sort_task", "--task.reward=position", "--task.reward_weights={}",
     "--task.options={n = 3, heldout = 50}", "--task.reward_workers=0",
     "--model.n_embd=32", "--model.n_layer=1", "--model.n_head=2", "--sampling.temperature=1.0", "--sampling.top_p=1.0",
     "--algorithm.scheme=normalized", "--algorithm.kl_coef=0", "--algorithm.agg=token_mean", "--train.lr=0.01",
