@@ -507,12 +507,13 @@ def test_rlvr_probe_samples_under_the_training_numerics(tmp_path, monkeypatch):
     from rlvr import cli
 
     out = tmp_path / "run"
-    assert cli.main(["train", str(EXAMPLE), "--out", str(out), *TINY, "--train.steps=1", "--eval.pass_k=0"]) == 0
+    assert cli.main(["train", str(EXAMPLE), "--out", str(out), *TINY, "--model.autocast=auto", "--train.steps=1",
+                     "--eval.pass_k=0"]) == 0
 
     def never(*a, **kw):
         raise AssertionError("the probe measured again instead of reading the run's decision")
 
     monkeypatch.setattr(run, "autocast_timings", never)
     seen.clear()
-    probe.run_probe(config_mod.load(EXAMPLE, TINY), prompts=2, samples=2, checkpoint=out)
+    probe.run_probe(config_mod.load(EXAMPLE, TINY + ["--model.autocast=auto"]), prompts=2, samples=2, checkpoint=out)
     assert seen == [True]
