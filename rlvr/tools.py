@@ -38,7 +38,7 @@ over calls or workers (as ``rlvr.sampling.prompt_generators`` does for first rou
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -75,19 +75,37 @@ class _Row:
     """One response being written: its tokens so far and what each is."""
 
     prompt: list[int]
-    tokens: list[int]
-    sampled: list[bool]
-    logp: list[float]
-    logp_full: list[float]
-    at_eos: bool
+    tokens: list[int] = field(default_factory=list)
+    sampled: list[bool] = field(default_factory=list)
+    logp: list[float] = field(default_factory=list)
+    logp_full: list[float] = field(default_factory=list)
+    at_eos: bool = False
     """The last sampled piece ended at eos."""
-    at_stop: bool
+    at_stop: bool = False
     """The last sampled piece ended at a stop string (a call for the tool)."""
     done: bool = False
     """The tool answered None, or failed: the response ends here."""
     calls: int = 0
     cut: bool = False
     """The inserted text did not fit the response bound."""
+
+    def add_sampled(self, toks: list[int], logp: list[float], logp_full: list[float], eos_id: int | None,
+                    truncated: bool) -> None:
+        """Append a sampled piece and say how it ended: at eos, at a stop string (a call for the tool:
+        ended, neither truncated nor at eos), or truncated."""
+        self.tokens += toks
+        self.sampled += [True] * len(toks)
+        self.logp += logp
+        self.logp_full += logp_full
+        self.at_eos = eos_id is not None and len(toks) > 0 and toks[-1] == eos_id
+        self.at_stop = not self.at_eos and not truncated
+
+    def add_inserted(self, toks: list[int]) -> None:
+        """Append inserted (tool) tokens: attended, never trained on (logp 0)."""
+        self.tokens += toks
+        self.sampled += [False] * len(toks)
+        self.logp += [0.0] * len(toks)
+        self.logp_full += [0.0] * len(toks)
 
 
 def _rows(rollout: sampling.Rollout, eos_id: int | None) -> list[_Row]:
@@ -97,11 +115,10 @@ def _rows(rollout: sampling.Rollout, eos_id: int | None) -> list[_Row]:
     for b in range(rollout.ids.size(0)):
         n = int(rollout.mask[b].sum())
         prompt = rollout.ids[b, :Lp][rollout.attention_mask[b, :Lp].bool()].tolist()
-        toks = rollout.response_ids[b, :n].tolist()
-        at_eos = eos_id is not None and n > 0 and toks[-1] == eos_id
-        truncated = bool(rollout.truncated[b])
-        rows.append(_Row(prompt, toks, [True] * n, rollout.logp[b, :n].tolist(), full[b, :n].tolist(),
-                         at_eos=at_eos, at_stop=not at_eos and not truncated))
+        row = _Row(prompt)
+        row.add_sampled(rollout.response_ids[b, :n].tolist(), rollout.logp[b, :n].tolist(), full[b, :n].tolist(),
+                        eos_id, bool(rollout.truncated[b]))
+        rows.append(row)
     return rows
 
 
@@ -147,14 +164,8 @@ def _continue(policy, rows: list[_Row], idx: list[int], budgets: list[int], *, f
     full = r.tempered_logp
     for k, i in enumerate(idx):
         n = int(r.mask[k].sum())
-        toks = r.response_ids[k, :n].tolist()
-        row = rows[i]
-        row.tokens += toks
-        row.sampled += [True] * n
-        row.logp += r.logp[k, :n].tolist()
-        row.logp_full += full[k, :n].tolist()
-        row.at_eos = eos_id is not None and n > 0 and toks[-1] == eos_id
-        row.at_stop = not row.at_eos and not bool(r.truncated[k])
+        rows[i].add_sampled(r.response_ids[k, :n].tolist(), r.logp[k, :n].tolist(), full[k, :n].tolist(), eos_id,
+                            bool(r.truncated[k]))
     return costs.sampling_forward_tokens(len(idx), r.prompt_len, r.mask.numel())
 
 
@@ -215,10 +226,7 @@ def respond_with_tools(policy, tok, first: sampling.Rollout, examples: list, too
                 continue
             room = max_new_tokens - len(r.tokens)
             kept = inserted[:room]
-            r.tokens += kept
-            r.sampled += [False] * len(kept)
-            r.logp += [0.0] * len(kept)
-            r.logp_full += [0.0] * len(kept)
+            r.add_inserted(kept)
             stats.inserted_tokens += len(kept)
             if len(inserted) >= room:
                 r.cut = True

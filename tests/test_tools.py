@@ -268,9 +268,10 @@ def test_turn_text_is_what_the_chat_template_adds_after_the_assistant(tmp_path):
         tok.turn_text("tool", "42")
 
 
-def test_a_tool_turn_through_the_chat_template_holds_eos_and_the_response_goes_on(tmp_path):
-    """The inserted turn closes the assistant's turn with eos; the row is not ended by it, the learner
-    scores the sampled tokens as the sampler did, and the rewards see the text on both sides."""
+def chat_tool_rollout(tmp_path, tool, reward, *, max_new_tokens: int, seed: int, **limits):
+    """(policy, tokenizer, Groups): a tiny Hugging Face chat model whose template ends every turn with
+    eos (``EOS_CHAT``) samples 4 responses to each of 2 prompts with ``tool`` and ``Limits(**limits)``,
+    scored by ``reward``."""
     pytest.importorskip("transformers")
     from hf_models import make_model_dir
     from rlvr.models.hf import load_policy
@@ -280,15 +281,23 @@ def test_a_tool_turn_through_the_chat_template_holds_eos_and_the_response_goes_o
 
     policy, tok = load_policy(make_model_dir(tmp_path, chat=True))
     tok.tok.chat_template = EOS_CHAT
-    seen = []
-    card = RewardCard(pays_for="length", ignores="all", exploit="long text")
+    card = RewardCard(pays_for="a test's count", ignores="all", exploit="none")
     task = Task(name="t", train=[Example("ab", 0)], heldout=[Example("cd", 0)],
-                rewards={"n": Reward("n", lambda p, r, a: seen.append(r) or 0.0, card)},
-                goal=lambda p, r, a: False, max_new_tokens=24, tool=lambda p, r, a: "42")
-    limits = Limits(24, tok.eos_id, 4, stop=("a", "b", "c"), tool_calls=2, tool_role="tool")
-    groups = sample_and_score(policy, tok, task, [Example("ab", 0), Example("x", 0)], G=4, limits=limits,
+                rewards={"n": Reward("n", reward, card)}, goal=lambda p, r, a: False,
+                max_new_tokens=max_new_tokens, tool=tool)
+    groups = sample_and_score(policy, tok, task, [Example("ab", 0), Example("x", 0)], G=4,
+                              limits=Limits(max_new_tokens, tok.eos_id, 4, tool_calls=2, **limits),
                               weights={"n": 1.0}, temperature=1.0, top_p=1.0,
-                              generator=torch.Generator().manual_seed(1), pool=None)
+                              generator=torch.Generator().manual_seed(seed), pool=None)
+    return policy, tok, groups
+
+
+def test_a_tool_turn_through_the_chat_template_holds_eos_and_the_response_goes_on(tmp_path):
+    """The inserted turn closes the assistant's turn with eos; the row is not ended by it, the learner
+    scores the sampled tokens as the sampler did, and the rewards see the text on both sides."""
+    seen = []
+    policy, tok, groups = chat_tool_rollout(tmp_path, lambda p, r, a: "42", lambda p, r, a: seen.append(r) or 0.0,
+                                            max_new_tokens=24, seed=1, stop=("a", "b", "c"), tool_role="tool")
     r = groups.rollout
     turn = tok.encode(tok.turn_text("tool", "42"), bos=False)
     assert turn[0] == tok.eos_id and groups.tools.calls > 0
@@ -359,25 +368,10 @@ def test_tool_on_end_gives_the_next_turn_after_the_sampled_end_token():
 
 
 def test_a_chat_turn_after_a_sampled_end_token_starts_after_it(tmp_path):
-    pytest.importorskip("transformers")
-    from hf_models import make_model_dir
-    from rlvr.models.hf import load_policy
-    from rlvr.rewards import Reward, RewardCard
-    from rlvr.run import Limits
-    from rlvr.tasks import Example, Task
-
-    policy, tok = load_policy(make_model_dir(tmp_path, chat=True))
-    tok.tok.chat_template = EOS_CHAT
+    policy, tok, groups = chat_tool_rollout(tmp_path, lambda p, r, a: "no", lambda p, r, a: 0.0, max_new_tokens=40,
+                                            seed=2, tool_role="user", tool_on_end=True)
     assert tok.turn_text("user", "no", after_end=True) == "user: no<eos>assistant:"
     assert tok.turn_text("user", "no") == "<eos>user: no<eos>assistant:"
-    card = RewardCard(pays_for="nothing", ignores="all", exploit="none")
-    task = Task(name="t", train=[Example("ab", 0)], heldout=[Example("cd", 0)],
-                rewards={"n": Reward("n", lambda p, r, a: 0.0, card)}, goal=lambda p, r, a: False,
-                max_new_tokens=40, tool=lambda p, r, a: "no")
-    limits = Limits(40, tok.eos_id, 4, tool_calls=2, tool_role="user", tool_on_end=True)
-    groups = sample_and_score(policy, tok, task, [Example("ab", 0), Example("x", 0)], G=4, limits=limits,
-                              weights={"n": 1.0}, temperature=1.0, top_p=1.0,
-                              generator=torch.Generator().manual_seed(2), pool=None)
     r = groups.rollout
     turn = tok.encode(tok.turn_text("user", "no", after_end=True), bos=False)
     resp, found = r.response_ids.tolist(), 0
