@@ -88,7 +88,7 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
         cfg, model, tok = run.load_run(run_dir, overrides, trusted=args.trust_run_config,
                                        note=lambda msg: print(f"rlvr: note: {msg}", file=sys.stderr))
         run.set_threads(cfg)                    # as the run trained: its threads, its host allocator
-        hostmem.set_host_memory(cfg.train.host_memory)
+        hostmem.set_host_memory(cfg.train.host_memory, cfg.model.gradient_checkpointing)
         task = load_task(cfg.task.path, **cfg.task.options)
         weights = run.reward_weights(cfg, task)
         limits = run.limits(cfg, task, tok, model)

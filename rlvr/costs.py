@@ -25,7 +25,9 @@ chosen by model.autocast = auto, that rate x the measured bf16 speed-up). A lowe
 sampling decodes one token at a time, so it is bound by memory bandwidth and per-token overhead,
 and a small model's products run far below the rate of the large square products measured.
 Expected wall time: the same with the decode positions (P * G * T a batch) replaced by T - 1
-decode steps at a measured decode-step time of the run's own policy (rlvr.run.decode_step_seconds).
+decode steps at a measured decode-step time of the run's own policy (rlvr.run.decode_step_seconds);
+with tool calls (rlvr.tools) each of the `tool_calls` continuation rounds adds P * G * T decode
+positions and T - 1 decode steps more (the most a round can take, as its FLOPs are priced).
 
 Memory (`memory(...)`, the peak resident set a run reaches, in bytes; `b` = bytes of an activation,
 4 in fp32 and 2 in bf16; logits are always float32):
@@ -329,8 +331,12 @@ class Price:
                 f"sampling is bound by memory bandwidth and per-token overhead, not by matmul speed")
         if not self.wall_seconds_expected:
             return line
-        return (f"{line}; expected ~{self.wall_seconds_expected:,.1f} s with each of the {self.max_new_tokens - 1} "
-                f"decode steps per batch at the measured {self.decode_step_s * 1e3:,.3g} ms "
+        rounds = 1 + self.tool_calls
+        return (f"{line}; expected ~{self.wall_seconds_expected:,.1f} s with each of the "
+                f"{rounds * (self.max_new_tokens - 1)} decode steps per batch"
+                + (f" ({rounds} sampling rounds: the first and {self.tool_calls} tool continuation(s))"
+                   if self.tool_calls else "")
+                + f" at the measured {self.decode_step_s * 1e3:,.3g} ms "
                 f"({self.prompts_per_step * self.samples_per_prompt} rows), before evaluation and rewards")
 
     def to_dict(self) -> dict:
@@ -461,16 +467,16 @@ def price(
     fwd = flops_fwd_per_token or 2 * n_params
     trn = flops_train_per_token or 6 * n_params
     P, G, T, Lp = prompts_per_step, samples_per_prompt, max_new_tokens, prompt_tokens
-    rows = P * G
-    per_batch = rows * T
+    rows, per_batch = P * G, P * G * T
     grad_steps = epochs_per_batch * minibatches
     sampling_fwd = sampling_forward_tokens(P, Lp, rows * T) + tool_calls * rows * (Lp + 2 * T)
     per_forward = logp_forward_tokens(rows, G, Lp, T, shared_prompt=shared_prompt)
     ref_fwd, old_fwd = (per_forward if has_reference else 0), (per_forward if recompute_logp_old else 0)
     trained, policy = epochs_per_batch * per_forward, n_params * bytes_per_param
     flops_per_run = float(((sampling_fwd + ref_fwd + old_fwd) * fwd + trained * trn) * steps)
-    expected = expected_wall_seconds(flops_per_run, steps * rows * T * fwd, steps * (T - 1), matmul_flops_per_s,
-                                     decode_step_s)
+    rounds = 1 + tool_calls    # sampling rounds a batch: the first, then each continuation's (at most T decoded)
+    expected = expected_wall_seconds(flops_per_run, steps * rounds * rows * T * fwd, steps * rounds * (T - 1),
+                                     matmul_flops_per_s, decode_step_s)
     extra = {} if shape is None else _memory_fields(memory(
         shape, prompts=P, group=G, prompt_len=Lp, response_len=T, minibatches=minibatches * micro_batches,
         n_params=n_params, trainable_params=n_params if trainable_params is None else trainable_params,

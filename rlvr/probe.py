@@ -303,7 +303,7 @@ def run_probe(cfg: config.Config, *, prompts: int, samples: int, schemes: Sequen
         raise ProbeError(f"{split} prompts: {e}{why}") from e
 
     run.set_threads(cfg)
-    hostmem.set_host_memory(cfg.train.host_memory)          # the trainer's allocator setting (rlvr.hostmem)
+    hostmem.set_host_memory(cfg.train.host_memory, cfg.model.gradient_checkpointing)  # the trainer's (rlvr.hostmem)
     model.eval()
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     K = samples

@@ -6,6 +6,7 @@
     RUN_DIR/rollouts.jsonl   a few groups per step: prompt, answer, responses, rewards, Δ
     RUN_DIR/state/           everything `--resume` needs (rlvr.state)
     RUN_DIR/best/            the checkpoint with the best held-out goal so far (a run dir of its own)
+    RUN_DIR/snapshots/step-NNNNNN/   the policy every `train.snapshot_every` steps (run dirs of their own)
     RUN_DIR/checkpoint/ or hf/   the final policy
     RUN_DIR/summary.json     final evaluation, counted cost against the price (or, for a run
                              stopped by a signal, `"interrupted": true` and the steps done)
@@ -25,7 +26,8 @@ from rlvr import config as config_mod
 from rlvr.run import RunError, save_checkpoint
 from rlvr.state import STATE_DIR, atomic_dir, find_complete, find_state
 
-RESUMABLE_KEYS = {"train.steps", "train.threads", "train.save_every", "train.save_every_minutes", "task.reward_workers",
+RESUMABLE_KEYS = {"train.steps", "train.threads", "train.save_every", "train.save_every_minutes",
+                  "train.snapshot_every", "train.snapshots_keep", "task.reward_workers",
                   "task.reward_timeout_s", "task.reward_memory_mb", "distributed.learners", "distributed.sharding"}
 """Keys a resumed run may change; sections [eval] and [log] may change too. Note that the
 learning-rate schedule is laid out over train.steps, so a longer resumed run decays later (the
@@ -58,6 +60,26 @@ def schedule_change_note(saved: config_mod.Config, cfg: config_mod.Config, step:
             f"learning rate is laid out over {b.steps} steps from step {step + 1} on, at {new:.3g} x train.lr "
             f"there (the saved run's schedule: {old:.3g} x); steps 1-{step} kept the {a.steps}-step schedule, "
             f"so this run differs from one of {b.steps} steps from the start")
+
+
+SNAPSHOTS = "snapshots"
+"""RUN_DIR's directory of the policy's snapshots (train.snapshot_every)."""
+
+
+def snapshot_dirs(run_dir: Path) -> list[Path]:
+    """RUN_DIR/snapshots/step-NNNNNN directories, oldest first."""
+    snaps = Path(run_dir) / SNAPSHOTS
+    if not snaps.is_dir():
+        return []
+    return sorted(d for d in snaps.iterdir() if d.is_dir() and d.name.startswith("step-") and d.name[5:].isdigit())
+
+
+def snapshot_count(train_cfg) -> int:
+    """How many snapshots a run keeps at most: one every `snapshot_every` steps, at most `snapshots_keep`."""
+    if not train_cfg.snapshot_every:
+        return 0
+    made = train_cfg.steps // train_cfg.snapshot_every
+    return min(train_cfg.snapshots_keep, made) if train_cfg.snapshots_keep else made
 
 
 def truncate_jsonl(path: Path, last_step: int) -> None:
@@ -130,12 +152,13 @@ class RunDir:
             raise RunError(f"--out {out}: cannot write into {where} ({e.strerror or e}); "
                            f"choose a writable directory with free space") from None
 
-    def check_space(self, price) -> None:
+    def check_space(self, price, snapshots: int = 0) -> None:
         """Refuse a run whose saves cannot fit on --out's disk, before anything is written: a state save
         writes a new copy (policy, AdamW moments, reference) beside the old one, and the final
-        checkpoint and best/ hold the policy again (each also beside its old copy)."""
+        checkpoint and best/ hold the policy again (each also beside its old copy), as do the
+        `snapshots` kept (``snapshot_count``; the newest written beside the others)."""
         state = price.policy_bytes + price.optimizer_bytes + price.reference_bytes
-        need = 2 * state + 4 * price.policy_bytes
+        need = 2 * state + 4 * price.policy_bytes + (snapshots + 1 if snapshots else 0) * price.policy_bytes
         where = self.path
         while not where.exists() and where != where.parent:
             where = where.parent
@@ -144,8 +167,9 @@ class RunDir:
             mib = 2**20
             raise RunError(f"--out {self.path}: {free / mib:.1f} MiB free on its disk ({where}), but the run's saves "
                            f"need about {need / mib:.1f} MiB (state {state / mib:.1f} MiB written beside the old copy, "
-                           f"checkpoint and best/ {price.policy_bytes / mib:.1f} MiB each); free space or choose "
-                           f"another directory")
+                           f"checkpoint and best/ {price.policy_bytes / mib:.1f} MiB each"
+                           + (f", {snapshots} snapshots as much each" if snapshots else "")
+                           + "); free space or choose another directory")
 
     def prepare(self, *, overwrite: bool) -> None:
         """Refuse to write into an existing run unless told; nothing is deleted otherwise."""
@@ -211,6 +235,23 @@ class RunDir:
             save_checkpoint(d, model, tok, tag=best["step"])
             (d / "config.toml").write_text(config_mod.to_toml(cfg))
             (d / "best.json").write_text(json.dumps(best, indent=2))
+
+    def save_snapshot(self, model, tok, cfg: config_mod.Config, step: int) -> None:
+        """RUN_DIR/snapshots/step-NNNNNN: the policy after `step` (train.snapshot_every), a run directory
+        of its own like best/ (`rlvr eval` reloads it). Written beside, fsynced and renamed into place;
+        then all but the newest `train.snapshots_keep` (0: all) are deleted, each renamed away first so
+        that a kill in the middle leaves no partial snapshot under a snapshot's name."""
+        snaps = self.path / SNAPSHOTS
+        with atomic_dir(snaps, f"step-{step:06d}", tag=step) as d:
+            save_checkpoint(d, model, tok, tag=step)
+            (d / "config.toml").write_text(config_mod.to_toml(cfg))
+        keep = cfg.train.snapshots_keep
+        for old in (snapshot_dirs(self.path)[:-keep] if keep else []):
+            gone = old.with_name(old.name + ".deleting")
+            os.replace(old, gone)
+            shutil.rmtree(gone)
+        for gone in snaps.glob("*.deleting"):       # left by a kill during a deletion
+            shutil.rmtree(gone, ignore_errors=True)
 
     # ------------------------------------------------------------------ at the end
     def finish(self, model, tok, summary: dict, step: int) -> None:

@@ -63,7 +63,7 @@ from rlvr.reward_pool import RewardPool, open_pool
 from rlvr.rollout import Batch, rollout
 from rlvr.run import (RunError, Setup, build, check_device_memory, check_memory, price_of,  # noqa: F401  (RunError:
                       set_threads)                                                         # raised to the CLI)
-from rlvr.rundir import RunDir, schedule_change_note
+from rlvr.rundir import RunDir, schedule_change_note, snapshot_count
 from rlvr.state import StateError, load_state, save_state
 from rlvr.value import LearnedBaseline
 
@@ -314,7 +314,7 @@ def start(cfg: config_mod.Config, run_dir: RunDir, *, overwrite: bool, resume: b
     setup = build(cfg, autocast=run_dir.recorded_autocast() if resume and cfg.model.autocast == "auto" else None,
                   time_bf16=not resume)
     price = price_of(setup)
-    run_dir.check_space(price)
+    run_dir.check_space(price, snapshot_count(cfg.train))
     check_memory(cfg, price)  # refuses a run that would not fit the machine's memory (rlvr.run)
     check_device_memory(cfg, price, setup.device)  # on a GPU: the copies the first update allocates
     if not resume:
@@ -344,7 +344,7 @@ def train(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, resume:
     with `"interrupted": True` and `"exit_code"` (130 for SIGINT, 143 for SIGTERM).
     """
     _, busy = set_threads(cfg)  # train.threads (0 = this process's cores) and the oversubscription warning
-    host_memory = set_host_memory(cfg.train.host_memory)  # before the model's first allocation (rlvr.hostmem)
+    host_memory = set_host_memory(cfg.train.host_memory, cfg.model.gradient_checkpointing)  # before the model's first allocation (rlvr.hostmem)
     run_dir = RunDir(out, log=log)
     with Interrupts() as stop:
         state = start(cfg, run_dir, overwrite=overwrite, resume=resume, log=log)
@@ -442,6 +442,8 @@ def loop(run_dir: RunDir, state: RunState, log, stop: Interrupts | None = None) 
         check_updates(run_dir, state, step, stats)
         if ec.every and step % ec.every == 0 and step != tc.steps:
             run_eval(run_dir, state, step)
+        if tc.snapshot_every and step % tc.snapshot_every == 0:
+            run_dir.save_snapshot(state.policy, state.setup.tokenizer, cfg, step)
         if due_save(state, step):
             save(state, run_dir, state.wall_before + time.perf_counter() - t_start)
         if step % max(1, cfg.log.print_every) == 0 or step == 1:

@@ -26,7 +26,7 @@ GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 CHILD = """
 import json, resource, sys, torch
 from rlvr.hostmem import set_host_memory
-line = set_host_memory(sys.argv[1])
+line = set_host_memory(sys.argv[1], sys.argv[2] == "checkpointing")
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(10):
@@ -41,8 +41,9 @@ print(json.dumps({"faults": windows, "line": line}))
 """
 
 
-def child(mode: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True, check=True)
+def child(mode: str, checkpointing: bool = False) -> dict:
+    out = subprocess.run([sys.executable, "-c", CHILD, mode, "checkpointing" if checkpointing else "-"],
+                         capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -56,6 +57,19 @@ def test_keep_reuses_freed_blocks_and_system_faults_them_in_again():
     assert "defaults" in system["line"]
 
 
+@pytest.mark.skipif(not GLIBC, reason="the allocator setting is glibc's (mallopt)")
+def test_auto_keeps_freed_blocks_except_in_a_run_with_gradient_checkpointing():
+    assert hostmem.resolve("auto", False) == "keep" and hostmem.resolve("auto", True) == "system"
+    assert hostmem.resolve("keep", True) == "keep" and hostmem.resolve("system", False) == "system"
+    kept, returned = child("auto"), child("auto", checkpointing=True)
+    pages = 5 * 64 * 2**20 // 4096
+    assert min(kept["faults"]) < 200 and kept["line"] == "host memory: kept (glibc: no mmap, no trim)"
+    assert min(returned["faults"]) > pages // 2, returned
+    assert returned["line"] == ("host memory: the C library's defaults (train.host_memory = auto with "
+                                "model.gradient_checkpointing: memory goes back between steps)")
+    assert config_mod.Config().train.host_memory == "auto"                        # the default
+
+
 def test_a_mode_not_known_is_refused_naming_the_key(tmp_path):
     with pytest.raises(ValueError, match="train.host_memory"):
         hostmem.set_host_memory("never")
@@ -67,23 +81,46 @@ def test_a_mode_not_known_is_refused_naming_the_key(tmp_path):
         config_mod.load(bad, [])
 
 
-@pytest.mark.parametrize("mode", ["keep", "system"])
+def stub(got: list):
+    """A set_host_memory that records the (mode, checkpointing) it was given."""
+    return lambda m, checkpointing=False: got.append((m, checkpointing)) or f"host memory: {m} (stub)"
+
+
+@pytest.mark.parametrize("mode", ["auto", "keep", "system"])
 def test_the_trainer_applies_the_configured_mode_and_says_so(tmp_path, monkeypatch, mode):
     got = []
-    monkeypatch.setattr(trainer, "set_host_memory", lambda m: got.append(m) or f"host memory: {m} (stub)")
+    monkeypatch.setattr(trainer, "set_host_memory", stub(got))
     out = io.StringIO()
     with redirect_stdout(out):
         rc = main(["train", str(EXAMPLE), "--out", str(tmp_path / "run"), "--model.init=", "--model.n_embd=16",
                    "--model.n_layer=1", "--model.n_head=2", "--train.steps=1", "--train.prompts_per_step=2",
                    "--train.samples_per_prompt=2", "--eval.every=0", "--eval.at_start=false", "--eval.prompts=4",
                    "--eval.pass_k=0", "--task.options={n = 3, heldout = 10}", f"--train.host_memory={mode}"])
-    assert rc == 0 and got == [mode]
+    assert rc == 0 and got == [(mode, False)]
     assert f"host memory: {mode} (stub)" in out.getvalue()
     assert f'host_memory = "{mode}"' in (tmp_path / "run" / "config.toml").read_text()
     # rlvr eval and rlvr probe of the finished run sample as its training did: the same allocator setting
-    monkeypatch.setattr(hostmem, "set_host_memory", lambda m: got.append(m) or f"host memory: {m} (stub)")
+    monkeypatch.setattr(hostmem, "set_host_memory", stub(got))
     with redirect_stdout(io.StringIO()):
         assert main(["eval", str(tmp_path / "run"), "--prompts", "2"]) == 0
         assert main(["probe", str(tmp_path / "run" / "config.toml"), "--checkpoint", str(tmp_path / "run"),
                      "--prompts", "2", "--samples", "2"]) == 0
-    assert got == [mode] * 3
+    assert got == [(mode, False)] * 3
+
+
+def test_a_run_with_gradient_checkpointing_hands_it_to_the_setting(tmp_path, monkeypatch):
+    """auto reads model.gradient_checkpointing: the trainer and rlvr eval pass the run's."""
+    pytest.importorskip("transformers")
+    from hf_models import make_model_dir
+
+    got = []
+    monkeypatch.setattr(trainer, "set_host_memory", stub(got))
+    monkeypatch.setattr(hostmem, "set_host_memory", stub(got))
+    with redirect_stdout(io.StringIO()):
+        rc = main(["train", str(EXAMPLE), "--out", str(tmp_path / "run"), f"--model.path={make_model_dir(tmp_path / 'm')}",
+                   "--model.gradient_checkpointing=true", "--train.steps=1", "--train.prompts_per_step=2",
+                   "--train.samples_per_prompt=2", "--eval.every=0", "--eval.at_start=false", "--eval.prompts=4",
+                   "--eval.pass_k=0", "--task.options={n = 3, heldout = 10}"])
+        assert rc == 0
+        assert main(["eval", str(tmp_path / "run"), "--prompts", "2"]) == 0
+    assert got == [("auto", True)] * 2

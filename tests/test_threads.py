@@ -161,6 +161,14 @@ def test_expected_wall_time_by_hand():
     assert p.decode_step_s == 0.5 and p.to_dict()["wall_seconds_expected"] == p.wall_seconds_expected
     assert p.lines()[-1].endswith("; expected ~23.8 s with each of the 2 decode steps per batch at the measured "
                                   "500 ms (16 rows), before evaluation and rewards")
+    tools = costs.price(**base, matmul_flops_per_s=1e6, decode_step_s=0.5, tool_calls=2)
+    # sampling forwards 4*4 + 16*3 + 2 continuations x 16 rows x (4 + 2*3) = 384 a batch: 21,120,000 FLOP in all;
+    # 3 rounds of decode positions (10 x 3 x 16 x 3 x 2N = 2,880,000 FLOP) leave the rate term (18.24 s),
+    # 10 steps x 3 rounds x 2 decode steps x 0.5 s = 30 s join it
+    assert tools.flops_per_run == 21_120_000
+    assert tools.wall_seconds_expected == pytest.approx(18.24 + 30.0)
+    assert "with each of the 6 decode steps per batch (3 sampling rounds: the first and 2 tool continuation(s)) " \
+           "at the measured 500 ms" in tools.lines()[-1]
 
 
 def test_decode_step_is_measured_on_the_runs_policy_unless_workers_sample(monkeypatch):
