@@ -236,6 +236,22 @@ class AlgorithmConfig:
     entropy_coef: float = 0.0
     """Entropy bonus: subtract entropy_coef × the mean per-token entropy of the tempered policy
     (aggregated like the loss) from the loss; 0 = off (no extra softmax pass)."""
+    mask_truncated: bool = False
+    """DAPO's overlong filtering (TRL's mask_truncated_completions): a response cut at the length bound
+    (it reached max_new_tokens without its end token or a stop string) gets no loss: its tokens leave
+    the policy-gradient, KL and entropy terms and their denominators, so a response the bound cut off
+    is neither rewarded nor punished for its unfinished text. Its reward still counts in its group's
+    Δ (the other responses' baseline), as in DAPO and TRL. Refused on fixed-length tasks (no
+    response is ever cut)."""
+    top_entropy_quantile: float = 1.0
+    """Train the policy-gradient term on only this fraction of a batch's generated tokens: the ones
+    where π_old's tempered distribution has the highest entropy (the "forking" tokens of Wang et al.
+    2025, "Beyond the 80/20 rule", who keep 0.2; TRL's top_entropy_quantile); 1 = every token. The
+    other tokens get Δ = 0 and keep their KL and entropy terms and their place in the denominators,
+    as in TRL. The entropies come from one no-gradient forward of the batch under the training
+    numerics (the price counts it; shared with algorithm.logp_old = recompute), and the threshold is
+    the quantile over the whole batch's tokens, so which tokens train does not depend on minibatches,
+    micro-batches or learner ranks."""
     overlong_buffer: int = 0
     """DAPO's soft overlong punishment: the last N tokens before the length bound are a buffer
     where the reward falls linearly to -overlong_penalty at the bound; 0 = off. Refused on
@@ -710,6 +726,10 @@ def check_against_task(cfg: Config, *, train_prompts: int, prompt_tokens: int, m
         raise ConfigError(f"algorithm.overlong_buffer: {a.overlong_buffer}, but this task's responses all have "
                           f"exactly max_new_tokens tokens (a fixed-length task): every response would get the "
                           f"same penalty, which changes no Δ; set it to 0 ({where(cfg, 'algorithm.overlong_buffer')})")
+    if a.mask_truncated and fixed_length:
+        raise ConfigError(f"algorithm.mask_truncated: this task's responses all have exactly max_new_tokens tokens "
+                          f"(a fixed-length task), so none is ever cut at the bound and nothing would be masked; "
+                          f"set it to false ({where(cfg, 'algorithm.mask_truncated')})")
     if a.overlong_buffer > max_new_tokens:
         raise ConfigError(f"algorithm.overlong_buffer: {a.overlong_buffer} exceeds the response bound of "
                           f"{max_new_tokens} tokens ({where(cfg, 'algorithm.overlong_buffer')})")
@@ -833,6 +853,9 @@ def _check_algorithm(cfg: Config, bad) -> None:
             "use centered, normalized or loo (the group is the baseline), or learned (a critic V(S))")
     if a.value_lr <= 0:
         bad("algorithm.value_lr", f"must be > 0, got {a.value_lr}")
+    if not 0 < a.top_entropy_quantile <= 1:
+        bad("algorithm.top_entropy_quantile", f"must be in (0, 1] (the fraction of tokens trained; 1 = all), "
+            f"got {a.top_entropy_quantile}")
     if a.is_cap < 1:
         bad("algorithm.is_cap", f"must be >= 1 (the weight of a token both passes score alike is 1), got {a.is_cap}")
     if a.scheme == "loo" and t.samples_per_prompt < 2:

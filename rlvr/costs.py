@@ -251,7 +251,12 @@ class Price:
     """Predicted peak resident bytes (0 = not predicted: no model shape given)."""
     memory_peak_phase: str = ""
     flops_logp_old_per_batch: float = 0.0
-    """FLOPs of the logp_old forward (algorithm.logp_old = recompute; 0 = the sampler's log-probs)."""
+    """FLOPs of the no-gradient training forward of a batch (algorithm.logp_old = recompute, or the
+    entropies of algorithm.top_entropy_quantile < 1; 0 = none: the sampler's log-probs)."""
+    entropy_forward: bool = False
+    """That forward gives algorithm.top_entropy_quantile its entropies."""
+    logp_old_recomputed: bool = False
+    """That forward gives logp_old (algorithm.logp_old = recompute)."""
     numerics: str = ""
     """How the policy's forwards compute (model.autocast resolved, with the measured times); "" = not given."""
     tool_calls: int = 0
@@ -302,7 +307,10 @@ class Price:
             f"stored logp_old {self.logp_old_bytes * mib:.3f} MiB instead of a π_old copy "
             f"({self.policy_bytes * mib:.2f} MiB, saving {(self.policy_bytes - self.logp_old_bytes) * mib:.2f} MiB)"
         )
-        logp_old = (f"{self.flops_logp_old_per_batch:.3g} FLOP, recomputed under the training numerics"
+        what = ("its entropies for top_entropy_quantile, logp_old stored from the sampler"
+                if self.entropy_forward and not self.logp_old_recomputed else "recomputed under the training numerics"
+                + (", with the entropies for top_entropy_quantile" if self.entropy_forward else ""))
+        logp_old = (f"{self.flops_logp_old_per_batch:.3g} FLOP, {what}"
                     if self.forward_tokens_logp_old_per_batch else "stored from the sampler")
         return [
             f"price: sampled tokens per gradient step = {self.sampled_tokens_per_grad_step:,.0f} "
@@ -383,11 +391,14 @@ def model_flops_per_token(model, prompt_tokens: int, response_tokens: int) -> tu
     return model.flops_per_token(keys, training=False), model.flops_per_token(keys, training=True)
 
 
-def _check_counts(**counts: int) -> None:
-    """ValueError naming the first count that is not a known positive whole number."""
+def _check_counts(prompt_tokens, **counts: int) -> None:
+    """ValueError naming the first count that is not a known positive whole number (`prompt_tokens`:
+    a known number >= 0)."""
     for name, v in counts.items():
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise ValueError(f"cannot price the run: {name} must be a known positive number, got {v!r}")
+    if not isinstance(prompt_tokens, int) or prompt_tokens < 0:
+        raise ValueError(f"cannot price the run: prompt_tokens must be a known number, got {prompt_tokens!r}")
 
 
 def _memory_fields(mem) -> dict:
@@ -437,6 +448,7 @@ def price(
     eval_rows: int = 0,
     export_copy: bool = False,
     recompute_logp_old: bool = False,
+    entropy_forward: bool = False,
     numerics: str = "",
     matmul_kind: str = "fp32",
     decode_step_s: float = 0.0,
@@ -454,24 +466,23 @@ def price(
     `shape` (with `baseline_bytes`, `logprob_chunk_rows`, `eval_rows` rows decoded together in evaluation,
     `export_copy` when export merges LoRA into a copy, `weight_copy_bytes` the bf16 weight copies of a
     forward) adds the predicted memory peak (`memory`; else 0). `recompute_logp_old` (algorithm.logp_old
-    = recompute) adds one log-prob forward per batch; `numerics` is the model.autocast line and
+    = recompute) adds one log-prob forward per batch, as does `entropy_forward` (the entropies of
+    algorithm.top_entropy_quantile; one forward serves both); `numerics` is the model.autocast line and
     `matmul_kind` what `matmul_flops_per_s` measures ("fp32", or "bf16 autocast"). `decode_step_s`
     (one decode step of the P x G rows, measured) gives the expected wall time (`expected_wall_seconds`).
     `tool_calls`: continuations per row in sampling, each at most Lp + T prefilled and T decoded (rlvr.tools).
     """
-    _check_counts(max_new_tokens=max_new_tokens, n_params=n_params, prompts_per_step=prompts_per_step,
+    _check_counts(prompt_tokens, max_new_tokens=max_new_tokens, n_params=n_params, prompts_per_step=prompts_per_step,
                   samples_per_prompt=samples_per_prompt, steps=steps, epochs_per_batch=epochs_per_batch,
                   minibatches=minibatches, sampling_rounds=sampling_rounds, micro_batches=micro_batches)
-    if not isinstance(prompt_tokens, int) or prompt_tokens < 0:
-        raise ValueError(f"cannot price the run: prompt_tokens must be a known number, got {prompt_tokens!r}")
-    fwd = flops_fwd_per_token or 2 * n_params
-    trn = flops_train_per_token or 6 * n_params
+    fwd, trn = flops_fwd_per_token or 2 * n_params, flops_train_per_token or 6 * n_params
     P, G, T, Lp = prompts_per_step, samples_per_prompt, max_new_tokens, prompt_tokens
     rows, per_batch = P * G, P * G * T
     grad_steps = epochs_per_batch * minibatches
     sampling_fwd = sampling_forward_tokens(P, Lp, rows * T) + tool_calls * rows * (Lp + 2 * T)
     per_forward = logp_forward_tokens(rows, G, Lp, T, shared_prompt=shared_prompt)
-    ref_fwd, old_fwd = (per_forward if has_reference else 0), (per_forward if recompute_logp_old else 0)
+    ref_fwd = per_forward if has_reference else 0
+    old_fwd = per_forward if recompute_logp_old or entropy_forward else 0   # one no-grad training forward serves both
     trained, policy = epochs_per_batch * per_forward, n_params * bytes_per_param
     flops_per_run = float(((sampling_fwd + ref_fwd + old_fwd) * fwd + trained * trn) * steps)
     rounds = 1 + tool_calls    # sampling rounds a batch: the first, then each continuation's (at most T decoded)
@@ -499,6 +510,6 @@ def price(
         logp_old_bytes=per_batch * 4, matmul_flops_per_s=float(matmul_flops_per_s), threads=threads,
         wall_seconds_estimate=flops_per_run / matmul_flops_per_s if matmul_flops_per_s > 0 else 0.0,
         decode_step_s=float(decode_step_s) if expected else 0.0, wall_seconds_expected=expected,
-        flops_logp_old_per_batch=float(old_fwd * fwd), numerics=numerics, matmul_kind=matmul_kind, tool_calls=tool_calls,
-        **extra,
-    )
+        flops_logp_old_per_batch=float(old_fwd * fwd), entropy_forward=entropy_forward,
+        logp_old_recomputed=recompute_logp_old, numerics=numerics, matmul_kind=matmul_kind, tool_calls=tool_calls,
+        **extra)

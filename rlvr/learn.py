@@ -110,20 +110,21 @@ def minibatch_loss(learner: Learner, batch: Batch, idx: torch.Tensor, delta_rows
     logp = out if isinstance(out, torch.Tensor) else out.logp                          # (B', T)
     m = sub.mask.bool()                                                                # (B', T)
     absdiff = (logp.detach() - batch.logp_old[idx]).abs()[m].mean() if m.any() else torch.zeros(())
+    mask = batch.train_mask[idx]               # (B', T) the tokens the loss reads (algorithm.mask_truncated)
     loss, stats = losses.policy_loss(
-        logp, batch.logp_old[idx], delta_rows[idx], sub.mask, clip_eps=ac.clip_eps,
+        logp, batch.logp_old[idx], delta_rows[idx], mask, clip_eps=ac.clip_eps,
         clip_eps_high=ac.clip_eps_high or None, level=ac.ratio_level, agg=ac.agg, max_len=learner.max_len,
         objective=ac.objective, dual_clip_c=ac.dual_clip_c or None,
     )
     if kl_on:
         with contextlib.nullcontext() if ac.kl_in == "loss" else torch.no_grad():
-            kl = losses.kl_loss(out.logp_full, batch.logp_ref[idx], sub.mask, estimator=ac.kl_estimator,
+            kl = losses.kl_loss(out.logp_full, batch.logp_ref[idx], mask, estimator=ac.kl_estimator,
                                 agg=ac.agg, max_len=learner.max_len)
         if ac.kl_in == "loss":
             loss = loss + ac.kl_coef * kl
         stats["kl_ref"] = kl.item()
     if bonus_on:
-        bonus = losses.entropy_bonus(out.entropy, sub.mask, ac.agg, max_len=learner.max_len)
+        bonus = losses.entropy_bonus(out.entropy, mask, ac.agg, max_len=learner.max_len)
         loss = loss - ac.entropy_coef * bonus
         stats["policy_entropy"] = bonus.item()
     stats["logp_old_absdiff"] = float(absdiff)   # mean |logp - logp_old|; learn reports the first minibatch's
@@ -153,7 +154,7 @@ def accumulate(learner: Learner, batch: Batch, rows: torch.Tensor, delta_rows: t
 
     Returns the statistics of the whole rows: "loss" and the others as means weighted the same way,
     *_min / *_max over the parts."""
-    agg, mask, G = learner.cfg.algorithm.agg, batch.rollout.mask, learner.cfg.train.samples_per_prompt
+    agg, mask, G = learner.cfg.algorithm.agg, batch.train_mask, learner.cfg.train.samples_per_prompt
     n = learner.cfg.train.micro_batches
     parts = micro_rows(rows, G, n)
     total = losses.denominator(mask[rows], agg).clamp(min=1)
@@ -203,7 +204,7 @@ def learn(learner: Learner, batch: Batch, *, delta_rows: torch.Tensor | None = N
     first_ratio, first_absdiff, lr_used, n_mb, trained, skipped = 1.0, 0.0, 0.0, 0, 0, 0
     for _epoch in range(tc.epochs_per_batch):
         for idx in minibatch_rows(learner, len(batch.groups.examples), G):
-            mine, scale = (idx, None) if shard is None else shard.rows(idx, G, batch.rollout.mask, cfg.algorithm.agg)
+            mine, scale = (idx, None) if shard is None else shard.rows(idx, G, batch.train_mask, cfg.algorithm.agg)
             learner.opt.zero_grad(set_to_none=True)
             stats = accumulate(view, batch, mine, delta_rows, 1.0 if scale is None else scale, group=shard is not None)
             gnorm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf"))

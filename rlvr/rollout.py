@@ -180,6 +180,14 @@ class Batch:
     logp_old_version: int | None = None
     """The policy version whose no-grad training forward gave `logp_old` (the weights when it was
     computed); None: `logp_old` is the sampler's own, from version `version`."""
+    loss_mask: torch.Tensor | None = None
+    """(B, T) the tokens the loss reads, where fewer than the response mask (algorithm.mask_truncated:
+    0 on rows cut at the length bound); None: `rollout.mask`."""
+
+    @property
+    def train_mask(self) -> torch.Tensor:
+        """(B, T) the tokens the learn stage's loss terms and their denominators read."""
+        return self.rollout.mask if self.loss_mask is None else self.loss_mask
 
     @property
     def rollout(self) -> sampling.Rollout:
@@ -291,40 +299,85 @@ def rollout(setup, policy: Policy, reference: Policy | None, examples_fn, *, ver
         n_tok = forward_tokens(groups.rollout, G, shared)
         cost["forward_tokens"] += n_tok
         cost["flops"] += n_tok * fwd_flops
-    logp_train = None
-    if ac.logp_old == "recompute":  # before Δ: kl_in = "reward" charges the KL on these (training numerics)
-        logp_train = training_logprobs(policy, groups.rollout, cfg, setup.numerics.context,
-                                       full=ac.kl_in == "reward" and logp_ref is not None)
-    delta, delta_tokens, stats = batch_delta(setup, groups, logp_ref, value,
-                                             logp_full=None if logp_train is None else logp_train[1])
-    batch = Batch(groups, parts, delta, logp_old, logp_ref, version, sample_s, cost, delta_tokens, stats)
-    if logp_train is not None:
-        batch = recompute_logp_old(setup, policy, batch, version if policy_version is None else policy_version,
-                                   logp_train=logp_train[0])
+    recompute, pick = ac.logp_old == "recompute", ac.top_entropy_quantile < 1
+    train_fwd = None
+    if recompute or pick:  # one no-grad training forward serves both; before Δ: kl_in = "reward" reads it
+        train_fwd = training_logprobs(policy, groups.rollout, cfg, setup.numerics.context,
+                                      full=recompute and ac.kl_in == "reward" and logp_ref is not None, entropy=pick)
         n_tok = forward_tokens(groups.rollout, G, shared)
         cost["forward_tokens"] += n_tok
         cost["flops"] += n_tok * fwd_flops
+    delta, delta_tokens, stats = batch_delta(setup, groups, logp_ref, value,
+                                             logp_full=train_fwd.logp_full if recompute else None)
+    batch = Batch(groups, parts, delta, logp_old, logp_ref, version, sample_s, cost, delta_tokens, stats)
+    if recompute:
+        batch = recompute_logp_old(setup, policy, batch, version if policy_version is None else policy_version,
+                                   logp_train=train_fwd.logp)
+    if pick:
+        batch = high_entropy_delta(batch, train_fwd.entropy, ac.top_entropy_quantile)
+    if ac.mask_truncated:
+        batch = mask_truncated(batch)
     return batch
+
+
+def entropy_threshold(entropy: torch.Tensor, frac: float) -> torch.Tensor:
+    """The (1 - frac) quantile of `entropy` (n,), linearly interpolated between the two nearest values
+    as torch.quantile (and so TRL) takes it; by sorting, which has no limit on n."""
+    v = entropy.float().sort().values
+    pos = (1.0 - frac) * (v.numel() - 1)
+    lo = int(pos)
+    hi = min(lo + 1, v.numel() - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def high_entropy_delta(batch: Batch, entropy: torch.Tensor, frac: float) -> Batch:
+    """algorithm.top_entropy_quantile = `frac` < 1: `batch` with Δ per token kept on the generated tokens
+    whose entropy under π_old (`entropy` (B, T), from the training forward) is at least the batch's
+    (1 - frac) quantile (`entropy_threshold`) and 0 on the others. Their KL and entropy terms and
+    the denominators are untouched: only the policy-gradient term loses them. Adds high_entropy_frac
+    (the fraction of generated tokens kept) and entropy_threshold to the batch's figures."""
+    mask = batch.rollout.mask.bool()                                              # (B, T)
+    if not mask.any():
+        return batch
+    thr = entropy_threshold(entropy[mask], frac)
+    keep = mask & (entropy >= thr)                                                # (B, T)
+    d = batch.delta_rows.to(entropy.device)
+    tokens = (d.unsqueeze(1) if d.dim() == 1 else d) * keep.to(d.dtype)           # (B, T)
+    stats = {**batch.stats, "high_entropy_frac": float(keep.sum() / mask.sum()), "entropy_threshold": float(thr)}
+    return dataclasses.replace(batch, delta_tokens=tokens, stats=stats)
+
+
+def mask_truncated(batch: Batch) -> Batch:
+    """algorithm.mask_truncated: `batch` whose loss reads no token of a row cut at the length bound
+    (`loss_mask` 0 there), with the fraction of such rows as masked_truncated_frac."""
+    cut = batch.rollout.truncated.to(batch.rollout.mask.device)                   # (B,)
+    loss_mask = batch.rollout.mask * (~cut).unsqueeze(1).to(batch.rollout.mask.dtype)
+    return dataclasses.replace(batch, loss_mask=loss_mask,
+                               stats={**batch.stats, "masked_truncated_frac": float(cut.float().mean())})
 
 
 @torch.no_grad()
 def training_logprobs(policy: Policy, rollout: sampling.Rollout, cfg, autocast=contextlib.nullcontext,
-                      full: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logp, logp_full), each (B, T) and detached: one no-grad forward of `policy` under the training
-    numerics `autocast()`, scored under the sampling distribution (the tempered nucleus) and, with
-    `full` and a nucleus (top_p, top_k or min_p), also under the tempered distribution without it (the
-    KL's side; else `logp` serves as both: equal without truncation)."""
+                      full: bool = False, entropy: bool = False) -> sampling.TokenLogprobs:
+    """(logp, logp_full, entropy or None), each (B, T) and detached: one forward of `policy` under
+    the training numerics `autocast()` (with gradient enabled, as the learn stage's forward runs, so
+    the same code path and numbers; nothing is kept for a backward), scored under the sampling distribution (the tempered nucleus)
+    and, with `full` and a nucleus (top_p, top_k or min_p), also under the tempered distribution
+    without it (the KL's side; else `logp` serves as both: equal without truncation); with `entropy`
+    the per-token entropy of the tempered distribution without the nucleus."""
     sc, G = cfg.sampling, cfg.train.samples_per_prompt
     kw = dict(temperature=sc.temperature, top_p=sc.top_p, top_k=sc.top_k, min_p=sc.min_p,
               chunk_rows=cfg.model.logprob_chunk_rows or None,
               group_size=G if cfg.model.share_prompt_forward else None)
+    full = full and sampling.truncates(sc.top_p, sc.top_k, sc.min_p)
     policy.eval()
     with autocast():
-        if full and sampling.truncates(sc.top_p, sc.top_k, sc.min_p):
-            out = sampling.sequence_token_logprobs(policy, rollout, return_full=True, **kw)
-            return out.logp.detach(), out.logp_full.detach()
-        logp = sampling.sequence_token_logprobs(policy, rollout, **kw).detach()     # (B, T)
-    return logp, logp
+        out = sampling.sequence_token_logprobs(policy, rollout, return_full=full, return_entropy=entropy, **kw)
+    if isinstance(out, torch.Tensor):                                                 # (B, T)
+        return sampling.TokenLogprobs(out.detach(), out.detach(), None)
+    logp = out.logp.detach()
+    return sampling.TokenLogprobs(logp, out.logp_full.detach() if full else logp,
+                                  None if out.entropy is None else out.entropy.detach())
 
 
 @torch.no_grad()
@@ -342,7 +395,7 @@ def off_policy_correction(policy: Policy, batch: Batch, cfg, cap: float, autocas
     Off the response mask w = 1 and Δ is left as it was (the loss never reads it there). `logp_old`:
     that forward's log-probs when already computed (`training_logprobs`); then none is run."""
     if logp_old is None:
-        logp_old, _ = training_logprobs(policy, batch.rollout, cfg, autocast)               # (B, T)
+        logp_old = training_logprobs(policy, batch.rollout, cfg, autocast).logp            # (B, T)
     w, stats = losses.truncated_is_weight(logp_old, batch.logp_old, batch.rollout.mask, cap)
     d = batch.delta_rows.to(w.device)                                         # (B,) or (B, T)
     return logp_old.detach(), (d.unsqueeze(1) if d.dim() == 1 else d) * w, stats

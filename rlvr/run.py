@@ -590,6 +590,7 @@ def price_of(setup: Setup, rate: float | None = None, decode_s: float | None = N
         shape=model_shape(model) if on_cpu else None, baseline_bytes=baseline,
         logprob_chunk_rows=cfg.model.logprob_chunk_rows, eval_rows=eval_rows(setup),
         export_copy=model.has_adapter, recompute_logp_old=cfg.algorithm.logp_old == "recompute",
+        entropy_forward=cfg.algorithm.top_entropy_quantile < 1,
         numerics=setup.numerics.describe(), tool_calls=setup.limits.tool_calls,
         weight_copy_bytes=2 * model.num_params() if on_cpu and setup.numerics.bf16 else 0,
     )

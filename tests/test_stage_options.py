@@ -44,6 +44,22 @@ def test_cispo_keeps_the_gradient_ppo_clip_drops():
     assert stats["clip_frac_high"] == 1.0
 
 
+def test_mask_truncated_takes_a_cut_row_out_of_the_loss_and_its_denominator():
+    # rows of 3 and 1 tokens, Δ = +1 and -1; row 0 was cut at the length bound. token_mean: without the
+    # mask each of the 4 tokens weighs 1/4 (gradient -Δ · 0.5 / 4 on each sampled logit); with it row
+    # 1's one token is the whole denominator (+0.5) and row 0 gets none.
+    from rlvr.rollout import mask_truncated
+
+    batch = make_batch([3, 1], [[1.0, -1.0]])
+    batch.rollout.truncated[0] = True
+    learner, policy = make_learner(batch, G=2)
+    learn(learner, batch)
+    torch.testing.assert_close(sampled_grad(policy, batch), torch.tensor([[-0.125] * 3, [0.125, 0, 0]]))
+    learner, policy = make_learner(batch, G=2)
+    learn(learner, mask_truncated(batch))
+    torch.testing.assert_close(sampled_grad(policy, batch), torch.tensor([[0.0] * 3, [0.5, 0, 0]]))
+
+
 def test_dual_clip_caps_negative_delta_tokens():
     # Δ = -1 and logp raised by 1.5: ratio e^1.5 ≈ 4.48 > c = 3
     batch = make_batch([1, 1], [[-1.0, -1.0]], shift=[[1.5], [1.5]])
@@ -259,7 +275,7 @@ def test_kl_in_reward_folds_k1_return_to_go_into_delta(top_p):
 # ------------------------------------------------------------------------- real runs of the CLI
 
 NEW_KEYS = ("objective", "dual_clip_c", "kl_in", "entropy_coef", "overlong_buffer", "overlong_penalty",
-            "process_delta", "value_lr")
+            "process_delta", "value_lr", "mask_truncated", "top_entropy_quantile")
 
 
 def test_every_new_key_is_in_train_help():
