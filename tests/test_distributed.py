@@ -306,6 +306,31 @@ def test_two_learners_make_the_one_learner_update(ray_local, agg):
     assert s2["optimizer_steps"] == 2
 
 
+def test_two_learners_leave_truncated_rows_out_as_one_learner_does(ray_local):
+    """algorithm.mask_truncated's loss mask (Batch.train_mask) reaches each rank's loss and the group's
+    loss shares (Shard.rows): the one-process update, which differs from the unmasked one."""
+    from rlvr.rollout import mask_truncated
+
+    cfg = tiny_cfg("--distributed.learners=2", "--train.minibatches=2")
+    one, two, plain = run.build(cfg), run.build(cfg), run.build(cfg)
+    l1, l2 = new_learner(one), new_learner(two)
+    unmasked = _uneven_batch(one)
+    unmasked.rollout.truncated[::3] = True
+    batch = mask_truncated(unmasked)
+    assert batch.train_mask.sum() < unmasked.rollout.mask.sum()
+    s1 = learn(l1, copy.deepcopy(batch))
+    learn(new_learner(plain), copy.deepcopy(unmasked))
+    group = learners_mod.LearnerGroup(cfg, l2)
+    try:
+        s2 = group.learn(batch)
+    finally:
+        group.close()
+    for (name, p1), p2 in zip(one.model.named_parameters(), two.model.parameters()):
+        torch.testing.assert_close(p1, p2, rtol=0, atol=1e-6, msg=name)
+    assert math.isclose(s1["loss"], s2["loss"], rel_tol=1e-5, abs_tol=1e-6)
+    assert any(not torch.equal(p1, p3) for p1, p3 in zip(one.model.parameters(), plain.model.parameters()))
+
+
 def micro_batches_in_a_group(extra: tuple, groups: int, rtol: float = 0.0) -> None:
     """A learner group (`extra`: its distributed keys) with train.micro_batches = 2 on a batch of `groups`
     of _uneven_batch's groups (fewer than 4: as dynamic sampling may keep) makes the one-process update
