@@ -288,21 +288,27 @@ def _uneven_batch(setup):
     return batch
 
 
-@pytest.mark.parametrize("agg", list(losses.AGGREGATIONS))
-def test_two_learners_make_the_one_learner_update(ray_local, agg):
-    cfg = tiny_cfg("--distributed.learners=2", f"--algorithm.agg={agg}", "--train.minibatches=2")
-    one, two = run.build(cfg), run.build(cfg)
-    l1, l2 = new_learner(one), new_learner(two)
-    batch = _uneven_batch(one)
+def group_as_one(one, two, l1, l2, batch, label: str = "", rtol: float = 0.0) -> tuple[dict, dict]:
+    """`batch` learned by the one learner `l1` (of build `one`) and by a learner group of `two.cfg` whose
+    rank 0 is `l2` (of build `two`): the same weights (atol 1e-6) and loss. Returns both statistics."""
     s1 = learn(l1, copy.deepcopy(batch))
-    group = learners_mod.LearnerGroup(cfg, l2)
+    group = learners_mod.LearnerGroup(two.cfg, l2)
     try:
         s2 = group.learn(batch)
     finally:
         group.close()
     for (name, p1), p2 in zip(one.model.named_parameters(), two.model.parameters()):
-        torch.testing.assert_close(p1, p2, rtol=0, atol=1e-6, msg=f"{agg}: {name}")
+        torch.testing.assert_close(p1, p2, rtol=rtol, atol=1e-6, msg=f"{label}{name}")
     assert math.isclose(s1["loss"], s2["loss"], rel_tol=1e-5, abs_tol=1e-6)
+    return s1, s2
+
+
+@pytest.mark.parametrize("agg", list(losses.AGGREGATIONS))
+def test_two_learners_make_the_one_learner_update(ray_local, agg):
+    cfg = tiny_cfg("--distributed.learners=2", f"--algorithm.agg={agg}", "--train.minibatches=2")
+    one, two = run.build(cfg), run.build(cfg)
+    l1, l2 = new_learner(one), new_learner(two)
+    _, s2 = group_as_one(one, two, l1, l2, _uneven_batch(one), f"{agg}: ")
     assert s2["optimizer_steps"] == 2
 
 
@@ -318,16 +324,8 @@ def test_two_learners_leave_truncated_rows_out_as_one_learner_does(ray_local):
     unmasked.rollout.truncated[::3] = True
     batch = mask_truncated(unmasked)
     assert batch.train_mask.sum() < unmasked.rollout.mask.sum()
-    s1 = learn(l1, copy.deepcopy(batch))
     learn(new_learner(plain), copy.deepcopy(unmasked))
-    group = learners_mod.LearnerGroup(cfg, l2)
-    try:
-        s2 = group.learn(batch)
-    finally:
-        group.close()
-    for (name, p1), p2 in zip(one.model.named_parameters(), two.model.parameters()):
-        torch.testing.assert_close(p1, p2, rtol=0, atol=1e-6, msg=name)
-    assert math.isclose(s1["loss"], s2["loss"], rel_tol=1e-5, abs_tol=1e-6)
+    group_as_one(one, two, l1, l2, batch)
     assert any(not torch.equal(p1, p3) for p1, p3 in zip(one.model.parameters(), plain.model.parameters()))
 
 
@@ -342,15 +340,7 @@ def micro_batches_in_a_group(extra: tuple, groups: int, rtol: float = 0.0) -> No
     if groups < 4:
         kept = batch.groups.select(torch.arange(groups), G)
         batch = Batch(kept, [kept], batch.delta[:groups], batch.logp_old[:groups * G], None, 0)
-    s1 = learn(l1, copy.deepcopy(batch))
-    group = learners_mod.LearnerGroup(two.cfg, l2)
-    try:
-        s2 = group.learn(batch)
-    finally:
-        group.close()
-    for (name, p1), p2 in zip(one.model.named_parameters(), two.model.parameters()):
-        torch.testing.assert_close(p1, p2, rtol=rtol, atol=1e-6, msg=name)
-    assert math.isclose(s1["loss"], s2["loss"], rel_tol=1e-5, abs_tol=1e-6)
+    group_as_one(one, two, l1, l2, batch, rtol=rtol)
 
 
 @pytest.mark.parametrize("groups", [4, 3])
