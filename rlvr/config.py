@@ -266,6 +266,11 @@ class AlgorithmConfig:
     ref_refresh_every: int = 0
     """Copy the policy into the reference every N steps; 0 = never (the reference stays the
     initial policy)."""
+    ref_mixup_alpha: float = 1.0
+    """How far each refresh (ref_refresh_every) moves the reference toward the policy: every
+    parameter becomes π_ref + α (π - π_ref) (TR-DPO's soft update, TRL's ref_model_mixup_alpha,
+    0.6 there); 1 = a copy of the policy. A smaller α keeps the KL anchored to where the policy
+    has been over several refreshes rather than to its last state."""
 
 
 @dataclass
@@ -771,6 +776,11 @@ def validate(cfg: Config, source: str | None = None) -> None:
         bad("model.lora_r", "LoRA needs a Hugging Face model (model.path)")
     if m.gradient_checkpointing and not m.path:
         bad("model.gradient_checkpointing", "needs a Hugging Face model (model.path)")
+    if not 0 < a.ref_mixup_alpha <= 1:
+        bad("algorithm.ref_mixup_alpha", f"must be in (0, 1] (1 = copy the policy), got {a.ref_mixup_alpha}")
+    elif a.ref_mixup_alpha < 1 and not (a.ref_refresh_every and a.kl_coef > 0):
+        bad("algorithm.ref_mixup_alpha", "mixes the policy into the reference at each refresh, but no reference is "
+            "refreshed; set algorithm.ref_refresh_every > 0 and algorithm.kl_coef > 0, or leave it at 1")
     if m.lora_r and a.kl_coef > 0 and a.ref_refresh_every:
         bad("algorithm.ref_refresh_every", "with LoRA the reference is the adapter disabled (the initial model); "
             "it cannot be refreshed")

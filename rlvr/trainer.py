@@ -374,13 +374,29 @@ def advance(state: RunState, step: int) -> tuple[Batch, dict]:
     stats = (state.dist.learn if state.dist else learn)(state.learner, batch)        # 6. (+ weight sync)
     state.version += 1                                                               # 7. π_old <- π
     if state.reference is not None and cfg.algorithm.ref_refresh_every and step % cfg.algorithm.ref_refresh_every == 0:
-        state.reference.load_state_dict(state.policy.state_dict())
+        refresh_reference(state.reference, state.policy, cfg.algorithm.ref_mixup_alpha)
     state.step = step
     for k in ("sampled_tokens", "forward_tokens", "flops"):
         state.cost[k] += batch.cost[k]
     state.cost["trained_tokens"] += stats["trained_tokens"]
     state.cost["flops"] += stats["flops"]
     return batch, stats
+
+
+@torch.no_grad()
+def refresh_reference(reference, policy, alpha: float) -> None:
+    """π_ref <- π_ref + α (π - π_ref) on every parameter (algorithm.ref_mixup_alpha; ``torch.lerp``, so a
+    weight both hold alike stays exactly as it is), buffers copied; α = 1 loads the policy's state.
+    A weight tied to another (input and output embeddings) is moved once."""
+    if alpha == 1.0:
+        reference.load_state_dict(policy.state_dict())
+        return
+    mine = dict(policy.named_parameters())
+    for name, r in reference.named_parameters():       # each tensor once, under its first name
+        r.lerp_(mine[name].to(r.dtype), alpha)
+    theirs = dict(policy.named_buffers())
+    for name, b in reference.named_buffers():
+        b.copy_(theirs[name])
 
 
 def kept(state: RunState) -> str:
