@@ -77,3 +77,24 @@ def test_the_space_check_counts_the_snapshots_kept(tmp_path, monkeypatch):
 def test_a_negative_count_is_refused_naming_the_key(key):
     with pytest.raises(config_mod.ConfigError, match=rf"train\.{key}.*must be >= 0"):
         config_mod.load("examples/sort.toml", [f"--train.{key}=-1"])
+
+
+def test_a_tied_lora_model_snapshots_in_hugging_face_format(tmp_path):
+    """A Hugging Face model with tied embeddings and LoRA (the shape of SmolLM2's example): each
+    snapshot holds hf/ (LoRA merged, loadable by transformers) and rlvr eval reloads it."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    from hf_models import make_model_dir
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    run = tmp_path / "run"
+    model = make_model_dir(tmp_path / "m", tie_word_embeddings=True)
+    assert train(run, f"--model.path={model}", "--model.lora_r=4", "--train.steps=2", "--train.snapshot_every=1") == 0
+    one, two = (run / "snapshots" / f"step-00000{i}" for i in (1, 2))
+    assert load_file(str(two / "hf" / "model.safetensors")).keys() == load_file(str(run / "hf" / "model.safetensors")).keys()
+    assert (two / "hf" / "model.safetensors").read_bytes() == (run / "hf" / "model.safetensors").read_bytes()
+    assert (one / "hf" / "model.safetensors").read_bytes() != (two / "hf" / "model.safetensors").read_bytes()
+    AutoModelForCausalLM.from_pretrained(one / "hf")
+    with redirect_stdout(io.StringIO()):
+        assert cli.main(["eval", str(one), "--prompts", "4"]) == 0

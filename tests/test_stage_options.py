@@ -275,7 +275,7 @@ def test_kl_in_reward_folds_k1_return_to_go_into_delta(top_p):
 # ------------------------------------------------------------------------- real runs of the CLI
 
 NEW_KEYS = ("objective", "dual_clip_c", "kl_in", "entropy_coef", "overlong_buffer", "overlong_penalty",
-            "process_delta", "value_lr", "mask_truncated", "top_entropy_quantile")
+            "process_delta", "value_lr", "mask_truncated", "top_entropy_quantile", "ref_mixup_alpha")
 
 
 def test_every_new_key_is_in_train_help():
