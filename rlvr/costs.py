@@ -55,7 +55,9 @@ Memory (`memory(...)`, the peak resident set a run reaches, in bytes; `b` = byte
                       (the cache grows by concatenation) and the decode step's 4 x P G x V x 4 bytes
                       of logits, tempered logits, log-probs and probabilities; an upper bound where
                       the cache takes the grouped layout (rlvr.models.lean_llama: P x (Lp + G T)
-                      columns, the prompt's once per prompt)
+                      columns, the prompt's once per prompt); with c tool calls the caches hold
+                      2 c T columns more (each continuation appends at most T inserted and T
+                      sampled tokens to the first round's cache, rlvr.tools)
     evaluation      = the same for the evaluation's rows (greedy: one row per held-out prompt of a
                       decode batch; pass@k: k rows per prompt)
     export          = one more policy copy when LoRA is merged into a copy for `hf/`
@@ -148,10 +150,11 @@ def logits_bytes(shape: ModelShape, rows: int, response_len: int, chunk_rows: in
 def memory(shape: ModelShape, *, prompts: int, group: int, prompt_len: int, response_len: int, minibatches: int,
            n_params: int, trainable_params: int, has_reference_copy: bool, baseline: int = 0,
            bytes_per_param: int = 4, shared_prompt: bool = False, logprob_chunk_rows: int = 0,
-           eval_rows: int = 0, export_copy: bool = False, weight_copy_bytes: int = 0) -> Memory:
+           eval_rows: int = 0, export_copy: bool = False, weight_copy_bytes: int = 0, cache_reserve: int = 0) -> Memory:
     """Predicted peak bytes of a run of P = `prompts` x G = `group` rows (module docstring), trained in
     `minibatches` forward/backward parts a batch (train.minibatches x train.micro_batches);
-    `weight_copy_bytes`: the bf16 weight copies each forward phase holds (CPU bf16 autocast)."""
+    `weight_copy_bytes`: the bf16 weight copies each forward phase holds (CPU bf16 autocast);
+    `cache_reserve`: columns the sampling caches hold beyond Lp + T (tool continuations, rlvr.tools)."""
     P, G, Lp, T, b = prompts, group, prompt_len, response_len, bytes_per_param
     rows = P * G // minibatches                                          # rows of one minibatch
     tokens = (max(1, P // minibatches) * Lp + rows * T) if shared_prompt else rows * (Lp + T)
@@ -161,8 +164,8 @@ def memory(shape: ModelShape, *, prompts: int, group: int, prompt_len: int, resp
         optimizer=2 * 4 * trainable_params, gradients=4 * trainable_params,
         activations=activation_bytes(shape, tokens, Lp + T, b),
         logits=logits_bytes(shape, rows, T, min(logprob_chunk_rows, rows * T)),
-        kv_cache=kv_cache_bytes(shape, P * G, Lp, T, b),
-        eval_kv_cache=kv_cache_bytes(shape, eval_rows, Lp, T, b) if eval_rows else 0,
+        kv_cache=kv_cache_bytes(shape, P * G, Lp, T + cache_reserve, b),
+        eval_kv_cache=kv_cache_bytes(shape, eval_rows, Lp, T + cache_reserve, b) if eval_rows else 0,
         export_copy=policy if export_copy else 0, weight_copies=weight_copy_bytes,
     )
 
@@ -327,7 +330,8 @@ class Price:
             f"{self.flops_per_run:.3g} FLOP",
             f"price: model copies held: {'; '.join(copies)}; parameters {self.n_params:,}",
         ] + ([f"price: tool calls: sampling forwards priced with {self.tool_calls} continuation(s) per response, "
-              f"each over its whole context (the most they can take; sampled tokens stay within T)"]
+              f"each over its whole context (the most they can take: a continuation appends to the first round's "
+              f"KV cache where that computes less; sampled tokens stay within T)"]
              if self.tool_calls else []) + ([f"price: numerics: {self.numerics}"] if self.numerics else []) + ([self.wall_line()] if self.matmul_flops_per_s else []) + ([self.memory_line()] if self.memory_peak_bytes else [])
 
     def wall_line(self) -> str:
@@ -481,8 +485,7 @@ def price(
     grad_steps = epochs_per_batch * minibatches
     sampling_fwd = sampling_forward_tokens(P, Lp, rows * T) + tool_calls * rows * (Lp + 2 * T)
     per_forward = logp_forward_tokens(rows, G, Lp, T, shared_prompt=shared_prompt)
-    ref_fwd = per_forward if has_reference else 0
-    old_fwd = per_forward if recompute_logp_old or entropy_forward else 0   # one no-grad training forward serves both
+    ref_fwd, old_fwd = per_forward * has_reference, per_forward * (recompute_logp_old or entropy_forward)  # 0 when off
     trained, policy = epochs_per_batch * per_forward, n_params * bytes_per_param
     flops_per_run = float(((sampling_fwd + ref_fwd + old_fwd) * fwd + trained * trn) * steps)
     rounds = 1 + tool_calls    # sampling rounds a batch: the first, then each continuation's (at most T decoded)
@@ -493,7 +496,8 @@ def price(
         n_params=n_params, trainable_params=n_params if trainable_params is None else trainable_params,
         has_reference_copy=has_reference and not reference_is_adapter_off, baseline=baseline_bytes,
         bytes_per_param=bytes_per_param, shared_prompt=shared_prompt, logprob_chunk_rows=logprob_chunk_rows,
-        eval_rows=eval_rows, export_copy=export_copy, weight_copy_bytes=weight_copy_bytes))
+        eval_rows=eval_rows, export_copy=export_copy, weight_copy_bytes=weight_copy_bytes,
+        cache_reserve=2 * T * tool_calls))
     return Price(
         prompts_per_step=P, samples_per_prompt=G, max_new_tokens=T, prompt_tokens=Lp, steps=steps,
         grad_steps_per_batch=grad_steps, sampling_rounds=sampling_rounds, n_params=n_params,

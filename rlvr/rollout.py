@@ -125,18 +125,21 @@ def sample_and_score(policy: Policy, tok: Tokenizer, task: Task, examples: list,
     rollouts, tool_stats = [], tools.ToolStats() if limits.tool_calls else None
     for i in range(0, len(examples), step):
         chunk = examples[i:i + step]
+        keep = [] if tool_stats is not None else None   # tool continuations reuse the KV cache (rlvr.tools)
         with autocast():
             r = sampling.generate(
                 policy, [encode_example(tok, ex) for ex in chunk], samples_per_prompt=G,
                 max_new_tokens=limits.max_new_tokens, eos_id=limits.eos_id, pad_id=tok.pad_id,
-                generators=gens[i:i + step] if gens else None, stop=stop, **kw)
+                generators=gens[i:i + step] if gens else None, stop=stop, keep=keep,
+                reserve=2 * limits.max_new_tokens * limits.tool_calls, **kw)
         if tool_stats is not None:  # answer the tool calls and sample on (rlvr.tools)
             first_fwd = costs.sampling_forward_tokens(len(chunk), r.prompt_len, r.mask.numel())
             r, st = tools.respond_with_tools(
                 policy, tok, r, [ex for ex in chunk for _ in range(G)], task.tool,
                 max_new_tokens=limits.max_new_tokens, eos_id=limits.eos_id, stop=limits.stop,
                 max_calls=limits.tool_calls, base_seed=base_seed, first_row=(first_prompt + i) * G, sample_kw=kw,
-                autocast=autocast, pool=pool, role=limits.tool_role, on_end=limits.tool_on_end)
+                autocast=autocast, pool=pool, role=limits.tool_role, on_end=limits.tool_on_end,
+                decoding=keep[0] if keep else None)
             tool_stats = tool_stats.add(st)
             tool_stats.forward_tokens += first_fwd
         rollouts.append(r)

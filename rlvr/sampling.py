@@ -363,7 +363,8 @@ def generate(model, prompts: list[list[int]], *, samples_per_prompt: int, max_ne
              temperature: float = 1.0, top_p: float = 1.0, eos_id: int | None, pad_id: int,
              generator: torch.Generator | None = None,
              generators: list[torch.Generator] | None = None, top_k: int = 0, min_p: float = 0.0,
-             stop: StopStrings | None = None, budgets: list[int] | None = None) -> Rollout:
+             stop: StopStrings | None = None, budgets: list[int] | None = None, reserve: int = 0,
+             keep: list | None = None) -> Rollout:
     """Sample ``samples_per_prompt`` responses per prompt; row b = prompt b // G, sample b % G.
 
     One prefill forward over the P left-padded prompts, whose KV cache is then repeated G times, then
@@ -384,6 +385,9 @@ def generate(model, prompts: list[list[int]], *, samples_per_prompt: int, max_ne
     drawn by inverse CDF (``sample_tempered`` without a nucleus, else ``inverse_cdf_sample``), so a
     row depends only on its prompt's generator and the weights, not on the other prompts of the call
     (what lets rollout workers shard prompts and still draw the same rows).
+
+    ``keep`` (a list): a model with a KV cache appends the ``Decoding`` to continue these rows from
+    (``continue_decoding``: tool calls, rlvr.tools), its cache made ``reserve`` columns longer.
     """
     device = _check_generate_args(model, prompts, samples_per_prompt, max_new_tokens, temperature, top_p, top_k, min_p,
                                   budgets)
@@ -393,22 +397,79 @@ def generate(model, prompts: list[list[int]], *, samples_per_prompt: int, max_ne
     prompt_ids = torch.tensor([[pad_id] * (Lp - len(p)) + list(p) for p in prompts], device=device)  # (P, Lp)
     prompt_am = torch.tensor([[0] * (Lp - len(p)) + [1] * len(p) for p in prompts], device=device)   # (P, Lp)
 
-    logits, cache = _prefill(model, prompt_ids, prompt_am, G, Lp + T)                             # (P, V)
-    use_cache = cache is not None
+    logits, cache = _prefill(model, prompt_ids, prompt_am, G, Lp + T + reserve)                # (P, V)
     prompt_ids = prompt_ids.repeat_interleave(G, dim=0)             # (B, Lp)
     prompt_am = prompt_am.repeat_interleave(G, dim=0)               # (B, Lp)
     logits = logits.repeat_interleave(G, dim=0)                     # (B, V)
 
     noise = _prompt_noise(generators, P, G, T, device)             # (B, T) or None
+    cap = None if budgets is None else torch.tensor(budgets, device=device).repeat_interleave(G)  # (B,)
+    d = _decode(model, logits, cache, T=T, noise=noise, temperature=temperature, top_p=top_p, top_k=top_k,
+                min_p=min_p, generator=generator, eos_id=eos_id, pad_id=pad_id, stop=stop, cap=cap,
+                finished=torch.zeros(B, dtype=torch.bool, device=device), prompt_ids=prompt_ids,
+                prompt_am=prompt_am, track=keep is not None and cache is not None)
+    if keep is not None and cache is not None:
+        keep.append(d.decoding)
+    resp_mask = d.alive[:, :d.steps]
+    return Rollout(
+        ids=torch.cat([prompt_ids, d.out[:, :d.steps]], dim=1),
+        attention_mask=torch.cat([prompt_am, resp_mask.long()], dim=1),
+        prompt_len=Lp,
+        mask=resp_mask.float(),
+        logp=d.logp[:, :d.steps].contiguous(),
+        truncated=(~d.ended if eos_id is not None or stop is not None
+                   else torch.zeros(B, dtype=torch.bool, device=device)),
+        temperature=float(temperature),
+        top_p=float(top_p),
+        logp_full=d.logp_full[:, :d.steps].contiguous() if d.logp_full is not None else None, top_k=int(top_k),
+        min_p=float(min_p),
+    )
+
+
+@dataclass
+class Decoding:
+    """Where a decode left off, to continue its rows (``continue_decoding``): the KV cache after the
+    last forward; each row's ``pending`` token (B,), sampled at the last step and not yet in the cache
+    where ``pending_real`` (B,) says it is real; ``logits`` (B, V), each row's logits after its last
+    real token in the cache (what a row with nothing to feed samples from next)."""
+
+    cache: object
+    pending: torch.Tensor
+    pending_real: torch.Tensor
+    logits: torch.Tensor
+
+
+@dataclass
+class _Decoded:
+    """``_decode``'s result: tokens, which are real, log-probs (tempered without the nucleus too, or
+    None), the rows ended at eos / a stop string, the steps run, and (``track``) the ``Decoding``."""
+
+    out: torch.Tensor
+    alive: torch.Tensor
+    logp: torch.Tensor
+    logp_full: torch.Tensor | None
+    ended: torch.Tensor
+    steps: int
+    decoding: Decoding | None
+
+
+def _decode(model, logits, cache, *, T: int, noise, temperature, top_p, top_k, min_p, generator, eos_id, pad_id,
+            stop, cap, finished, prompt_ids=None, prompt_am=None, track: bool = False) -> _Decoded:
+    """The decode loop from (B, V) ``logits``: up to T tokens per row, one forward per step through
+    ``cache`` (or, without one, the whole sequence again from ``prompt_ids`` / ``prompt_am``). Rows
+    already ``finished`` (B,) sample nothing; ``cap`` (B,) or None bounds each row's tokens.
+    ``track``: also keep the ``Decoding`` to continue from (each forward's logits kept per row whose
+    fed token was real)."""
+    B, device = logits.size(0), logits.device
     out = torch.full((B, T), pad_id, dtype=torch.long, device=device)
     alive_cols = torch.zeros((B, T), dtype=torch.bool, device=device)
     logp = torch.zeros((B, T), dtype=torch.float32, device=device)
     nucleus = temperature > 0 and truncates(top_p, top_k, min_p)
     logp_full = torch.zeros((B, T), dtype=torch.float32, device=device) if nucleus else None
-    finished = torch.zeros(B, dtype=torch.bool, device=device)
     ended = torch.zeros(B, dtype=torch.bool, device=device)         # at eos or a stop string
-    cap = None if budgets is None else torch.tensor(budgets, device=device).repeat_interleave(G)  # (B,)
+    last_logits = logits.clone() if track else None
     steps = 0
+    tok = alive = None
     for t in range(T):
         if noise is not None and temperature > 0 and not nucleus:  # per-prompt uniforms, no nucleus
             tok, tok_logp = sample_tempered(logits, temperature, noise[:, t])             # (B,), (B,)
@@ -427,30 +488,64 @@ def generate(model, prompts: list[list[int]], *, samples_per_prompt: int, max_ne
         steps = t + 1
         ended = _ended(ended, alive, tok, out[:, :t + 1], eos_id, stop)
         finished = ended if cap is None else ended | (cap <= t + 1)
-        if bool(finished.all()):
+        if bool(finished.all()) or t == T - 1:
             break
-        if t == T - 1:
-            break
-        if use_cache:
+        if cache is not None:
             logits = model(tok.unsqueeze(1), attention_mask=alive.long().unsqueeze(1), cache=cache)[:, -1]
+            if track:
+                last_logits = torch.where(alive.unsqueeze(1), logits, last_logits)
         else:
             ids_so_far = torch.cat([prompt_ids, out[:, :t + 1]], dim=1)
             am_so_far = torch.cat([prompt_am, alive_cols[:, :t + 1].long()], dim=1)
             logits = model(ids_so_far, attention_mask=am_so_far)[:, -1]
+    decoding = None
+    if track:
+        real = alive if tok is not None else torch.zeros(B, dtype=torch.bool, device=device)
+        decoding = Decoding(cache, out[:, steps - 1].clone(), real.clone(), last_logits)
+    return _Decoded(out, alive_cols, logp, logp_full, ended, steps, decoding)
 
-    resp_mask = alive_cols[:, :steps]
-    return Rollout(
-        ids=torch.cat([prompt_ids, out[:, :steps]], dim=1),
-        attention_mask=torch.cat([prompt_am, resp_mask.long()], dim=1),
-        prompt_len=Lp,
-        mask=resp_mask.float(),
-        logp=logp[:, :steps].contiguous(),
-        truncated=(~ended if eos_id is not None or stop is not None
-                   else torch.zeros(B, dtype=torch.bool, device=device)),
-        temperature=float(temperature),
-        top_p=float(top_p),
-        logp_full=logp_full[:, :steps].contiguous() if nucleus else None, top_k=int(top_k), min_p=float(min_p),
-    )
+
+@torch.no_grad()
+def continue_decoding(model, dec: Decoding, inserted: list[list[int] | None], budgets: list[int], *,
+                      noise: torch.Tensor | None, temperature: float, top_p: float = 1.0, top_k: int = 0,
+                      min_p: float = 0.0, eos_id: int | None, pad_id: int, stop: StopStrings | None = None,
+                      generator: torch.Generator | None = None) -> tuple[Rollout, int]:
+    """Continue the rows of ``dec`` (a ``generate(..., keep=)`` or an earlier continuation) after
+    inserting ``inserted[b]`` into row b's sequence (None: row b stops here), with the KV cache
+    reused instead of a new prefill of the whole sequence: one forward appends each row's pending
+    token and its inserted tokens (right-aligned, the padding before them masked, so the last column
+    is every continuing row's last token and positions count real tokens only), then the decode
+    loop samples up to ``budgets[b]`` tokens for row b, from ``noise`` (B, max budget) uniforms where
+    given. Returns (a ``Rollout`` of the new tokens, prompt width 0, one row per row of ``dec``, and
+    the token positions computed); ``dec`` is updated in place to continue again."""
+    B, device = len(inserted), dec.pending.device
+    rows = [b for b in range(B) if inserted[b] is not None]
+    seqs = [([int(dec.pending[b])] if bool(dec.pending_real[b]) else []) + (inserted[b] or []) for b in range(B)]
+    L = max(1, max(len(seqs[b]) for b in rows))
+    ids = torch.full((B, L), pad_id, dtype=torch.long, device=device)
+    am = torch.zeros((B, L), dtype=torch.long, device=device)
+    for b in range(B):
+        if seqs[b]:
+            ids[b, L - len(seqs[b]):] = torch.tensor(seqs[b], dtype=torch.long, device=device)
+            am[b, L - len(seqs[b]):] = 1
+    cache = dec.cache
+    logits = model(ids, attention_mask=am, cache=cache, logits_to_keep=1)[:, -1]                   # (B, V)
+    fed = am[:, -1].bool()                                                        # the last column is real
+    logits = torch.where(fed.unsqueeze(1), logits, dec.logits)
+    T = max(budgets[b] for b in rows)
+    cap = torch.tensor([budgets[b] if inserted[b] is not None else 0 for b in range(B)], device=device)
+    finished = torch.tensor([inserted[b] is None for b in range(B)], device=device)
+    d = _decode(model, logits, cache, T=T, noise=noise, temperature=temperature, top_p=top_p, top_k=top_k,
+                min_p=min_p, generator=generator, eos_id=eos_id, pad_id=pad_id, stop=stop, cap=cap,
+                finished=finished, track=True)
+    dec.cache, dec.pending, dec.pending_real, dec.logits = d.decoding.cache, d.decoding.pending, \
+        d.decoding.pending_real, d.decoding.logits
+    mask = d.alive[:, :d.steps]
+    r = Rollout(ids=d.out[:, :d.steps], attention_mask=mask.long(), prompt_len=0, mask=mask.float(),
+                logp=d.logp[:, :d.steps].contiguous(), truncated=~d.ended, temperature=float(temperature),
+                top_p=float(top_p), top_k=int(top_k), min_p=float(min_p),
+                logp_full=None if d.logp_full is None else d.logp_full[:, :d.steps].contiguous())
+    return r, B * (L + d.steps)
 
 
 # ---------------------------------------------------------------------- trainer side

@@ -169,6 +169,45 @@ def _continue(policy, rows: list[_Row], idx: list[int], budgets: list[int], *, f
     return costs.sampling_forward_tokens(len(idx), r.prompt_len, r.mask.numel())
 
 
+def _reuse_pays(rows: list[_Row], inserted: dict[int, list[int]]) -> bool:
+    """Whether to continue on the KV cache this round: appending the inserted tokens (and pending
+    ones) to every row of the cache, B x L positions, computes no more than prefilling the
+    continuing rows' whole sequences (prompt and response so far). Both then decode the same
+    tokens; the cache's rows that stopped are carried along (the lean forward's decode steps skip
+    them, rlvr.models.lean_llama.LIVE_ROWS). Short contexts with few rows calling favour the
+    prefill; long contexts the cache."""
+    L = 1 + max(len(t) for t in inserted.values())
+    return len(rows) * L <= sum(len(rows[i].prompt) + len(rows[i].tokens) for i in inserted)
+
+
+def _continue_cached(policy, dec: sampling.Decoding, rows: list[_Row], inserted: dict[int, list[int]],
+                     budgets: dict[int, int], *, first_row: int, base_seed, round_: int, pad_id: int, eos_id, stop,
+                     sample_kw: dict, autocast) -> int:
+    """`_continue` on the KV cache the first round left (`dec`, rlvr.sampling.continue_decoding):
+    rows `inserted` (row -> its inserted tokens) go on within `budgets` (row -> tokens), the others
+    stop; each row draws the uniforms `_continue` would give it. Returns the token positions computed."""
+    B, idx = len(rows), sorted(inserted)
+    T = max(budgets[i] for i in idx)
+    device = dec.pending.device
+    noise = None
+    if base_seed is not None:
+        seed = (base_seed + ROUND_SEED_MIX * round_) % 2 ** 63
+        noise = torch.zeros((B, T), device=device)
+        for i in idx:
+            g = sampling.prompt_generators(seed, first_row + i, 1, device)[0]
+            noise[i] = torch.rand((1, T), generator=g, device=g.device).to(device)[0]
+    with autocast():
+        r, computed = sampling.continue_decoding(
+            policy, dec, [inserted.get(b) for b in range(B)], [budgets.get(b, 0) for b in range(B)], noise=noise,
+            eos_id=eos_id, pad_id=pad_id, stop=stop, **sample_kw)
+    full = r.tempered_logp
+    for i in idx:
+        n = int(r.mask[i].sum())
+        rows[i].add_sampled(r.ids[i, :n].tolist(), r.logp[i, :n].tolist(), full[i, :n].tolist(), eos_id,
+                            bool(r.truncated[i]))
+    return computed
+
+
 def _assemble(first: sampling.Rollout, rows: list[_Row], pad_id: int) -> sampling.Rollout:
     """The rows as one Rollout: the first round's left-padded prompts, then each row's tokens."""
     B, Lp = len(rows), first.prompt_len
@@ -200,7 +239,8 @@ def _assemble(first: sampling.Rollout, rows: list[_Row], pad_id: int) -> samplin
 def respond_with_tools(policy, tok, first: sampling.Rollout, examples: list, tool: Callable, *, max_new_tokens: int,
                        eos_id: int | None, stop: tuple[str, ...], max_calls: int, base_seed: int | None,
                        first_row: int, sample_kw: dict, autocast, pool=None, role: str = "",
-                       on_end: bool = False) -> tuple[sampling.Rollout, ToolStats]:
+                       on_end: bool = False, decoding: sampling.Decoding | None = None
+                       ) -> tuple[sampling.Rollout, ToolStats]:
     """Answer the tool calls of the first-round `first` (row b is `examples[b]`'s response; row b
     is row `first_row + b` of the whole batch) and sample on, up to `max_calls` calls per row.
 
@@ -208,12 +248,16 @@ def respond_with_tools(policy, tok, first: sampling.Rollout, examples: list, too
     sampling forwards' context. `pool`: a RewardPool whose workers run the calls (None: here, one by one).
     `role`: insert each text as that role's chat turn (sampling.tool_role), else as it is. `on_end`:
     a response that ends at eos calls the tool too (sampling.tool_on_end: the environment's next turn).
+    `decoding`: where the first round's decode left off (``generate(..., keep=)``, a model with a KV
+    cache): the continuations then append the inserted tokens to that cache and decode on
+    (``_continue_cached``) instead of a new prefill of each row's whole sequence (``_continue``),
+    in each round where that computes less (``_reuse_pays``; once a round prefills, the rest do).
     Returns the assembled rollout (module docstring) and the counts."""
     stats = ToolStats()
     stopper = sampling.StopStrings(stop, tok.decode) if stop else None
     rows = _rows(first, eos_id)
     for round_ in range(1, max_calls + 1):
-        idx, budgets = [], []
+        idx, budgets, kept_by_row = [], [], {}
         calling = [i for i, r in enumerate(rows) if (r.at_stop or on_end and r.at_eos) and not (r.done or r.cut)]
         answers = _call_tools(tool, pool, [examples[i].prompt for i in calling],
                               [tok.decode(rows[i].tokens) for i in calling], [examples[i].answer for i in calling],
@@ -233,9 +277,13 @@ def respond_with_tools(policy, tok, first: sampling.Rollout, examples: list, too
                 continue
             idx.append(i)
             budgets.append(room - len(inserted))
+            kept_by_row[i] = kept
         if not idx:
             break
-        stats.forward_tokens += _continue(policy, rows, idx, budgets, first_row=first_row, base_seed=base_seed,
-                                          round_=round_, pad_id=tok.pad_id, eos_id=eos_id, stop=stopper,
-                                          sample_kw=sample_kw, autocast=autocast)
+        kw = dict(first_row=first_row, base_seed=base_seed, round_=round_, pad_id=tok.pad_id, eos_id=eos_id,
+                  stop=stopper, sample_kw=sample_kw, autocast=autocast)
+        if decoding is not None and not _reuse_pays(rows, kept_by_row):
+            decoding = None          # from here on every continuation prefills its row's sequence
+        stats.forward_tokens += (_continue(policy, rows, idx, budgets, **kw) if decoding is None else
+                                 _continue_cached(policy, decoding, rows, kept_by_row, dict(zip(idx, budgets)), **kw))
     return _assemble(first, rows, tok.pad_id), stats

@@ -49,6 +49,12 @@ def test_memory_options_by_hand():
     assert {k: copies.phases[k] - v for k, v in plain.phases.items()} == {
         "training": 500, "sampling": 500, "evaluation": 500, "export": 0}
     assert copies.peak == plain.peak + 500 and copies.held == plain.held
+    # tool continuations append to the first round's cache: 2 c T more columns (here c = 1: 6 -> 10)
+    reserved = costs.memory(SHAPE, **BASE, eval_rows=5, cache_reserve=4)
+    assert reserved.kv_cache == 6 * 10 * 2 * 4 * 4 * 3 + 960 and reserved.eval_kv_cache == 5 * 10 * 32 * 3 + 800
+    p = costs.price(prompts_per_step=2, samples_per_prompt=3, max_new_tokens=2, prompt_tokens=4, steps=1,
+                    epochs_per_batch=1, minibatches=1, n_params=1000, has_reference=False, shape=SHAPE, tool_calls=1)
+    assert p.memory_kv_cache_bytes == reserved.kv_cache
 
 
 def test_price_carries_the_memory_line():

@@ -80,6 +80,41 @@ def test_the_tool_text_is_inserted_attended_and_never_trained_on():
     assert stats.forward_tokens == 7 + 2
 
 
+@pytest.mark.parametrize("empty", [False, True])
+def test_continuations_on_the_kv_cache_draw_what_a_new_prefill_draws(monkeypatch, empty):
+    """The built-in model's tool continuations reuse the first round's cache (rlvr.sampling.continue_decoding):
+    the same rows as re-running each row's whole sequence, log-probs to float rounding. `empty`: the
+    tool inserts nothing, so a row that stopped before the round's last step has no token to feed and
+    goes on from the logits after its last one."""
+    setup = calc_setup(stop='["a", "<"]')
+    if empty:
+        setup.task.tool = lambda p, r, a: ""
+    examples = list(setup.task.train[:6])
+    kw = dict(G=4, limits=setup.limits, weights={"correct": 1.0}, temperature=1.0, top_p=0.9)
+
+    def sample():
+        return sample_and_score(setup.model, setup.tokenizer, setup.task, examples,
+                                generator=torch.Generator().manual_seed(0), **kw)
+    monkeypatch.setattr(tools, "_reuse_pays", lambda *a: True)   # every round on the cache (short contexts here)
+    cached = sample()
+    real = tools.respond_with_tools
+    monkeypatch.setattr(tools, "respond_with_tools", lambda *a, **k: real(*a, **{**k, "decoding": None}))
+    plain = sample()
+    assert cached.tools.calls == plain.tools.calls > 0 and cached.responses == plain.responses
+    assert torch.equal(cached.rollout.ids, plain.rollout.ids) and torch.equal(cached.rollout.mask, plain.rollout.mask)
+    assert torch.allclose(cached.rollout.logp, plain.rollout.logp, atol=1e-5)
+    lp = sequence_token_logprobs(setup.model, cached.rollout, top_p=0.9)
+    assert torch.allclose(lp * cached.rollout.mask, cached.rollout.logp, atol=1e-5)
+
+
+def test_the_cache_is_reused_where_appending_computes_less_than_a_new_prefill():
+    rows = [tools._Row([1] * 40, [2] * 10) for _ in range(8)]            # 8 rows, 50 tokens each so far
+    # two rows call, inserting 5 tokens: 8 x 6 = 48 appended positions against 2 x 50 prefilled
+    assert tools._reuse_pays(rows, {0: [3] * 5, 5: [3] * 5})
+    # one row calls, inserting 60: 8 x 61 against 50
+    assert not tools._reuse_pays(rows, {0: [3] * 60})
+
+
 def test_calls_stop_at_max_calls_and_the_bound_cuts_the_response():
     m = MarkovMock(table({3: 4, 4: 5, 8: 3}))             # after "</r>" it calls again, forever
     r, stats = respond(m, [[BOS, 3]], lambda p, t, a: "<r>9</r>", max_calls=1)
@@ -192,25 +227,37 @@ def test_a_training_run_with_the_calculator(tmp_path):
     assert summary["cost/forward_tokens"] <= price["forward_tokens_per_run"]
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_a_hugging_face_policy_scores_its_tool_rollouts_as_it_sampled_them(tmp_path, dtype):
-    """The lean forward: the first round's grouped cache, continuations over the whole context, and
-    the learner's forward with each prompt shared by its group, inserted text attended in between."""
+@pytest.mark.parametrize("dtype, kind", [("fp32", "llama"), ("bf16", "llama"), ("fp32", "gpt2")])
+def test_a_hugging_face_policy_scores_its_tool_rollouts_as_it_sampled_them(tmp_path, dtype, kind, monkeypatch):
+    """The lean forward (GPT-2: transformers' forward and DynamicCache): the first round's grouped
+    cache, continuations over the whole context or on that cache (the same rows, log-probs to float
+    rounding), and the learner's forward with each prompt shared by its group, inserted text attended
+    in between."""
     pytest.importorskip("transformers")
     from hf_models import make_model_dir
     from rlvr.models.hf import load_policy
     from rlvr.sampling import prompt_generators
 
-    policy, tok = load_policy(make_model_dir(tmp_path, num_key_value_heads=2, tie_word_embeddings=True), dtype=dtype)
+    shape = {} if kind == "gpt2" else dict(num_key_value_heads=2, tie_word_embeddings=True)   # gpt2: transformers' forward
+    policy, tok = load_policy(make_model_dir(tmp_path, kind, **shape), dtype=dtype)
     prompts = [tok.encode("ab, c"), tok.encode("x"), tok.encode("12 3:")]
     G, stop = 4, ("a", "7")
     kw = dict(temperature=1.0, top_p=0.95, top_k=0, min_p=0.0)
-    first = generate(policy, prompts, samples_per_prompt=G, max_new_tokens=20, eos_id=tok.eos_id, pad_id=tok.pad_id,
-                     generators=prompt_generators(3, 0, 3), stop=StopStrings(stop, tok.decode), **kw)
     examples = [SimpleNamespace(prompt=str(p), answer=0) for p in prompts for _ in range(G)]
-    r, stats = tools.respond_with_tools(policy, tok, first, examples, lambda p, t, a: " ok:", max_new_tokens=20,
-                                        eos_id=tok.eos_id, stop=stop, max_calls=3, base_seed=3, first_row=0,
-                                        sample_kw=kw, autocast=contextlib.nullcontext)
+    got = {}
+    monkeypatch.setattr(tools, "_reuse_pays", lambda *a: True)   # every round on the cache (short contexts here)
+    for cached in (False, True):   # continuations over a new prefill, then on the first round's KV cache
+        keep = []
+        first = generate(policy, prompts, samples_per_prompt=G, max_new_tokens=20, eos_id=tok.eos_id,
+                         pad_id=tok.pad_id, generators=prompt_generators(3, 0, 3), stop=StopStrings(stop, tok.decode),
+                         keep=keep, reserve=2 * 20 * 3, **kw)
+        got[cached] = tools.respond_with_tools(
+            policy, tok, first, examples, lambda p, t, a: " ok:", max_new_tokens=20, eos_id=tok.eos_id, stop=stop,
+            max_calls=3, base_seed=3, first_row=0, sample_kw=kw, autocast=contextlib.nullcontext,
+            decoding=keep[0] if cached else None)
+    (plain, plain_stats), (r, stats) = got[False], got[True]
+    assert torch.equal(plain.ids, r.ids) and torch.equal(plain.mask, r.mask) and plain_stats.calls == stats.calls
+    assert torch.allclose(plain.logp, r.logp, atol=1e-5) and torch.allclose(plain.logp_full, r.logp_full, atol=1e-5)
     inserted = (r.attention_mask[:, r.prompt_len:] == 1) & (r.mask == 0)
     assert stats.calls > 0 and inserted.sum() == stats.inserted_tokens
     continued = inserted.flip(1).cummax(1).values.flip(1) & ~inserted & (r.mask == 1)  # sampled before an insertion
