@@ -17,7 +17,9 @@ from rlvr.run import RunError
 TINY = ["examples/sort.toml", "--model.n_embd=32", "--model.n_layer=1", "--model.n_head=2",
         "--train.prompts_per_step=4", "--train.samples_per_prompt=4", "--task.options={n = 3, heldout = 20}",
         "--eval.prompts=8", "--eval.pass_k=0", "--eval.every=0", "--eval.at_start=false", "--eval.keep_best=false",
-        "--train.lr=0.01", "--train.lr_schedule=constant", "--task.reward_workers=0"]
+        "--train.lr=0.01", "--train.lr_schedule=constant", "--task.reward_workers=0", "--model.autocast=off"]
+"""`--model.autocast=off`: under auto each run times bf16 against fp32 itself, and two runs compared bit for bit
+must not fall on either side of its threshold on a busy machine."""
 
 
 def train(out: Path, *extra: str) -> int:

@@ -22,7 +22,9 @@ SORT = ["examples/sort.toml", "--task.options={n = 3, heldout = 10}"]
 TINY = ["--model.n_layer=1", "--model.n_embd=32", "--model.n_head=2", "--train.steps=1",
         "--train.prompts_per_step=4", "--train.samples_per_prompt=4", "--eval.every=0", "--eval.at_start=false",
         "--eval.pass_k=0", "--eval.prompts=4", "--task.reward_workers=0", "--train.lr=0.05",
-        "--algorithm.scheme=centered"]
+        "--algorithm.scheme=centered", "--model.autocast=off"]
+"""`--model.autocast=off`: under auto each run times bf16 against fp32 itself, and runs compared with each other
+must not fall on either side of its threshold on a busy machine."""
 
 
 def batch(mask, delta, truncated=None) -> Batch:
