@@ -41,6 +41,7 @@ PINNED = [
     "--algorithm.ref_refresh_every=0", "--train.epochs_per_batch=1", "--train.minibatches=1", "--train.lr=0.002",
     "--train.lr_schedule=constant", "--train.warmup_steps=0", "--train.grad_clip=1.0", "--train.seed=0",
     "--train.threads=2", "--eval.every=0", "--eval.batch_size=1000", "--log.rollouts_per_step=2", "--log.print_every=10",
+    "--model.autocast=off",   # under auto each run times bf16 against fp32 itself: runs compared must not differ so
 ]
 TINY = PINNED + [
     "--model.n_embd=32", "--model.n_layer=1", "--model.n_head=2",
