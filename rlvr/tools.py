@@ -61,13 +61,19 @@ class ToolStats:
     inserted_tokens: int = 0
     """Tokens of inserted text (attended, never trained on)."""
     forward_tokens: int = 0
-    """Token positions the continuations computed (their prefills over the whole context, then decode)."""
+    """Token positions the continuations computed (appended to the KV cache, or prefills over the
+    whole context; then decode)."""
     first_error: str = ""
+    rounds: int = 0
+    """Continuation rounds sampled."""
+    rounds_on_cache: int = 0
+    """Of those, the rounds that went on from the first round's KV cache (`_reuse_pays`)."""
 
     def add(self, other: "ToolStats") -> "ToolStats":
         return ToolStats(self.calls + other.calls, self.errors + other.errors,
                          self.inserted_tokens + other.inserted_tokens, self.forward_tokens + other.forward_tokens,
-                         self.first_error or other.first_error)
+                         self.first_error or other.first_error, self.rounds + other.rounds,
+                         self.rounds_on_cache + other.rounds_on_cache)
 
 
 @dataclass
@@ -286,4 +292,6 @@ def respond_with_tools(policy, tok, first: sampling.Rollout, examples: list, too
             decoding = None          # from here on every continuation prefills its row's sequence
         stats.forward_tokens += (_continue(policy, rows, idx, budgets, **kw) if decoding is None else
                                  _continue_cached(policy, decoding, rows, kept_by_row, dict(zip(idx, budgets)), **kw))
+        stats.rounds += 1
+        stats.rounds_on_cache += decoding is not None
     return _assemble(first, rows, tok.pad_id), stats

@@ -101,6 +101,7 @@ def test_continuations_on_the_kv_cache_draw_what_a_new_prefill_draws(monkeypatch
     monkeypatch.setattr(tools, "respond_with_tools", lambda *a, **k: real(*a, **{**k, "decoding": None}))
     plain = sample()
     assert cached.tools.calls == plain.tools.calls > 0 and cached.responses == plain.responses
+    assert cached.tools.rounds_on_cache == cached.tools.rounds == plain.tools.rounds > 0 == plain.tools.rounds_on_cache
     assert torch.equal(cached.rollout.ids, plain.rollout.ids) and torch.equal(cached.rollout.mask, plain.rollout.mask)
     assert torch.allclose(cached.rollout.logp, plain.rollout.logp, atol=1e-5)
     lp = sequence_token_logprobs(setup.model, cached.rollout, top_p=0.9)
@@ -210,7 +211,7 @@ def test_a_training_run_with_the_calculator(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if "train/reward" in r]
     assert len(train) == 2 and all("train/tool_calls_per_response" in r for r in train)
-    assert all(r["train/tool_errors"] == 0 for r in train)
+    assert all(r["train/tool_errors"] == 0 and 0 <= r["train/tool_rounds_on_cache_frac"] <= 1 for r in train)
     assert sum(r["train/tool_calls_per_response"] for r in train) > 0       # "a", "e", "o" are written by chance
     evals = [r for r in rows if "eval/goal" in r]                           # step 0 and the end
     assert len(evals) == 2 and all(r["eval/tool_errors"] == 0 and r["eval/tool_calls_per_response"] >= 0
