@@ -364,10 +364,11 @@ def training_logprobs(policy: Policy, rollout: sampling.Rollout, cfg, autocast=c
                       full: bool = False, entropy: bool = False) -> sampling.TokenLogprobs:
     """(logp, logp_full, entropy or None), each (B, T) and detached: one forward of `policy` under
     the training numerics `autocast()` (with gradient enabled, as the learn stage's forward runs, so
-    the same code path and numbers; nothing is kept for a backward), scored under the sampling distribution (the tempered nucleus)
-    and, with `full` and a nucleus (top_p, top_k or min_p), also under the tempered distribution
-    without it (the KL's side; else `logp` serves as both: equal without truncation); with `entropy`
-    the per-token entropy of the tempered distribution without the nucleus."""
+    the same code path and numbers; nothing is kept for a backward), scored under the sampling
+    distribution (the tempered nucleus) and, with `full` and a nucleus (top_p, top_k or min_p), also
+    under the tempered distribution without it (the KL's side; else `logp` serves as both: equal
+    without truncation); with `entropy` the per-token entropy of the tempered distribution without
+    the nucleus."""
     sc, G = cfg.sampling, cfg.train.samples_per_prompt
     kw = dict(temperature=sc.temperature, top_p=sc.top_p, top_k=sc.top_k, min_p=sc.min_p,
               chunk_rows=cfg.model.logprob_chunk_rows or None,

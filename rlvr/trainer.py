@@ -346,7 +346,8 @@ def train(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, resume:
     with `"interrupted": True` and `"exit_code"` (130 for SIGINT, 143 for SIGTERM).
     """
     _, busy = set_threads(cfg)  # train.threads (0 = this process's cores) and the oversubscription warning
-    host_memory = set_host_memory(cfg.train.host_memory, cfg.model.gradient_checkpointing)  # before the model's first allocation (rlvr.hostmem)
+    # before the model's first allocation (rlvr.hostmem)
+    host_memory = set_host_memory(cfg.train.host_memory, cfg.model.gradient_checkpointing)
     run_dir = RunDir(out, log=log)
     with Interrupts() as stop:
         state = start(cfg, run_dir, overwrite=overwrite, resume=resume, log=log)

@@ -145,7 +145,8 @@ class LearnerActor:
         from rlvr import run
         from rlvr.hostmem import set_host_memory
 
-        set_host_memory(cfg.train.host_memory, cfg.model.gradient_checkpointing)  # as the trainer's process does (rlvr.hostmem)
+        # as the trainer's process does (rlvr.hostmem)
+        set_host_memory(cfg.train.host_memory, cfg.model.gradient_checkpointing)
         self.cfg, self.setup = cfg, run.build(cfg, log=lambda *_: None)
         self.learner = self.model = None
         self.fsdp = cfg.distributed.sharding == "fsdp2"

@@ -43,7 +43,8 @@ class RolloutWorker:
         from rlvr.hostmem import set_host_memory
         from rlvr.reward_pool import open_pool
 
-        set_host_memory(cfg.train.host_memory, cfg.model.gradient_checkpointing)  # as the trainer's process does (rlvr.hostmem)
+        # as the trainer's process does (rlvr.hostmem)
+        set_host_memory(cfg.train.host_memory, cfg.model.gradient_checkpointing)
 
         self.setup = run.build(cfg, log=lambda *_: None)
         load_weights(self.setup.model, weights)
