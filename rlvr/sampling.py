@@ -469,7 +469,6 @@ def _decode(model, logits, cache, *, T: int, noise, temperature, top_p, top_k, m
     ended = torch.zeros(B, dtype=torch.bool, device=device)         # at eos or a stop string
     last_logits = logits.clone() if track else None
     steps = 0
-    tok = alive = None
     for t in range(T):
         if noise is not None and temperature > 0 and not nucleus:  # per-prompt uniforms, no nucleus
             tok, tok_logp = sample_tempered(logits, temperature, noise[:, t])             # (B,), (B,)
@@ -500,8 +499,7 @@ def _decode(model, logits, cache, *, T: int, noise, temperature, top_p, top_k, m
             logits = model(ids_so_far, attention_mask=am_so_far)[:, -1]
     decoding = None
     if track:
-        real = alive if tok is not None else torch.zeros(B, dtype=torch.bool, device=device)
-        decoding = Decoding(cache, out[:, steps - 1].clone(), real.clone(), last_logits)
+        decoding = Decoding(cache, out[:, steps - 1].clone(), alive.clone(), last_logits)  # T >= 1: the loop ran
     return _Decoded(out, alive_cols, logp, logp_full, ended, steps, decoding)
 
 
