@@ -259,7 +259,9 @@ class Price:
     entropy_forward: bool = False
     """That forward gives algorithm.top_entropy_quantile its entropies."""
     logp_old_recomputed: bool = False
-    """That forward gives logp_old (algorithm.logp_old = recompute)."""
+    """That forward gives logp_old (algorithm.logp_old = recompute, or auto with bf16 forwards)."""
+    logp_old_note: str = ""
+    """Why algorithm.logp_old = auto took the source it did ("" when it was set)."""
     numerics: str = ""
     """How the policy's forwards compute (model.autocast resolved, with the measured times); "" = not given."""
     tool_calls: int = 0
@@ -315,6 +317,8 @@ class Price:
                 + (", with the entropies for top_entropy_quantile" if self.entropy_forward else ""))
         logp_old = (f"{self.flops_logp_old_per_batch:.3g} FLOP, {what}"
                     if self.forward_tokens_logp_old_per_batch else "stored from the sampler")
+        if self.logp_old_note:
+            logp_old += f"; {self.logp_old_note}"
         return [
             f"price: sampled tokens per gradient step = {self.sampled_tokens_per_grad_step:,.0f} "
             f"(P={self.prompts_per_step} x G={self.samples_per_prompt} x T<={self.max_new_tokens} "
@@ -452,6 +456,7 @@ def price(
     eval_rows: int = 0,
     export_copy: bool = False,
     recompute_logp_old: bool = False,
+    logp_old_note: str = "",
     entropy_forward: bool = False,
     numerics: str = "",
     matmul_kind: str = "fp32",
@@ -470,7 +475,7 @@ def price(
     `shape` (with `baseline_bytes`, `logprob_chunk_rows`, `eval_rows` rows decoded together in evaluation,
     `export_copy` when export merges LoRA into a copy, `weight_copy_bytes` the bf16 weight copies of a
     forward) adds the predicted memory peak (`memory`; else 0). `recompute_logp_old` (algorithm.logp_old
-    = recompute) adds one log-prob forward per batch, as does `entropy_forward` (the entropies of
+    = recompute, or auto with bf16 forwards; `logp_old_note` says why auto chose) adds one log-prob forward per batch, as does `entropy_forward` (the entropies of
     algorithm.top_entropy_quantile; one forward serves both); `numerics` is the model.autocast line and
     `matmul_kind` what `matmul_flops_per_s` measures ("fp32", or "bf16 autocast"). `decode_step_s`
     (one decode step of the P x G rows, measured) gives the expected wall time (`expected_wall_seconds`).
@@ -515,5 +520,5 @@ def price(
         wall_seconds_estimate=flops_per_run / matmul_flops_per_s if matmul_flops_per_s > 0 else 0.0,
         decode_step_s=float(decode_step_s) if expected else 0.0, wall_seconds_expected=expected,
         flops_logp_old_per_batch=float(old_fwd * fwd), entropy_forward=entropy_forward,
-        logp_old_recomputed=recompute_logp_old, numerics=numerics, matmul_kind=matmul_kind, tool_calls=tool_calls,
+        logp_old_recomputed=recompute_logp_old, logp_old_note=logp_old_note, numerics=numerics, matmul_kind=matmul_kind, tool_calls=tool_calls,
         **extra)

@@ -17,7 +17,7 @@ import torch
 
 from rlvr import config as config_mod, losses, optim, sampling
 from rlvr.policy import Policy
-from rlvr.rollout import Batch, forward_tokens
+from rlvr.rollout import Batch, forward_tokens, micro_rows
 
 
 def lr_at(cfg: config_mod.TrainConfig, opt_step: int, total: int) -> float:
@@ -129,12 +129,6 @@ def minibatch_loss(learner: Learner, batch: Batch, idx: torch.Tensor, delta_rows
         stats["policy_entropy"] = bonus.item()
     stats["logp_old_absdiff"] = float(absdiff)   # mean |logp - logp_old|; learn reports the first minibatch's
     return loss, stats
-
-
-def micro_rows(rows: torch.Tensor, G: int, parts: int) -> list[torch.Tensor]:
-    """`rows` (whole groups of G, in order) as at most `parts` runs of whole groups, in order."""
-    groups = rows.view(-1, G)
-    return [g.reshape(-1) for g in groups.chunk(min(parts, groups.size(0)))]
 
 
 def accumulate(learner: Learner, batch: Batch, rows: torch.Tensor, delta_rows: torch.Tensor,

@@ -250,7 +250,7 @@ def rollout(setup, policy: Policy, reference: Policy | None, examples_fn, *, ver
     5. Δ (`batch_delta`): the scheme on the (P, G) rewards (`learned`: R - V(S) with `value`, read
        before its own update), per-token Δ from a process reward's per-step scores, and with
        kl_in = "reward" the KL folded into a per-token Δ;
-    6. algorithm.logp_old = "recompute": logp_old from a no-grad training forward of `policy` (run
+    6. algorithm.logp_old = "recompute" (or `auto` with bf16 forwards, rlvr.run.logp_old_source): logp_old from a no-grad training forward of `policy` (run
        before step 5, whose KL in the reward then reads it) and Δ per token times the truncated IS
        weight min(π_train / π_sampler, is_cap) (`recompute_logp_old`).
 
@@ -302,7 +302,7 @@ def rollout(setup, policy: Policy, reference: Policy | None, examples_fn, *, ver
         n_tok = forward_tokens(groups.rollout, G, shared)
         cost["forward_tokens"] += n_tok
         cost["flops"] += n_tok * fwd_flops
-    recompute, pick = ac.logp_old == "recompute", ac.top_entropy_quantile < 1
+    recompute, pick = setup.recompute_logp_old, ac.top_entropy_quantile < 1
     train_fwd = None
     if recompute or pick:  # one no-grad training forward serves both; before Δ: kl_in = "reward" reads it
         train_fwd = training_logprobs(policy, groups.rollout, cfg, setup.numerics.context,
@@ -359,29 +359,54 @@ def mask_truncated(batch: Batch) -> Batch:
                                stats={**batch.stats, "masked_truncated_frac": float(cut.float().mean())})
 
 
-@torch.no_grad()
+def micro_rows(rows: torch.Tensor, G: int, parts: int) -> list[torch.Tensor]:
+    """`rows` (whole groups of G, in order) as at most `parts` runs of whole groups, in order."""
+    groups = rows.view(-1, G)
+    return [g.reshape(-1) for g in groups.chunk(min(parts, groups.size(0)))]
+
+
 def training_logprobs(policy: Policy, rollout: sampling.Rollout, cfg, autocast=contextlib.nullcontext,
                       full: bool = False, entropy: bool = False) -> sampling.TokenLogprobs:
-    """(logp, logp_full, entropy or None), each (B, T) and detached: one forward of `policy` under
-    the training numerics `autocast()` (with gradient enabled, as the learn stage's forward runs, so
-    the same code path and numbers; nothing is kept for a backward), scored under the sampling
-    distribution (the tempered nucleus) and, with `full` and a nucleus (top_p, top_k or min_p), also
-    under the tempered distribution without it (the KL's side; else `logp` serves as both: equal
-    without truncation); with `entropy` the per-token entropy of the tempered distribution without
-    the nucleus."""
-    sc, G = cfg.sampling, cfg.train.samples_per_prompt
+    """(logp, logp_full, entropy or None), each (B, T) and detached: the forward the learn stage runs
+    on these rows, under the training numerics `autocast()`, scored under the sampling distribution
+    (the tempered nucleus) and, with `full` and a nucleus (top_p, top_k or min_p), also under the
+    tempered distribution without it (the KL's side; else `logp` serves as both: equal without
+    truncation); with `entropy` the per-token entropy of the tempered distribution without the nucleus.
+
+    The learn stage's forward is matched, not only its numerics: the forward runs with gradient
+    enabled (its graph is dropped at once; nothing is kept for a backward) and the policy in training
+    mode (no dropout but a LoRA's own; `train.gradient_checkpointing` applies), over the same parts
+    of rows the learner's first pass takes with train.minibatches = 1 (`micro_rows`: the
+    train.micro_batches runs of whole groups, in order), so at most one part's activations are alive.
+    A no-gradient forward takes other products (the bf16 weight copies stacked for decoding, the
+    head in blocks): on SmolLM2-135M under CPU bf16 autocast it gave the sampler's log-probs, 0.0105
+    mean (0.30 largest) away from the learner's, and a forward over half the rows was 0.028 away, so
+    logp_old from anything else leaves the first minibatch's ratio off 1 by bf16 noise. With
+    train.minibatches > 1 the learner's minibatches are drawn at random, and a learner group's ranks
+    each take their own rows: the parts then differ and the ratio starts at 1 to bf16 rounding only."""
+    sc, tc, G = cfg.sampling, cfg.train, cfg.train.samples_per_prompt
     kw = dict(temperature=sc.temperature, top_p=sc.top_p, top_k=sc.top_k, min_p=sc.min_p,
               chunk_rows=cfg.model.logprob_chunk_rows or None,
               group_size=G if cfg.model.share_prompt_forward else None)
     full = full and sampling.truncates(sc.top_p, sc.top_k, sc.min_p)
-    policy.eval()
-    with autocast():
-        out = sampling.sequence_token_logprobs(policy, rollout, return_full=full, return_entropy=entropy, **kw)
-    if isinstance(out, torch.Tensor):                                                 # (B, T)
-        return sampling.TokenLogprobs(out.detach(), out.detach(), None)
-    logp = out.logp.detach()
-    return sampling.TokenLogprobs(logp, out.logp_full.detach() if full else logp,
-                                  None if out.entropy is None else out.entropy.detach())
+    was_training = policy.training
+    policy.train(cfg.model.lora_dropout == 0)          # as the learner's forward, but never a LoRA dropout
+    parts = micro_rows(torch.arange(rollout.ids.size(0)), G, tc.minibatches * tc.micro_batches)
+    got: list[sampling.TokenLogprobs] = []
+    try:
+        for rows in parts:
+            sub = rollout if len(parts) == 1 else rollout.select(rows.to(rollout.ids.device))
+            with torch.enable_grad(), autocast():
+                out = sampling.sequence_token_logprobs(policy, sub, return_full=full, return_entropy=entropy, **kw)
+            if isinstance(out, torch.Tensor):                                         # (b, T)
+                out = sampling.TokenLogprobs(out, None, None)
+            got.append(sampling.TokenLogprobs(*(None if x is None else x.detach() for x in out)))
+    finally:
+        policy.train(was_training)
+    cat = (lambda xs: None if xs[0] is None else xs[0] if len(xs) == 1 else torch.cat(xs))
+    logp = cat([g.logp for g in got])
+    return sampling.TokenLogprobs(logp, cat([g.logp_full for g in got]) if full else logp,
+                                  cat([g.entropy for g in got]))
 
 
 @torch.no_grad()

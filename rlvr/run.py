@@ -78,6 +78,37 @@ class Setup:
         if self.numerics is None:
             self.numerics = Numerics(False, "off", self.device.type)
 
+    @property
+    def recompute_logp_old(self) -> bool:
+        """Whether logp_old comes from a no-grad training forward (`logp_old_source`)."""
+        return logp_old_source(self.cfg, self.numerics) == "recompute"
+
+
+def bf16_forwards(cfg: config_mod.Config, numerics: Numerics) -> bool:
+    """Whether the policy's forwards compute in bf16: under bf16 autocast, or a Hugging Face model
+    loaded with bf16 weights (model.dtype)."""
+    return numerics.bf16 or bool(cfg.model.path) and cfg.model.dtype == "bf16"
+
+
+def logp_old_source(cfg: config_mod.Config, numerics: Numerics) -> str:
+    """algorithm.logp_old resolved: `sampler` or `recompute` as set; `auto` is `recompute` where the
+    forwards run in bf16 (`bf16_forwards`: the sampler's decode steps and the training forward then
+    round differently, so the sampler's log-probs are not the trainer's), else `sampler`. A resumed
+    run, a rollout worker and a learner actor get the same answer: the numerics decision travels."""
+    asked = cfg.algorithm.logp_old
+    if asked != "auto":
+        return asked
+    return "recompute" if bf16_forwards(cfg, numerics) else "sampler"
+
+
+def logp_old_note(cfg: config_mod.Config, numerics: Numerics) -> str:
+    """What the price says of `algorithm.logp_old = auto`'s choice ("" when it was set)."""
+    if cfg.algorithm.logp_old != "auto":
+        return ""
+    if logp_old_source(cfg, numerics) == "recompute":
+        return "algorithm.logp_old = auto: the forwards run in bf16, where the sampler's log-probs are not the trainer's"
+    return "algorithm.logp_old = auto: fp32 forwards, the sampler's log-probs are the trainer's to rounding"
+
 
 def usable_cores() -> int:
     """CPU cores this process may run on (its affinity mask; os.cpu_count() where there is none)."""
@@ -589,7 +620,8 @@ def price_of(setup: Setup, rate: float | None = None, decode_s: float | None = N
         decode_step_s=decode_step_seconds(setup) if decode_s is None else decode_s,
         shape=model_shape(model) if on_cpu else None, baseline_bytes=baseline,
         logprob_chunk_rows=cfg.model.logprob_chunk_rows, eval_rows=eval_rows(setup),
-        export_copy=model.has_adapter, recompute_logp_old=cfg.algorithm.logp_old == "recompute",
+        export_copy=model.has_adapter, recompute_logp_old=setup.recompute_logp_old,
+        logp_old_note=logp_old_note(cfg, setup.numerics),
         entropy_forward=cfg.algorithm.top_entropy_quantile < 1,
         numerics=setup.numerics.describe(), tool_calls=setup.limits.tool_calls,
         weight_copy_bytes=2 * model.num_params() if on_cpu and setup.numerics.bf16 else 0,

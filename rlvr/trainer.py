@@ -30,10 +30,11 @@ Nothing is lost when a run stops early:
 Departures from the GRPO paper, each a config field:
   1. The loss is reduced with `algorithm.agg` (default `token_mean`, as DAPO), not the paper's
      per-sequence mean; see rlvr.losses.AGGREGATIONS.
-  2. logp_old is the sampler's own log-prob (same model code, same distribution) rather than a
-     fresh forward pass; the two agree to float rounding in fp32, which a test checks. Under bf16
-     autocast (`model.autocast`) they differ by more: `algorithm.logp_old = "recompute"` then takes
-     logp_old from a training forward and weighs Δ by min(π_train / π_sampler, algorithm.is_cap).
+  2. In fp32, logp_old is the sampler's own log-prob (same model code, same distribution) rather
+     than a fresh forward pass; the two agree to float rounding, which a test checks. Under bf16
+     (`model.autocast`, `model.dtype`) they differ by more, so `algorithm.logp_old = "auto"` (the
+     default) then takes logp_old from a training forward (as `recompute` does always) and weighs Δ
+     by min(π_train / π_sampler, algorithm.is_cap).
 """
 
 from __future__ import annotations

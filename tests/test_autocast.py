@@ -5,10 +5,12 @@ the tests), that autocast reaches sampling, the training forward and evaluation 
 log-softmax stays float32, and that `recompute` makes logp_old the training forward's own, weighs Δ
 by min(π_train / π_sampler, is_cap) and so changes the update.
 
-On the CPUs these tests were written on, the bf16 sampler and the bf16 training forward agree bit
-for bit at these small shapes (the per-row bf16 products and their fp32 accumulation are the same in
-incremental decoding and in the full forward), so a mismatch between the two passes is simulated
-where a test needs one: an engine whose stored log-probs are a known amount lower on every token.
+`auto`, the default, takes `recompute` under bf16 and `sampler` in fp32. On the CPUs these tests
+were written on, the bf16 sampler and the bf16 training forward agree bit for bit at these small
+shapes (the per-row bf16 products and their fp32 accumulation are the same in incremental decoding
+and in the full forward; not so at SmolLM2's shapes on a CPU with AMX), so a mismatch between the
+two passes is simulated where a test needs one: an engine whose stored log-probs are a known amount
+lower on every token.
 """
 
 import dataclasses
@@ -165,7 +167,7 @@ def test_the_measurement_returns_both_times_once_per_process(monkeypatch):
 
 def test_the_keys_are_in_help_and_bad_values_are_refused():
     text = config_mod.help_text()
-    for key in ("--model.autocast='auto'", "--algorithm.logp_old='sampler'", "--algorithm.is_cap=2.0"):
+    for key in ("--model.autocast='auto'", "--algorithm.logp_old='auto'", "--algorithm.is_cap=2.0"):
         assert key in text
     with pytest.raises(config_mod.ConfigError, match="model.autocast = 'fp16'.*must be one of 'auto', 'bf16', 'off'"):
         config_mod.load(EXAMPLE, ["--model.autocast=fp16"])
@@ -235,15 +237,40 @@ def test_recompute_gives_the_training_forwards_logp_old_and_a_first_ratio_of_exa
     assert "sampler_logp_absdiff" not in stats                    # the rollout stage reported it
 
 
+def test_recompute_runs_the_learners_forward_on_the_learners_parts(monkeypatch):
+    """train.micro_batches = 2 (P = G = 4): logp_old comes from two forwards, each over one of the
+    learner's parts (whole groups, in order), with gradient enabled and the policy in training mode
+    as the learner's forward (a no-gradient forward takes other products; on SmolLM2 under CPU bf16
+    those give other numbers), so the first ratio is exactly 1 with micro-batches too."""
+    seen = []
+    real = sampling.sequence_token_logprobs
+
+    def spy(model, roll, **kw):
+        seen.append((roll.ids.size(0), torch.is_grad_enabled(), model.training))
+        return real(model, roll, **kw)
+
+    setup = tiny_setup("--model.autocast=bf16", "--train.micro_batches=2")       # logp_old = auto: recompute
+    monkeypatch.setattr(sampling, "sequence_token_logprobs", spy)
+    batch = sample(setup)
+    assert seen == [(8, True, True), (8, True, True)] and batch.logp_old_version == 0
+    for part in (torch.arange(8), torch.arange(8, 16)):
+        torch.testing.assert_close(batch.logp_old[part], training_forward_logp(setup, batch.rollout.select(part)),
+                                   rtol=0, atol=0)
+    seen.clear()
+    stats = learn(new_learner(setup), batch)
+    assert [s[0] for s in seen] == [8, 8] and stats["first_step_ratio_mean"] == 1.0
+
+
 def test_sampler_logp_absdiff_is_the_gap_between_sampler_and_trainer():
     """sampler: the first minibatch's mean |logp_sampler - logp_train| from the training forward the
     update runs anyway; recompute: the same over the batch, from its own forward."""
-    setup = tiny_setup("--model.autocast=bf16")
+    sampler = ("--model.autocast=bf16", "--algorithm.logp_old=sampler")
+    setup = tiny_setup(*sampler)
     plain = sample(setup)
     want = float((training_forward_logp(setup, plain.rollout) - plain.logp_old).abs()[plain.rollout.mask.bool()].mean())
-    assert learn(new_learner(tiny_setup("--model.autocast=bf16")), plain)["sampler_logp_absdiff"] == pytest.approx(want, abs=1e-7)
+    assert learn(new_learner(tiny_setup(*sampler)), plain)["sampler_logp_absdiff"] == pytest.approx(want, abs=1e-7)
     # an engine 0.25 lower on every token: the gap is 0.25 (+ whatever the two passes differ by here)
-    setup = tiny_setup("--model.autocast=bf16")
+    setup = tiny_setup(*sampler)
     lowered = sample(setup, sampler=lower_engine(setup, 0.25))
     train = training_forward_logp(setup, lowered.rollout)
     want = float((train - lowered.logp_old).abs()[lowered.rollout.mask.bool()].mean())
@@ -275,13 +302,16 @@ def test_the_is_weight_folds_into_delta_by_hand(monkeypatch):
     calls = []
 
     def train_forward(model, rollout, **kw):
-        calls.append(torch.is_autocast_enabled("cpu"))
+        calls.append((torch.is_autocast_enabled("cpu"), torch.is_grad_enabled(), model.training))
         return train_p.log() * mask
 
     monkeypatch.setattr(sampling, "sequence_token_logprobs", train_forward)
     setup = SimpleNamespace(cfg=cfg, numerics=run.Numerics(True, "bf16", "cpu"))
-    got = recompute_logp_old(setup, SimpleNamespace(eval=lambda: None), batch, policy_version=0)
-    assert calls == [True]                                         # one forward, under the training numerics
+    policy = SimpleNamespace(training=False)
+    policy.train = lambda mode=True: setattr(policy, "training", mode)
+    got = recompute_logp_old(setup, policy, batch, policy_version=0)
+    # one forward, under the training numerics, with gradient and in training mode as the learner's
+    assert calls == [(True, True, True)] and not policy.training   # the mode it had, back
     torch.testing.assert_close(got.delta_tokens, torch.tensor([[2.0, 0.5, 0.0]]))
     torch.testing.assert_close(got.logp_old, train_p.log() * mask)
     assert got.stats["sampler_is_truncated_frac"] == 0.5 and got.stats["sampler_is_weight_max"] == 2.0
@@ -298,14 +328,56 @@ def test_the_option_reaches_the_update():
     the clip of 1.2, so the tokens with Δ > 0 give no gradient; with `recompute` the ratio is 1 and
     every token's Δ is weighted by 1.28. One update apart, the weights differ."""
     after = {}
-    for mode in ("sampler", "recompute"):
+    for mode in ("sampler", "recompute", "auto"):     # auto: recompute, the forwards being bf16
         setup = tiny_setup("--model.autocast=bf16", f"--algorithm.logp_old={mode}")
         batch = sample(setup, sampler=lower_engine(setup, 0.25))
         stats = learn(new_learner(setup), batch)
         after[mode] = torch.cat([p.detach().reshape(-1) for p in setup.model.parameters()])
-        assert stats["first_step_ratio_mean"] == (1.0 if mode == "recompute" else pytest.approx(math.exp(0.25), rel=1e-3))
+        assert stats["first_step_ratio_mean"] == (pytest.approx(math.exp(0.25), rel=1e-3) if mode == "sampler" else 1.0)
         assert (stats["clip_frac_high"] > 0) is (mode == "sampler")
     assert (after["sampler"] - after["recompute"]).abs().max() > 1e-3
+    assert torch.equal(after["auto"], after["recompute"])
+
+
+@pytest.mark.parametrize("asked, bf16, path, dtype, want", [
+    ("auto", True, "", "fp32", "recompute"),         # bf16 autocast (set, or auto choosing it)
+    ("auto", False, "", "fp32", "sampler"),          # fp32: the sampler's log-probs are the trainer's
+    ("auto", False, "m", "bf16", "recompute"),       # a Hugging Face model with bf16 weights
+    ("auto", False, "", "bf16", "sampler"),          # model.dtype is for Hugging Face models only
+    ("sampler", True, "", "fp32", "sampler"),        # as set, whatever the numerics
+    ("recompute", False, "", "fp32", "recompute"),
+])
+def test_auto_recomputes_logp_old_where_the_forwards_run_in_bf16(asked, bf16, path, dtype, want):
+    cfg = config_mod.load(EXAMPLE, TINY + [f"--algorithm.logp_old={asked}"])
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=path, dtype=dtype))
+    numerics = run.Numerics(bf16, "bf16" if bf16 else "off", "cpu")
+    assert run.logp_old_source(cfg, numerics) == want
+    note = run.logp_old_note(cfg, numerics)                   # the price's word on auto's choice
+    if asked == "auto":
+        assert note.startswith("algorithm.logp_old = auto: ") and ("bf16" in note) is (want == "recompute")
+    else:
+        assert note == ""
+
+
+@pytest.mark.parametrize("autocast", ["bf16", "off"])
+def test_the_default_logp_old_reaches_the_rollout_and_the_price(autocast):
+    """`auto`, the default: under bf16 the batch's logp_old is the training forward's, bit for bit, at
+    the policy's version, and the price counts that forward and says why; in fp32 the sampler's own
+    log-probs are kept and no forward is priced."""
+    setup = tiny_setup(f"--model.autocast={autocast}")
+    assert setup.cfg.algorithm.logp_old == "auto"
+    batch = sample(setup)
+    price = run.price_of(setup, rate=1e9, decode_s=1e-3)
+    if autocast == "bf16":
+        assert torch.equal(batch.logp_old, training_forward_logp(setup, batch.rollout)) and batch.logp_old_version == 0
+        assert learn(new_learner(setup), batch)["first_step_ratio_mean"] == 1.0
+        assert price.forward_tokens_logp_old_per_batch > 0 and price.logp_old_recomputed
+        assert "recomputed under the training numerics; algorithm.logp_old = auto: the forwards run in bf16" in \
+            price.lines()[2]
+    else:
+        assert torch.equal(batch.logp_old, batch.rollout.logp) and batch.logp_old_version is None
+        assert price.forward_tokens_logp_old_per_batch == 0 and not price.logp_old_recomputed
+        assert "logp_old 0 (stored from the sampler; algorithm.logp_old = auto: fp32 forwards" in price.lines()[2]
 
 
 def test_a_recomputed_stale_batch_is_not_corrected_twice():
@@ -318,7 +390,7 @@ def test_a_recomputed_stale_batch_is_not_corrected_twice():
     assert batch.logp_old_version == 4
     same, delta_rows, stats = staleness.correct(setup.model, batch, setup.cfg, 4, setup.numerics.context)
     assert same is batch and delta_rows is None and stats == {"staleness": 1.0}
-    setup = tiny_setup("--model.autocast=bf16")
+    setup = tiny_setup("--model.autocast=bf16", "--algorithm.logp_old=sampler")
     batch = rollout(setup, setup.model, None, lambda: list(setup.task.train[:4]), version=3,
                     generator=torch.Generator().manual_seed(0))
     got, delta_rows, stats = staleness.correct(setup.model, batch, setup.cfg, 4, setup.numerics.context)
