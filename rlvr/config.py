@@ -71,8 +71,8 @@ class ModelConfig:
     with AVX512-BF16, many times slower on others); the decision and both times are a price line and
     `numerics` in price.json. `bf16`: always (a fresh run still times it, so the price's wall time is at
     the rate bf16 runs at here and says when it is the slower one); `off`: never. Under bf16 the sampler's log-probs and
-    the trainer's may differ by more than rounding: algorithm.logp_old = auto then recomputes them. Set bf16 or off when runs
-    on different machines must compute the same."""
+    the trainer's may differ by more than rounding: algorithm.logp_old = auto then recomputes them.
+    Set bf16 or off when runs on different machines must compute the same."""
     lora_r: int = 0
     """LoRA rank (peft); 0 = train every weight. With LoRA the reference is the adapter disabled."""
     lora_alpha: float = 16.0
@@ -205,18 +205,18 @@ class AlgorithmConfig:
     logp_old: Literal["auto", "sampler", "recompute"] = "auto"
     """Where logp_old (the ratio's denominator) comes from. `sampler`: the log-probs the sampler
     stored while decoding (no extra forward; equal to the training forward's up to float rounding
-    when both run in fp32, so the first minibatch's ratio is 1 to ~1e-6). `recompute`: one no-grad
-    forward of the policy under the training numerics before the update gives logp_old (the first
-    minibatch's ratio is exactly 1), and each token's Δ is multiplied by the truncated importance
-    weight w = min(π_train / π_sampler, is_cap), which corrects for sampling from a slightly
-    different distribution than the one trained (bf16 autocast, or a separate inference engine);
-    it costs one forward per batch (in the price). `auto` (the default): `recompute` when the
-    policy's forwards run in bf16 (model.autocast = bf16, or auto choosing it; model.dtype = bf16),
-    where the sampler's one-token decode steps and the training forward's whole-sequence products
-    round differently (SmolLM2-135M on a CPU with AMX: 0.024 mean, 0.5 largest |logp_sampler -
-    logp_train|, so the first minibatch's ratios would start up to e^0.5 away from 1 and clip on
-    noise); `sampler` in fp32. The price says which was taken and why; train/sampler_logp_absdiff
-    shows the gap every step."""
+    when both run in fp32, so the first minibatch's ratio is 1 to ~1e-6). `recompute`: the
+    learner's own forward of the policy before the update (gradient enabled and dropped, over the
+    learner's micro-batch parts) gives logp_old (the first minibatch's ratio is exactly 1 with
+    train.minibatches = 1), and each token's Δ is multiplied by the truncated importance weight
+    w = min(π_train / π_sampler, is_cap), which corrects for sampling from a slightly different
+    distribution than the one trained (bf16 autocast, or a separate inference engine); it costs one
+    forward per batch (in the price). `auto` (the default): `recompute` when the policy's forwards
+    run in bf16 (model.autocast = bf16, or auto choosing it; model.dtype = bf16), where the
+    sampler's one-token decode steps and the training forward's whole-sequence products round
+    differently (SmolLM2-135M on a CPU with AMX: 0.0076 mean |logp_sampler - logp_train|, 0.30 on
+    one token, and 0.15% of the first minibatch's tokens clipped on that noise alone); `sampler` in
+    fp32. The price says which was taken and why; train/sampler_logp_absdiff shows the gap every step."""
     is_cap: float = 2.0
     """Cap C of the truncated importance weight min(π_train / π_sampler, C) of logp_old = recompute
     (>= 1; a token whose probability the trainer puts higher than the sampler did counts at most C times)."""
@@ -253,7 +253,7 @@ class AlgorithmConfig:
     where π_old's tempered distribution has the highest entropy (the "forking" tokens of Wang et al.
     2025, "Beyond the 80/20 rule", who keep 0.2; TRL's top_entropy_quantile); 1 = every token. The
     other tokens get Δ = 0 and keep their KL and entropy terms and their place in the denominators,
-    as in TRL. The entropies come from one no-gradient forward of the batch under the training
+    as in TRL. The entropies come from one forward (no backward) of the batch under the training
     numerics (the price counts it; shared with algorithm.logp_old = recompute), and the threshold is
     the quantile over the whole batch's tokens, so which tokens train does not depend on minibatches,
     micro-batches or learner ranks."""

@@ -254,7 +254,7 @@ class Price:
     """Predicted peak resident bytes (0 = not predicted: no model shape given)."""
     memory_peak_phase: str = ""
     flops_logp_old_per_batch: float = 0.0
-    """FLOPs of the no-gradient training forward of a batch (algorithm.logp_old = recompute, or the
+    """FLOPs of the training forward (no backward) of a batch (algorithm.logp_old = recompute, or the
     entropies of algorithm.top_entropy_quantile < 1; 0 = none: the sampler's log-probs)."""
     entropy_forward: bool = False
     """That forward gives algorithm.top_entropy_quantile its entropies."""

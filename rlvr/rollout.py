@@ -164,7 +164,8 @@ class Batch:
     """One Δ per response (for a process reward: the mean of its tokens' Δ; logged, see delta_tokens)."""
     logp_old: torch.Tensor             # (B, T) under the distribution sampled from
     """The ratio's denominator: the sampler's log-probs, or (algorithm.logp_old = recompute, or a
-    stale batch corrected by rlvr.distributed.staleness) a no-grad training forward's; see logp_old_version."""
+    stale batch corrected by rlvr.distributed.staleness) the learner's forward's (`training_logprobs`);
+    see logp_old_version."""
     logp_ref: torch.Tensor | None      # (B, T) under the reference (tempered, no nucleus), when the KL term is on
     version: int
     """Policy version that sampled these rows (number of updates applied before sampling)."""
@@ -181,7 +182,7 @@ class Batch:
     sampler_logp_absdiff and the IS weight's sampler_is_weight_mean / _max, sampler_is_truncated_frac,
     sampler_behav_ratio_min / _max. (The overlong penalty is in groups.per_reward.)"""
     logp_old_version: int | None = None
-    """The policy version whose no-grad training forward gave `logp_old` (the weights when it was
+    """The policy version whose training forward (`training_logprobs`) gave `logp_old` (the weights when it was
     computed); None: `logp_old` is the sampler's own, from version `version`."""
     loss_mask: torch.Tensor | None = None
     """(B, T) the tokens the loss reads, where fewer than the response mask (algorithm.mask_truncated:
@@ -250,8 +251,9 @@ def rollout(setup, policy: Policy, reference: Policy | None, examples_fn, *, ver
     5. Δ (`batch_delta`): the scheme on the (P, G) rewards (`learned`: R - V(S) with `value`, read
        before its own update), per-token Δ from a process reward's per-step scores, and with
        kl_in = "reward" the KL folded into a per-token Δ;
-    6. algorithm.logp_old = "recompute" (or `auto` with bf16 forwards, rlvr.run.logp_old_source): logp_old from a no-grad training forward of `policy` (run
-       before step 5, whose KL in the reward then reads it) and Δ per token times the truncated IS
+    6. algorithm.logp_old = "recompute" (or `auto` with bf16 forwards, rlvr.run.logp_old_source):
+       logp_old from the learner's forward of `policy` (`training_logprobs`; run before step 5,
+       whose KL in the reward then reads it) and Δ per token times the truncated IS
        weight min(π_train / π_sampler, is_cap) (`recompute_logp_old`).
 
     Every forward runs under the run's numerics (`setup.numerics`, model.autocast).
@@ -304,7 +306,7 @@ def rollout(setup, policy: Policy, reference: Policy | None, examples_fn, *, ver
         cost["flops"] += n_tok * fwd_flops
     recompute, pick = setup.recompute_logp_old, ac.top_entropy_quantile < 1
     train_fwd = None
-    if recompute or pick:  # one no-grad training forward serves both; before Δ: kl_in = "reward" reads it
+    if recompute or pick:  # one training forward (no backward) serves both; before Δ: kl_in = "reward" reads it
         train_fwd = training_logprobs(policy, groups.rollout, cfg, setup.numerics.context,
                                       full=recompute and ac.kl_in == "reward" and logp_ref is not None, entropy=pick)
         n_tok = forward_tokens(groups.rollout, G, shared)
@@ -415,7 +417,7 @@ def off_policy_correction(policy: Policy, batch: Batch, cfg, cap: float, autocas
     """(logp_old (B, T), Δ·w (B, T), the weight's figures) to learn `batch` from the current weights of
     `policy` when its rows were drawn from another distribution π_behav (`batch.logp_old`):
 
-        logp_old = log π_old(y_t)    one no-grad forward under the training numerics `autocast()`
+        logp_old = log π_old(y_t)    the learner's forward under `autocast()` (`training_logprobs`)
         w_t      = min(π_old(y_t) / π_behav(y_t), cap)       (rlvr.losses.truncated_is_weight)
         Δ_t      = batch.delta_rows (per row or per token) · w_t
 
@@ -432,7 +434,7 @@ def off_policy_correction(policy: Policy, batch: Batch, cfg, cap: float, autocas
 
 def recompute_logp_old(setup, policy: Policy, batch: Batch, policy_version: int,
                        logp_train: torch.Tensor | None = None) -> Batch:
-    """algorithm.logp_old = "recompute": `batch` with logp_old from a no-grad forward of `policy` (version
+    """algorithm.logp_old = "recompute": `batch` with logp_old from the learner's forward of `policy` (version
     `policy_version`) under the run's training numerics, and delta_tokens = Δ · min(π_train / π_sampler,
     algorithm.is_cap) per token (0 off the mask) (`off_policy_correction`). The first minibatch of the
     update then sees ratio exactly 1, and the tokens the sampler under-weighted are weighted up.

@@ -106,7 +106,8 @@ def logp_old_note(cfg: config_mod.Config, numerics: Numerics) -> str:
     if cfg.algorithm.logp_old != "auto":
         return ""
     if logp_old_source(cfg, numerics) == "recompute":
-        return "algorithm.logp_old = auto: the forwards run in bf16, where the sampler's log-probs are not the trainer's"
+        return ("algorithm.logp_old = auto: the forwards run in bf16, where the sampler's log-probs are not "
+                "the trainer's")
     return "algorithm.logp_old = auto: fp32 forwards, the sampler's log-probs are the trainer's to rounding"
 
 

@@ -11,7 +11,7 @@ gradient at π_behav, not at the current weights. The choice here is named
 **decoupled PPO with truncated importance sampling** (Hilton et al. 2021's decoupled objective,
 with the importance weight truncated as in Yao et al. 2025's TIS and IMPALA's V-trace):
 
-    π_old        = the learner's weights when the update starts (one no-grad forward, "proximal")
+    π_old        = the learner's weights when the update starts (one forward without a backward, "proximal")
     ratio_t      = π_θ(y_t) / π_old(y_t)                       clipped as usual (trust region)
     w_t          = min(π_old(y_t) / π_behav(y_t), C)           stop-gradient, C = distributed.is_cap
     loss_t       = w_t · ppo_clip(ratio_t, Δ)                  = ppo_clip(ratio_t, w_t · Δ), w_t ≥ 0
