@@ -205,18 +205,20 @@ class AlgorithmConfig:
     logp_old: Literal["auto", "sampler", "recompute"] = "auto"
     """Where logp_old (the ratio's denominator) comes from. `sampler`: the log-probs the sampler
     stored while decoding (no extra forward; equal to the training forward's up to float rounding
-    when both run in fp32, so the first minibatch's ratio is 1 to ~1e-6). `recompute`: the
-    learner's own forward of the policy before the update (gradient enabled and dropped, over the
-    learner's micro-batch parts) gives logp_old (the first minibatch's ratio is exactly 1 with
+    when both run in fp32, so the first minibatch's ratio is 1 to ~1e-6). `recompute`: logp_old is
+    the learner's own log-prob at π_old (the first minibatch's ratio is exactly 1 with
     train.minibatches = 1), and each token's Δ is multiplied by the truncated importance weight
     w = min(π_train / π_sampler, is_cap), which corrects for sampling from a slightly different
-    distribution than the one trained (bf16 autocast, or a separate inference engine); it costs one
-    forward per batch (in the price). `auto` (the default): `recompute` when the policy's forwards
-    run in bf16 (model.autocast = bf16, or auto choosing it; model.dtype = bf16), where the
-    sampler's one-token decode steps and the training forward's whole-sequence products round
-    differently (SmolLM2-135M on a CPU with AMX: 0.0076 mean |logp_sampler - logp_train|, 0.30 on
-    one token, and 0.15% of the first minibatch's tokens clipped on that noise alone); `sampler` in
-    fp32. The price says which was taken and why; train/sampler_logp_absdiff shows the gap every step."""
+    distribution than the one trained (bf16 autocast, or a separate inference engine). With
+    train.minibatches = 1 the learner's first forward gives it, detached, at no cost; otherwise
+    (and with top_entropy_quantile < 1, kl_in = reward, or distributed.max_staleness > 0) the
+    rollout stage runs that forward before the update, one more forward per batch (in the price).
+    `auto` (the default): `recompute` when the policy's forwards run in bf16 (model.autocast = bf16,
+    or auto choosing it; model.dtype = bf16), where the sampler's one-token decode steps and the
+    training forward's whole-sequence products round differently (SmolLM2-135M on a CPU with AMX:
+    0.0076 mean |logp_sampler - logp_train|, 0.30 on one token, and 0.15% of the first minibatch's
+    tokens clipped on that noise alone); `sampler` in fp32. The price says which was taken and why;
+    train/sampler_logp_absdiff shows the gap every step."""
     is_cap: float = 2.0
     """Cap C of the truncated importance weight min(π_train / π_sampler, C) of logp_old = recompute
     (>= 1; a token whose probability the trainer puts higher than the sampler did counts at most C times)."""

@@ -260,6 +260,8 @@ class Price:
     """That forward gives algorithm.top_entropy_quantile its entropies."""
     logp_old_recomputed: bool = False
     """That forward gives logp_old (algorithm.logp_old = recompute, or auto with bf16 forwards)."""
+    logp_old_from_learner: bool = False
+    """logp_old is the learner's own first forward, detached (rlvr.run.logp_old_in_learn): no forward of its own."""
     logp_old_note: str = ""
     """Why algorithm.logp_old = auto took the source it did ("" when it was set)."""
     numerics: str = ""
@@ -316,7 +318,9 @@ class Price:
                 if self.entropy_forward and not self.logp_old_recomputed else "recomputed under the training numerics"
                 + (", with the entropies for top_entropy_quantile" if self.entropy_forward else ""))
         logp_old = (f"{self.flops_logp_old_per_batch:.3g} FLOP, {what}"
-                    if self.forward_tokens_logp_old_per_batch else "stored from the sampler")
+                    if self.forward_tokens_logp_old_per_batch else
+                    "the learner's first forward, detached" if self.logp_old_from_learner else
+                    "stored from the sampler")
         if self.logp_old_note:
             logp_old += f"; {self.logp_old_note}"
         return [
@@ -457,6 +461,7 @@ def price(
     export_copy: bool = False,
     recompute_logp_old: bool = False,
     logp_old_note: str = "",
+    logp_old_from_learner: bool = False,
     entropy_forward: bool = False,
     numerics: str = "",
     matmul_kind: str = "fp32",
@@ -475,7 +480,9 @@ def price(
     `shape` (with `baseline_bytes`, `logprob_chunk_rows`, `eval_rows` rows decoded together in evaluation,
     `export_copy` when export merges LoRA into a copy, `weight_copy_bytes` the bf16 weight copies of a
     forward) adds the predicted memory peak (`memory`; else 0). `recompute_logp_old` (algorithm.logp_old
-    = recompute, or auto with bf16 forwards; `logp_old_note` says why auto chose) adds one log-prob forward per batch, as does `entropy_forward` (the entropies of
+    = recompute, or auto with bf16 forwards; `logp_old_note` says why auto chose;
+    `logp_old_from_learner`: the learner's first forward gives it, none is added) adds one log-prob
+    forward per batch, as does `entropy_forward` (the entropies of
     algorithm.top_entropy_quantile; one forward serves both); `numerics` is the model.autocast line and
     `matmul_kind` what `matmul_flops_per_s` measures ("fp32", or "bf16 autocast"). `decode_step_s`
     (one decode step of the P x G rows, measured) gives the expected wall time (`expected_wall_seconds`).
@@ -520,5 +527,6 @@ def price(
         wall_seconds_estimate=flops_per_run / matmul_flops_per_s if matmul_flops_per_s > 0 else 0.0,
         decode_step_s=float(decode_step_s) if expected else 0.0, wall_seconds_expected=expected,
         flops_logp_old_per_batch=float(old_fwd * fwd), entropy_forward=entropy_forward,
-        logp_old_recomputed=recompute_logp_old, logp_old_note=logp_old_note, numerics=numerics, matmul_kind=matmul_kind, tool_calls=tool_calls,
+        logp_old_recomputed=recompute_logp_old, logp_old_note=logp_old_note,
+        logp_old_from_learner=logp_old_from_learner, numerics=numerics, matmul_kind=matmul_kind, tool_calls=tool_calls,
         **extra)

@@ -84,8 +84,8 @@ def minibatch_rows(learner: Learner, n_groups: int, G: int) -> list[torch.Tensor
     return [(g[:, None] * G + torch.arange(G, device=gen.device)).reshape(-1) for g in order.chunk(tc.minibatches)]
 
 
-def minibatch_loss(learner: Learner, batch: Batch, idx: torch.Tensor, delta_rows: torch.Tensor
-                   ) -> tuple[torch.Tensor, dict]:
+def minibatch_loss(learner: Learner, batch: Batch, idx: torch.Tensor, delta_rows: torch.Tensor,
+                   keep: dict | None = None) -> tuple[torch.Tensor, dict]:
     """Step 6 on the rows `idx`: recompute logp (under `learner.autocast()`; the log-softmax in
     float32), ratio against logp_old, the objective with Δ, then
 
@@ -96,7 +96,13 @@ def minibatch_loss(learner: Learner, batch: Batch, idx: torch.Tensor, delta_rows
     is; the policy's side comes from the same forward as logp), so it is 0 at π = π_ref whatever
     the nucleus (top_p, top_k, min_p). With kl_in = "reward" the KL is already in Δ (rlvr.rollout)
     and only logged here.
-    `delta_rows` is (B,) or (B, T)."""
+    `delta_rows` is (B,) or (B, T).
+
+    With `batch.logp_old_pending` (the first pass, at π_old; rlvr.run.logp_old_in_learn) this
+    forward's own log-probs, detached, are logp_old (ratio exactly 1) and Δ is weighed per token by
+    min(π_train / π_sampler, algorithm.is_cap) against the sampler's (`batch.logp_old`), as
+    algorithm.logp_old = recompute weighs it in the rollout stage; `keep` {"logp_old", "delta"}, two
+    (B, T) tensors, receives both at rows `idx` for the later passes."""
     cfg = learner.cfg
     ac, sc, G = cfg.algorithm, cfg.sampling, cfg.train.samples_per_prompt
     sub = batch.rollout.select(idx)
@@ -110,9 +116,17 @@ def minibatch_loss(learner: Learner, batch: Batch, idx: torch.Tensor, delta_rows
     logp = out if isinstance(out, torch.Tensor) else out.logp                          # (B', T)
     m = sub.mask.bool()                                                                # (B', T)
     absdiff = (logp.detach() - batch.logp_old[idx]).abs()[m].mean() if m.any() else torch.zeros(())
+    logp_old, delta, sampler = batch.logp_old[idx], delta_rows[idx], {}
+    if batch.logp_old_pending:               # π = π_old: this forward is the learner's logp_old
+        logp_old = logp.detach()
+        w, w_stats = losses.truncated_is_weight(logp_old, batch.logp_old[idx], sub.mask, ac.is_cap)   # (B', T)
+        delta = (delta.unsqueeze(1) if delta.dim() == 1 else delta) * w * sub.mask.to(w.dtype)
+        sampler = {f"sampler_{k}": v for k, v in w_stats.items()}
+        if keep is not None:
+            keep["logp_old"][idx], keep["delta"][idx] = logp_old, delta
     mask = batch.train_mask[idx]               # (B', T) the tokens the loss reads (algorithm.mask_truncated)
     loss, stats = losses.policy_loss(
-        logp, batch.logp_old[idx], delta_rows[idx], mask, clip_eps=ac.clip_eps,
+        logp, logp_old, delta, mask, clip_eps=ac.clip_eps,
         clip_eps_high=ac.clip_eps_high or None, level=ac.ratio_level, agg=ac.agg, max_len=learner.max_len,
         objective=ac.objective, dual_clip_c=ac.dual_clip_c or None,
     )
@@ -128,11 +142,11 @@ def minibatch_loss(learner: Learner, batch: Batch, idx: torch.Tensor, delta_rows
         loss = loss - ac.entropy_coef * bonus
         stats["policy_entropy"] = bonus.item()
     stats["logp_old_absdiff"] = float(absdiff)   # mean |logp - logp_old|; learn reports the first minibatch's
-    return loss, stats
+    return loss, {**stats, **sampler}
 
 
 def accumulate(learner: Learner, batch: Batch, rows: torch.Tensor, delta_rows: torch.Tensor,
-               scale: float = 1.0, group: bool = False) -> dict:
+               scale: float = 1.0, group: bool = False, keep: dict | None = None) -> dict:
     """The backward of step 6 on `rows` into the parameters' gradients, in `train.micro_batches` parts
     of whole groups: each part's forward and backward in turn, so one part's activations and logits
     are alive at a time. A part's loss is weighted by its share of the aggregation's denominator
@@ -147,7 +161,7 @@ def accumulate(learner: Learner, batch: Batch, rows: torch.Tensor, delta_rows: t
     run without the all-reduce (`no_sync`), which then averages the accumulated gradients once.
 
     Returns the statistics of the whole rows: "loss" and the others as means weighted the same way,
-    *_min / *_max over the parts."""
+    *_min / *_max over the parts. `keep`: minibatch_loss's, filled by the parts that count (weight > 0)."""
     agg, mask, G = learner.cfg.algorithm.agg, batch.train_mask, learner.cfg.train.samples_per_prompt
     n = learner.cfg.train.micro_batches
     parts = micro_rows(rows, G, n)
@@ -160,7 +174,7 @@ def accumulate(learner: Learner, batch: Batch, rows: torch.Tensor, delta_rows: t
     for i, (part, w) in enumerate(zip(parts, weights)):
         local = no_sync is not None and i < len(parts) - 1
         with learner.policy.no_sync() if local else contextlib.nullcontext():
-            loss, stats = minibatch_loss(learner, batch, part, delta_rows)
+            loss, stats = minibatch_loss(learner, batch, part, delta_rows, keep if w > 0 else None)
             (loss * (w * scale) if w * scale != 1.0 else loss).backward()
         stats["loss"] = loss.item()
         for key, v in stats.items():
@@ -177,7 +191,10 @@ def learn(learner: Learner, batch: Batch, *, delta_rows: torch.Tensor | None = N
     ratio (π = π_old there: 1 up to rounding), the last learning rate and the tokens and FLOPs computed.
     When logp_old is the sampler's own (`batch.logp_old_version` None), also sampler_logp_absdiff:
     the first minibatch's mean |logp_sampler - logp_train| over generated tokens, the two passes'
-    disagreement at equal weights (with logp_old recomputed, the rollout stage reports it).
+    disagreement at equal weights (with logp_old recomputed, the rollout stage reports it). With
+    `batch.logp_old_pending` (train.minibatches = 1) the first pass's forwards give logp_old and the
+    IS-weighted Δ (`minibatch_loss`), which the later passes (train.epochs_per_batch > 1) reuse; the
+    weight's figures are reported as sampler_is_weight_mean and the rest, as the rollout stage would.
 
     `delta_rows`: (B,) or (B, T) Δ to use instead of `batch.delta_rows` (rlvr.distributed.staleness
     passes Δ times a truncated importance weight). `shard`: this process's rank of a learner group
@@ -196,11 +213,16 @@ def learn(learner: Learner, batch: Batch, *, delta_rows: torch.Tensor | None = N
     policy.train()
     acc: dict[str, float] = {}
     first_ratio, first_absdiff, lr_used, n_mb, trained, skipped = 1.0, 0.0, 0.0, 0, 0, 0
+    sampler_logp_old, first_sampler = batch.logp_old_version is None, {}
+    keep = None
+    if batch.logp_old_pending:   # the first pass fills these; later passes read them
+        keep = {"logp_old": batch.logp_old.clone(), "delta": torch.zeros_like(batch.logp_old)}
     for _epoch in range(tc.epochs_per_batch):
         for idx in minibatch_rows(learner, len(batch.groups.examples), G):
             mine, scale = (idx, None) if shard is None else shard.rows(idx, G, batch.train_mask, cfg.algorithm.agg)
             learner.opt.zero_grad(set_to_none=True)
-            stats = accumulate(view, batch, mine, delta_rows, 1.0 if scale is None else scale, group=shard is not None)
+            stats = accumulate(view, batch, mine, delta_rows, 1.0 if scale is None else scale, group=shard is not None,
+                               keep=keep)
             gnorm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
             if shard is not None:  # the whole minibatch's figures, the same on every rank
                 stats = shard.reduce(stats)
@@ -213,12 +235,17 @@ def learn(learner: Learner, batch: Batch, *, delta_rows: torch.Tensor | None = N
             trained += forward_tokens(batch.rollout.select(idx), G, shared)
             stats["grad_norm"] = float(gnorm)
             absdiff = stats.pop("logp_old_absdiff")
+            if keep is not None:  # logp_old and Δ·w of the first pass, for the passes after it
+                first_sampler = {k: stats.pop(k) for k in list(stats) if k.startswith("sampler_")}
+                batch = dataclasses.replace(batch, logp_old=keep["logp_old"], delta_tokens=keep["delta"],
+                                            logp_old_pending=False, logp_old_version=batch.version)
+                delta_rows, keep = batch.delta_rows, None
             for k, v in stats.items():
                 acc[k] = acc.get(k, 0.0) + v
             if n_mb == 0:  # the first optimizer step of a batch sees π = π_old: ratio 1
                 first_ratio, first_absdiff = stats["ratio_mean"], absdiff
             n_mb += 1
-    sampler = {"sampler_logp_absdiff": first_absdiff} if batch.logp_old_version is None else {}
+    sampler = {"sampler_logp_absdiff": first_absdiff, **first_sampler} if sampler_logp_old else {}
     return {**{k: v / n_mb for k, v in acc.items()}, "first_step_ratio_mean": first_ratio, "lr": lr_used,
             "optimizer_steps": n_mb, "skipped_updates": skipped, "trained_tokens": trained,
             "flops": trained * train_flops, **sampler}

@@ -19,7 +19,7 @@ import torch
 from rlvr import advantages, costs, losses, sampling, tools
 from rlvr.policy import Policy, Tokenizer
 from rlvr.rewards import goal_hits, score_batch, steps_of
-from rlvr.run import Limits, RunError
+from rlvr.run import Limits, RunError, logp_old_in_learn
 from rlvr.tasks import Task, weighted_rewards
 from rlvr.tokenizer import encode_example
 from rlvr.value import LearnedBaseline
@@ -187,6 +187,9 @@ class Batch:
     loss_mask: torch.Tensor | None = None
     """(B, T) the tokens the loss reads, where fewer than the response mask (algorithm.mask_truncated:
     0 on rows cut at the length bound); None: `rollout.mask`."""
+    logp_old_pending: bool = False
+    """`logp_old` is still the sampler's, and the learn stage's first forward gives the learner's
+    (rlvr.run.logp_old_in_learn) with Δ times min(π_train / π_sampler, is_cap) (rlvr.learn.minibatch_loss)."""
 
     @property
     def train_mask(self) -> torch.Tensor:
@@ -252,9 +255,10 @@ def rollout(setup, policy: Policy, reference: Policy | None, examples_fn, *, ver
        before its own update), per-token Δ from a process reward's per-step scores, and with
        kl_in = "reward" the KL folded into a per-token Δ;
     6. algorithm.logp_old = "recompute" (or `auto` with bf16 forwards, rlvr.run.logp_old_source):
-       logp_old from the learner's forward of `policy` (`training_logprobs`; run before step 5,
-       whose KL in the reward then reads it) and Δ per token times the truncated IS
-       weight min(π_train / π_sampler, is_cap) (`recompute_logp_old`).
+       with train.minibatches = 1 the learn stage's first forward gives it (`logp_old_pending`,
+       rlvr.run.logp_old_in_learn); else logp_old from the learner's forward of `policy`
+       (`training_logprobs`; run before step 5, whose KL in the reward then reads it), and Δ per
+       token times the truncated IS weight min(π_train / π_sampler, is_cap) (`recompute_logp_old`).
 
     Every forward runs under the run's numerics (`setup.numerics`, model.autocast).
     `sampler(examples) -> Groups` replaces step 1-2's in-process sampling and scoring (rlvr.distributed:
@@ -305,6 +309,8 @@ def rollout(setup, policy: Policy, reference: Policy | None, examples_fn, *, ver
         cost["forward_tokens"] += n_tok
         cost["flops"] += n_tok * fwd_flops
     recompute, pick = setup.recompute_logp_old, ac.top_entropy_quantile < 1
+    in_learn = recompute and logp_old_in_learn(cfg) and (policy_version is None or policy_version == version)
+    recompute = recompute and not in_learn            # the learn stage's first forward gives it (no extra one)
     train_fwd = None
     if recompute or pick:  # one training forward (no backward) serves both; before Δ: kl_in = "reward" reads it
         train_fwd = training_logprobs(policy, groups.rollout, cfg, setup.numerics.context,
@@ -314,7 +320,8 @@ def rollout(setup, policy: Policy, reference: Policy | None, examples_fn, *, ver
         cost["flops"] += n_tok * fwd_flops
     delta, delta_tokens, stats = batch_delta(setup, groups, logp_ref, value,
                                              logp_full=train_fwd.logp_full if recompute else None)
-    batch = Batch(groups, parts, delta, logp_old, logp_ref, version, sample_s, cost, delta_tokens, stats)
+    batch = Batch(groups, parts, delta, logp_old, logp_ref, version, sample_s, cost, delta_tokens, stats,
+                  logp_old_pending=in_learn)
     if recompute:
         batch = recompute_logp_old(setup, policy, batch, version if policy_version is None else policy_version,
                                    logp_train=train_fwd.logp)

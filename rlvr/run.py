@@ -80,8 +80,13 @@ class Setup:
 
     @property
     def recompute_logp_old(self) -> bool:
-        """Whether logp_old comes from a no-grad training forward (`logp_old_source`)."""
+        """Whether logp_old comes from the learner's forward rather than the sampler (`logp_old_source`)."""
         return logp_old_source(self.cfg, self.numerics) == "recompute"
+
+    @property
+    def logp_old_from_learner(self) -> bool:
+        """Whether that forward is the learn stage's own first one (`logp_old_in_learn`): no extra forward."""
+        return self.recompute_logp_old and logp_old_in_learn(self.cfg)
 
 
 def bf16_forwards(cfg: config_mod.Config, numerics: Numerics) -> bool:
@@ -99,6 +104,20 @@ def logp_old_source(cfg: config_mod.Config, numerics: Numerics) -> str:
     if asked != "auto":
         return asked
     return "recompute" if bf16_forwards(cfg, numerics) else "sampler"
+
+
+def logp_old_in_learn(cfg: config_mod.Config) -> bool:
+    """Whether a recomputed logp_old is the learn stage's own first forward, detached, rather than a
+    forward of the rollout stage's: with train.minibatches = 1 the first pass computes every row at
+    π_old, before any update, so its log-probs are π_old's as the learner computes them (ratio
+    exactly 1, as TRL takes `old_per_token_logps` when it updates once) and the batch costs no extra
+    forward. The rollout stage still runs one where it needs the numbers before Δ
+    (algorithm.top_entropy_quantile < 1, algorithm.kl_in = "reward" with a KL) and for rows sampled
+    by older weights (distributed.max_staleness > 0; rlvr.distributed.staleness)."""
+    ac = cfg.algorithm
+    kl_in_reward = ac.kl_in == "reward" and ac.kl_coef > 0
+    return (cfg.train.minibatches == 1 and ac.top_entropy_quantile >= 1 and not kl_in_reward
+            and cfg.distributed.max_staleness == 0)
 
 
 def logp_old_note(cfg: config_mod.Config, numerics: Numerics) -> str:
@@ -621,8 +640,8 @@ def price_of(setup: Setup, rate: float | None = None, decode_s: float | None = N
         decode_step_s=decode_step_seconds(setup) if decode_s is None else decode_s,
         shape=model_shape(model) if on_cpu else None, baseline_bytes=baseline,
         logprob_chunk_rows=cfg.model.logprob_chunk_rows, eval_rows=eval_rows(setup),
-        export_copy=model.has_adapter, recompute_logp_old=setup.recompute_logp_old,
-        logp_old_note=logp_old_note(cfg, setup.numerics),
+        export_copy=model.has_adapter, recompute_logp_old=setup.recompute_logp_old and not setup.logp_old_from_learner,
+        logp_old_from_learner=setup.logp_old_from_learner, logp_old_note=logp_old_note(cfg, setup.numerics),
         entropy_forward=cfg.algorithm.top_entropy_quantile < 1,
         numerics=setup.numerics.describe(), tool_calls=setup.limits.tool_calls,
         weight_copy_bytes=2 * model.num_params() if on_cpu and setup.numerics.bf16 else 0,

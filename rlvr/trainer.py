@@ -33,8 +33,9 @@ Departures from the GRPO paper, each a config field:
   2. In fp32, logp_old is the sampler's own log-prob (same model code, same distribution) rather
      than a fresh forward pass; the two agree to float rounding, which a test checks. Under bf16
      (`model.autocast`, `model.dtype`) they differ by more, so `algorithm.logp_old = "auto"` (the
-     default) then takes logp_old from a training forward (as `recompute` does always) and weighs Δ
-     by min(π_train / π_sampler, algorithm.is_cap).
+     default) then takes logp_old from the learner's own forward (as `recompute` does always; with
+     one minibatch its first forward, detached, as TRL does when it updates once) and weighs Δ by
+     min(π_train / π_sampler, algorithm.is_cap).
 """
 
 from __future__ import annotations

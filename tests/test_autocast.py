@@ -222,7 +222,8 @@ def test_evaluation_samples_under_the_numerics_it_is_given():
 
 @pytest.mark.parametrize("family", ["builtin", "llama"])
 def test_recompute_gives_the_training_forwards_logp_old_and_a_first_ratio_of_exactly_1(request, family):
-    extra = ["--model.autocast=bf16", "--algorithm.logp_old=recompute"]
+    # two minibatches: the rollout stage's forward gives logp_old (with one, the learner's first does)
+    extra = ["--model.autocast=bf16", "--algorithm.logp_old=recompute", "--train.minibatches=2"]
     if family == "llama":
         extra += [f"--model.path={request.getfixturevalue('llama_dir')}", "--model.share_prompt_forward=true"]
     cfg = config_mod.load(EXAMPLE, [x for x in TINY if family == "builtin" or not x.startswith("--model.n_")] + extra)
@@ -249,7 +250,8 @@ def test_recompute_runs_the_learners_forward_on_the_learners_parts(monkeypatch):
         seen.append((roll.ids.size(0), torch.is_grad_enabled(), model.training))
         return real(model, roll, **kw)
 
-    setup = tiny_setup("--model.autocast=bf16", "--train.micro_batches=2")       # logp_old = auto: recompute
+    setup = tiny_setup("--model.autocast=bf16", "--train.micro_batches=2",     # logp_old = auto: recompute,
+                       "--algorithm.top_entropy_quantile=0.5")                  # in the rollout stage
     monkeypatch.setattr(sampling, "sequence_token_logprobs", spy)
     batch = sample(setup)
     assert seen == [(8, True, True), (8, True, True)] and batch.logp_old_version == 0
@@ -276,12 +278,15 @@ def test_sampler_logp_absdiff_is_the_gap_between_sampler_and_trainer():
     want = float((train - lowered.logp_old).abs()[lowered.rollout.mask.bool()].mean())
     assert want == pytest.approx(0.25, abs=1e-3)
     assert learn(new_learner(setup), lowered)["sampler_logp_absdiff"] == pytest.approx(want, rel=1e-5)
-    setup = tiny_setup("--model.autocast=bf16", "--algorithm.logp_old=recompute")
-    again = sample(setup, sampler=lower_engine(setup, 0.25))
-    assert again.stats["sampler_logp_absdiff"] == pytest.approx(want, rel=1e-5)
-    # π_train / π_sampler = e^0.25 = 1.284 on every token, under the cap of 2
-    assert again.stats["sampler_is_weight_mean"] == pytest.approx(math.exp(0.25), rel=1e-3)
-    assert again.stats["sampler_is_truncated_frac"] == 0.0
+    for minibatches in (2, 1):   # recompute in the rollout stage, then from the learner's first forward
+        setup = tiny_setup("--model.autocast=bf16", "--algorithm.logp_old=recompute",
+                           f"--train.minibatches={minibatches}")
+        again = sample(setup, sampler=lower_engine(setup, 0.25))
+        got = again.stats if minibatches == 2 else learn(new_learner(setup), again)
+        assert got["sampler_logp_absdiff"] == pytest.approx(want, rel=1e-5)
+        # π_train / π_sampler = e^0.25 = 1.284 on every token, under the cap of 2
+        assert got["sampler_is_weight_mean"] == pytest.approx(math.exp(0.25), rel=1e-3)
+        assert got["sampler_is_truncated_frac"] == 0.0
 
 
 def test_the_is_weight_folds_into_delta_by_hand(monkeypatch):
@@ -360,24 +365,70 @@ def test_auto_recomputes_logp_old_where_the_forwards_run_in_bf16(asked, bf16, pa
 
 
 @pytest.mark.parametrize("autocast", ["bf16", "off"])
-def test_the_default_logp_old_reaches_the_rollout_and_the_price(autocast):
-    """`auto`, the default: under bf16 the batch's logp_old is the training forward's, bit for bit, at
-    the policy's version, and the price counts that forward and says why; in fp32 the sampler's own
-    log-probs are kept and no forward is priced."""
+def test_the_default_logp_old_reaches_the_update_and_the_price(autocast):
+    """`auto`, the default: under bf16 (train.minibatches = 1) the batch leaves the rollout stage with
+    the sampler's log-probs and no extra forward, the learner's first forward gives logp_old (ratio
+    exactly 1) and the sampler's gap, and the price says so; with two minibatches the rollout stage
+    computes it and the price counts that forward. In fp32 the sampler's own log-probs are kept."""
     setup = tiny_setup(f"--model.autocast={autocast}")
     assert setup.cfg.algorithm.logp_old == "auto"
     batch = sample(setup)
+    sampled = batch.cost["forward_tokens"]
     price = run.price_of(setup, rate=1e9, decode_s=1e-3)
+    assert torch.equal(batch.logp_old, batch.rollout.logp) and batch.logp_old_version is None
+    assert batch.logp_old_pending is (autocast == "bf16") and price.forward_tokens_logp_old_per_batch == 0
+    stats = learn(new_learner(setup), batch)
+    assert stats["first_step_ratio_mean"] == (1.0 if autocast == "bf16" else pytest.approx(1.0, abs=1e-5))
+    assert ("sampler_is_weight_mean" in stats) is (autocast == "bf16") and "sampler_logp_absdiff" in stats
     if autocast == "bf16":
-        assert torch.equal(batch.logp_old, training_forward_logp(setup, batch.rollout)) and batch.logp_old_version == 0
-        assert learn(new_learner(setup), batch)["first_step_ratio_mean"] == 1.0
+        assert price.logp_old_from_learner and not price.logp_old_recomputed
+        assert ("logp_old 0 (the learner's first forward, detached; algorithm.logp_old = auto: the forwards run "
+                "in bf16") in price.lines()[2]
+        two = tiny_setup("--model.autocast=bf16", "--train.minibatches=2")
+        again, price = sample(two), run.price_of(two, rate=1e9, decode_s=1e-3)
+        assert not again.logp_old_pending and again.logp_old_version == 0 and again.cost["forward_tokens"] > sampled
         assert price.forward_tokens_logp_old_per_batch > 0 and price.logp_old_recomputed
         assert "recomputed under the training numerics; algorithm.logp_old = auto: the forwards run in bf16" in \
             price.lines()[2]
     else:
-        assert torch.equal(batch.logp_old, batch.rollout.logp) and batch.logp_old_version is None
-        assert price.forward_tokens_logp_old_per_batch == 0 and not price.logp_old_recomputed
+        assert not price.logp_old_recomputed and not price.logp_old_from_learner
         assert "logp_old 0 (stored from the sampler; algorithm.logp_old = auto: fp32 forwards" in price.lines()[2]
+
+
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_logp_old_from_the_learners_first_forward_is_the_rollout_stages_recompute(epochs):
+    """An engine 0.25 lower on every token, recompute: logp_old and Δ·w taken from the learner's first
+    forward (and kept for the second pass) make the same update, bit for bit, as the rollout stage's
+    forward over the same rows (`recompute_logp_old`), with the same weight figures."""
+    after, figures = [], []
+    for deferred in (True, False):
+        setup = tiny_setup("--model.autocast=bf16", "--algorithm.logp_old=recompute",
+                           f"--train.epochs_per_batch={epochs}")
+        batch = sample(setup, sampler=lower_engine(setup, 0.25))
+        assert batch.logp_old_pending
+        if not deferred:
+            batch = recompute_logp_old(setup, setup.model, dataclasses.replace(batch, logp_old_pending=False), 0)
+        stats = learn(new_learner(setup), batch)
+        after.append(torch.cat([p.detach().reshape(-1) for p in setup.model.parameters()]))
+        figures.append(stats if deferred else batch.stats)
+        assert stats["first_step_ratio_mean"] == 1.0 and stats["optimizer_steps"] == epochs
+    assert torch.equal(after[0], after[1])
+    for key in ("sampler_is_weight_mean", "sampler_is_weight_max", "sampler_behav_ratio_min"):
+        assert figures[0][key] == pytest.approx(figures[1][key], rel=1e-6)
+    assert figures[0]["sampler_is_weight_mean"] == pytest.approx(math.exp(0.25), rel=1e-3)
+
+
+@pytest.mark.parametrize("extra, want", [
+    ([], True),
+    (["--train.minibatches=2"], False),                      # minibatch 2's first forward comes after an update
+    (["--algorithm.top_entropy_quantile=0.5"], False),       # Δ needs the entropies before the update
+    (["--algorithm.kl_coef=0.1", "--algorithm.kl_in=reward"], False),   # and the KL charged in the reward
+    (["--algorithm.kl_coef=0.1"], True),
+    (["--distributed.rollout_workers=1", "--distributed.max_staleness=1"], False),   # rows from older weights
+    (["--train.epochs_per_batch=3", "--train.micro_batches=2"], True),
+])
+def test_where_the_learners_first_forward_gives_logp_old(extra, want):
+    assert run.logp_old_in_learn(config_mod.load(EXAMPLE, TINY + extra)) is want
 
 
 def test_a_recomputed_stale_batch_is_not_corrected_twice():
@@ -467,13 +518,16 @@ def record_eval_autocast(monkeypatch, module=None) -> list[bool]:
     return seen
 
 
-def test_train_with_bf16_and_recompute_from_the_command_line(tmp_path, monkeypatch):
+@pytest.mark.parametrize("minibatches", [1, 2])
+def test_train_with_bf16_and_recompute_from_the_command_line(tmp_path, monkeypatch, minibatches):
+    """One minibatch: the learner's first forward gives logp_old (no forward priced); two: the
+    rollout stage's forward does (priced). Both log the sampler's gap and the weight."""
     from rlvr import cli
 
     eval_autocast = record_eval_autocast(monkeypatch)
     out = tmp_path / "run"
     rc = cli.main(["train", str(EXAMPLE), "--out", str(out), *TINY, "--train.steps=2", "--model.autocast=bf16",
-                   "--algorithm.logp_old=recompute"])
+                   "--algorithm.logp_old=recompute", f"--train.minibatches={minibatches}"])
     assert rc == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in rows if "train/reward" in r]
@@ -488,7 +542,8 @@ def test_train_with_bf16_and_recompute_from_the_command_line(tmp_path, monkeypat
                                  "fp32 here)")                  # the suite's stand-in timings: equal
     summary = json.loads((out / "summary.json").read_text())
     assert summary["cost/forward_tokens"] == summary["price"]["forward_tokens_per_run"]   # the extra forward, priced
-    assert price["forward_tokens_logp_old_per_batch"] > 0
+    assert (price["forward_tokens_logp_old_per_batch"] > 0) is (minibatches == 2)
+    assert price["logp_old_from_learner"] is (minibatches == 1)
 
 
 def test_the_actors_get_the_choice_not_the_question(monkeypatch):

@@ -125,18 +125,24 @@ def test_trains_saves_and_exports_the_tied_model(tmp_path, model_dir, lora, caps
     assert json.loads((out / "summary.json").read_text())["steps"] == 3
 
 
-def test_under_bf16_the_first_ratio_is_exactly_1_at_real_shapes(tmp_path, model_dir):
+@pytest.mark.parametrize("extra, in_rollout", [
+    ([], False), (["--train.micro_batches=2"], False), (["--algorithm.top_entropy_quantile=0.5"], True),
+    (["--algorithm.top_entropy_quantile=0.5", "--train.micro_batches=2"], True),
+])
+def test_under_bf16_the_first_ratio_is_exactly_1_at_real_shapes(tmp_path, model_dir, extra, in_rollout):
     """bf16 autocast with LoRA at these shapes, `algorithm.logp_old` left at auto: logp_old is the
-    learner's own forward (recomputed with gradient enabled, the learner's code path), so the first
-    minibatch's ratio is 1 to the last bit, with one micro-batch and with two; the sampler's gap to it
-    is logged, and the price counts the forward."""
-    for micro in (1, 2):
-        out = tmp_path / f"run{micro}"
-        assert cli.main(["train", "examples/sort.toml", "--out", str(out), f"--model.path={model_dir}", *ARITH,
-                         "--model.lora_r=4", "--model.autocast=bf16", f"--train.micro_batches={micro}"]) == 0
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-        steps = [r for r in rows if "train/reward" in r]
-        assert len(steps) == 2
-        assert all(r["train/first_step_ratio_mean"] == 1.0 and r["train/sampler_logp_absdiff"] >= 0 for r in steps)
-        price = json.loads((out / "price.json").read_text())
-        assert price["logp_old_recomputed"] and price["forward_tokens_logp_old_per_batch"] > 0
+    learner's own forward, so the first minibatch's ratio is 1 to the last bit, with one micro-batch
+    and with two: the learner's first forward itself, or (where Δ needs it first: top_entropy_quantile)
+    the rollout stage's run as the learner's (gradient enabled, its parts; a no-gradient forward
+    gives the sampler's numbers here, not the learner's). The sampler's gap is logged; the price
+    counts the rollout stage's forward."""
+    out = tmp_path / "run"
+    assert cli.main(["train", "examples/sort.toml", "--out", str(out), f"--model.path={model_dir}", *ARITH,
+                     "--model.lora_r=4", "--model.autocast=bf16", *extra]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if "train/reward" in r]
+    assert len(steps) == 2
+    assert all(r["train/first_step_ratio_mean"] == 1.0 and r["train/sampler_logp_absdiff"] >= 0 for r in steps)
+    price = json.loads((out / "price.json").read_text())
+    assert price["logp_old_recomputed"] is in_rollout and price["logp_old_from_learner"] is not in_rollout
+    assert (price["forward_tokens_logp_old_per_batch"] > 0) is in_rollout

@@ -386,7 +386,8 @@ def test_micro_batches_accumulate_the_whole_minibatch_gradient(agg, monkeypatch)
     assert len(set(tokens_per_group)) > 1, tokens_per_group
     calls = []
     real = rlvr.learn.minibatch_loss
-    monkeypatch.setattr(rlvr.learn, "minibatch_loss", lambda lrn, b, idx, d: calls.append(len(idx)) or real(lrn, b, idx, d))
+    monkeypatch.setattr(rlvr.learn, "minibatch_loss",
+                        lambda lrn, b, idx, d, *keep: calls.append(len(idx)) or real(lrn, b, idx, d, *keep))
     grads, stats = {}, {}
     for k in (1, 2, 4):
         policy = copy.deepcopy(model)
