@@ -261,7 +261,9 @@ class Price:
     logp_old_recomputed: bool = False
     """That forward gives logp_old (algorithm.logp_old = recompute, or auto with bf16 forwards)."""
     logp_old_from_learner: bool = False
-    """logp_old is the learner's own first forward, detached (rlvr.run.logp_old_in_learn): no forward of its own."""
+    """logp_old is the learner's own forwards, detached (rlvr.run.logp_old_in_learn): no forward of its
+    own with one minibatch; with more, the minibatches after the first run theirs before the first
+    update (rlvr.learn.prepass_logp_old, priced in forward_tokens_logp_old_per_batch)."""
     logp_old_note: str = ""
     """Why algorithm.logp_old = auto took the source it did ("" when it was set)."""
     numerics: str = ""
@@ -317,7 +319,10 @@ class Price:
         what = ("its entropies for top_entropy_quantile, logp_old stored from the sampler"
                 if self.entropy_forward and not self.logp_old_recomputed else "recomputed under the training numerics"
                 + (", with the entropies for top_entropy_quantile" if self.entropy_forward else ""))
-        logp_old = (f"{self.flops_logp_old_per_batch:.3g} FLOP, {what}"
+        logp_old = (f"{self.flops_logp_old_per_batch:.3g} FLOP, the learner's forwards at π_old, detached: the "
+                    "first minibatch's own, the others' over their own parts before the first update"
+                    if self.forward_tokens_logp_old_per_batch and self.logp_old_from_learner else
+                    f"{self.flops_logp_old_per_batch:.3g} FLOP, {what}"
                     if self.forward_tokens_logp_old_per_batch else
                     "the learner's first forward, detached" if self.logp_old_from_learner else
                     "stored from the sampler")
@@ -481,7 +486,8 @@ def price(
     `export_copy` when export merges LoRA into a copy, `weight_copy_bytes` the bf16 weight copies of a
     forward) adds the predicted memory peak (`memory`; else 0). `recompute_logp_old` (algorithm.logp_old
     = recompute, or auto with bf16 forwards; `logp_old_note` says why auto chose;
-    `logp_old_from_learner`: the learner's first forward gives it, none is added) adds one log-prob
+    `logp_old_from_learner`: the learner's first forward gives it, none is added with one minibatch,
+    and (minibatches - 1) / minibatches of one with more, rlvr.learn.prepass_logp_old) adds one log-prob
     forward per batch, as does `entropy_forward` (the entropies of
     algorithm.top_entropy_quantile; one forward serves both); `numerics` is the model.autocast line and
     `matmul_kind` what `matmul_flops_per_s` measures ("fp32", or "bf16 autocast"). `decode_step_s`
@@ -498,6 +504,10 @@ def price(
     sampling_fwd = sampling_forward_tokens(P, Lp, rows * T) + tool_calls * rows * (Lp + 2 * T)
     per_forward = logp_forward_tokens(rows, G, Lp, T, shared_prompt=shared_prompt)
     ref_fwd, old_fwd = per_forward * has_reference, per_forward * (recompute_logp_old or entropy_forward)  # 0 when off
+    if logp_old_from_learner and not old_fwd and minibatches > 1:
+        # the minibatches after the first (torch.chunk of P groups: the first holds ceil(P / M)) run a
+        # forward each before the first update (rlvr.learn.prepass_logp_old); the first's is its own
+        old_fwd = per_forward * (P - -(-P // minibatches)) // P
     trained, policy = epochs_per_batch * per_forward, n_params * bytes_per_param
     flops_per_run = float(((sampling_fwd + ref_fwd + old_fwd) * fwd + trained * trn) * steps)
     rounds = 1 + tool_calls    # sampling rounds a batch: the first, then each continuation's (at most T decoded)

@@ -103,27 +103,18 @@ def minibatch_loss(learner: Learner, batch: Batch, idx: torch.Tensor, delta_rows
     min(π_train / π_sampler, algorithm.is_cap) against the sampler's (`batch.logp_old`), as
     algorithm.logp_old = recompute weighs it in the rollout stage; `keep` {"logp_old", "delta"}, two
     (B, T) tensors, receives both at rows `idx` for the later passes."""
-    cfg = learner.cfg
-    ac, sc, G = cfg.algorithm, cfg.sampling, cfg.train.samples_per_prompt
+    ac = learner.cfg.algorithm
     sub = batch.rollout.select(idx)
     kl_on, bonus_on = batch.logp_ref is not None, ac.entropy_coef > 0
-    with learner.autocast():
-        out = sampling.sequence_token_logprobs(learner.policy, sub, temperature=sc.temperature, top_p=sc.top_p,
-                                               top_k=sc.top_k, min_p=sc.min_p,
-                                               chunk_rows=cfg.model.logprob_chunk_rows or None,
-                                               group_size=G if cfg.model.share_prompt_forward else None,
-                                               return_full=kl_on, return_entropy=bonus_on)
+    out = training_forward(learner, sub, kl_on, bonus_on)
     logp = out if isinstance(out, torch.Tensor) else out.logp                          # (B', T)
     m = sub.mask.bool()                                                                # (B', T)
     absdiff = (logp.detach() - batch.logp_old[idx]).abs()[m].mean() if m.any() else torch.zeros(())
     logp_old, delta, sampler = batch.logp_old[idx], delta_rows[idx], {}
     if batch.logp_old_pending:               # π = π_old: this forward is the learner's logp_old
         logp_old = logp.detach()
-        w, w_stats = losses.truncated_is_weight(logp_old, batch.logp_old[idx], sub.mask, ac.is_cap)   # (B', T)
-        delta = (delta.unsqueeze(1) if delta.dim() == 1 else delta) * w * sub.mask.to(w.dtype)
+        delta, w_stats = learner_logp_old(learner, batch, idx, logp_old, delta_rows, keep)
         sampler = {f"sampler_{k}": v for k, v in w_stats.items()}
-        if keep is not None:
-            keep["logp_old"][idx], keep["delta"][idx] = logp_old, delta
     mask = batch.train_mask[idx]               # (B', T) the tokens the loss reads (algorithm.mask_truncated)
     loss, stats = losses.policy_loss(
         logp, logp_old, delta, mask, clip_eps=ac.clip_eps,
@@ -143,6 +134,62 @@ def minibatch_loss(learner: Learner, batch: Batch, idx: torch.Tensor, delta_rows
         stats["policy_entropy"] = bonus.item()
     stats["logp_old_absdiff"] = float(absdiff)   # mean |logp - logp_old|; learn reports the first minibatch's
     return loss, {**stats, **sampler}
+
+
+def training_forward(learner: Learner, sub: sampling.Rollout, kl_on: bool, bonus_on: bool):
+    """The learn stage's forward on the rows `sub` under `learner.autocast()`: the token log-probs
+    (B', T) under the sampling distribution, or TokenLogprobs with the KL's side (`kl_on`) and the
+    entropies (`bonus_on`). Whatever runs it (a minibatch's loss, `prepass_logp_old`) gets the same
+    numbers for the same rows and parts."""
+    cfg = learner.cfg
+    sc, G = cfg.sampling, cfg.train.samples_per_prompt
+    with learner.autocast():
+        return sampling.sequence_token_logprobs(learner.policy, sub, temperature=sc.temperature, top_p=sc.top_p,
+                                                top_k=sc.top_k, min_p=sc.min_p,
+                                                chunk_rows=cfg.model.logprob_chunk_rows or None,
+                                                group_size=G if cfg.model.share_prompt_forward else None,
+                                                return_full=kl_on, return_entropy=bonus_on)
+
+
+def learner_logp_old(learner: Learner, batch: Batch, idx: torch.Tensor, logp_old: torch.Tensor,
+                     delta_rows: torch.Tensor, keep: dict | None) -> tuple[torch.Tensor, dict]:
+    """Rows `idx` of a batch whose logp_old is the learner's own (`batch.logp_old_pending`), given
+    `logp_old` (B', T), the learner's detached log-probs at π_old: (Δ per token (B', T) = Δ · w ·
+    mask, with w = min(π_train / π_sampler, algorithm.is_cap) against the sampler's log-probs
+    `batch.logp_old`, and w's statistics); `keep` {"logp_old", "delta"} receives both at `idx`."""
+    sub_mask = batch.rollout.mask[idx]                                                 # (B', T)
+    w, w_stats = losses.truncated_is_weight(logp_old, batch.logp_old[idx], sub_mask,
+                                            learner.cfg.algorithm.is_cap)             # (B', T)
+    delta = delta_rows[idx]
+    delta = (delta.unsqueeze(1) if delta.dim() == 1 else delta) * w * sub_mask.to(w.dtype)
+    if keep is not None:
+        keep["logp_old"][idx], keep["delta"][idx] = logp_old, delta
+    return delta, w_stats
+
+
+def prepass_logp_old(learner: Learner, batch: Batch, minibatches: list[torch.Tensor], delta_rows: torch.Tensor,
+                     keep: dict) -> int:
+    """logp_old (and the IS-weighted Δ, `learner_logp_old`) into `keep` for the rows of `minibatches`
+    (all of epoch 0's but the first, whose own first forward gives its rows), before the first
+    update: each minibatch in the `train.micro_batches` parts `accumulate` will run it in, with
+    gradient enabled and the policy as the learner runs it (its graph dropped at once), so every
+    minibatch's first forward in epoch 0 would compute exactly these numbers at π_old. A forward
+    over other rows does not (bf16 products are not row-count invariant), which left each
+    minibatch's ratio off 1 by bf16 noise when the rollout stage computed logp_old over its own
+    parts. Returns the tokens computed (`forward_tokens`)."""
+    G, n = learner.cfg.train.samples_per_prompt, learner.cfg.train.micro_batches
+    shared = learner.cfg.model.share_prompt_forward and learner.policy.differentiable_cache
+    kl_on, bonus_on = batch.logp_ref is not None, learner.cfg.algorithm.entropy_coef > 0
+    tokens = 0
+    for idx in minibatches:
+        for part in micro_rows(idx, G, n):
+            sub = batch.rollout.select(part)
+            out = training_forward(learner, sub, kl_on, bonus_on)
+            logp = out if isinstance(out, torch.Tensor) else out.logp                  # (b, T)
+            learner_logp_old(learner, batch, part, logp.detach(), delta_rows, keep)
+            del out, logp                                                              # the graph, dropped
+            tokens += forward_tokens(sub, G, shared)
+    return tokens
 
 
 def accumulate(learner: Learner, batch: Batch, rows: torch.Tensor, delta_rows: torch.Tensor,
@@ -192,9 +239,12 @@ def learn(learner: Learner, batch: Batch, *, delta_rows: torch.Tensor | None = N
     When logp_old is the sampler's own (`batch.logp_old_version` None), also sampler_logp_absdiff:
     the first minibatch's mean |logp_sampler - logp_train| over generated tokens, the two passes'
     disagreement at equal weights (with logp_old recomputed, the rollout stage reports it). With
-    `batch.logp_old_pending` (train.minibatches = 1) the first pass's forwards give logp_old and the
-    IS-weighted Δ (`minibatch_loss`), which the later passes (train.epochs_per_batch > 1) reuse; the
-    weight's figures are reported as sampler_is_weight_mean and the rest, as the rollout stage would.
+    `batch.logp_old_pending` (rlvr.run.logp_old_in_learn) the first minibatch's forwards give its
+    rows' logp_old and the IS-weighted Δ (`minibatch_loss`), and with more minibatches the others'
+    come from forwards over their own parts before the first update (`prepass_logp_old`; their
+    tokens returned as logp_old_forward_tokens and counted in the FLOPs); the later minibatches and
+    passes (train.epochs_per_batch > 1) reuse them; the weight's figures (over every row) are
+    reported as sampler_is_weight_mean and the rest, as the rollout stage would.
 
     `delta_rows`: (B,) or (B, T) Δ to use instead of `batch.delta_rows` (rlvr.distributed.staleness
     passes Δ times a truncated importance weight). `shard`: this process's rank of a learner group
@@ -214,11 +264,17 @@ def learn(learner: Learner, batch: Batch, *, delta_rows: torch.Tensor | None = N
     acc: dict[str, float] = {}
     first_ratio, first_absdiff, lr_used, n_mb, trained, skipped = 1.0, 0.0, 0.0, 0, 0, 0
     sampler_logp_old, first_sampler = batch.logp_old_version is None, {}
-    keep = None
+    keep, sampler_rows, prepass_tokens = None, batch.logp_old, 0
     if batch.logp_old_pending:   # the first pass fills these; later passes read them
         keep = {"logp_old": batch.logp_old.clone(), "delta": torch.zeros_like(batch.logp_old)}
     for _epoch in range(tc.epochs_per_batch):
-        for idx in minibatch_rows(learner, len(batch.groups.examples), G):
+        split = minibatch_rows(learner, len(batch.groups.examples), G)
+        if keep is not None and len(split) > 1:
+            if shard is not None:
+                raise ValueError("logp_old from the learner with train.minibatches > 1 needs one learner process "
+                                 "(rlvr.run.logp_old_in_learn); a learner group's rollout stage recomputes it")
+            prepass_tokens = prepass_logp_old(learner, batch, split[1:], delta_rows, keep)
+        for idx in split:
             mine, scale = (idx, None) if shard is None else shard.rows(idx, G, batch.train_mask, cfg.algorithm.agg)
             learner.opt.zero_grad(set_to_none=True)
             stats = accumulate(view, batch, mine, delta_rows, 1.0 if scale is None else scale, group=shard is not None,
@@ -237,6 +293,10 @@ def learn(learner: Learner, batch: Batch, *, delta_rows: torch.Tensor | None = N
             absdiff = stats.pop("logp_old_absdiff")
             if keep is not None:  # logp_old and Δ·w of the first pass, for the passes after it
                 first_sampler = {k: stats.pop(k) for k in list(stats) if k.startswith("sampler_")}
+                if prepass_tokens:  # the weight's figures over every row, not the first minibatch's
+                    _, w_stats = losses.truncated_is_weight(keep["logp_old"], sampler_rows, batch.rollout.mask,
+                                                            cfg.algorithm.is_cap)
+                    first_sampler = {f"sampler_{k}": v for k, v in w_stats.items()}
                 batch = dataclasses.replace(batch, logp_old=keep["logp_old"], delta_tokens=keep["delta"],
                                             logp_old_pending=False, logp_old_version=batch.version)
                 delta_rows, keep = batch.delta_rows, None
@@ -246,6 +306,8 @@ def learn(learner: Learner, batch: Batch, *, delta_rows: torch.Tensor | None = N
                 first_ratio, first_absdiff = stats["ratio_mean"], absdiff
             n_mb += 1
     sampler = {"sampler_logp_absdiff": first_absdiff, **first_sampler} if sampler_logp_old else {}
+    fwd_flops, _ = learner.flops
     return {**{k: v / n_mb for k, v in acc.items()}, "first_step_ratio_mean": first_ratio, "lr": lr_used,
             "optimizer_steps": n_mb, "skipped_updates": skipped, "trained_tokens": trained,
-            "flops": trained * train_flops, **sampler}
+            "logp_old_forward_tokens": prepass_tokens,
+            "flops": trained * train_flops + prepass_tokens * fwd_flops, **sampler}

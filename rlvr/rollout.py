@@ -188,8 +188,9 @@ class Batch:
     """(B, T) the tokens the loss reads, where fewer than the response mask (algorithm.mask_truncated:
     0 on rows cut at the length bound); None: `rollout.mask`."""
     logp_old_pending: bool = False
-    """`logp_old` is still the sampler's, and the learn stage's first forward gives the learner's
-    (rlvr.run.logp_old_in_learn) with Δ times min(π_train / π_sampler, is_cap) (rlvr.learn.minibatch_loss)."""
+    """`logp_old` is still the sampler's, and the learn stage's forwards at π_old give the learner's
+    (rlvr.run.logp_old_in_learn) with Δ times min(π_train / π_sampler, is_cap) (rlvr.learn.minibatch_loss,
+    and rlvr.learn.prepass_logp_old for the minibatches after the first)."""
 
     @property
     def train_mask(self) -> torch.Tensor:
@@ -255,8 +256,8 @@ def rollout(setup, policy: Policy, reference: Policy | None, examples_fn, *, ver
        before its own update), per-token Δ from a process reward's per-step scores, and with
        kl_in = "reward" the KL folded into a per-token Δ;
     6. algorithm.logp_old = "recompute" (or `auto` with bf16 forwards, rlvr.run.logp_old_source):
-       with train.minibatches = 1 the learn stage's first forward gives it (`logp_old_pending`,
-       rlvr.run.logp_old_in_learn); else logp_old from the learner's forward of `policy`
+       where rlvr.run.logp_old_in_learn says so the learn stage's forwards give it (`logp_old_pending`);
+       else logp_old from the learner's forward of `policy`
        (`training_logprobs`; run before step 5, whose KL in the reward then reads it), and Δ per
        token times the truncated IS weight min(π_train / π_sampler, is_cap) (`recompute_logp_old`).
 
@@ -390,9 +391,11 @@ def training_logprobs(policy: Policy, rollout: sampling.Rollout, cfg, autocast=c
     A no-gradient forward takes other products (the bf16 weight copies stacked for decoding, the
     head in blocks): on SmolLM2-135M under CPU bf16 autocast it gave the sampler's log-probs, 0.0105
     mean (0.30 largest) away from the learner's, and a forward over half the rows was 0.028 away, so
-    logp_old from anything else leaves the first minibatch's ratio off 1 by bf16 noise. With
-    train.minibatches > 1 the learner's minibatches are drawn at random, and a learner group's ranks
-    each take their own rows: the parts then differ and the ratio starts at 1 to bf16 rounding only."""
+    logp_old from anything else leaves the first minibatch's ratio off 1 by bf16 noise. Where it
+    serves (rlvr.run.logp_old_in_learn says no) the learner's parts may still differ: a learner
+    group's ranks each take their own rows of randomly drawn minibatches, so the ratio starts at 1 to
+    bf16 rounding only there; with one learner process the learn stage computes logp_old itself
+    (rlvr.learn.prepass_logp_old)."""
     sc, tc, G = cfg.sampling, cfg.train, cfg.train.samples_per_prompt
     kw = dict(temperature=sc.temperature, top_p=sc.top_p, top_k=sc.top_k, min_p=sc.min_p,
               chunk_rows=cfg.model.logprob_chunk_rows or None,

@@ -234,7 +234,8 @@ def step_row(step: int, batch: Batch, stats: dict, state: RunState, t0: float) -
         "time/step_s": time.perf_counter() - t0,
         "train/first_step_ratio_mean": stats["first_step_ratio_mean"],
         **{f"train/{k}": v for k, v in stats.items()
-           if k not in ("lr", "first_step_ratio_mean", "optimizer_steps", "trained_tokens", "flops")},
+           if k not in ("lr", "first_step_ratio_mean", "optimizer_steps", "trained_tokens", "flops",
+                        "logp_old_forward_tokens")},
         **{f"train/{k}": v for k, v in batch.stats.items()},   # rollout-stage figures (rlvr.rollout.Batch.stats)
     }
     for name, vals in groups.per_reward.items():
@@ -384,6 +385,7 @@ def advance(state: RunState, step: int) -> tuple[Batch, dict]:
     for k in ("sampled_tokens", "forward_tokens", "flops"):
         state.cost[k] += batch.cost[k]
     state.cost["trained_tokens"] += stats["trained_tokens"]
+    state.cost["forward_tokens"] += stats.get("logp_old_forward_tokens", 0)   # rlvr.learn.prepass_logp_old
     state.cost["flops"] += stats["flops"]
     return batch, stats
 

@@ -222,8 +222,8 @@ def test_evaluation_samples_under_the_numerics_it_is_given():
 
 @pytest.mark.parametrize("family", ["builtin", "llama"])
 def test_recompute_gives_the_training_forwards_logp_old_and_a_first_ratio_of_exactly_1(request, family):
-    # two minibatches: the rollout stage's forward gives logp_old (with one, the learner's first does)
-    extra = ["--model.autocast=bf16", "--algorithm.logp_old=recompute", "--train.minibatches=2"]
+    # top_entropy_quantile: the rollout stage's forward gives logp_old (Δ needs its entropies first)
+    extra = ["--model.autocast=bf16", "--algorithm.logp_old=recompute", "--algorithm.top_entropy_quantile=0.5"]
     if family == "llama":
         extra += [f"--model.path={request.getfixturevalue('llama_dir')}", "--model.share_prompt_forward=true"]
     cfg = config_mod.load(EXAMPLE, [x for x in TINY if family == "builtin" or not x.startswith("--model.n_")] + extra)
@@ -278,11 +278,14 @@ def test_sampler_logp_absdiff_is_the_gap_between_sampler_and_trainer():
     want = float((train - lowered.logp_old).abs()[lowered.rollout.mask.bool()].mean())
     assert want == pytest.approx(0.25, abs=1e-3)
     assert learn(new_learner(setup), lowered)["sampler_logp_absdiff"] == pytest.approx(want, rel=1e-5)
-    for minibatches in (2, 1):   # recompute in the rollout stage, then from the learner's first forward
-        setup = tiny_setup("--model.autocast=bf16", "--algorithm.logp_old=recompute",
-                           f"--train.minibatches={minibatches}")
+    # recompute in the rollout stage (top_entropy_quantile), from the learner's first forward (one
+    # minibatch), and from the learner's forwards before the first update (two)
+    for extra in (["--algorithm.top_entropy_quantile=0.99"], ["--train.minibatches=1"], ["--train.minibatches=2"]):
+        setup = tiny_setup("--model.autocast=bf16", "--algorithm.logp_old=recompute", *extra)
         again = sample(setup, sampler=lower_engine(setup, 0.25))
-        got = again.stats if minibatches == 2 else learn(new_learner(setup), again)
+        in_rollout = not again.logp_old_pending
+        assert in_rollout is (extra[0].startswith("--algorithm"))
+        got = again.stats if in_rollout else learn(new_learner(setup), again)
         assert got["sampler_logp_absdiff"] == pytest.approx(want, rel=1e-5)
         # π_train / π_sampler = e^0.25 = 1.284 on every token, under the cap of 2
         assert got["sampler_is_weight_mean"] == pytest.approx(math.exp(0.25), rel=1e-3)
@@ -368,8 +371,9 @@ def test_auto_recomputes_logp_old_where_the_forwards_run_in_bf16(asked, bf16, pa
 def test_the_default_logp_old_reaches_the_update_and_the_price(autocast):
     """`auto`, the default: under bf16 (train.minibatches = 1) the batch leaves the rollout stage with
     the sampler's log-probs and no extra forward, the learner's first forward gives logp_old (ratio
-    exactly 1) and the sampler's gap, and the price says so; with two minibatches the rollout stage
-    computes it and the price counts that forward. In fp32 the sampler's own log-probs are kept."""
+    exactly 1) and the sampler's gap, and the price says so; with two minibatches the learner's
+    forwards before the first update give the second minibatch's rows and the price counts half a
+    forward. In fp32 the sampler's own log-probs are kept."""
     setup = tiny_setup(f"--model.autocast={autocast}")
     assert setup.cfg.algorithm.logp_old == "auto"
     batch = sample(setup)
@@ -385,11 +389,17 @@ def test_the_default_logp_old_reaches_the_update_and_the_price(autocast):
         assert ("logp_old 0 (the learner's first forward, detached; algorithm.logp_old = auto: the forwards run "
                 "in bf16") in price.lines()[2]
         two = tiny_setup("--model.autocast=bf16", "--train.minibatches=2")
-        again, price = sample(two), run.price_of(two, rate=1e9, decode_s=1e-3)
-        assert not again.logp_old_pending and again.logp_old_version == 0 and again.cost["forward_tokens"] > sampled
-        assert price.forward_tokens_logp_old_per_batch > 0 and price.logp_old_recomputed
-        assert "recomputed under the training numerics; algorithm.logp_old = auto: the forwards run in bf16" in \
-            price.lines()[2]
+        again, price2 = sample(two), run.price_of(two, rate=1e9, decode_s=1e-3)
+        assert again.logp_old_pending and again.cost["forward_tokens"] == sampled    # none in the rollout stage
+        full = costs.logp_forward_tokens(16, 4, price.prompt_tokens, price.max_new_tokens,
+                                         shared_prompt=run.shares_prompt(two.cfg, two.model))
+        assert price2.forward_tokens_logp_old_per_batch == full // 2 and not price2.logp_old_recomputed
+        assert price2.logp_old_from_learner
+        assert ("the learner's forwards at π_old, detached: the first minibatch's own, the others' over their "
+                "own parts before the first update; algorithm.logp_old = auto: the forwards run in bf16") in \
+            price2.lines()[2]
+        got = learn(new_learner(two), again)
+        assert got["logp_old_forward_tokens"] == full // 2 and got["first_step_ratio_mean"] == 1.0
     else:
         assert not price.logp_old_recomputed and not price.logp_old_from_learner
         assert "logp_old 0 (stored from the sampler; algorithm.logp_old = auto: fp32 forwards" in price.lines()[2]
@@ -418,9 +428,96 @@ def test_logp_old_from_the_learners_first_forward_is_the_rollout_stages_recomput
     assert figures[0]["sampler_is_weight_mean"] == pytest.approx(math.exp(0.25), rel=1e-3)
 
 
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_logp_old_of_later_minibatches_is_a_hand_made_forward_before_the_first_update(epochs):
+    """train.minibatches = 2 (P = 4 groups of G = 4), an engine 0.25 lower, recompute: the learner's
+    forwards give logp_old, minibatch 2's run before the first update. A plain loop makes the same
+    update bit for bit: epoch 0's split drawn from a copy of the learner's generator, each
+    minibatch's logp_old from a fresh training-mode forward with gradient at the initial weights,
+    Δ per token = Δ · min(e^(logp_old - logp_sampler), 2) · mask, then learn on that batch."""
+    after = []
+    for hand in (False, True):
+        setup = tiny_setup("--model.autocast=bf16", "--algorithm.logp_old=recompute", "--train.minibatches=2",
+                           f"--train.epochs_per_batch={epochs}")
+        batch = sample(setup, sampler=lower_engine(setup, 0.25))
+        assert batch.logp_old_pending
+        learner = new_learner(setup)
+        if hand:
+            gen = torch.Generator()
+            gen.set_state(learner.generator.get_state())
+            order = torch.randperm(4, generator=gen)
+            logp_old, delta = batch.logp_old.clone(), torch.zeros_like(batch.logp_old)
+            cfg, model = setup.cfg, setup.model
+            model.train()
+            for groups in order.chunk(2):
+                rows = (groups[:, None] * 4 + torch.arange(4)).reshape(-1)
+                with torch.enable_grad(), setup.numerics.context():
+                    lp = sampling.sequence_token_logprobs(
+                        model, batch.rollout.select(rows), temperature=cfg.sampling.temperature,
+                        top_p=cfg.sampling.top_p,
+                        group_size=cfg.train.samples_per_prompt if cfg.model.share_prompt_forward else None).detach()
+                m = batch.rollout.mask[rows]
+                w = torch.where(m.bool(), torch.exp(lp - batch.logp_old[rows]), torch.ones_like(lp)).clamp(max=2.0)
+                logp_old[rows], delta[rows] = lp, batch.delta_rows[rows].unsqueeze(1) * w * m
+            batch = dataclasses.replace(batch, logp_old=logp_old, delta_tokens=delta, logp_old_pending=False,
+                                        logp_old_version=0)
+        stats = learn(learner, batch)
+        assert stats["optimizer_steps"] == 2 * epochs and stats["first_step_ratio_mean"] == 1.0
+        assert (stats["logp_old_forward_tokens"] > 0) is not hand       # minibatch 2's forward, before any update
+        after.append(torch.cat([p.detach().reshape(-1) for p in setup.model.parameters()]))
+    assert torch.equal(after[0], after[1])
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_every_minibatchs_ratio_is_exactly_1_where_the_forward_depends_on_its_rows(monkeypatch, micro_batches):
+    """A forward whose log-probs depend on which rows it computes together, and in what order (as
+    bf16 products do on some CPUs: SmolLM2 on one with AMX gave 0.028 apart over 32 rows against
+    64, and a part's padded lengths follow its rows; here a stand-in adds an offset computed from
+    the rows' ids and order): with two minibatches and a learning rate too small to move a weight
+    (1e-30), logp_old from each minibatch's own parts before the first update gives every
+    minibatch of the first pass a ratio of exactly 1, minimum and maximum; from the rollout
+    stage's forward (`top_entropy_quantile`, over the groups in order) they are off 1 unless its
+    parts happen to be the learner's (single groups, with two micro-batches here)."""
+    real = sampling.sequence_token_logprobs
+
+    def row_count_dependent(model, roll, **kw):
+        out = real(model, roll, **kw)
+        order = torch.arange(1, roll.ids.size(0) + 1, device=roll.ids.device)[:, None]
+        shift = 1e-4 * float((roll.ids * order).sum() % 97 + 1)
+        if isinstance(out, torch.Tensor):
+            return out + shift
+        return sampling.TokenLogprobs(out.logp + shift, None if out.logp_full is None else out.logp_full + shift,
+                                      out.entropy)
+
+    monkeypatch.setattr(sampling, "sequence_token_logprobs", row_count_dependent)
+    for in_rollout in (False, True):
+        extra = ["--algorithm.top_entropy_quantile=0.999"] if in_rollout else []
+        setup = tiny_setup("--model.autocast=bf16", "--train.minibatches=2", f"--train.micro_batches={micro_batches}",
+                           "--train.lr=1e-30", *extra)
+        batch = sample(setup)
+        assert batch.logp_old_pending is not in_rollout
+        stats = learn(new_learner(setup), batch)
+        exact = stats["ratio_min"] == 1.0 == stats["ratio_max"]
+        # two micro-batches of a 2-group minibatch are single groups, as the rollout stage's 4 parts are
+        assert exact is (not in_rollout or micro_batches == 2), (in_rollout, stats["ratio_min"], stats["ratio_max"])
+
+
+def test_a_learner_group_with_more_minibatches_keeps_the_rollout_stages_forward():
+    """The learn stage computes logp_old of later minibatches only in one learner process: a rank of a
+    learner group (its forwards are collectives) given a pending batch with two minibatches refuses."""
+    from rlvr.distributed.learners import Shard
+
+    setup = tiny_setup("--model.autocast=bf16", "--train.minibatches=2")
+    batch = sample(setup)
+    with pytest.raises(ValueError, match="one learner process"):
+        learn(new_learner(setup), batch, shard=Shard(0, 2, setup.model))
+
+
 @pytest.mark.parametrize("extra, want", [
     ([], True),
-    (["--train.minibatches=2"], False),                      # minibatch 2's first forward comes after an update
+    (["--train.minibatches=2"], True),                       # minibatch 2's before the first update
+    (["--train.minibatches=2", "--distributed.learners=2"], False),   # a group's forwards are collectives
+    (["--train.minibatches=1", "--distributed.learners=2"], True),
     (["--algorithm.top_entropy_quantile=0.5"], False),       # Δ needs the entropies before the update
     (["--algorithm.kl_coef=0.1", "--algorithm.kl_in=reward"], False),   # and the KL charged in the reward
     (["--algorithm.kl_coef=0.1"], True),
@@ -520,8 +617,9 @@ def record_eval_autocast(monkeypatch, module=None) -> list[bool]:
 
 @pytest.mark.parametrize("minibatches", [1, 2])
 def test_train_with_bf16_and_recompute_from_the_command_line(tmp_path, monkeypatch, minibatches):
-    """One minibatch: the learner's first forward gives logp_old (no forward priced); two: the
-    rollout stage's forward does (priced). Both log the sampler's gap and the weight."""
+    """One minibatch: the learner's first forward gives logp_old (no forward priced); two: the first
+    minibatch's forward and, before the first update, the second's (half a forward, priced). Both log
+    the sampler's gap and the weight."""
     from rlvr import cli
 
     eval_autocast = record_eval_autocast(monkeypatch)
@@ -543,7 +641,7 @@ def test_train_with_bf16_and_recompute_from_the_command_line(tmp_path, monkeypat
     summary = json.loads((out / "summary.json").read_text())
     assert summary["cost/forward_tokens"] == summary["price"]["forward_tokens_per_run"]   # the extra forward, priced
     assert (price["forward_tokens_logp_old_per_batch"] > 0) is (minibatches == 2)
-    assert price["logp_old_from_learner"] is (minibatches == 1)
+    assert price["logp_old_from_learner"] and not price["logp_old_recomputed"]
 
 
 def test_the_actors_get_the_choice_not_the_question(monkeypatch):

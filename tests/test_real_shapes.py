@@ -128,14 +128,19 @@ def test_trains_saves_and_exports_the_tied_model(tmp_path, model_dir, lora, caps
 @pytest.mark.parametrize("extra, in_rollout", [
     ([], False), (["--train.micro_batches=2"], False), (["--algorithm.top_entropy_quantile=0.5"], True),
     (["--algorithm.top_entropy_quantile=0.5", "--train.micro_batches=2"], True),
+    (["--train.minibatches=2", "--train.lr=1e-30"], False),
+    (["--train.minibatches=2", "--train.micro_batches=2", "--train.lr=1e-30"], False),
 ])
 def test_under_bf16_the_first_ratio_is_exactly_1_at_real_shapes(tmp_path, model_dir, extra, in_rollout):
     """bf16 autocast with LoRA at these shapes, `algorithm.logp_old` left at auto: logp_old is the
     learner's own forward, so the first minibatch's ratio is 1 to the last bit, with one micro-batch
     and with two: the learner's first forward itself, or (where Δ needs it first: top_entropy_quantile)
     the rollout stage's run as the learner's (gradient enabled, its parts; a no-gradient forward
-    gives the sampler's numbers here, not the learner's). The sampler's gap is logged; the price
-    counts the rollout stage's forward."""
+    gives the sampler's numbers here, not the learner's). With two minibatches the second's
+    logp_old comes from its own parts before the first update: at a learning rate too small to move
+    a weight (1e-30) every minibatch's ratio is exactly 1, its minimum and maximum included (a
+    forward over other rows rounds differently here). The sampler's gap is logged; the price counts
+    every forward logp_old takes."""
     out = tmp_path / "run"
     assert cli.main(["train", "examples/sort.toml", "--out", str(out), f"--model.path={model_dir}", *ARITH,
                      "--model.lora_r=4", "--model.autocast=bf16", *extra]) == 0
@@ -145,4 +150,8 @@ def test_under_bf16_the_first_ratio_is_exactly_1_at_real_shapes(tmp_path, model_
     assert all(r["train/first_step_ratio_mean"] == 1.0 and r["train/sampler_logp_absdiff"] >= 0 for r in steps)
     price = json.loads((out / "price.json").read_text())
     assert price["logp_old_recomputed"] is in_rollout and price["logp_old_from_learner"] is not in_rollout
-    assert (price["forward_tokens_logp_old_per_batch"] > 0) is in_rollout
+    two = "--train.minibatches=2" in extra
+    assert (price["forward_tokens_logp_old_per_batch"] > 0) is (in_rollout or two)
+    if two:
+        assert all(r["train/ratio_min"] == 1.0 == r["train/ratio_max"] and r["train/clip_frac"] == 0.0
+                   for r in steps)
