@@ -174,7 +174,8 @@ def prepass_logp_old(learner: Learner, batch: Batch, minibatches: list[torch.Ten
     update: each minibatch in the `train.micro_batches` parts `accumulate` will run it in, with
     gradient enabled and the policy as the learner runs it (its graph dropped at once), so every
     minibatch's first forward in epoch 0 would compute exactly these numbers at π_old. A forward
-    over other rows does not (bf16 products are not row-count invariant), which left each
+    over other rows may not (bf16 products are not row-count invariant on every CPU: on one with
+    AMX, SmolLM2's over 32 rows was 0.028 a token from the same rows' within 64), which left each
     minibatch's ratio off 1 by bf16 noise when the rollout stage computed logp_old over its own
     parts. Returns the tokens computed (`forward_tokens`)."""
     G, n = learner.cfg.train.samples_per_prompt, learner.cfg.train.micro_batches
