@@ -374,6 +374,20 @@ def sampling_forward_tokens(prompts: int, prompt_len: int, response_slots: int) 
     return prompts * prompt_len + response_slots
 
 
+def logp_old_forward_tokens(per_forward: int, prompts: int, minibatches: int, own_forward: bool,
+                            from_learner: bool) -> int:
+    """Token positions a batch computes for logp_old (and top_entropy_quantile's entropies) beyond
+    the sampling and training forwards, given `per_forward` for one log-prob forward of the batch:
+    all of it for the rollout stage's forward (`own_forward`); from the learner with more than one
+    minibatch, the minibatches after the first (torch.chunk of the P groups: the first holds
+    ceil(P / M)), each run before the first update (rlvr.learn.prepass_logp_old); else none."""
+    if own_forward:
+        return per_forward
+    if from_learner and minibatches > 1:
+        return per_forward * (prompts - -(-prompts // minibatches)) // prompts
+    return 0
+
+
 def logp_forward_tokens(rows: int, group_size: int, prompt_len: int, response_len: int, *,
                         shared_prompt: bool) -> int:
     """Token positions one log-prob forward (reference or training) computes over `rows` rows:
@@ -503,11 +517,9 @@ def price(
     grad_steps = epochs_per_batch * minibatches
     sampling_fwd = sampling_forward_tokens(P, Lp, rows * T) + tool_calls * rows * (Lp + 2 * T)
     per_forward = logp_forward_tokens(rows, G, Lp, T, shared_prompt=shared_prompt)
-    ref_fwd, old_fwd = per_forward * has_reference, per_forward * (recompute_logp_old or entropy_forward)  # 0 when off
-    if logp_old_from_learner and not old_fwd and minibatches > 1:
-        # the minibatches after the first (torch.chunk of P groups: the first holds ceil(P / M)) run a
-        # forward each before the first update (rlvr.learn.prepass_logp_old); the first's is its own
-        old_fwd = per_forward * (P - -(-P // minibatches)) // P
+    ref_fwd = per_forward * has_reference
+    old_fwd = logp_old_forward_tokens(per_forward, P, minibatches, recompute_logp_old or entropy_forward,
+                                      logp_old_from_learner)
     trained, policy = epochs_per_batch * per_forward, n_params * bytes_per_param
     flops_per_run = float(((sampling_fwd + ref_fwd + old_fwd) * fwd + trained * trn) * steps)
     rounds = 1 + tool_calls    # sampling rounds a batch: the first, then each continuation's (at most T decoded)

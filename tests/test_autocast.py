@@ -742,3 +742,16 @@ def test_rlvr_probe_samples_under_the_training_numerics(tmp_path, monkeypatch):
     seen.clear()
     probe.run_probe(config_mod.load(EXAMPLE, TINY + ["--model.autocast=auto"]), prompts=2, samples=2, checkpoint=out)
     assert seen == [True]
+
+
+def test_the_learners_logp_old_forwards_priced_by_hand():
+    """One log-prob forward of the batch = 1,000 positions (P groups of equal size). The rollout
+    stage's forward: all of it. From the learner: none with one minibatch; with M the groups after
+    the first minibatch, which torch.chunk makes ceil(P / M) groups: P = 5, M = 2 -> 2 of 5 groups
+    (400); P = 8, M = 3 -> 5 of 8 (625); P = 4, M = 4 -> 3 of 4 (750)."""
+    f = costs.logp_old_forward_tokens
+    assert f(1000, 5, 2, True, False) == 1000 and f(1000, 5, 1, False, True) == 0 and f(1000, 5, 2, False, False) == 0
+    assert (f(1000, 5, 2, False, True), f(1000, 8, 3, False, True), f(1000, 4, 4, False, True)) == (400, 625, 750)
+    for P, M in ((5, 2), (8, 3), (4, 4)):
+        first = len(torch.arange(P).chunk(M)[0])
+        assert f(1000, P, M, False, True) == 1000 * (P - first) // P
