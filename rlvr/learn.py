@@ -259,13 +259,13 @@ def learn(learner: Learner, batch: Batch, *, delta_rows: torch.Tensor | None = N
         delta_rows = batch.delta_rows
     delta_rows = delta_rows.to(batch.rollout.mask.device)                               # (B,) or (B, T)
     view = learner if shard is None else dataclasses.replace(learner, policy=shard.model)
-    _, train_flops = learner.flops
+    fwd_flops, train_flops = learner.flops
     params = policy.trainable_params()
     policy.train()
     acc: dict[str, float] = {}
     first_ratio, first_absdiff, lr_used, n_mb, trained, skipped = 1.0, 0.0, 0.0, 0, 0, 0
     sampler_logp_old, first_sampler = batch.logp_old_version is None, {}
-    keep, sampler_rows, prepass_tokens = None, batch.logp_old, 0
+    keep, prepass_tokens = None, 0
     if batch.logp_old_pending:   # the first pass fills these; later passes read them
         keep = {"logp_old": batch.logp_old.clone(), "delta": torch.zeros_like(batch.logp_old)}
     for _epoch in range(tc.epochs_per_batch):
@@ -295,8 +295,8 @@ def learn(learner: Learner, batch: Batch, *, delta_rows: torch.Tensor | None = N
             if keep is not None:  # logp_old and Δ·w of the first pass, for the passes after it
                 first_sampler = {k: stats.pop(k) for k in list(stats) if k.startswith("sampler_")}
                 if prepass_tokens:  # the weight's figures over every row, not the first minibatch's
-                    _, w_stats = losses.truncated_is_weight(keep["logp_old"], sampler_rows, batch.rollout.mask,
-                                                            cfg.algorithm.is_cap)
+                    _, w_stats = losses.truncated_is_weight(keep["logp_old"], batch.logp_old, batch.rollout.mask,
+                                                            cfg.algorithm.is_cap)      # batch.logp_old: the sampler's
                     first_sampler = {f"sampler_{k}": v for k, v in w_stats.items()}
                 batch = dataclasses.replace(batch, logp_old=keep["logp_old"], delta_tokens=keep["delta"],
                                             logp_old_pending=False, logp_old_version=batch.version)
@@ -307,7 +307,6 @@ def learn(learner: Learner, batch: Batch, *, delta_rows: torch.Tensor | None = N
                 first_ratio, first_absdiff = stats["ratio_mean"], absdiff
             n_mb += 1
     sampler = {"sampler_logp_absdiff": first_absdiff, **first_sampler} if sampler_logp_old else {}
-    fwd_flops, _ = learner.flops
     return {**{k: v / n_mb for k, v in acc.items()}, "first_step_ratio_mean": first_ratio, "lr": lr_used,
             "optimizer_steps": n_mb, "skipped_updates": skipped, "trained_tokens": trained,
             "logp_old_forward_tokens": prepass_tokens,

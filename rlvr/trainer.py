@@ -385,7 +385,7 @@ def advance(state: RunState, step: int) -> tuple[Batch, dict]:
     for k in ("sampled_tokens", "forward_tokens", "flops"):
         state.cost[k] += batch.cost[k]
     state.cost["trained_tokens"] += stats["trained_tokens"]
-    state.cost["forward_tokens"] += stats.get("logp_old_forward_tokens", 0)   # rlvr.learn.prepass_logp_old
+    state.cost["forward_tokens"] += stats["logp_old_forward_tokens"]   # rlvr.learn.prepass_logp_old
     state.cost["flops"] += stats["flops"]
     return batch, stats
 
