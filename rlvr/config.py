@@ -211,11 +211,10 @@ class AlgorithmConfig:
     w = min(π_train / π_sampler, is_cap), which corrects for sampling from a slightly different
     distribution than the one trained (bf16 autocast, or a separate inference engine). With
     train.minibatches = 1 the learner's first forward gives it, detached, at no cost; with more
-    (one learner process) the first minibatch's forward gives its rows and the others' run over
-    their own parts before the first update, (minibatches - 1) / minibatches of a forward; with
-    top_entropy_quantile < 1, kl_in = reward, distributed.max_staleness > 0, or a learner group
-    with more minibatches the rollout stage runs that forward before the update, one more forward
-    per batch. The price counts what runs.
+    the first minibatch's forward gives its rows and the others' run over their own parts before
+    the first update, (minibatches - 1) / minibatches of a forward (a learner group's ranks each
+    their own rows); with top_entropy_quantile < 1, kl_in = reward or distributed.max_staleness > 0
+    the rollout stage runs that forward before the update, one more forward per batch. The price counts what runs.
     `auto` (the default): `recompute` when the policy's forwards run in bf16 (model.autocast = bf16,
     or auto choosing it; model.dtype = bf16), where the sampler's one-token decode steps and the
     training forward's whole-sequence products round differently (SmolLM2-135M on a CPU with AMX:

@@ -110,11 +110,10 @@ def minibatch_loss(learner: Learner, batch: Batch, idx: torch.Tensor, delta_rows
     logp = out if isinstance(out, torch.Tensor) else out.logp                          # (B', T)
     m = sub.mask.bool()                                                                # (B', T)
     absdiff = (logp.detach() - batch.logp_old[idx]).abs()[m].mean() if m.any() else torch.zeros(())
-    logp_old, delta, sampler = batch.logp_old[idx], delta_rows[idx], {}
+    logp_old, delta = batch.logp_old[idx], delta_rows[idx]
     if batch.logp_old_pending:               # π = π_old: this forward is the learner's logp_old
         logp_old = logp.detach()
-        delta, w_stats = learner_logp_old(learner, batch, idx, logp_old, delta_rows, keep)
-        sampler = {f"sampler_{k}": v for k, v in w_stats.items()}
+        delta = learner_logp_old(learner, batch, idx, logp_old, delta_rows, keep)
     mask = batch.train_mask[idx]               # (B', T) the tokens the loss reads (algorithm.mask_truncated)
     loss, stats = losses.policy_loss(
         logp, logp_old, delta, mask, clip_eps=ac.clip_eps,
@@ -133,7 +132,7 @@ def minibatch_loss(learner: Learner, batch: Batch, idx: torch.Tensor, delta_rows
         loss = loss - ac.entropy_coef * bonus
         stats["policy_entropy"] = bonus.item()
     stats["logp_old_absdiff"] = float(absdiff)   # mean |logp - logp_old|; learn reports the first minibatch's
-    return loss, {**stats, **sampler}
+    return loss, stats
 
 
 def training_forward(learner: Learner, sub: sampling.Rollout, kl_on: bool, bonus_on: bool):
@@ -152,23 +151,23 @@ def training_forward(learner: Learner, sub: sampling.Rollout, kl_on: bool, bonus
 
 
 def learner_logp_old(learner: Learner, batch: Batch, idx: torch.Tensor, logp_old: torch.Tensor,
-                     delta_rows: torch.Tensor, keep: dict | None) -> tuple[torch.Tensor, dict]:
+                     delta_rows: torch.Tensor, keep: dict | None) -> torch.Tensor:
     """Rows `idx` of a batch whose logp_old is the learner's own (`batch.logp_old_pending`), given
-    `logp_old` (B', T), the learner's detached log-probs at π_old: (Δ per token (B', T) = Δ · w ·
+    `logp_old` (B', T), the learner's detached log-probs at π_old: Δ per token (B', T) = Δ · w ·
     mask, with w = min(π_train / π_sampler, algorithm.is_cap) against the sampler's log-probs
-    `batch.logp_old`, and w's statistics); `keep` {"logp_old", "delta"} receives both at `idx`."""
+    `batch.logp_old` (w's statistics: `learn`, over every row); `keep` {"logp_old", "delta"}
+    receives both at `idx`."""
     sub_mask = batch.rollout.mask[idx]                                                 # (B', T)
-    w, w_stats = losses.truncated_is_weight(logp_old, batch.logp_old[idx], sub_mask,
-                                            learner.cfg.algorithm.is_cap)             # (B', T)
+    w, _ = losses.truncated_is_weight(logp_old, batch.logp_old[idx], sub_mask, learner.cfg.algorithm.is_cap)
     delta = delta_rows[idx]
     delta = (delta.unsqueeze(1) if delta.dim() == 1 else delta) * w * sub_mask.to(w.dtype)
     if keep is not None:
         keep["logp_old"][idx], keep["delta"][idx] = logp_old, delta
-    return delta, w_stats
+    return delta
 
 
 def prepass_logp_old(learner: Learner, batch: Batch, minibatches: list[torch.Tensor], delta_rows: torch.Tensor,
-                     keep: dict) -> int:
+                     keep: dict, shard=None) -> int:
     """logp_old (and the IS-weighted Δ, `learner_logp_old`) into `keep` for the rows of `minibatches`
     (all of epoch 0's but the first, whose own first forward gives its rows), before the first
     update: each minibatch in the `train.micro_batches` parts `accumulate` will run it in, with
@@ -177,19 +176,34 @@ def prepass_logp_old(learner: Learner, batch: Batch, minibatches: list[torch.Ten
     over other rows may not (bf16 products are not row-count invariant on every CPU: on one with
     AMX, SmolLM2's over 32 rows was 0.028 a token from the same rows' within 64), which left each
     minibatch's ratio off 1 by bf16 noise when the rollout stage computed logp_old over its own
-    parts. Returns the tokens computed (`forward_tokens`)."""
+    parts.
+
+    `shard` (a rank of a learner group, rlvr.distributed.learners.Shard): the rank's own rows of each
+    minibatch, in the parts `accumulate(group=True)` runs them in, and as many forwards as it runs
+    (its forwards are collectives: buffer broadcasts under DDP, which runs them under `no_sync` so
+    none waits for a backward; all-gathers under FSDP2), a rank short of parts repeating a group
+    without keeping it. Returns the tokens of the whole minibatches (`forward_tokens`, as the
+    learn stage counts its trained tokens: every rank returns the group's figure)."""
     G, n = learner.cfg.train.samples_per_prompt, learner.cfg.train.micro_batches
     shared = learner.cfg.model.share_prompt_forward and learner.policy.differentiable_cache
     kl_on, bonus_on = batch.logp_ref is not None, learner.cfg.algorithm.entropy_coef > 0
+    no_sync = getattr(type(learner.policy), "no_sync", None)
     tokens = 0
     for idx in minibatches:
-        for part in micro_rows(idx, G, n):
-            sub = batch.rollout.select(part)
-            out = training_forward(learner, sub, kl_on, bonus_on)
-            logp = out if isinstance(out, torch.Tensor) else out.logp                  # (b, T)
-            learner_logp_old(learner, batch, part, logp.detach(), delta_rows, keep)
-            del out, logp                                                              # the graph, dropped
-            tokens += forward_tokens(sub, G, shared)
+        mine = idx if shard is None else shard.mine(idx, G)
+        parts = micro_rows(mine, G, n) if mine.numel() else []
+        counted = len(parts)
+        if shard is not None:
+            parts = parts + [(mine if counted else idx)[:G]] * (n - counted)
+        for i, part in enumerate(parts):
+            with learner.policy.no_sync() if no_sync is not None else contextlib.nullcontext():
+                out = training_forward(learner, batch.rollout.select(part), kl_on, bonus_on)
+            if i < counted:
+                logp = out if isinstance(out, torch.Tensor) else out.logp              # (b, T)
+                learner_logp_old(learner, batch, part, logp.detach(), delta_rows, keep)
+                del logp
+            del out                                                                    # the graph, dropped
+        tokens += forward_tokens(batch.rollout.select(idx), G, shared)
     return tokens
 
 
@@ -245,7 +259,9 @@ def learn(learner: Learner, batch: Batch, *, delta_rows: torch.Tensor | None = N
     come from forwards over their own parts before the first update (`prepass_logp_old`; their
     tokens returned as logp_old_forward_tokens and counted in the FLOPs); the later minibatches and
     passes (train.epochs_per_batch > 1) reuse them; the weight's figures (over every row) are
-    reported as sampler_is_weight_mean and the rest, as the rollout stage would.
+    reported as sampler_is_weight_mean and the rest, as the rollout stage would. In a learner group
+    each rank computes its own rows so (the parts and forwards it will run), and after the first
+    minibatch the ranks exchange them (`Shard.gather_rows`): the later passes draw other minibatches.
 
     `delta_rows`: (B,) or (B, T) Δ to use instead of `batch.delta_rows` (rlvr.distributed.staleness
     passes Δ times a truncated importance weight). `shard`: this process's rank of a learner group
@@ -265,16 +281,17 @@ def learn(learner: Learner, batch: Batch, *, delta_rows: torch.Tensor | None = N
     acc: dict[str, float] = {}
     first_ratio, first_absdiff, lr_used, n_mb, trained, skipped = 1.0, 0.0, 0.0, 0, 0, 0
     sampler_logp_old, first_sampler = batch.logp_old_version is None, {}
-    keep, prepass_tokens = None, 0
+    keep, own, prepass_tokens = None, None, 0
     if batch.logp_old_pending:   # the first pass fills these; later passes read them
         keep = {"logp_old": batch.logp_old.clone(), "delta": torch.zeros_like(batch.logp_old)}
     for _epoch in range(tc.epochs_per_batch):
         split = minibatch_rows(learner, len(batch.groups.examples), G)
+        if keep is not None and shard is not None:   # the rows this rank's first pass computes
+            own = torch.zeros(batch.logp_old.shape[0], dtype=torch.bool, device=batch.logp_old.device)
+            for idx in split:
+                own[shard.mine(idx, G)] = True
         if keep is not None and len(split) > 1:
-            if shard is not None:
-                raise ValueError("logp_old from the learner with train.minibatches > 1 needs one learner process "
-                                 "(rlvr.run.logp_old_in_learn); a learner group's rollout stage recomputes it")
-            prepass_tokens = prepass_logp_old(learner, batch, split[1:], delta_rows, keep)
+            prepass_tokens = prepass_logp_old(view, batch, split[1:], delta_rows, keep, shard)
         for idx in split:
             mine, scale = (idx, None) if shard is None else shard.rows(idx, G, batch.train_mask, cfg.algorithm.agg)
             learner.opt.zero_grad(set_to_none=True)
@@ -293,11 +310,12 @@ def learn(learner: Learner, batch: Batch, *, delta_rows: torch.Tensor | None = N
             stats["grad_norm"] = float(gnorm)
             absdiff = stats.pop("logp_old_absdiff")
             if keep is not None:  # logp_old and Δ·w of the first pass, for the passes after it
-                first_sampler = {k: stats.pop(k) for k in list(stats) if k.startswith("sampler_")}
-                if prepass_tokens:  # the weight's figures over every row, not the first minibatch's
-                    _, w_stats = losses.truncated_is_weight(keep["logp_old"], batch.logp_old, batch.rollout.mask,
-                                                            cfg.algorithm.is_cap)      # batch.logp_old: the sampler's
-                    first_sampler = {f"sampler_{k}": v for k, v in w_stats.items()}
+                if own is not None:  # every rank's rows on every rank: a later pass draws them elsewhere
+                    keep = shard.gather_rows(keep, own)
+                # the weight's figures over every row (batch.logp_old: the sampler's), not one minibatch's
+                _, w_stats = losses.truncated_is_weight(keep["logp_old"], batch.logp_old, batch.rollout.mask,
+                                                        cfg.algorithm.is_cap)
+                first_sampler = {f"sampler_{k}": v for k, v in w_stats.items()}
                 batch = dataclasses.replace(batch, logp_old=keep["logp_old"], delta_tokens=keep["delta"],
                                             logp_old_pending=False, logp_old_version=batch.version)
                 delta_rows, keep = batch.delta_rows, None

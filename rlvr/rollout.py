@@ -392,9 +392,8 @@ def training_logprobs(policy: Policy, rollout: sampling.Rollout, cfg, autocast=c
     head in blocks): on SmolLM2-135M under CPU bf16 autocast it gave the sampler's log-probs, 0.0105
     mean (0.30 largest) away from the learner's, and a forward over half the rows was 0.028 away, so
     logp_old from anything else leaves the first minibatch's ratio off 1 by bf16 noise. Where it
-    serves (rlvr.run.logp_old_in_learn says no) the learner's parts may still differ: a learner
-    group's ranks each take their own rows of randomly drawn minibatches, so the ratio starts at 1 to
-    bf16 rounding only there; with one learner process the learn stage computes logp_old itself
+    serves (rlvr.run.logp_old_in_learn says no) the learner's parts may still differ, so the ratio
+    starts at 1 to bf16 rounding only there; otherwise the learn stage computes logp_old itself
     (rlvr.learn.prepass_logp_old)."""
     sc, tc, G = cfg.sampling, cfg.train, cfg.train.samples_per_prompt
     kw = dict(temperature=sc.temperature, top_p=sc.top_p, top_k=sc.top_k, min_p=sc.min_p,

@@ -111,18 +111,16 @@ def logp_old_in_learn(cfg: config_mod.Config) -> bool:
     a forward of the rollout stage's. With train.minibatches = 1 the first pass computes every row at
     π_old, before any update, so its log-probs are π_old's as the learner computes them (ratio
     exactly 1, as TRL takes `old_per_token_logps` when it updates once) and the batch costs no extra
-    forward. With more minibatches (one learner process) the first minibatch's forward gives its
-    rows and the others' rows come from forwards over the very parts their updates will run in,
-    before the first update (rlvr.learn.prepass_logp_old): each minibatch's first ratio is exactly 1
-    there too, for (minibatches - 1) / minibatches of a forward. The rollout stage still runs one
-    where it needs the numbers before Δ (algorithm.top_entropy_quantile < 1, algorithm.kl_in =
-    "reward" with a KL), for rows sampled by older weights (distributed.max_staleness > 0;
-    rlvr.distributed.staleness), and for a learner group with more than one minibatch (its ranks'
-    forwards are collectives)."""
+    forward. With more minibatches the first minibatch's forward gives its rows and the others' rows
+    come from forwards over the very parts their updates will run in, before the first update
+    (rlvr.learn.prepass_logp_old; in a learner group each rank its own rows, exchanged after the
+    first minibatch): each minibatch's first ratio is exactly 1 there too, for (minibatches - 1) /
+    minibatches of a forward. The rollout stage still runs one where it needs the numbers before Δ
+    (algorithm.top_entropy_quantile < 1, algorithm.kl_in = "reward" with a KL) and for rows sampled
+    by older weights (distributed.max_staleness > 0; rlvr.distributed.staleness)."""
     ac = cfg.algorithm
     kl_in_reward = ac.kl_in == "reward" and ac.kl_coef > 0
-    return ((cfg.train.minibatches == 1 or cfg.distributed.learners <= 1) and ac.top_entropy_quantile >= 1
-            and not kl_in_reward and cfg.distributed.max_staleness == 0)
+    return ac.top_entropy_quantile >= 1 and not kl_in_reward and cfg.distributed.max_staleness == 0
 
 
 def logp_old_note(cfg: config_mod.Config, numerics: Numerics) -> str:

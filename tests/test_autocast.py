@@ -13,6 +13,7 @@ two passes is simulated where a test needs one: an engine whose stored log-probs
 lower on every token.
 """
 
+import copy
 import dataclasses
 import json
 import math
@@ -478,18 +479,7 @@ def test_every_minibatchs_ratio_is_exactly_1_where_the_forward_depends_on_its_ro
     minibatch of the first pass a ratio of exactly 1, minimum and maximum; from the rollout
     stage's forward (`top_entropy_quantile`, over the groups in order) they are off 1 unless its
     parts happen to be the learner's (single groups, with two micro-batches here)."""
-    real = sampling.sequence_token_logprobs
-
-    def row_count_dependent(model, roll, **kw):
-        out = real(model, roll, **kw)
-        order = torch.arange(1, roll.ids.size(0) + 1, device=roll.ids.device)[:, None]
-        shift = 1e-4 * float((roll.ids * order).sum() % 97 + 1)
-        if isinstance(out, torch.Tensor):
-            return out + shift
-        return sampling.TokenLogprobs(out.logp + shift, None if out.logp_full is None else out.logp_full + shift,
-                                      out.entropy)
-
-    monkeypatch.setattr(sampling, "sequence_token_logprobs", row_count_dependent)
+    _row_count_dependent(monkeypatch)
     for in_rollout in (False, True):
         extra = ["--algorithm.top_entropy_quantile=0.999"] if in_rollout else []
         setup = tiny_setup("--model.autocast=bf16", "--train.minibatches=2", f"--train.micro_batches={micro_batches}",
@@ -502,21 +492,99 @@ def test_every_minibatchs_ratio_is_exactly_1_where_the_forward_depends_on_its_ro
         assert exact is (not in_rollout or micro_batches == 2), (in_rollout, stats["ratio_min"], stats["ratio_max"])
 
 
-def test_a_learner_group_with_more_minibatches_keeps_the_rollout_stages_forward():
-    """The learn stage computes logp_old of later minibatches only in one learner process: a rank of a
-    learner group (its forwards are collectives) given a pending batch with two minibatches refuses."""
-    from rlvr.distributed.learners import Shard
+def _row_count_dependent(monkeypatch) -> None:
+    """sampling.sequence_token_logprobs plus an offset computed from the rows' ids and order (the
+    stand-in for bf16 products that depend on the rows computed together)."""
+    real = sampling.sequence_token_logprobs
 
-    setup = tiny_setup("--model.autocast=bf16", "--train.minibatches=2")
-    batch = sample(setup)
-    with pytest.raises(ValueError, match="one learner process"):
-        learn(new_learner(setup), batch, shard=Shard(0, 2, setup.model))
+    def shifted(model, roll, **kw):
+        out = real(model, roll, **kw)
+        order = torch.arange(1, roll.ids.size(0) + 1, device=roll.ids.device)[:, None]
+        shift = 1e-4 * float((roll.ids * order).sum() % 97 + 1)
+        if isinstance(out, torch.Tensor):
+            return out + shift
+        return sampling.TokenLogprobs(out.logp + shift, None if out.logp_full is None else out.logp_full + shift,
+                                      out.entropy)
+
+    monkeypatch.setattr(sampling, "sequence_token_logprobs", shifted)
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_each_ranks_minibatches_see_a_ratio_of_exactly_1_where_the_forward_depends_on_its_rows(monkeypatch,
+                                                                                                micro_batches):
+    """The two ranks of a learner group (Shard(r, 2), run one after the other in this process, the
+    collectives standing in as each rank's own figures), two minibatches, the row-dependent stand-in
+    and lr 1e-30: each rank computes logp_old of its own rows of minibatch 2 over the parts its update
+    will take, so every minibatch on both ranks has a ratio of exactly 1, minimum and maximum; from
+    the rollout stage's forward (top_entropy_quantile) it is off 1 unless that forward's parts are
+    the ranks' (single groups, with two micro-batches here). Both ranks run as many
+    forwards (they are collectives) and count the whole minibatch's tokens, as one process does."""
+    from rlvr import learn as learn_mod
+    from rlvr.distributed import learners as learners_mod
+
+    monkeypatch.setattr(learners_mod, "_all_reduce", lambda x, op=None: x)
+    _row_count_dependent(monkeypatch)
+    real_forward, calls = learn_mod.training_forward, []
+    monkeypatch.setattr(learn_mod, "training_forward", lambda *a: calls.append(1) or real_forward(*a))
+    for in_rollout in (False, True):
+        extra = ["--algorithm.top_entropy_quantile=0.999"] if in_rollout else []
+        setup = tiny_setup("--model.autocast=bf16", "--train.minibatches=2", f"--train.micro_batches={micro_batches}",
+                           "--train.lr=1e-30", *extra)
+        batch = sample(setup)
+        assert batch.logp_old_pending is not in_rollout
+        one = learn(new_learner(setup), copy.deepcopy(batch))
+        exact, forwards = [], []
+        for rank in (0, 1):
+            calls.clear()
+            stats = learn(new_learner(setup), copy.deepcopy(batch), shard=learners_mod.Shard(rank, 2, setup.model))
+            exact.append(stats["ratio_min"] == 1.0 == stats["ratio_max"])
+            forwards.append(len(calls))
+            assert stats["logp_old_forward_tokens"] == one["logp_old_forward_tokens"]
+        assert forwards[0] == forwards[1] == 2 * micro_batches + (0 if in_rollout else micro_batches)
+        # each rank's part of a minibatch is one group; the rollout stage's parts are too with two micro-batches
+        assert all(exact) is (not in_rollout or micro_batches == 2), (in_rollout, exact)
+        assert (one["logp_old_forward_tokens"] > 0) is not in_rollout
+
+
+def test_a_rank_short_of_groups_runs_as_many_forwards_and_keeps_none_of_the_repeats(monkeypatch):
+    """3 groups, two minibatches (2 and 1 groups), two ranks: rank 1 has no group of minibatch 2 and
+    repeats one in its logp_old forwards without keeping it. Both ranks run as many forwards, and each
+    fills only its own rows (the rows another rank owns keep the sampler's log-probs and Δ 0 until
+    the ranks exchange them; here, without a group, each keeps its own)."""
+    from rlvr import learn as learn_mod
+    from rlvr.distributed import learners as learners_mod
+
+    monkeypatch.setattr(learners_mod, "_all_reduce", lambda x, op=None: x)
+    setup = tiny_setup("--model.autocast=bf16", "--train.minibatches=2", "--train.micro_batches=2")
+    full, G = sample(setup), setup.cfg.train.samples_per_prompt
+    kept = full.groups.select(torch.arange(3), G)
+    delta = torch.linspace(-1.5, 1.5, 3 * G).view(3, G)   # no 0: every kept row's Δ·w is non-zero
+    batch = Batch(kept, [kept], delta, full.logp_old[:3 * G], None, 0, logp_old_pending=True)
+    real_prepass, seen = learn_mod.prepass_logp_old, {}
+
+    def spy(learner, b, minibatches, delta_rows, keep, shard=None):
+        n = real_prepass(learner, b, minibatches, delta_rows, keep, shard)
+        seen[shard.rank] = (minibatches, keep["delta"].abs().sum(1) > 0)
+        return n
+
+    monkeypatch.setattr(learn_mod, "prepass_logp_old", spy)
+    real_forward, calls = learn_mod.training_forward, []
+    monkeypatch.setattr(learn_mod, "training_forward", lambda *a: calls.append(1) or real_forward(*a))
+    forwards = []
+    for rank in (0, 1):
+        calls.clear()
+        learn(new_learner(setup), copy.deepcopy(batch), shard=learners_mod.Shard(rank, 2, setup.model))
+        forwards.append(len(calls))
+    assert forwards[0] == forwards[1] == 2 * 2 + 2     # two minibatches' parts, then minibatch 2's logp_old
+    (later,), filled = seen[0]
+    assert later.numel() == G                          # minibatch 2: one group, rank 0's
+    assert filled[later].any() and not seen[1][1][later].any()
 
 
 @pytest.mark.parametrize("extra, want", [
     ([], True),
     (["--train.minibatches=2"], True),                       # minibatch 2's before the first update
-    (["--train.minibatches=2", "--distributed.learners=2"], False),   # a group's forwards are collectives
+    (["--train.minibatches=2", "--distributed.learners=2"], True),    # each rank its own rows
     (["--train.minibatches=1", "--distributed.learners=2"], True),
     (["--algorithm.top_entropy_quantile=0.5"], False),       # Δ needs the entropies before the update
     (["--algorithm.kl_coef=0.1", "--algorithm.kl_in=reward"], False),   # and the KL charged in the reward

@@ -351,6 +351,30 @@ def test_two_learners_in_micro_batches_make_the_one_learner_update(ray_local, gr
     micro_batches_in_a_group(("--distributed.learners=2",), groups)
 
 
+def logp_old_from_the_group(*extra: str, rtol: float = 0.0) -> None:
+    """A batch whose logp_old is the learner's own (`logp_old_pending`; the sampler's 0.1 a token
+    below, so Δ carries an IS weight of e^0.1), two minibatches, two passes (the second draws the
+    groups into other minibatches, on other ranks), micro_batches = 2 (3 groups: the ranks hold 2 and 1
+    of a minibatch, or 1 and none): a learner group of `extra` makes the one-process update and
+    reports its logp_old tokens and IS-weight figures."""
+    cfg = tiny_cfg(*extra, "--train.minibatches=2", "--train.epochs_per_batch=2", "--train.micro_batches=2")
+    one, two = run.build(cfg), run.build(cfg)
+    l1, l2 = new_learner(one), new_learner(two)
+    full, G = _uneven_batch(one), cfg.train.samples_per_prompt
+    kept = full.groups.select(torch.arange(3), G)
+    sampler = full.logp_old[:3 * G] - 0.1 * kept.rollout.mask
+    batch = Batch(kept, [kept], full.delta[:3], sampler, None, 0, logp_old_pending=True)
+    s1, s2 = group_as_one(one, two, l1, l2, batch, rtol=rtol)
+    assert s2["optimizer_steps"] == 4 and s2["logp_old_forward_tokens"] == s1["logp_old_forward_tokens"] > 0
+    assert s2["flops"] == s1["flops"]
+    for key in ("sampler_is_weight_mean", "sampler_is_weight_max"):
+        assert math.isclose(s2[key], s1[key], rel_tol=1e-6) and s1[key] > 1.05, key
+
+
+def test_two_learners_compute_logp_old_of_their_rows_as_one_learner_does(ray_local):
+    logp_old_from_the_group("--distributed.learners=2")
+
+
 def test_a_learner_group_that_fails_to_start_leaves_no_process_group(ray_local, monkeypatch):
     """A rank lost during the start (here: the wait for the other ranks' join fails) ends in a RunError
     with this process's process group destroyed and the actors gone, so a later group can start."""

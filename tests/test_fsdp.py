@@ -19,8 +19,9 @@ from rlvr import config as config_mod, losses, run
 from rlvr.distributed import fsdp, learners as learners_mod
 from rlvr.learn import learn
 
-from test_distributed import (EXAMPLE, TINY, _cli_train, _uneven_batch, micro_batches_in_a_group,  # noqa: F401
-                              new_learner, one_group_for_two_ranks, ray_local, tiny_cfg)
+from test_distributed import (EXAMPLE, TINY, _cli_train, _uneven_batch, logp_old_from_the_group,  # noqa: F401
+                              micro_batches_in_a_group, new_learner, one_group_for_two_ranks, ray_local,
+                              tiny_cfg)
 
 FSDP = ["--distributed.learners=2", "--distributed.sharding=fsdp2"]
 
@@ -112,6 +113,12 @@ def test_fsdp2_ranks_in_micro_batches_make_the_one_learner_update(ray_local):
     # 3 groups over two ranks (2 and 1), train.micro_batches = 2: the rank with one group repeats it at
     # weight 0, since every sharded forward and backward is a collective both ranks must join
     micro_batches_in_a_group(tuple(FSDP), 3, rtol=1e-4)
+
+
+def test_fsdp2_ranks_compute_logp_old_of_their_rows_as_one_learner_does(ray_local):
+    # each rank's logp_old forwards over its own rows of minibatch 2 are sharded forwards without a
+    # backward (all-gathers both ranks join), then the ranks exchange their rows for the second pass
+    logp_old_from_the_group(*FSDP, rtol=1e-4)
 
 
 def _fp32_moments(tmp_path: Path, args: tuple, init: dict, batch) -> dict:

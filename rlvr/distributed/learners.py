@@ -75,9 +75,13 @@ class Shard:
         """`model`: the policy as the forward should see it (a DDPPolicy when world > 1)."""
         self.share = 1.0
 
+    def mine(self, idx: torch.Tensor, G: int) -> torch.Tensor:
+        """This rank's rows of minibatch `idx` (`shard_rows`; empty when it has fewer groups than ranks)."""
+        return shard_rows(idx, G, self.rank, self.world)
+
     def rows(self, idx: torch.Tensor, G: int, mask: torch.Tensor, agg: str) -> tuple[torch.Tensor, float]:
         """(this rank's rows of minibatch `idx`, the loss scale world · den_r / Σ_r den_r)."""
-        mine = shard_rows(idx, G, self.rank, self.world)
+        mine = self.mine(idx, G)
         empty = mine.numel() == 0  # fewer groups than ranks (dynamic sampling kept few): run one, weigh 0,
         if empty:                  # since DDP needs a backward from every rank
             mine = idx[:G]
@@ -85,6 +89,17 @@ class Shard:
         total = _all_reduce(den.clone()) if self.world > 1 else den
         self.share = float(den / total.clamp(min=1))
         return mine, self.world * self.share   # DDP averages over ranks: Σ_r share_r ∇loss_r
+
+    def gather_rows(self, tensors: dict, own: torch.Tensor) -> dict:
+        """Every rank's rows of `tensors` ((B, T) each, this rank's own at the rows where `own` (B,) is
+        True, each row some one rank's) on every rank: each rank's own rows, zero elsewhere, summed
+        over the ranks (adding zeros: exact). rlvr.learn.learn's logp_old from the ranks' first pass,
+        which later passes draw in other minibatches and so on other ranks."""
+        if self.world == 1:
+            return tensors
+        rows = own.view(-1, 1)                                         # (B, 1)
+        return {k: _all_reduce(torch.where(rows, v, torch.zeros((), dtype=v.dtype, device=v.device)))
+                for k, v in tensors.items()}
 
     def reduce(self, stats: dict) -> dict:
         """Statistics of the whole minibatch from the ranks' own: *_min by min, *_max by max, the others
