@@ -736,7 +736,7 @@ def test_decode_steps_take_the_weight_major_products(monkeypatch, fast_variant):
         with torch.autocast("cpu", dtype=torch.bfloat16):   # autocast alone: no bf16 weight copies to read
             assert lean._weight_major(h) is None
         with autocast_context(True, "cpu"):                 # rlvr's bf16 context: bf16 products from its copies
-            assert lean._weight_major(h) == torch.bfloat16
+            assert lean._weight_major(h) == (torch.bfloat16 if lean._weight_major_bf16_ok() else None)
     assert lean._weight_major(h) is None                   # gradient enabled
 
 
@@ -910,10 +910,16 @@ def test_bf16_weight_copies_give_autocasts_numbers_bit_for_bit(fast_variant, mon
                                          generators=sampling.prompt_generators(0, 0, 2))
             if scope is not None:   # without: all of them (decode's weight-major products), once for the call
                 held = set(scope.copies) | set(scope.packs)  # the head prepacked where oneDNN has it
+                if not lean_llama._weight_major_bf16_ok():   # row-major decode: the LoRA factors run under autocast
+                    base = [m for n, m in policy._hf_model().named_modules() if type(m) is torch.nn.Linear
+                            and ".lora_" not in n]
+                    tensors = [t for m in base for t in (m.weight, m.bias) if t is not None]
                 assert len(held) == len(tensors) > 0 and {id(t) for t in tensors} == held
                 assert bool(scope.packs) == lean_llama._packed_linear_ok()
-                assert len(scope.stacks) == 2 * len(policy._hf_model().model.layers)  # q/k/v, gate/up a layer
-            assert bool(wm_calls) == (scope is not None)    # decode weight-major in bf16 in rlvr's context only
+                wm_ok = lean_llama._weight_major_bf16_ok()  # q/k/v, gate/up a layer, where decode reads them
+                assert len(scope.stacks) == (2 * len(policy._hf_model().model.layers) if wm_ok else 0)
+            # decode weight-major in bf16 in rlvr's context only, where this CPU's layouts round alike
+            assert bool(wm_calls) == (scope is not None and lean_llama._weight_major_bf16_ok())
         logits.float().logsumexp(-1)[am.bool()].sum().backward()
         outs.append((logits.detach(), roll, [p.grad.clone() for p in params]))
     policy.zero_grad()
@@ -938,6 +944,35 @@ def test_bf16_weight_copies_give_autocasts_numbers_bit_for_bit(fast_variant, mon
         finally:
             head.weight.mul_(0.5)
     assert lean_llama._SCOPE.weights is None                # freed at the end of the region
+
+
+def test_the_weight_major_bf16_probe_sees_one_output_rounded_otherwise(monkeypatch):
+    """_weight_major_bf16_ok compares the weight-major bf16 products (plain and biased) with
+    autocast's row-major ones: one output one bf16 step off in either turns decode's bf16 products
+    back to row-major; bit-equal products keep them weight-major. (This CPU's own answer is what the
+    bf16 tests above read.)"""
+    import torch.nn.functional as F
+
+    from rlvr.models import lean_llama
+    from rlvr.run import autocast_context
+
+    real = lean_llama._mm_bias
+    for biased in (False, True):
+        def off_by_one_step(W, b, xT):
+            out = real(W, b, xT)
+            if (b is not None) is biased:
+                out[3, 1] = out[3, 1] * 1.01 + 0.01       # one output off by at least one bf16 step
+            return out
+
+        monkeypatch.setattr(lean_llama, "_WM_BF16_OK", [])
+        monkeypatch.setattr(lean_llama, "_mm_bias", off_by_one_step)
+        assert lean_llama._weight_major_bf16_ok() is False
+    monkeypatch.setattr(lean_llama, "_WM_BF16_OK", [])
+    monkeypatch.setattr(lean_llama, "_mm_bias", lambda W, b, xT: F.linear(xT.t().contiguous(), W, b).t())
+    assert lean_llama._weight_major_bf16_ok() is True
+    monkeypatch.setattr(lean_llama, "_WM_BF16_OK", [False])
+    with autocast_context(True, "cpu"), torch.no_grad():
+        assert lean_llama._weight_major(torch.zeros(4, 1, 8)) is None
 
 
 def test_bf16_decode_stacks_and_packed_head_keep_autocasts_numbers(fast_variant, monkeypatch):
@@ -979,7 +1014,8 @@ def test_bf16_decode_stacks_and_packed_head_keep_autocasts_numbers(fast_variant,
         for m, sc in zip(loras, saved):
             m.scaling.update(sc)
     assert torch.equal(r1.ids, r2.ids) and torch.equal(r1.logp, r2.logp)
-    assert held == (2 * len(hf.model.layers), 1 if lean_llama._packed_linear_ok() else 0)
+    assert held == (2 * len(hf.model.layers) if lean_llama._weight_major_bf16_ok() else 0,
+                    1 if lean_llama._packed_linear_ok() else 0)
 
     layer = hf.model.layers[0]
     mods = lean_llama._qkv_mods(layer.self_attn)           # q, k, v (Phi-3: its one fused qkv_proj)

@@ -976,17 +976,44 @@ def _add_lora_bf16(out: torch.Tensor, lora: torch.Tensor, scaling: float) -> Non
         out.add_(lora * scaling)
 
 
+_WM_BF16_OK: list[bool] = []
+
+
+def _weight_major_bf16_ok() -> bool:
+    """Whether this CPU's bf16 products give the same bits weight-major as autocast's ``x @ W.T``:
+    ``Wb @ yT`` and ``bb + Wb @ yT`` for a contiguous (K, rows) ``yT`` (as one weight-major product
+    hands the next) against ``F.linear(y, Wb[, bb]).t()`` for the contiguous (rows, K) ``y``, on a probe of SmolLM2's MLP shape
+    at 8 and 64 rows; checked once per process. Where oneDNN computes bf16 products (AVX-512 BF16,
+    AMX) both layouts round alike; on a CPU without native bf16 (an AMD EPYC with AVX2 only, torch
+    2.13) the products depend on the operands' layout (9 of 98,304 outputs of that probe one bf16
+    step apart), so the decode steps there keep autocast's row-major products."""
+    if not _WM_BF16_OK:
+        gen = torch.Generator().manual_seed(0)
+        W = torch.randn(1536, 576, generator=gen).to(torch.bfloat16)
+        b = torch.randn(1536, generator=gen).to(torch.bfloat16)
+        ok = True
+        for rows in (8, 64):
+            y = torch.randn(rows, 576, generator=gen).to(torch.bfloat16)          # (rows, K) as autocast has it
+            yT = y.t().contiguous()                                               # (K, rows) as weight-major has it
+            ok = ok and torch.equal(_mm_bias(W, None, yT), F.linear(y, W).t())
+            ok = ok and torch.equal(_mm_bias(W, b, yT), F.linear(y, W, b).t())
+        _WM_BF16_OK.append(bool(ok))
+    return _WM_BF16_OK[0]
+
+
 def _weight_major(h: torch.Tensor) -> torch.dtype | None:
     """The dtype of the weight-major products (``linear_t``) of a forward on ``h`` (B, L, d), or None
     for the usual products: CPU, float32 ``h``, no gradient, at most ``HEAD_ROWS`` rows (decode
     steps); float32 products without autocast, bf16 ones under CPU bf16 autocast inside a
-    ``bf16_weights()`` region (from the weights' bf16 copies: autocast's numbers)."""
+    ``bf16_weights()`` region (from the weights' bf16 copies: autocast's numbers) where this CPU's
+    bf16 products round alike in both layouts (``_weight_major_bf16_ok``)."""
     if (h.device.type != "cpu" or h.dtype != torch.float32 or torch.is_grad_enabled()
             or h.numel() // h.size(-1) > HEAD_ROWS):
         return None
     if not torch.is_autocast_enabled("cpu"):
         return torch.float32
-    return torch.bfloat16 if _cpu_bf16_autocast(h.device) and getattr(_SCOPE, "weights", None) else None
+    return (torch.bfloat16 if _cpu_bf16_autocast(h.device) and getattr(_SCOPE, "weights", None)
+            and _weight_major_bf16_ok() else None)
 
 
 def _mlp_t(mlp: nn.Module, x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -1215,7 +1242,7 @@ def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, 
     wm = _weight_major(h)                               # the products' dtype, or None: not weight-major
     # a no-gradient bf16 forward that is not weight-major (a prefill) makes the stacks decode reads
     prestack = (wm is None and att_bf16 and not torch.is_grad_enabled()
-                and getattr(_SCOPE, "weights", None) is not None)
+                and getattr(_SCOPE, "weights", None) is not None and _weight_major_bf16_ok())
     n, d = h.shape[0], h.size(-1)                                               # n: the rows computed
     rope_keys, tables = _rope_tables(hf_model, rope, positions, h.dtype, block_size, wm is not None)
     checkpoint = checkpoint and torch.is_grad_enabled() and wm is None and live is None
