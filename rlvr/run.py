@@ -243,6 +243,10 @@ def matmul_rate(device: torch.device, seconds: float = 1.0) -> float:
 
 DECODE_PROBE_STEPS = 3
 """Decode steps `decode_step_seconds` times (after a warm-up call) to price a run's sampling."""
+DECODE_PROBE_RETRIES = 2
+"""Timed pairs `decode_step_seconds` adds while the longer call measured no longer than the shorter
+(noise on a tiny model's millisecond calls); if it still does, a step is priced at the longer
+call's time over its tokens (prefill included: never 0, an over-estimate)."""
 
 
 def decode_step_seconds(setup: Setup) -> float:
@@ -252,8 +256,9 @@ def decode_step_seconds(setup: Setup) -> float:
     prompt, G samples each: the cache layout of a real step (on the CPU a prompt's G rows share its
     columns, ``LeanCache.repeat_interleave``; one prompt with P x G samples would not take that
     layout); a warm-up call (on a GPU with as many tokens as the timed one: it pays for its first
-    kernel choices per cache length, ~0.1 s each on an H200; on a CPU 2 tokens), then 1 and 1 + DECODE_PROBE_STEPS timed, the difference over DECODE_PROBE_STEPS.
-    No gradient; the run's generators untouched.
+    kernel choices per cache length, ~0.1 s each on an H200; on a CPU 2 tokens), then 1 and 1 + DECODE_PROBE_STEPS timed, the difference over DECODE_PROBE_STEPS (the
+    pair timed again, each call's best kept, while the difference is not positive:
+    DECODE_PROBE_RETRIES). No gradient; the run's generators untouched.
     0.0 when sampling runs in rollout workers (elsewhere) or a response has a single token."""
     cfg, model, device = setup.cfg, setup.model, setup.device
     n = min(DECODE_PROBE_STEPS, setup.limits.max_new_tokens - 1)
@@ -279,9 +284,13 @@ def decode_step_seconds(setup: Setup) -> float:
     try:
         timed(1 + n if device.type == "cuda" else 2)              # warm-up: allocation, kernel choice
         one, more = timed(1), timed(1 + n)
+        for _ in range(DECODE_PROBE_RETRIES):   # a busy core can make the longer call the shorter (tiny models)
+            if more > one:
+                break
+            one, more = min(one, timed(1)), min(more, timed(1 + n))
     finally:
         model.train(was)
-    return max(0.0, (more - one) / n)
+    return (more - one) / n if more > one else more / (1 + n)
 
 
 AUTOCAST_MIN_SPEEDUP = 1.2

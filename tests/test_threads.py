@@ -185,7 +185,8 @@ def test_decode_step_is_measured_on_the_runs_policy_unless_workers_sample(monkey
     P, G = setup.cfg.train.prompts_per_step, setup.cfg.train.samples_per_prompt
     assert P > 1 and G > 1
     n = min(run.DECODE_PROBE_STEPS, setup.limits.max_new_tokens - 1)
-    assert [kw["max_new_tokens"] for _, kw in calls] == [2, 1, 1 + n]       # CPU warm-up, then 1 and 1 + n tokens
+    tokens = [kw["max_new_tokens"] for _, kw in calls]
+    assert tokens[:3] == [2, 1, 1 + n] and tokens[3:] in ([], [1, 1 + n], [1, 1 + n] * 2)  # warm-up, 1, 1 + n; retries
     # a real step's shape: P prompts of G samples each (the grouped cache layout), not one prompt x P*G
     assert all(kw["samples_per_prompt"] == G and len(p) == P
                and all(len(x) == setup.limits.prompt_tokens for x in p) and kw["eos_id"] is None for p, kw in calls)
@@ -193,6 +194,26 @@ def test_decode_step_is_measured_on_the_runs_policy_unless_workers_sample(monkey
     assert price.decode_step_s == 0.25 and price.wall_seconds_expected > price.wall_seconds_estimate
     setup.cfg.distributed.rollout_workers = 2                     # sampled elsewhere: nothing measured here
     assert run.decode_step_seconds(setup) == 0.0
+
+
+def test_a_decode_probe_whose_longer_call_ran_shorter_times_the_pair_again(monkeypatch):
+    """Clock readings scripted: warm-up, then 1 token 0.5 s and 1 + 3 tokens 0.4 s (noise: no step
+    time), then 0.1 s and 0.9 s: each call's best, (0.4 - 0.1) / 3 = 0.1 s a step. When every
+    retry stays inverted a step is priced at the longer call over its 4 tokens, never 0."""
+    from test_autocast import tiny_setup
+
+    setup = tiny_setup("--sampling.max_new_tokens=8")
+    monkeypatch.setattr(run.sampling, "generate", lambda *a, **kw: None)
+    monkeypatch.setattr(run, "DECODE_PROBE_STEPS", 3)
+
+    def clock(durations):
+        ticks = iter([t for d in durations for t in (0.0, d)])
+        monkeypatch.setattr(run.time, "perf_counter", lambda: next(ticks))
+
+    clock([0.1, 0.5, 0.4, 0.1, 0.9])
+    assert run.decode_step_seconds(setup) == pytest.approx(0.1)
+    clock([0.1, 0.5, 0.4, 0.6, 0.45, 0.7, 0.42])          # inverted every time: best 1 + 3 tokens 0.4 s
+    assert run.decode_step_seconds(setup) == pytest.approx(0.4 / 4)
 
 
 def cli(*argv) -> tuple[int, str]:
