@@ -469,6 +469,17 @@ def test_logp_old_of_later_minibatches_is_a_hand_made_forward_before_the_first_u
     assert torch.equal(after[0], after[1])
 
 
+def _two_minibatches_at_lr_0(micro_batches: int, in_rollout: bool):
+    """(setup, its sampled batch): bf16, two minibatches, lr 1e-30; logp_old left to the learner, or
+    (`in_rollout`: top_entropy_quantile) computed by the rollout stage."""
+    extra = ["--algorithm.top_entropy_quantile=0.999"] if in_rollout else []
+    setup = tiny_setup("--model.autocast=bf16", "--train.minibatches=2", f"--train.micro_batches={micro_batches}",
+                       "--train.lr=1e-30", *extra)
+    batch = sample(setup)
+    assert batch.logp_old_pending is not in_rollout
+    return setup, batch
+
+
 @pytest.mark.parametrize("micro_batches", [1, 2])
 def test_every_minibatchs_ratio_is_exactly_1_where_the_forward_depends_on_its_rows(monkeypatch, micro_batches):
     """A forward whose log-probs depend on which rows it computes together, and in what order (as
@@ -481,11 +492,7 @@ def test_every_minibatchs_ratio_is_exactly_1_where_the_forward_depends_on_its_ro
     parts happen to be the learner's (single groups, with two micro-batches here)."""
     _row_count_dependent(monkeypatch)
     for in_rollout in (False, True):
-        extra = ["--algorithm.top_entropy_quantile=0.999"] if in_rollout else []
-        setup = tiny_setup("--model.autocast=bf16", "--train.minibatches=2", f"--train.micro_batches={micro_batches}",
-                           "--train.lr=1e-30", *extra)
-        batch = sample(setup)
-        assert batch.logp_old_pending is not in_rollout
+        setup, batch = _two_minibatches_at_lr_0(micro_batches, in_rollout)
         stats = learn(new_learner(setup), batch)
         exact = stats["ratio_min"] == 1.0 == stats["ratio_max"]
         # two micro-batches of a 2-group minibatch are single groups, as the rollout stage's 4 parts are
@@ -527,11 +534,7 @@ def test_each_ranks_minibatches_see_a_ratio_of_exactly_1_where_the_forward_depen
     real_forward, calls = learn_mod.training_forward, []
     monkeypatch.setattr(learn_mod, "training_forward", lambda *a: calls.append(1) or real_forward(*a))
     for in_rollout in (False, True):
-        extra = ["--algorithm.top_entropy_quantile=0.999"] if in_rollout else []
-        setup = tiny_setup("--model.autocast=bf16", "--train.minibatches=2", f"--train.micro_batches={micro_batches}",
-                           "--train.lr=1e-30", *extra)
-        batch = sample(setup)
-        assert batch.logp_old_pending is not in_rollout
+        setup, batch = _two_minibatches_at_lr_0(micro_batches, in_rollout)
         one = learn(new_learner(setup), copy.deepcopy(batch))
         exact, forwards = [], []
         for rank in (0, 1):
