@@ -287,7 +287,10 @@ def decode_products_seconds(policy, rows: int, steps: int, bf16: bool = False) -
     rlvr's bf16 context (lean_llama's region of bf16 weight copies, made by one untimed step): per
     layer q/k/v with the LoRA A factors in one product from their stacked copy and the LoRA B
     products (lean_llama._stacked_t_bf16), o_proj weight-major (linear_t), gate/up stacked, down_proj
-    weight-major; the head from its prepacked copy (output_head).
+    weight-major, where this CPU rounds weight-major bf16 products as autocast does
+    (lean_llama._weight_major_bf16_ok); elsewhere each Linear row-major on (rows, 1, K) as decode
+    calls it (lean_llama.linear, from the region's bf16 copies); the head from its
+    prepacked copy (output_head).
     No attention, norms, rotary, residuals or sampling: what decode would take if nothing but its
     products ran."""
     from rlvr.models import lean_llama
@@ -302,9 +305,17 @@ def decode_products_seconds(policy, rows: int, steps: int, bf16: bool = False) -
             d, inter = hf.config.hidden_size, hf.config.intermediate_size
             xT, xh = torch.randn(d, rows, dtype=bf), torch.randn(rows, head.in_features)
             mT = torch.randn(inter, rows, dtype=bf)
+            x3, m3 = torch.randn(rows, 1, d), torch.randn(rows, 1, inter)
+            row_major = not lean_llama._weight_major_bf16_ok()
 
             def one_step() -> None:
                 for layer in layers:
+                    if row_major:
+                        a, mlp = layer.self_attn, layer.mlp
+                        for m in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj):
+                            lean_llama.linear(m, x3)
+                        lean_llama.linear(mlp.down_proj, m3)
+                        continue
                     a, mlp = layer.self_attn, layer.mlp
                     lean_llama._stacked_t_bf16((a.q_proj, a.k_proj, a.v_proj), xT)
                     lean_llama.linear_t(a.o_proj, xT)

@@ -975,6 +975,31 @@ def test_the_weight_major_bf16_probe_sees_one_output_rounded_otherwise(monkeypat
         assert lean_llama._weight_major(torch.zeros(4, 1, 8)) is None
 
 
+def test_the_packed_linear_probe_sees_one_output_rounded_otherwise(monkeypatch):
+    """_packed_linear_ok compares oneDNN's packed bf16 products (plain and biased, 1 to 200 rows from
+    one pack) with F.linear's: one output one bf16 step off in either turns the packs off."""
+    from rlvr.models import lean_llama
+
+    monkeypatch.setattr(lean_llama, "_PACKED_OK", [])
+    if not lean_llama._packed_linear_ok():
+        pytest.skip("this torch has no oneDNN packed bf16 linear with autocast's numbers")
+    real = lean_llama._packed_linear
+    for biased in (False, True):
+        for rows in (1, 96):
+            def off_by_one_step(x, Wp, bb):
+                out = real(x, Wp, bb)
+                if (bb is not None) is biased and x.size(0) == rows:
+                    out[-1, 7] = out[-1, 7] * 1.01 + 0.01   # one output off by at least one bf16 step
+                return out
+
+            monkeypatch.setattr(lean_llama, "_PACKED_OK", [])
+            monkeypatch.setattr(lean_llama, "_packed_linear", off_by_one_step)
+            assert lean_llama._packed_linear_ok() is False
+    monkeypatch.setattr(lean_llama, "_PACKED_OK", [])
+    monkeypatch.setattr(lean_llama, "_packed_linear", real)
+    assert lean_llama._packed_linear_ok() is True
+
+
 def test_bf16_decode_stacks_and_packed_head_keep_autocasts_numbers(fast_variant, monkeypatch):
     """The stacked q/k/v and gate/up products and the prepacked head of bf16 decode, checked where the
     first test does not reach: without oneDNN's packed linear (the plain-copy fallback) on the
