@@ -34,7 +34,8 @@ def measure(config: str, overrides: list[str]) -> dict:
     predicted = price["memory_peak_bytes"]
     parts = {k: price[k] for k in ("memory_baseline_bytes", "policy_bytes", "reference_bytes", "optimizer_bytes",
                                    "memory_gradient_bytes", "memory_activation_bytes", "memory_logits_bytes",
-                                   "memory_kv_cache_bytes", "memory_eval_kv_cache_bytes", "memory_export_bytes")}
+                                   "memory_kv_cache_bytes", "memory_eval_kv_cache_bytes", "memory_export_bytes",
+                                   "memory_weight_copy_bytes", "memory_kept_copy_bytes") if k in price}
     return {"config": config, "overrides": overrides, "predicted_peak_bytes": predicted,
             "measured_peak_bytes": measured, "ratio": predicted / measured, "phase": price["memory_peak_phase"],
             "parts": parts, "wall_s": wall}

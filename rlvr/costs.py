@@ -61,9 +61,11 @@ Memory (`memory(...)`, the peak resident set a run reaches, in bytes; `b` = byte
     evaluation      = the same for the evaluation's rows (greedy: one row per held-out prompt of a
                       decode batch; pass@k: k rows per prompt)
     export          = one more policy copy when LoRA is merged into a copy for `hf/`
-    and under bf16 autocast on the CPU each forward phase (training, sampling, evaluation) also
-    holds bf16 copies of the weights, 2 bytes a parameter (rlvr.models.lean_llama.bf16_weights: made
-    once per forward region instead of at every product, freed at its end)
+    and under bf16 autocast on the CPU bf16 copies of the weights, 2 bytes a parameter
+    (rlvr.models.lean_llama.bf16_weights: made once instead of at every product): the frozen weights'
+    (a LoRA policy's base, a reference model) kept for the whole run, with a prepacked copy of each
+    more where decode reads them packed, and the trainable ones' in each forward phase (training,
+    sampling, evaluation), freed at its end
 """
 
 from __future__ import annotations
@@ -102,11 +104,13 @@ class Memory:
     eval_kv_cache: int
     export_copy: int
     weight_copies: int = 0
-    """bf16 copies of the weights held through each forward phase (CPU bf16 autocast; 0 otherwise)."""
+    """bf16 copies of the trainable weights held through each forward phase (CPU bf16 autocast; 0 otherwise)."""
+    kept_copies: int = 0
+    """bf16 copies (and packs) of the frozen weights, kept for the whole run (CPU bf16 autocast; 0 otherwise)."""
 
     @property
     def held(self) -> int:
-        return self.baseline + self.policy + self.reference + self.optimizer + self.gradients
+        return self.baseline + self.policy + self.reference + self.optimizer + self.gradients + self.kept_copies
 
     @property
     def phases(self) -> dict[str, int]:
@@ -150,10 +154,12 @@ def logits_bytes(shape: ModelShape, rows: int, response_len: int, chunk_rows: in
 def memory(shape: ModelShape, *, prompts: int, group: int, prompt_len: int, response_len: int, minibatches: int,
            n_params: int, trainable_params: int, has_reference_copy: bool, baseline: int = 0,
            bytes_per_param: int = 4, shared_prompt: bool = False, logprob_chunk_rows: int = 0,
-           eval_rows: int = 0, export_copy: bool = False, weight_copy_bytes: int = 0, cache_reserve: int = 0) -> Memory:
+           eval_rows: int = 0, export_copy: bool = False, weight_copy_bytes: int = 0, cache_reserve: int = 0,
+           kept_copy_bytes: int = 0) -> Memory:
     """Predicted peak bytes of a run of P = `prompts` x G = `group` rows (module docstring), trained in
     `minibatches` forward/backward parts a batch (train.minibatches x train.micro_batches);
-    `weight_copy_bytes`: the bf16 weight copies each forward phase holds (CPU bf16 autocast);
+    `weight_copy_bytes`: the bf16 weight copies each forward phase holds (CPU bf16 autocast), and
+    `kept_copy_bytes` those held for the whole run;
     `cache_reserve`: columns the sampling caches hold beyond Lp + T (tool continuations, rlvr.tools)."""
     P, G, Lp, T, b = prompts, group, prompt_len, response_len, bytes_per_param
     rows = P * G // minibatches                                          # rows of one minibatch
@@ -166,7 +172,7 @@ def memory(shape: ModelShape, *, prompts: int, group: int, prompt_len: int, resp
         logits=logits_bytes(shape, rows, T, min(logprob_chunk_rows, rows * T)),
         kv_cache=kv_cache_bytes(shape, P * G, Lp, T + cache_reserve, b),
         eval_kv_cache=kv_cache_bytes(shape, eval_rows, Lp, T + cache_reserve, b) if eval_rows else 0,
-        export_copy=policy if export_copy else 0, weight_copies=weight_copy_bytes,
+        export_copy=policy if export_copy else 0, weight_copies=weight_copy_bytes, kept_copies=kept_copy_bytes,
     )
 
 
@@ -250,6 +256,8 @@ class Price:
     memory_export_bytes: int = 0
     memory_weight_copy_bytes: int = 0
     """bf16 weight copies in each forward phase's figure (CPU bf16 autocast; 0 otherwise)."""
+    memory_kept_copy_bytes: int = 0
+    """bf16 copies (and packs) of the frozen weights, held for the whole run (CPU bf16 autocast; 0 otherwise)."""
     memory_peak_bytes: int = 0
     """Predicted peak resident bytes (0 = not predicted: no model shape given)."""
     memory_peak_phase: str = ""
@@ -279,7 +287,7 @@ class Price:
         if not self.memory_peak_bytes:
             return 0
         held = (self.memory_baseline_bytes + self.policy_bytes + self.reference_bytes + self.optimizer_bytes
-                + self.memory_gradient_bytes)
+                + self.memory_gradient_bytes + self.memory_kept_copy_bytes)
         w = self.memory_weight_copy_bytes
         training = int((self.memory_activation_bytes + self.memory_logits_bytes) / factor) + w
         return held + max(training, self.memory_kv_cache_bytes + w, self.memory_eval_kv_cache_bytes + w,
@@ -291,7 +299,10 @@ class Price:
         return (f"price: memory peak ~{self.memory_peak_bytes * mib:,.0f} MiB (during {self.memory_peak_phase}) = "
                 f"process {self.memory_baseline_bytes * mib:,.0f} + policy {self.policy_bytes * mib:,.0f} + "
                 f"reference {self.reference_bytes * mib:,.0f} + AdamW {self.optimizer_bytes * mib:,.1f} + "
-                f"gradients {self.memory_gradient_bytes * mib:,.1f} + the largest of: training activations "
+                f"gradients {self.memory_gradient_bytes * mib:,.1f} + "
+                + (f"bf16 copies of the frozen weights {self.memory_kept_copy_bytes * mib:,.0f} + "
+                   if self.memory_kept_copy_bytes else "")
+                + f"the largest of: training activations "
                 f"{self.memory_activation_bytes * mib:,.0f} + logits {self.memory_logits_bytes * mib:,.0f}, "
                 f"sampling KV cache {self.memory_kv_cache_bytes * mib:,.0f}, evaluation KV cache "
                 f"{self.memory_eval_kv_cache_bytes * mib:,.0f}, export copy {self.memory_export_bytes * mib:,.0f}"
@@ -438,7 +449,8 @@ def _memory_fields(mem) -> dict:
         memory_baseline_bytes=mem.baseline, memory_gradient_bytes=mem.gradients,
         memory_activation_bytes=mem.activations, memory_logits_bytes=mem.logits,
         memory_kv_cache_bytes=mem.kv_cache, memory_eval_kv_cache_bytes=mem.eval_kv_cache,
-        memory_export_bytes=mem.export_copy, memory_weight_copy_bytes=mem.weight_copies, memory_peak_bytes=mem.peak,
+        memory_export_bytes=mem.export_copy, memory_weight_copy_bytes=mem.weight_copies,
+        memory_kept_copy_bytes=mem.kept_copies, memory_peak_bytes=mem.peak,
         memory_peak_phase=max(mem.phases, key=mem.phases.get))
 
 
@@ -486,6 +498,7 @@ def price(
     matmul_kind: str = "fp32",
     decode_step_s: float = 0.0,
     weight_copy_bytes: int = 0,
+    kept_copy_bytes: int = 0,
     tool_calls: int = 0,
 ) -> Price:
     """Price a run from its shape; refuses, naming the number, when one it needs is missing.
@@ -498,7 +511,7 @@ def price(
     `matmul_flops_per_s` (measured with `threads` torch threads) gives the wall-time lower bound.
     `shape` (with `baseline_bytes`, `logprob_chunk_rows`, `eval_rows` rows decoded together in evaluation,
     `export_copy` when export merges LoRA into a copy, `weight_copy_bytes` the bf16 weight copies of a
-    forward) adds the predicted memory peak (`memory`; else 0). `recompute_logp_old` (algorithm.logp_old
+    forward, `kept_copy_bytes` those kept for the whole run) adds the predicted memory peak (`memory`; else 0). `recompute_logp_old` (algorithm.logp_old
     = recompute, or auto with bf16 forwards; `logp_old_note` says why auto chose;
     `logp_old_from_learner`: the learner's first forward gives it, none is added with one minibatch,
     and (minibatches - 1) / minibatches of one with more, rlvr.learn.prepass_logp_old) adds one log-prob
@@ -531,7 +544,7 @@ def price(
         has_reference_copy=has_reference and not reference_is_adapter_off, baseline=baseline_bytes,
         bytes_per_param=bytes_per_param, shared_prompt=shared_prompt, logprob_chunk_rows=logprob_chunk_rows,
         eval_rows=eval_rows, export_copy=export_copy, weight_copy_bytes=weight_copy_bytes,
-        cache_reserve=2 * T * tool_calls))
+        kept_copy_bytes=kept_copy_bytes, cache_reserve=2 * T * tool_calls))
     return Price(
         prompts_per_step=P, samples_per_prompt=G, max_new_tokens=T, prompt_tokens=Lp, steps=steps,
         grad_steps_per_batch=grad_steps, sampling_rounds=sampling_rounds, n_params=n_params,

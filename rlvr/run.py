@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 
 from rlvr import config as config_mod, costs, sampling
-from rlvr.models.lean_llama import bf16_weights
+from rlvr.models.lean_llama import bf16_weights, decode_reads_packs
 from rlvr.models.tiny import TinyConfig, TinyTransformer
 from rlvr.policy import Policy, Tokenizer
 from rlvr.state import StateError, find_complete, find_state, load_policy_weights, verify, write_dir_atomically
@@ -656,8 +656,21 @@ def price_of(setup: Setup, rate: float | None = None, decode_s: float | None = N
         logp_old_from_learner=setup.logp_old_from_learner, logp_old_note=logp_old_note(cfg, setup.numerics),
         entropy_forward=cfg.algorithm.top_entropy_quantile < 1,
         numerics=setup.numerics.describe(), tool_calls=setup.limits.tool_calls,
-        weight_copy_bytes=2 * model.num_params() if on_cpu and setup.numerics.bf16 else 0,
+        **dict(zip(("kept_copy_bytes", "weight_copy_bytes"),
+                   bf16_copy_bytes(model, cfg.algorithm.kl_coef > 0 and not model.has_adapter)
+                   if on_cpu and setup.numerics.bf16 else (0, 0))),
     )
+
+
+def bf16_copy_bytes(model, reference_copy: bool) -> tuple[int, int]:
+    """(bytes kept for the whole run, bytes held in each forward phase) of the bf16 weight copies of
+    CPU bf16 autocast (rlvr.models.lean_llama.bf16_weights): 2 a frozen parameter kept, twice that
+    where decode reads them prepacked too (lean_llama.decode_reads_packs), 2 a parameter of a
+    `reference_copy` kept; 2 a trainable parameter in each forward phase."""
+    trainable = sum(p.numel() for p in model.trainable_params())
+    frozen = model.num_params() - trainable
+    kept = 2 * frozen * (2 if decode_reads_packs() else 1) + (2 * model.num_params() if reference_copy else 0)
+    return kept, 2 * trainable
 
 
 def check_memory(cfg: config_mod.Config, price: costs.Price, available: int | None = None) -> None:

@@ -876,6 +876,60 @@ def test_scoring_rows_that_all_end_early_gives_the_full_forwards_numbers(fast_va
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
+def test_frozen_weights_bf16_copies_are_kept_across_regions_until_they_change():
+    """A frozen weight's bf16 copy (and its prepacked copy, where oneDNN has one) made in one bf16
+    region serves the next; a trainable weight's is made again in each region; a frozen weight
+    changed in place (an op, load_state_dict) or given new data is copied again, each product
+    equal to autocast's; a change through ``.data`` in place, which no version counter sees, is
+    seen after ``drop_kept_copies``; the copies go with their weight."""
+    import gc
+
+    from rlvr.models import lean_llama
+    from rlvr.run import autocast_context
+
+    torch.manual_seed(0)
+    frozen, trained = torch.nn.Linear(64, 96).requires_grad_(False), torch.nn.Linear(64, 96)
+    x = torch.randn(8, 64)
+    pack = f"pack {lean_llama.PACK_ROWS}"
+
+    def region():
+        with autocast_context(True, "cpu"), torch.no_grad():
+            scope = lean_llama._SCOPE.weights
+            outs = [lean_llama.linear(m, x) for m in (frozen, trained)]
+            copies = [scope.get(t) for t in (frozen.weight, frozen.bias, trained.weight)]
+            packed = lean_llama._KEPT.find(pack, (frozen.weight,))
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+            assert all(torch.equal(o, m(x)) for o, m in zip(outs, (frozen, trained)))  # autocast's bits
+        assert torch.equal(copies[0], frozen.weight.to(torch.bfloat16))
+        assert (packed is not None) == lean_llama._packed_linear_ok()
+        return copies, packed
+
+    (w1, b1, t1), p1 = region()
+    (w2, b2, t2), p2 = region()
+    assert w2 is w1 and b2 is b1 and p2 is p1 and t2 is not t1     # kept; the trainable one made again
+    with torch.no_grad():
+        frozen.weight.mul_(2.0)                                     # an in-place op
+    (w3, b3, _), p3 = region()
+    assert w3 is not w1 and b3 is b1 and (p3 is None or p3 is not p1)
+    frozen.load_state_dict({"weight": torch.randn(96, 64), "bias": torch.randn(96)})
+    (w4, b4, _), _ = region()
+    assert w4 is not w3 and b4 is not b1
+    frozen.weight.data = torch.randn(96, 64)                        # new data
+    (w5, _, _), _ = region()
+    assert w5 is not w4
+    frozen.weight.data.add_(1.0)                  # unseen: .data counts its versions apart from the weight
+    with autocast_context(True, "cpu"), torch.no_grad():
+        assert lean_llama._SCOPE.weights.get(frozen.weight) is w5   # the stale copy, until dropped
+    lean_llama.drop_kept_copies()
+    (w7, _, _), _ = region()
+    assert w7 is not w5
+    wid = id(frozen.weight)
+    assert any(k[1:] == (wid,) for k in lean_llama._KEPT.entries)
+    del frozen, w1, w2, w3, w4, w5, w7, p1, p2, p3
+    gc.collect()
+    assert not any(k[1:] == (wid,) for k in lean_llama._KEPT.entries)  # gone with the weight
+
+
 def test_bf16_weight_copies_give_autocasts_numbers_bit_for_bit(fast_variant, monkeypatch):
     """Under rlvr's CPU bf16 context (torch.autocast + a region of bf16 weight copies) the lean
     forward's logits, sampling (its decode steps weight-major from the copies, q/k/v and gate/up
@@ -902,22 +956,30 @@ def test_bf16_weight_copies_give_autocasts_numbers_bit_for_bit(fast_variant, mon
             scope = getattr(lean_llama._SCOPE, "weights", None)
             linears = [m for m in policy._hf_model().modules() if type(m) is torch.nn.Linear]  # LoRA's too
             tensors = [t for m in linears for t in (m.weight, m.bias) if t is not None]      # Qwen 2's biases
+            mine = {(id(t),) for t in tensors}
             if scope is not None:                           # with gradient: the frozen ones, each copied once
-                assert len(scope.copies) == sum(not t.requires_grad for t in tensors)
+                assert len(scope.made("copy") & mine) == sum(not t.requires_grad for t in tensors)
             with torch.no_grad():
                 roll = sampling.generate(policy, [tok.encode("ab"), tok.encode("hello")], samples_per_prompt=3,
                                          max_new_tokens=4, temperature=0.7, eos_id=tok.eos_id, pad_id=tok.pad_id,
                                          generators=sampling.prompt_generators(0, 0, 2))
             if scope is not None:   # without: all of them (decode's weight-major products), once for the call
-                held = set(scope.copies) | set(scope.packs)  # the head prepacked where oneDNN has it
-                if not lean_llama._weight_major_bf16_ok():   # row-major decode: the LoRA factors run under autocast
+                packs = scope.made(f"pack {lean_llama.PACK_ROWS}") & mine
+                held = (scope.made("copy") | packs) & mine   # the head prepacked where oneDNN has it
+                wm_ok = lean_llama._weight_major_bf16_ok()
+                if not wm_ok:                                # row-major decode: the LoRA factors run under autocast
                     base = [m for n, m in policy._hf_model().named_modules() if type(m) is torch.nn.Linear
                             and ".lora_" not in n]
                     tensors = [t for m in base for t in (m.weight, m.bias) if t is not None]
-                assert len(held) == len(tensors) > 0 and {id(t) for t in tensors} == held
-                assert bool(scope.packs) == lean_llama._packed_linear_ok()
-                wm_ok = lean_llama._weight_major_bf16_ok()  # q/k/v, gate/up a layer, where decode reads them
-                assert len(scope.stacks) == (2 * len(policy._hf_model().model.layers) if wm_ok else 0)
+                    mine = {(id(t),) for t in tensors}
+                assert len(held) == len(tensors) > 0 and mine == held
+                # prepacked where oneDNN has it: the head, and row-major decode's frozen weights too
+                frozen = {(id(m.weight),) for m in linears if not m.weight.requires_grad}
+                head = {(id(policy._hf_model().lm_head.weight),)}
+                assert packs == ((head | (set() if wm_ok else frozen)) if lean_llama._packed_linear_ok() else set())
+                layer_ids = {id(t) for t in tensors} | {id(t) for m in linears for t in (m.weight,)}
+                stacks = {k for k in scope.made("stack") if set(k) <= layer_ids}  # q/k/v, gate/up a layer
+                assert len(stacks) == (2 * len(policy._hf_model().model.layers) if wm_ok else 0)
             # decode weight-major in bf16 in rlvr's context only, where this CPU's layouts round alike
             assert bool(wm_calls) == (scope is not None and lean_llama._weight_major_bf16_ok())
         logits.float().logsumexp(-1)[am.bool()].sum().backward()
@@ -934,8 +996,9 @@ def test_bf16_weight_copies_give_autocasts_numbers_bit_for_bit(fast_variant, mon
     with autocast_context(True, "cpu"), torch.no_grad():
         scope = lean_llama._SCOPE.weights
         first = lean_llama.linear(head, x)
-        copies = len(scope.copies)
-        assert copies == 1 and torch.equal(lean_llama.linear(head, x), first) and len(scope.copies) == copies
+        made = lambda: {k for kind in ("copy", f"pack {lean_llama.PACK_ROWS}") for k in scope.made(kind)  # noqa: E731
+                        if k == (id(head.weight),)}
+        assert made() == {(id(head.weight),)} and torch.equal(lean_llama.linear(head, x), first)
         head.weight.mul_(2.0)                               # changed in place: copied again
         try:
             torch.testing.assert_close(lean_llama.linear(head, x).float(), 2 * first.float(), rtol=1e-2, atol=1e-2)
@@ -1030,7 +1093,10 @@ def test_bf16_decode_stacks_and_packed_head_keep_autocasts_numbers(fast_variant,
                                      eos_id=tok.eos_id, pad_id=tok.pad_id,
                                      generators=sampling.prompt_generators(1, 0, 2))
             scope = getattr(lean_llama._SCOPE, "weights", None)
-            return roll, (None if scope is None else (len(scope.stacks), len(scope.packs)))
+            mine = {id(t) for t in hf.parameters()}
+            return roll, (None if scope is None else
+                          tuple(len({k for k in scope.made(kind) if set(k) <= mine})
+                                for kind in ("stack", f"pack {lean_llama.PACK_ROWS}")))
 
     try:
         (r1, _), (r2, held) = sample(lambda: torch.autocast("cpu", dtype=torch.bfloat16)), \
@@ -1039,8 +1105,10 @@ def test_bf16_decode_stacks_and_packed_head_keep_autocasts_numbers(fast_variant,
         for m, sc in zip(loras, saved):
             m.scaling.update(sc)
     assert torch.equal(r1.ids, r2.ids) and torch.equal(r1.logp, r2.logp)
-    assert held == (2 * len(hf.model.layers) if lean_llama._weight_major_bf16_ok() else 0,
-                    1 if lean_llama._packed_linear_ok() else 0)
+    wm_ok = lean_llama._weight_major_bf16_ok()       # row-major decode reads its frozen weights packed too
+    frozen = {id(m.weight) for m in hf.modules() if type(m) is torch.nn.Linear and not m.weight.requires_grad}
+    packs = {id(hf.lm_head.weight)} | (set() if wm_ok else frozen)
+    assert held == (2 * len(hf.model.layers) if wm_ok else 0, len(packs) if lean_llama._packed_linear_ok() else 0)
 
     layer = hf.model.layers[0]
     mods = lean_llama._qkv_mods(layer.self_attn)           # q, k, v (Phi-3: its one fused qkv_proj)

@@ -49,6 +49,10 @@ def test_memory_options_by_hand():
     assert {k: copies.phases[k] - v for k, v in plain.phases.items()} == {
         "training": 500, "sampling": 500, "evaluation": 500, "export": 0}
     assert copies.peak == plain.peak + 500 and copies.held == plain.held
+    # the frozen weights' copies, kept for the whole run: held in every phase, the export's too
+    kept = costs.memory(SHAPE, **BASE, eval_rows=5, export_copy=True, kept_copy_bytes=300)
+    no_kept = costs.memory(SHAPE, **BASE, eval_rows=5, export_copy=True)
+    assert kept.held == no_kept.held + 300 and kept.phases == no_kept.phases and kept.peak == no_kept.peak + 300
     # tool continuations append to the first round's cache: 2 c T more columns (here c = 1: 6 -> 10)
     reserved = costs.memory(SHAPE, **BASE, eval_rows=5, cache_reserve=4)
     assert reserved.kv_cache == 6 * 10 * 2 * 4 * 4 * 3 + 960 and reserved.eval_kv_cache == 5 * 10 * 32 * 3 + 800
@@ -175,6 +179,15 @@ def test_price_of_a_real_setup_predicts_memory():
     assert p.memory_peak_bytes > p.memory_baseline_bytes + p.policy_bytes
     assert p.memory_weight_copy_bytes == 0 and "bf16 weight copies" not in p.memory_line()
     bf16 = run.build(config_mod.load(None, cfg_args + ["--model.autocast=bf16"]), log=lambda *a: None)
-    pb = run.price_of(bf16)            # each forward region holds 2-byte copies of the weights
-    assert pb.memory_weight_copy_bytes == 2 * bf16.model.num_params() > 0
+    pb = run.price_of(bf16)            # each forward region holds 2-byte copies of the trainable weights
+    n = bf16.model.num_params()
+    assert sum(p.numel() for p in bf16.model.trainable_params()) == n   # all of them here
+    assert pb.memory_weight_copy_bytes == 2 * n > 0
     assert f"bf16 weight copies {pb.memory_weight_copy_bytes / 2**20:,.0f}" in pb.memory_line()
+    # and the frozen ones' copies are kept: here a KL reference's (2 a parameter)
+    ref = run.price_of(run.build(config_mod.load(None, cfg_args + ["--model.autocast=bf16", "--algorithm.kl_coef=0.1"]),
+                                 log=lambda *a: None))
+    assert pb.memory_kept_copy_bytes == 0 and ref.memory_kept_copy_bytes == 2 * n
+    assert (ref.memory_peak_bytes - ref.memory_baseline_bytes
+            == pb.memory_peak_bytes - pb.memory_baseline_bytes + ref.reference_bytes + 2 * n)
+    assert f"bf16 copies of the frozen weights {2 * n / 2**20:,.0f}" in ref.memory_line()

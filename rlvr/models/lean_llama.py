@@ -11,7 +11,9 @@ transformers forward); several times less per-call overhead on small models. Dec
 gradient, CPU, float32, few rows) compute the projections weight-major (``linear_t``: W @ x.T, with
 plain LoRA adapters unrolled in peft's order), which BLAS runs faster at those row counts; under CPU
 bf16 autocast too, from the bf16 weight copies of ``bf16_weights()``, with autocast's numbers (there
-q/k/v and gate/up each in one product from stacked copies, the head from a prepacked copy).
+q/k/v and gate/up each in one product from stacked copies, the head from a prepacked copy) where
+this CPU's bf16 products round alike in both layouts, else row-major from prepacked copies of the
+frozen weights (``decode_reads_packs``; the copies of frozen weights are kept across regions).
 
 ``lean_llama_unsupported(model)`` / ``peft_unsupported(model)`` say why a model cannot take this
 path (None = it can): it needs a plain ``LlamaForCausalLM``, ``MistralForCausalLM``,
@@ -29,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import weakref
 
 import torch
 import torch.utils.checkpoint
@@ -597,38 +600,103 @@ def output_head(head: nn.Module, h: torch.Tensor) -> torch.Tensor:
 _SCOPE = threading.local()
 
 
+def _stamp(ws: tuple[torch.Tensor | None, ...]) -> tuple:
+    """What tells that a weight is unchanged: its version counter (every in-place op and
+    ``load_state_dict`` bump it) and data pointer (``p.data = ...`` moves it); -1 for None."""
+    return tuple(-1 if w is None else (w._version, w.data_ptr()) for w in ws)
+
+
+class _Copies:
+    """Tensors made from weights (bf16 copies, stacks, packs) keyed by a kind and the weights' ids,
+    each served while its weights are the same objects, unchanged (``_stamp``). ``weak``: the
+    weights are held by weak references, so that an entry goes with its weights (the store of
+    copies kept across regions); else by strong ones (one region's store)."""
+
+    def __init__(self, weak: bool):
+        self.weak = weak
+        self.entries: dict[tuple, tuple[tuple, tuple, torch.Tensor]] = {}
+
+    def find(self, kind: str, ws: tuple[torch.Tensor | None, ...]) -> torch.Tensor | None:
+        hit = self.entries.get((kind,) + tuple(map(id, ws)))
+        if hit is None:
+            return None
+        refs, stamp, made = hit
+        same = all((r is None) if w is None else (r is not None and (r() if self.weak else r) is w)
+                   for r, w in zip(refs, ws))
+        return made if same and stamp == _stamp(ws) else None
+
+    def put(self, kind: str, ws: tuple[torch.Tensor | None, ...], made: torch.Tensor) -> torch.Tensor:
+        key = (kind,) + tuple(map(id, ws))
+        if self.weak:
+            entries = self.entries
+            refs = tuple(None if w is None else weakref.ref(w, lambda _r, k=key: entries.pop(k, None)) for w in ws)
+        else:
+            refs = tuple(ws)
+        self.entries[key] = (refs, _stamp(ws), made)
+        return made
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+
+_KEPT = _Copies(weak=True)
+"""bf16 copies, stacks and packs of frozen weights (``requires_grad`` False: a LoRA policy's base,
+a reference model), kept from one ``bf16_weights()`` region to the next while the weights live
+unchanged: a LoRA run's base weights never change, so each sampling call and training forward
+would otherwise copy all of them again (SmolLM2: 270 MB written a region) and pack the head again."""
+
+
+def drop_kept_copies() -> None:
+    """Free the bf16 copies kept across regions (``_KEPT``); the next region makes them again. For a
+    caller that changes a frozen weight through ``.data`` in place, which no version counter sees."""
+    _KEPT.clear()
+
+
 class _Bf16Weights:
-    """bf16 copies of weights made in one ``bf16_weights()`` region: id -> (weight, version, copy)."""
+    """bf16 copies of weights for one ``bf16_weights()`` region: those of frozen weights from (and
+    into) the store kept across regions (``_KEPT``), the others made in the region and freed at
+    its end."""
 
     def __init__(self):
-        self.copies: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
-        self.stacks: dict[tuple[int, ...], tuple[tuple[torch.Tensor, ...], tuple[int, ...], torch.Tensor]] = {}
-        self.packs: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
-        self.bias_stacks: dict[tuple[int, ...], tuple[tuple, tuple[int, ...], torch.Tensor]] = {}
+        self.region = _Copies(weak=False)
+
+    def made(self, kind: str) -> set[tuple[int, ...]]:
+        """The weight ids of every ``kind`` entry this region would serve (its own, and the kept
+        ones whose weights live unchanged): "copy", "stack", "bias stack", f"pack {rows}"."""
+        out = set()
+        if kind.startswith("pack") and not _packed_linear_ok():    # packs serve only where oneDNN's do
+            return out
+        for store in (self.region, _KEPT):
+            for key, (refs, stamp, _) in list(store.entries.items()):
+                ws = tuple(None if r is None else (r() if store.weak else r) for r in refs)
+                if key[0] == kind and all((w is None) == (r is None) for w, r in zip(ws, refs)) and stamp == _stamp(ws):
+                    out.add(key[1:])
+        return out
+
+    def _store(self, ws: tuple[torch.Tensor | None, ...]) -> _Copies:
+        return _KEPT if all(w is None or not w.requires_grad for w in ws) else self.region
+
+    def _own(self, W: torch.Tensor) -> torch.Tensor | None:
+        return self._store((W,)).find("copy", (W,))
 
     def get(self, W: torch.Tensor) -> torch.Tensor | None:
-        """W's bf16 copy, made at its first use in the region and made again if W changed in place
-        since (its version counter); None where a copy would not serve: W needs a gradient here, or
-        is not a float32 CPU tensor."""
+        """W's bf16 copy, made at its first use (in the region, or kept from an earlier one for a
+        frozen W) and made again if W changed since (``_stamp``); None where a copy would not serve:
+        W needs a gradient here, or is not a float32 CPU tensor."""
         if (W.requires_grad and torch.is_grad_enabled()) or W.dtype != torch.float32 or W.device.type != "cpu":
             return None
-        hit = self.copies.get(id(W))
-        if hit is not None and hit[0] is W and hit[1] == W._version:
-            return hit[2]
-        Wb = W.detach().to(torch.bfloat16)
-        self.copies[id(W)] = (W, W._version, Wb)
-        return Wb
+        hit = self._own(W)
+        return hit if hit is not None else self._store((W,)).put("copy", (W,), W.detach().to(torch.bfloat16))
 
     def stacked(self, ws: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
         """The bf16 copies of ``ws`` (each (N_i, K)) stacked by rows, (sum N_i, K): one product for
         several weights that read the same input (``_stacked_t_bf16``). Each weight's own copy then
         becomes its row block of the stack (a view), so no weight is held twice; made again where a
-        weight changed in place. None where a copy would not serve (``get``)."""
-        key = tuple(id(w) for w in ws)
-        versions = tuple(w._version for w in ws)
-        hit = self.stacks.get(key)
-        if hit is not None and all(a is b for a, b in zip(hit[0], ws)) and hit[1] == versions:
-            return hit[2]
+        weight changed. None where a copy would not serve (``get``)."""
+        store = self._store(ws)
+        hit = store.find("stack", ws)
+        if hit is not None:
+            return hit
         if (any((w.requires_grad and torch.is_grad_enabled()) or w.dtype != torch.float32 or w.device.type != "cpu"
                 or w.dim() != 2 for w in ws) or len({w.size(1) for w in ws}) != 1):
             return None
@@ -636,28 +704,25 @@ class _Bf16Weights:
         row = 0
         for w in ws:
             block = stack[row:row + w.size(0)]
-            own = self.copies.get(id(w))
-            block.copy_(own[2] if own is not None and own[0] is w and own[1] == w._version else w.detach())
-            self.copies[id(w)] = (w, w._version, block)
+            own = self._own(w)
+            block.copy_(own if own is not None else w.detach())
+            self._store((w,)).put("copy", (w,), block)
             row += w.size(0)
-        self.stacks[key] = (ws, versions, stack)
-        return stack
+        return store.put("stack", ws, stack)
 
     def stacked_bias(self, bs: tuple[torch.Tensor | None, ...], sizes: tuple[int, ...]) -> torch.Tensor | None:
         """The bf16 copies of the biases ``bs`` (each (sizes[i],), or None: zeros) end to end,
-        (sum sizes,): the bias of a ``stacked`` product. Made again where a bias changed in place;
-        None where a copy would not serve (``get``)."""
-        key = tuple(id(b) for b in bs)
-        versions = tuple(-1 if b is None else b._version for b in bs)
-        hit = self.bias_stacks.get(key)
-        if hit is not None and all(a is b for a, b in zip(hit[0], bs)) and hit[1] == versions:
-            return hit[2]
+        (sum sizes,): the bias of a ``stacked`` product. Made again where a bias changed; None where
+        a copy would not serve (``get``)."""
+        store = self._store(bs)
+        hit = store.find("bias stack", bs)
+        if hit is not None:
+            return hit
         copies = [None if b is None else self.get(b) for b in bs]
         if any(c is None and b is not None for b, c in zip(bs, copies)):
             return None
         stack = torch.cat([torch.zeros(n, dtype=torch.bfloat16) if c is None else c for c, n in zip(copies, sizes)])
-        self.bias_stacks[key] = (bs, versions, stack)
-        return stack
+        return store.put("bias stack", bs, stack)
 
     def packed(self, W: torch.Tensor, rows: int) -> torch.Tensor | None:
         """W's bf16 copy reordered into oneDNN's blocked weight layout (``_linear_pointwise``
@@ -667,16 +732,16 @@ class _Bf16Weights:
         would not serve or oneDNN's bf16 linear is unavailable (``_packed_linear_ok``)."""
         if (W.requires_grad and torch.is_grad_enabled()) or W.dtype != torch.float32 or W.device.type != "cpu":
             return None
-        hit = self.packs.get(id(W))
-        if hit is not None and hit[0] is W and hit[1] == W._version:
-            return hit[2]
         if not _packed_linear_ok():
             return None
-        own = self.copies.get(id(W))
-        Wb = own[2] if own is not None and own[0] is W and own[1] == W._version else W.detach().to(torch.bfloat16)
-        Wp = torch.ops.mkldnn._reorder_linear_weight(Wb, rows)
-        self.packs[id(W)] = (W, W._version, Wp)
-        return Wp
+        store = self._store((W,))
+        kind = f"pack {rows}"
+        hit = store.find(kind, (W,))
+        if hit is not None:
+            return hit
+        own = self._own(W)
+        Wb = own if own is not None else W.detach().to(torch.bfloat16)
+        return store.put(kind, (W,), torch.ops.mkldnn._reorder_linear_weight(Wb, rows))
 
 
 _PACKED_OK: list[bool] = []
@@ -707,6 +772,13 @@ def _packed_linear_ok() -> bool:
     return _PACKED_OK[0]
 
 
+def decode_reads_packs() -> bool:
+    """Whether bf16 decode steps on this CPU read every frozen weight from a prepacked copy kept
+    with its bf16 copy (``linear``): where decode's products run row-major (``_weight_major_bf16_ok``
+    fails) and oneDNN's packed linear serves (``_packed_linear_ok``). Elsewhere only the head is packed."""
+    return _packed_linear_ok() and not _weight_major_bf16_ok()
+
+
 def _packed_linear(x: torch.Tensor, Wp: torch.Tensor, bb: torch.Tensor | None) -> torch.Tensor:
     """``x @ W.T (+ bb)`` (rows, N) for a bf16 x (rows, K) from W's prepacked bf16 copy ``Wp``."""
     return torch.ops.mkldnn._linear_pointwise(x, Wp, bb, "none", [], "")
@@ -720,7 +792,8 @@ def bf16_weights():
     the frozen base weights of a LoRA policy are cast anew for every product, and a SmolLM2 sampling
     call (16 forwards) spent about a quarter of its time on those casts. rlvr.run's autocast context
     opens one around every sampling call and training forward; nested regions share the outer's
-    copies. Freed at the end of the outermost region (the copies hold 2 bytes per weight)."""
+    copies. The copies of weights that train are freed at the end of the outermost region; those of
+    frozen weights are kept for later regions (``_KEPT``; 2 bytes per weight, 4 with a pack)."""
     outer = getattr(_SCOPE, "weights", None)
     if outer is None:
         _SCOPE.weights = _Bf16Weights()
@@ -763,10 +836,11 @@ def linear(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     plain peft LoRA ``Linear``'s base layer, see ``_plain_lora``) takes its weight and bias from the
     region's bf16 copies when they need no gradient: what autocast computes (the input cast to bf16,
     a bf16 product with the bf16 bias; LoRA factors under autocast as peft calls them), equal to the
-    last bit (tested). (Row-major decode steps from prepacked copies of every weight, tried on a
-    2-core Xeon with AMX: 1.3x faster products a layer, the same bits, but a whole sampling call
-    was no faster, 2.62 s against 2.47 s median of six alternated, as each call packs its weights
-    again; so only the head is packed.)"""
+    last bit (tested). Without gradient on at most ``HEAD_ROWS`` rows (row-major decode steps) a
+    frozen weight (``_KEPT``: packed once, kept across regions) is read from its prepacked copy
+    (``_packed_linear``, the same bits where ``_packed_linear_ok``): on a 2-core Xeon with AMX 1.3x
+    faster products a layer at 64 rows; packed again in every region (a weight that trains) it left
+    a whole sampling call no faster (2.62 s against 2.47 s, median of six alternated)."""
     scope = getattr(_SCOPE, "weights", None)
     if (scope is None or x.device.type != "cpu" or not torch.is_autocast_enabled("cpu")
             or torch.get_autocast_dtype("cpu") != torch.bfloat16 or _hooked(m)):
@@ -778,7 +852,13 @@ def linear(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     Wb, bb = scope.get(W), None if b is None else scope.get(b)
     if Wb is None or (b is not None and bb is None):
         return m(x)
-    out = F.linear(x.to(torch.bfloat16), Wb, bb)
+    rows = x.numel() // x.size(-1)
+    Wp = (scope.packed(W, PACK_ROWS) if not W.requires_grad and not torch.is_grad_enabled() and rows <= HEAD_ROWS
+          else None)
+    if Wp is not None:
+        out = _packed_linear(x.reshape(rows, x.size(-1)).to(torch.bfloat16), Wp, bb).view(*x.shape[:-1], -1)
+    else:
+        out = F.linear(x.to(torch.bfloat16), Wb, bb)
     for A, B, scaling in adapters:     # x cast again by autocast, as peft calls it: the same gradient sums
         out = out + F.linear(F.linear(x, A), B) * scaling
     return out
