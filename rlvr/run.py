@@ -633,6 +633,8 @@ def price_of(setup: Setup, rate: float | None = None, decode_s: float | None = N
     bytes_per_param = 2 if cfg.model.path and cfg.model.dtype == "bf16" else 4
     on_cpu = setup.device.type == "cpu"
     speedup = setup.numerics.matmul_speedup()       # the wall-time estimate at the rate the run computes at
+    kept_copies, phase_copies = (bf16_copy_bytes(model, cfg.algorithm.kl_coef > 0 and not model.has_adapter)
+                                 if on_cpu and setup.numerics.bf16 else (0, 0))
     baseline = max(setup.baseline_bytes,
                    costs.resident_bytes() - (model.num_params() * bytes_per_param if on_cpu else 0))
     return costs.price(
@@ -656,9 +658,7 @@ def price_of(setup: Setup, rate: float | None = None, decode_s: float | None = N
         logp_old_from_learner=setup.logp_old_from_learner, logp_old_note=logp_old_note(cfg, setup.numerics),
         entropy_forward=cfg.algorithm.top_entropy_quantile < 1,
         numerics=setup.numerics.describe(), tool_calls=setup.limits.tool_calls,
-        **dict(zip(("kept_copy_bytes", "weight_copy_bytes"),
-                   bf16_copy_bytes(model, cfg.algorithm.kl_coef > 0 and not model.has_adapter)
-                   if on_cpu and setup.numerics.bf16 else (0, 0))),
+        kept_copy_bytes=kept_copies, weight_copy_bytes=phase_copies,
     )
 
 
