@@ -443,25 +443,31 @@ def _table(head: list[str] | None, rows: list[list[str]], cls: str = "") -> str:
     return f'<table class="{cls}">{h}<tbody>{body}</tbody></table>'
 
 
+RATIOS = ("cost/wall_vs_estimate", "cost/steps_vs_expected", "cost/wall_vs_expected")
+"""summary.json's counted / priced ratios: shown as the cost table's ratio column, not as rows."""
+
+
 def cost_rows(records: RunRecords) -> list[tuple[str, object, object]]:
     """(figure X, price of X_per_run or None, counted cost/X or None), matched by name.
 
     A counted figure without a price, and a price without a count, each get a row. The wall time is
     the counted `wall_seconds` against the price's `wall_seconds_estimate` (its ratio is the
-    summary's `cost/wall_vs_estimate`, so that is not a row of its own), and again against its
-    `wall_seconds_expected` (the row `wall_seconds_expected`; ratio `cost/wall_vs_expected`) when
-    the price measured a decode step. Before cost/* keys existed,
+    summary's `cost/wall_vs_estimate`, so that is not a row of its own). When the price measured a
+    decode step, its `wall_seconds_expected` (which prices the steps only) is set against the
+    counted `step_seconds` (the row `step_seconds`; ratio `cost/steps_vs_expected`); a run that
+    predates `step_seconds` has it against its whole wall time instead (the row
+    `wall_seconds_expected`, ratio `cost/wall_vs_expected`). Before cost/* keys existed,
     summary.json carried the counted sampled tokens as `sampled_tokens`; that is used for
     `sampled_tokens` when `cost/sampled_tokens` is absent."""
     price = records.price or {}
     summary = records.summary or {}
     priced = {k[: -len("_per_run")]: v for k, v in price.items() if k.endswith("_per_run")}
-    for key, name in (("wall_seconds_estimate", "wall_seconds"), ("wall_seconds_expected", "wall_seconds_expected")):
+    counted = {k[len("cost/"):]: v for k, v in summary.items() if k.startswith("cost/") and k not in RATIOS}
+    expected_as = "step_seconds" if "step_seconds" in counted else "wall_seconds_expected"
+    for key, name in (("wall_seconds_estimate", "wall_seconds"), ("wall_seconds_expected", expected_as)):
         if _num(price.get(key)) and price[key] > 0:
             priced[name] = price[key]
-    counted = {k[len("cost/"):]: v for k, v in summary.items()
-               if k.startswith("cost/") and k not in ("cost/wall_vs_estimate", "cost/wall_vs_expected")}
-    if "wall_seconds_expected" in priced and "wall_seconds" in counted:
+    if expected_as == "wall_seconds_expected" and "wall_seconds_expected" in priced and "wall_seconds" in counted:
         counted["wall_seconds_expected"] = counted["wall_seconds"]
     if "sampled_tokens" not in counted and _num(summary.get("sampled_tokens")):
         counted["sampled_tokens"] = summary["sampled_tokens"]

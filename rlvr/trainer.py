@@ -104,6 +104,15 @@ class Interrupts:
                     f"(Ctrl-C again to exit at once)\n".encode())
 
 
+COST_ZERO = {"sampled_tokens": 0, "forward_tokens": 0, "trained_tokens": 0, "flops": 0.0,
+             "step_seconds": 0.0, "eval_seconds": 0.0}
+"""A run's counted cost before its first step. ``step_seconds``: the steps' own seconds (rollout,
+rewards, learn: each metrics.jsonl row's ``time/step_s``), the figure the price's expected wall time
+is set against; ``eval_seconds``: the held-out evaluations inside the run's wall time (the step-0 one
+and every ``eval.every``, best checkpoint included; the final one comes after the wall time is
+taken). The rest of the wall time is saving state, snapshots and logging."""
+
+
 @dataclass
 class RunState:
     """Everything that changes during a run; saved whole by `save`, restored by `restore`."""
@@ -119,8 +128,7 @@ class RunState:
     step: int = 0
     version: int = 0
     """Policy version: the number of learn stages applied; each batch records the version that sampled it."""
-    cost: dict = field(default_factory=lambda: {"sampled_tokens": 0, "forward_tokens": 0, "trained_tokens": 0,
-                                                "flops": 0.0})
+    cost: dict = field(default_factory=lambda: dict(COST_ZERO))
     wall_before: float = 0.0
     """Training seconds of earlier sessions of this run (resume)."""
     best: dict = field(default_factory=dict)
@@ -187,7 +195,7 @@ def restore(state: RunState, run_dir: RunDir) -> None:
     lr = state.learner
     got = load_state(run_dir.path, model=lr.policy, opt=lr.opt, sched=lr.sched, ref=state.reference,
                      rng=state.prompt_rng, gen=state.sample_gen, learn_gen=lr.generator)
-    state.step, state.cost, state.wall_before = got["step"], got["cost"], got["wall"]
+    state.step, state.cost, state.wall_before = got["step"], {**COST_ZERO, **got["cost"]}, got["wall"]
     state.saved_step = state.step
     state.version = got["extra"].get("version", state.step)
     if "watch" in got["extra"]:
@@ -291,13 +299,24 @@ def run_eval(run_dir: RunDir, state: RunState, step: int) -> dict:
     return row
 
 
-def progress(state: RunState, row: dict, elapsed: float, steps_done: int) -> str:
-    """The progress line: bar, step, the figures that show learning, seconds per step and an ETA
-    (steps left at this session's mean step time; evaluations included)."""
+def timed_eval(run_dir: RunDir, state: RunState, step: int) -> dict:
+    """``run_eval``, its seconds counted in ``state.cost["eval_seconds"]`` (an evaluation inside the
+    run's wall time)."""
+    t = time.perf_counter()
+    row = run_eval(run_dir, state, step)
+    state.cost["eval_seconds"] += time.perf_counter() - t
+    return row
+
+
+def progress(state: RunState, row: dict, elapsed: float, steps_done: int, before_s: float = 0.0) -> str:
+    """The progress line: bar, step, the figures that show learning, seconds since this session
+    began, seconds per step and an ETA (steps left at this session's mean step time, evaluations
+    every eval.every included; not the ``before_s`` seconds spent before the first step, the step-0
+    evaluation, which no later step repeats)."""
     step, steps = row["step"], state.setup.cfg.train.steps
     ev = f" | eval/goal {state.last_eval['eval/goal']:.3f}" if state.last_eval else ""
     done = int(20 * step / steps)
-    per_step = elapsed / max(1, steps_done)
+    per_step = max(0.0, elapsed - before_s) / max(1, steps_done)
     return (f"[{'#' * done}{'.' * (20 - done)}] step {step:>5}/{steps} | reward {row['train/reward']:.3f} "
             f"| goal {row['train/goal']:.3f} | nonzero Δ {row['train/nonzero_delta_frac']:.2f} "
             f"| agree {row['train/agreeing_groups_frac']:.2f} | H {row['train/entropy']:.2f}{ev} | {elapsed:.1f}s "
@@ -449,11 +468,12 @@ def loop(run_dir: RunDir, state: RunState, log, stop: Interrupts | None = None) 
     tc, ec = cfg.train, cfg.eval
     t_start = time.perf_counter()
     if state.step == 0 and ec.at_start:  # where the run starts, before any update
-        row = run_eval(run_dir, state, 0)
+        row = timed_eval(run_dir, state, 0)
         log(f"step 0 eval: goal {row['eval/goal']:.3f} reward {row['eval/reward']:.3f} "
             f"on {row['eval/prompts']} held-out prompts")
         state.eval0 = row
     state.last_save = time.monotonic()
+    before_s = time.perf_counter() - t_start      # the step-0 evaluation: not a part of any step
     first = state.step + 1
     for step in range(first, tc.steps + 1):
         if stop is not None and stop.signum is not None:  # SIGINT / SIGTERM came during the last step
@@ -461,16 +481,17 @@ def loop(run_dir: RunDir, state: RunState, log, stop: Interrupts | None = None) 
         t0 = time.perf_counter()
         batch, stats = advance(state, step)
         row = step_row(step, batch, stats, state, t0)
+        state.cost["step_seconds"] += row["time/step_s"]
         record(run_dir, state, step, batch, row)
         check_updates(run_dir, state, step, stats)
         if ec.every and step % ec.every == 0 and step != tc.steps:
-            run_eval(run_dir, state, step)
+            timed_eval(run_dir, state, step)
         if tc.snapshot_every and step % tc.snapshot_every == 0:
             run_dir.save_snapshot(state.policy, state.setup.tokenizer, cfg, step)
         if due_save(state, step):
             save(state, run_dir, state.wall_before + time.perf_counter() - t_start)
         if step % max(1, cfg.log.print_every) == 0 or step == 1:
-            log(progress(state, row, time.perf_counter() - t_start, step - first + 1))
+            log(progress(state, row, time.perf_counter() - t_start, step - first + 1, before_s))
     return finish(run_dir, state, state.wall_before + time.perf_counter() - t_start, log)
 
 
@@ -498,6 +519,18 @@ def interrupted(run_dir: RunDir, state: RunState, wall: float, log, signum: int)
     return summary
 
 
+def wall_line(wall: float, cost: dict, price: costs.Price) -> str:
+    """The cost line's seconds: the wall time against the price's lower bound, then its parts: the
+    steps against the price's expected wall time (which prices the steps only), the evaluations,
+    and the rest (saving state, snapshots, logging)."""
+    est = f" (estimate >= {price.wall_seconds_estimate:.1f} s)" if price.wall_seconds_estimate else ""
+    steps_s, eval_s = cost["step_seconds"], cost["eval_seconds"]
+    exp = (f" (expected ~{price.wall_seconds_expected:.1f} s: {steps_s / price.wall_seconds_expected:.2f}x)"
+           if price.wall_seconds_expected else "")
+    return (f"{wall:.1f} s{est}: steps {steps_s:.1f} s{exp}, evaluation {eval_s:.1f} s, "
+            f"saves and logging {max(0.0, wall - steps_s - eval_s):.1f} s")
+
+
 def finish(run_dir: RunDir, state: RunState, wall: float, log) -> dict:
     """Final state, evaluation, checkpoint and summary."""
     steps, cost, price = state.setup.cfg.train.steps, state.cost, state.price
@@ -520,17 +553,15 @@ def finish(run_dir: RunDir, state: RunState, wall: float, log) -> dict:
         "price": price.to_dict(),
         "sampled_tokens_vs_price": cost["sampled_tokens"] / price.sampled_tokens_per_run,
         "cost/wall_vs_estimate": wall / price.wall_seconds_estimate if price.wall_seconds_estimate else None,
-        "cost/wall_vs_expected": wall / price.wall_seconds_expected if price.wall_seconds_expected else None,
+        "cost/steps_vs_expected": (cost["step_seconds"] / price.wall_seconds_expected
+                                   if price.wall_seconds_expected else None),
     }
     run_dir.finish(state.policy, state.setup.tokenizer, summary, steps)
     worst = f", worst case {price.sampled_tokens_per_run_worst:,}" if price.sampling_rounds > 1 else ""
     log(f"cost: sampled {cost['sampled_tokens']:,} tokens (price {price.sampled_tokens_per_run:,}{worst}), "
         f"forward {cost['forward_tokens']:,} (price {price.forward_tokens_per_run:,}), "
         f"trained {cost['trained_tokens']:,} (price {price.trained_tokens_per_run:,}), "
-        f"{cost['flops']:.3g} FLOP (price {price.flops_per_run:.3g}), {wall:.1f} s"
-        + (f" (estimate >= {price.wall_seconds_estimate:.1f} s" if price.wall_seconds_estimate else "")
-        + (f", expected ~{price.wall_seconds_expected:.1f} s" if price.wall_seconds_expected else "")
-        + (")" if price.wall_seconds_estimate else ""))
+        f"{cost['flops']:.3g} FLOP (price {price.flops_per_run:.3g}), {wall_line(wall, cost, price)}")
     return summary
 
 

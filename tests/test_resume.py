@@ -30,6 +30,11 @@ def test_resumed_run_equals_the_uninterrupted_one(tmp_path):
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
     sa, sb = (json.loads((d / "summary.json").read_text()) for d in (straight, split))
     assert sa["eval/goal"] == sb["eval/goal"] and sa["cost/sampled_tokens"] == sb["cost/sampled_tokens"]
+    # the steps' seconds carry over the resume: both sessions' steps, each counted once
+    rows = [json.loads(line) for line in (split / "metrics.jsonl").read_text().splitlines()]
+    assert sb["cost/step_seconds"] == pytest.approx(sum(r["time/step_s"] for r in rows if "time/step_s" in r),
+                                                   rel=1e-9)
+    assert 0 < sb["cost/step_seconds"] + sb["cost/eval_seconds"] <= sb["wall_seconds"]
     rollout_steps = [json.loads(line)["step"] for line in (split / "rollouts.jsonl").read_text().splitlines()]
     assert rollout_steps == sorted(rollout_steps) and rollout_steps.count(3) == 2   # no duplicates
 
@@ -76,3 +81,23 @@ def test_a_longer_resume_under_a_decaying_schedule_says_what_the_rate_does(tmp_p
     assert cli.main(["train", "examples/sort.toml", "--out", str(const), *TINY, "--train.steps=1"]) == 0
     assert cli.main(["train", "examples/sort.toml", "--out", str(const), *TINY, "--train.steps=2", "--resume"]) == 0
     assert "train.steps changed" not in capsys.readouterr().out
+
+
+def test_a_state_saved_before_the_seconds_were_counted_resumes_counting_from_zero(tmp_path):
+    """A state.json whose cost has no step_seconds / eval_seconds (written before they were counted)
+    resumes; the summary then counts the resumed session's steps only."""
+    run = tmp_path / "run"
+    assert cli.main(["train", "examples/sort.toml", "--out", str(run), *TINY, "--train.steps=2"]) == 0
+    meta_file = run / "state" / "state.json"
+    text = meta_file.read_text()
+    meta = json.loads(text)
+    assert meta["cost"]["step_seconds"] > 0 and "eval_seconds" in meta["cost"]
+    del meta["cost"]["step_seconds"], meta["cost"]["eval_seconds"]
+    old = json.dumps(meta)
+    meta_file.write_text(old + " " * (len(text) - len(old)))     # the size the save recorded (its check)
+    assert cli.main(["train", "examples/sort.toml", "--out", str(run), *TINY, "--train.steps=3", "--resume"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    last = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
+            if '"time/step_s"' in line][-1]
+    assert last["step"] == 3 and summary["cost/step_seconds"] == pytest.approx(last["time/step_s"], rel=1e-9)
+    assert summary["cost/eval_seconds"] == 0.0 and summary["cost/sampled_tokens"] == 3 * 4 * 4 * 3

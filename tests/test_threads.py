@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import io
 import json
+import time
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
 import torch
 
-from rlvr import config as config_mod, costs, run
+from rlvr import config as config_mod, costs, report, run, trainer
 from rlvr.cli import main
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sort.toml"
@@ -245,6 +246,50 @@ def test_run_warns_before_step_1_and_sets_wall_against_the_estimate(tmp_path, mo
     assert (f"(price {price['sampled_tokens_per_run']:,}, worst case {price['sampled_tokens_per_run_worst']:,})"
             in cost)
     assert any(line.startswith("price: wall time >= ") for line in lines)
+
+
+def test_the_cost_line_splits_the_wall_time_and_sets_the_steps_against_the_expected_time(tmp_path, monkeypatch):
+    """The price's expected wall time prices the steps only: the summary's cost/step_seconds (the
+    sum of the rows' time/step_s) is set against it, the evaluations inside the wall time are
+    counted apart (the step-0 one and eval.every's), and the cost line names all three parts."""
+    machine(monkeypatch, cores=2, load=0.0)
+    monkeypatch.setattr(run, "matmul_rate", lambda device: 1e9)
+    monkeypatch.setattr(run, "decode_step_seconds", lambda setup: 0.01)
+    evals = []
+    real_eval = trainer.run_eval
+    monkeypatch.setattr(trainer, "run_eval", lambda *a: evals.append(time.sleep(0.2)) or real_eval(*a))
+    rc, out = cli("train", EXAMPLE, "--out", tmp_path / "r", *TINY, "--eval.at_start=true", "--eval.every=1",
+                  "--train.steps=3")
+    assert rc == 0, out
+    assert len(evals) == 4                                    # step 0, after steps 1 and 2, and the final one
+    rows = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    price = json.loads((tmp_path / "r" / "price.json").read_text())
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    steps_s = sum(r["time/step_s"] for r in rows if "time/step_s" in r)
+    assert summary["cost/step_seconds"] == pytest.approx(steps_s, rel=1e-9)
+    assert 0.6 <= summary["cost/eval_seconds"] < summary["wall_seconds"] - steps_s   # three inside the wall time
+    assert summary["cost/steps_vs_expected"] == pytest.approx(steps_s / price["wall_seconds_expected"])
+    assert "cost/wall_vs_expected" not in summary
+    cost = next(line for line in out.splitlines() if line.startswith("cost: "))
+    assert (f"{summary['wall_seconds']:.1f} s (estimate >= {price['wall_seconds_estimate']:.1f} s): "
+            f"steps {steps_s:.1f} s (expected ~{price['wall_seconds_expected']:.1f} s: "
+            f"{steps_s / price['wall_seconds_expected']:.2f}x), evaluation {summary['cost/eval_seconds']:.1f} s, "
+            f"saves and logging ") in cost
+    rep = {name: (p, c) for name, p, c in report.cost_rows(report.load_run_records(tmp_path / "r"))}
+    assert rep["step_seconds"] == (price["wall_seconds_expected"], summary["cost/step_seconds"])
+    assert "wall_seconds_expected" not in rep and rep["eval_seconds"] == (None, summary["cost/eval_seconds"])
+
+
+def test_the_eta_leaves_out_the_step_0_evaluation():
+    from test_autocast import tiny_setup
+    setup = tiny_setup()
+    state = trainer.new_state(setup)
+    row = {"step": 2, "train/reward": 0.5, "train/goal": 0.5, "train/nonzero_delta_frac": 1.0,
+           "train/agreeing_groups_frac": 0.0, "train/entropy": 1.0}
+    steps = setup.cfg.train.steps
+    line = trainer.progress(state, row, elapsed=13.0, steps_done=2, before_s=3.0)
+    assert "| 13.0s | 5.00 s/step |" in line and line.endswith(f"ETA {trainer._duration(5.0 * (steps - 2))}")
+    assert "| 6.50 s/step |" in trainer.progress(state, row, elapsed=13.0, steps_done=2)
 
 
 def test_price_command_prints_the_estimate(monkeypatch):
