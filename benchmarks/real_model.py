@@ -61,6 +61,14 @@ model and the output head on the decode step's rows, each weight read once a ste
 against decode's bound: the part of decode that no attention, norm or sampling change can remove.
 ``--profile-only`` stops after the profile.
 
+At the end the run's figures are set against the targets this benchmark was built for
+(``targets``): rlvr's step rate at least ``TARGET_STEP_RATIO`` times TRL's; rlvr's held-out accuracy
+at its last evaluation at least its step-0 value + ``TARGET_GAIN`` and above TRL's last (the same
+training time, except under ``--quick``, which evaluates after the same steps; the line also says
+whether rlvr is above at every evaluation); each phase within ``TARGET_X_BOUND`` times its bound
+(decode's products alone are a part of decode, not a phase). Each line says held or missed, with
+the figures.
+
 ``--quick``: 1 block of 2 steps each for the step time, 2 training steps each for the accuracy,
 20 held-out prompts. Timings on a machine shared with other work are contended; say so with them.
 """
@@ -85,6 +93,39 @@ P, G, MAX_NEW, LR, TEMPERATURE, LORA_R, LORA_ALPHA = 8, 8, 16, 3e-4, 0.7, 16, 32
 AUTOCAST = {"fp32": "off", "bf16": "bf16"}
 """rlvr's model.autocast for each --numerics (TRL: bf16 = (numerics == "bf16"))."""
 TASK_OPTIONS = {"ops": "+", "digits": 2, "heldout": 200, "seed": 0, "max_new_tokens": MAX_NEW}
+TARGET_STEP_RATIO, TARGET_GAIN, TARGET_X_BOUND = 4.0, 0.40, 2.0
+"""The targets: TRL's step time / rlvr's; held-out accuracy points over step 0; a phase's time / its bound."""
+PARTS = ("decode products",)
+"""Profile rows that time a part of a phase (decode's products alone), not a phase of the step."""
+
+
+def targets(profile: list[dict], step_s: dict, curves: dict) -> list[str]:
+    """One line per target, "held" or "missed" with the figures: the step ratio (``step_s``: median
+    seconds of "rlvr" and "trl"), rlvr's gain from step 0 to its last evaluation, whether its last
+    evaluation is above TRL's (``curves``: (seconds, steps, accuracy) points of each at the same
+    training times; the line also says whether it is above at every evaluation), and every phase of
+    ``profile`` (its ``x_bound``; not the ``PARTS`` rows) against its bound."""
+    def verdict(ok: bool) -> str:
+        return "held  " if ok else "missed"
+
+    ratio = step_s["trl"] / step_s["rlvr"]
+    lines = [f"{verdict(ratio >= TARGET_STEP_RATIO)} step rate: TRL / rlvr = {ratio:.2f} (target >= {TARGET_STEP_RATIO:g})"]
+    mine, theirs = curves["rlvr"], curves["trl"]
+    gain = mine[-1][2] - mine[0][2]
+    lines.append(f"{verdict(gain >= TARGET_GAIN - 1e-9)} held-out gain: {mine[0][2]:.3f} at step 0 -> {mine[-1][2]:.3f} "
+                 f"after {mine[-1][0]:.0f} s ({gain * 100:+.1f} points; target >= {TARGET_GAIN * 100:+.0f})")
+    later = list(zip(mine[1:], theirs[1:]))
+    below = [f"{a[0]:.0f} s: {a[2]:.3f} vs {b[2]:.3f}" for a, b in later if not a[2] > b[2]]
+    last = f"{mine[-1][2]:.3f} after {mine[-1][0]:.0f} s against TRL's {theirs[-1][2]:.3f} after {theirs[-1][0]:.0f} s"
+    lines.append(f"{verdict(mine[-1][2] > theirs[-1][2])} above TRL at the last evaluation: {last}; "
+                 + (f"not at every evaluation ({'; '.join(below)})" if below else
+                    f"above at each of the {len(later)} evaluations after step 0"))
+    phases = [p for p in profile if p["phase"] not in PARTS]
+    over = [f"{p['phase']} {p['x_bound']:.1f}x" for p in phases if p["x_bound"] > TARGET_X_BOUND]
+    lines.append(f"{verdict(not over)} every phase within {TARGET_X_BOUND:g}x its bound: "
+                 + ", ".join(f"{p['phase']} {p['x_bound']:.1f}x" for p in phases)
+                 + (f" (over: {', '.join(over)})" if over else ""))
+    return lines
 
 
 # ----------------------------------------------------------------------------- machine bounds
@@ -555,6 +596,9 @@ def main(argv: list[str] | None = None) -> int:
     curves = accuracy_curves(mdir, a, setup)
     for lib, pts in curves.items():
         print(f"  {lib:<5}" + "  ".join(f"{t:6.0f}s/{n}st: {acc:.3f}" for t, n, acc in pts))
+    print("targets:")
+    for line in targets(profile, st, curves):
+        print(f"  {line}", flush=True)
 
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)

@@ -40,3 +40,28 @@ def test_every_benchmark_prints_its_usage():
     for path, (code, printed) in got.items():
         # 0: argparse's --help; 2: a script that prints its usage itself when not given a config
         assert code in (0, 2) and printed > 0, (path, code, proc.stderr[-3000:])
+
+
+def test_the_real_model_benchmark_sets_its_figures_against_its_targets():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("real_model", ROOT / "benchmarks" / "real_model.py")
+    rm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rm)
+    profile = [{"phase": "sampling prefill", "x_bound": 1.9}, {"phase": "sampling decode", "x_bound": 4.1},
+               {"phase": "decode products", "x_bound": 2.0}, {"phase": "optimizer", "x_bound": 1.5}]
+    curves = {"rlvr": [(0.0, 0, 0.175), (121.0, 18, 0.675), (602.0, 94, 0.800)],
+              "trl": [(0.0, 0, 0.175), (146.0, 5, 0.430), (622.0, 22, 0.690)]}
+    got = rm.targets(profile, {"rlvr": 7.94, "trl": 30.49}, curves)
+    assert got[0] == "missed step rate: TRL / rlvr = 3.84 (target >= 4)"
+    assert got[1] == "held   held-out gain: 0.175 at step 0 -> 0.800 after 602 s (+62.5 points; target >= +40)"
+    assert got[2] == ("held   above TRL at the last evaluation: 0.800 after 602 s against TRL's 0.690 after 622 s; "
+                      "above at each of the 2 evaluations after step 0")
+    assert got[3] == ("missed every phase within 2x its bound: sampling prefill 1.9x, sampling decode 4.1x, "
+                      "optimizer 1.5x (over: sampling decode 4.1x)")       # decode's products alone are not a phase
+    curves["rlvr"][1] = (121.0, 18, 0.400)
+    got = rm.targets(profile[:1], {"rlvr": 6.61, "trl": 26.51}, curves)
+    assert got[0].startswith("held   step rate: TRL / rlvr = 4.01") and got[3].startswith("held   every phase")
+    assert got[2].endswith("not at every evaluation (121 s: 0.400 vs 0.430)")
+    curves["rlvr"][-1] = (602.0, 94, 0.574)                                   # +39.9 points, below TRL
+    got = rm.targets(profile, {"rlvr": 1.0, "trl": 4.0}, curves)
+    assert got[1].startswith("missed held-out gain") and "+39.9 points" in got[1] and got[2].startswith("missed")
