@@ -596,15 +596,16 @@ def main(argv: list[str] | None = None) -> int:
     curves = accuracy_curves(mdir, a, setup)
     for lib, pts in curves.items():
         print(f"  {lib:<5}" + "  ".join(f"{t:6.0f}s/{n}st: {acc:.3f}" for t, n, acc in pts))
+    verdicts = targets(profile, st, curves)
     print("targets:")
-    for line in targets(profile, st, curves):
+    for line in verdicts:
         print(f"  {line}", flush=True)
 
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps({"matmul_flops": rate, "bf16_matmul_flops": rate_bf16, "copy_bytes_per_s": bandwidth,
                                       "profile": profile, "step_s": st, "curves": curves, "quick": a.quick,
-                                      "numerics": a.numerics}, indent=2))
+                                      "numerics": a.numerics, "targets": verdicts}, indent=2))
     return 0
 
 
