@@ -27,7 +27,12 @@ and a small model's products run far below the rate of the large square products
 Expected wall time: the same with the decode positions (P * G * T a batch) replaced by T - 1
 decode steps at a measured decode-step time of the run's own policy (rlvr.run.decode_step_seconds);
 with tool calls (rlvr.tools) each of the `tool_calls` continuation rounds adds P * G * T decode
-positions and T - 1 decode steps more (the most a round can take, as its FLOPs are priced).
+positions and T - 1 decode steps more (the most a round can take, as its FLOPs are priced). The
+learn stage, where measured (rlvr.run.learn_part_seconds: one `train.micro_batches` part's training
+forward and backward at full length T, and one optimizer step), is priced the same way: each
+gradient step's parts and optimizer step at their measured times instead of the training FLOPs at
+the rate (a small model's training runs far below the rate too: per-operation overhead, and
+elementwise passes over the activations bound by memory bandwidth).
 
 Memory (`memory(...)`, the peak resident set a run reaches, in bytes; `b` = bytes of an activation,
 4 in fp32 and 2 in bf16; logits are always float32):
@@ -242,10 +247,19 @@ class Price:
     """flops_per_run / matmul_flops_per_s: a lower bound on the run's wall time; 0 = not measured."""
     decode_step_s: float = 0.0
     """Measured seconds of one decode step of a batch's P x G rows (rlvr.run.decode_step_seconds); 0 = not measured."""
+    learn_part_s: float = 0.0
+    """Measured seconds of one training forward and backward of a `train.micro_batches` part of a
+    minibatch at the run's lengths (rlvr.run.learn_part_seconds); 0 = not measured (the training
+    FLOPs are then priced at the matmul rate)."""
+    learn_parts_per_step: int = 0
+    """The parts each gradient step runs its forwards and backwards in (`learn_part_s` each)."""
+    optimizer_step_s: float = 0.0
+    """Measured seconds of one optimizer step over the trainable parameters (rlvr.run.learn_part_seconds)."""
     wall_seconds_expected: float = 0.0
     """The run's compute time with sampling's decode at `decode_step_s`: steps x (T - 1) x decode_step_s
-    + the other FLOPs (prefill, log-prob forwards, training) at the matmul rate. Evaluation, rewards
-    and checkpoints come on top. 0 = not measured."""
+    + (when measured) every gradient step's parts at `learn_part_s` and its optimizer step at
+    `optimizer_step_s` + the other FLOPs (prefill, log-prob forwards; training when not measured) at
+    the matmul rate. Evaluation, rewards and checkpoints come on top. 0 = not measured."""
     memory_baseline_bytes: int = 0
     """The process before the run (torch, transformers, tokenizer, task), measured at pricing."""
     memory_gradient_bytes: int = 0
@@ -373,7 +387,12 @@ class Price:
                 + (f" ({rounds} sampling rounds: the first and {self.tool_calls} tool continuation(s))"
                    if self.tool_calls else "")
                 + f" at the measured {self.decode_step_s * 1e3:,.3g} ms "
-                f"({self.prompts_per_step * self.samples_per_prompt} rows), before evaluation and rewards")
+                f"({self.prompts_per_step * self.samples_per_prompt} rows)"
+                + (f" and each of the {self.steps * self.grad_steps_per_batch} gradient steps at the measured "
+                   f"{self.learn_parts_per_step} x {self.learn_part_s * 1e3:,.4g} ms (forward and backward"
+                   f"{' of each part' if self.learn_parts_per_step > 1 else ''}) + {self.optimizer_step_s * 1e3:,.3g} ms "
+                   f"(optimizer)" if self.learn_part_s else "")
+                + ", before evaluation and rewards")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -455,13 +474,20 @@ def _memory_fields(mem) -> dict:
 
 
 def expected_wall_seconds(flops: float, decode_flops: float, decode_steps: int, rate: float,
-                          decode_step_s: float) -> float:
+                          decode_step_s: float, train_flops: float = 0.0, grad_steps: int = 0,
+                          parts_per_step: int = 1, learn_part_s: float = 0.0, optimizer_step_s: float = 0.0) -> float:
     """A run's compute seconds with its decode at a measured time: the `flops` less the decode
     positions' `decode_flops` at `rate` FLOP/s, plus `decode_steps` decode steps of `decode_step_s`
-    each (T - 1 a batch: the first token comes from the prefill). 0.0 when either is not measured."""
+    each (T - 1 a batch: the first token comes from the prefill). With a measured `learn_part_s`
+    the training FLOPs `train_flops` leave the rate's share too, replaced by `grad_steps` gradient
+    steps of `parts_per_step` parts at `learn_part_s` and an optimizer step at `optimizer_step_s`
+    each. 0.0 when the rate or the decode step is not measured."""
     if rate <= 0 or decode_step_s <= 0:
         return 0.0
-    return (flops - decode_flops) / rate + decode_steps * decode_step_s
+    if learn_part_s <= 0:
+        return (flops - decode_flops) / rate + decode_steps * decode_step_s
+    return ((flops - decode_flops - train_flops) / rate + decode_steps * decode_step_s
+            + grad_steps * (parts_per_step * learn_part_s + optimizer_step_s))
 
 
 def price(
@@ -497,6 +523,8 @@ def price(
     numerics: str = "",
     matmul_kind: str = "fp32",
     decode_step_s: float = 0.0,
+    learn_part_s: float = 0.0,
+    optimizer_step_s: float = 0.0,
     weight_copy_bytes: int = 0,
     kept_copy_bytes: int = 0,
     tool_calls: int = 0,
@@ -518,7 +546,9 @@ def price(
     forward per batch, as does `entropy_forward` (the entropies of
     algorithm.top_entropy_quantile; one forward serves both); `numerics` is the model.autocast line and
     `matmul_kind` what `matmul_flops_per_s` measures ("fp32", or "bf16 autocast"). `decode_step_s`
-    (one decode step of the P x G rows, measured) gives the expected wall time (`expected_wall_seconds`).
+    (one decode step of the P x G rows, measured) gives the expected wall time (`expected_wall_seconds`);
+    `learn_part_s` (one micro part's training forward and backward, measured) and `optimizer_step_s`
+    price the learn stage in it instead of its FLOPs.
     `tool_calls`: continuations per row in sampling, each at most Lp + T prefilled and T decoded (rlvr.tools).
     """
     _check_counts(prompt_tokens, max_new_tokens=max_new_tokens, n_params=n_params, prompts_per_step=prompts_per_step,
@@ -536,8 +566,11 @@ def price(
     trained, policy = epochs_per_batch * per_forward, n_params * bytes_per_param
     flops_per_run = float(((sampling_fwd + ref_fwd + old_fwd) * fwd + trained * trn) * steps)
     rounds = 1 + tool_calls    # sampling rounds a batch: the first, then each continuation's (at most T decoded)
+    parts = min(micro_batches, max(1, P // minibatches))   # whole groups: a part holds at least one
     expected = expected_wall_seconds(flops_per_run, steps * rounds * rows * T * fwd, steps * rounds * (T - 1),
-                                     matmul_flops_per_s, decode_step_s)
+                                     matmul_flops_per_s, decode_step_s, float(trained * trn * steps),
+                                     steps * grad_steps, parts, learn_part_s, optimizer_step_s)
+    measured_learn = expected > 0 and learn_part_s > 0
     extra = {} if shape is None else _memory_fields(memory(
         shape, prompts=P, group=G, prompt_len=Lp, response_len=T, minibatches=minibatches * micro_batches,
         n_params=n_params, trainable_params=n_params if trainable_params is None else trainable_params,
@@ -561,6 +594,8 @@ def price(
         logp_old_bytes=per_batch * 4, matmul_flops_per_s=float(matmul_flops_per_s), threads=threads,
         wall_seconds_estimate=flops_per_run / matmul_flops_per_s if matmul_flops_per_s > 0 else 0.0,
         decode_step_s=float(decode_step_s) if expected else 0.0, wall_seconds_expected=expected,
+        learn_part_s=float(learn_part_s) if measured_learn else 0.0, learn_parts_per_step=parts if measured_learn else 0,
+        optimizer_step_s=float(optimizer_step_s) if measured_learn else 0.0,
         flops_logp_old_per_batch=float(old_fwd * fwd), entropy_forward=entropy_forward,
         logp_old_recomputed=recompute_logp_old, logp_old_note=logp_old_note,
         logp_old_from_learner=logp_old_from_learner, numerics=numerics, matmul_kind=matmul_kind, tool_calls=tool_calls,

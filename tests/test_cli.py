@@ -108,7 +108,7 @@ def test_installed_console_command_prices_a_run():
     assert proc.returncode == 0, proc.stderr
     # measured in each process: this machine's speed, and the memory baseline (so the predicted peak)
     measured = ("matmul_flops_per_s", "wall_seconds_estimate", "memory_baseline_bytes", "memory_peak_bytes",
-                "decode_step_s", "wall_seconds_expected")
+                "decode_step_s", "learn_part_s", "optimizer_step_s", "wall_seconds_expected")
     got, want = json.loads(proc.stdout), json.loads(cli("price", EXAMPLE, *PRICED, "--json")[1])
     assert all(got.pop(k) > 0 and want.pop(k) > 0 for k in measured)
     for p in (got, want):  # model.autocast = auto times bf16 against fp32 in each process too, and on a busy

@@ -172,6 +172,118 @@ def test_expected_wall_time_by_hand():
            "at the measured 500 ms" in tools.lines()[-1]
 
 
+def test_expected_wall_time_with_a_measured_learn_stage_by_hand():
+    """With a measured part (forward and backward) and optimizer step, the training FLOPs leave the
+    rate term too; every gradient step's parts and optimizer step take their place."""
+    base = dict(prompts_per_step=4, samples_per_prompt=4, max_new_tokens=3, prompt_tokens=4, steps=10,
+                epochs_per_batch=2, minibatches=2, n_params=1000, has_reference=False, threads=2,
+                matmul_flops_per_s=1e6, decode_step_s=0.5)
+    p = costs.price(**base, learn_part_s=0.2, optimizer_step_s=0.05)
+    # 14,720,000 FLOP: decode positions 960,000 and training 10 x 2 epochs x 16 rows x (4 + 3) x 6N = 13,440,000
+    # leave the rate term (0.32 s: the prefill); 10 x 2 decode steps x 0.5 s = 10 s and
+    # 10 steps x 2 epochs x 2 minibatches = 40 gradient steps x (1 part x 0.2 + 0.05 s) = 10 s join it
+    assert p.wall_seconds_expected == pytest.approx(0.32 + 10.0 + 10.0)
+    assert (p.learn_part_s, p.learn_parts_per_step, p.optimizer_step_s) == (0.2, 1, 0.05)
+    assert p.wall_seconds_estimate == pytest.approx(14.72)                            # the lower bound unchanged
+    assert p.lines()[-1].endswith(
+        "; expected ~20.3 s with each of the 2 decode steps per batch at the measured 500 ms (16 rows) and each of "
+        "the 40 gradient steps at the measured 1 x 200 ms (forward and backward) + 50 ms (optimizer), before "
+        "evaluation and rewards")
+    # two micro parts a minibatch (2 groups: one each): 40 x (2 x 0.2 + 0.05) = 18 s
+    two = costs.price(**base, micro_batches=2, learn_part_s=0.2, optimizer_step_s=0.05)
+    assert two.learn_parts_per_step == 2 and two.wall_seconds_expected == pytest.approx(0.32 + 10.0 + 18.0)
+    assert "40 gradient steps at the measured 2 x 200 ms (forward and backward of each part)" in two.lines()[-1]
+    # four micro parts asked of 2 groups: still 2 parts (whole groups)
+    assert costs.price(**base, micro_batches=4, learn_part_s=0.2).learn_parts_per_step == 2
+    # not measured: the training FLOPs at the rate, as before
+    assert costs.price(**base).wall_seconds_expected == pytest.approx(13.76 + 10.0)
+    assert costs.price(**base).learn_part_s == 0.0
+
+
+def _spy_accumulate(monkeypatch) -> list:
+    """Record (rows, ids shape, mask sum, micro_batches) of every rlvr.learn.accumulate call, running the real one."""
+    import rlvr.learn
+
+    calls, real = [], rlvr.learn.accumulate
+
+    def spy(learner, batch, rows, delta_rows, *a, **kw):
+        ro = batch.rollout
+        calls.append((len(rows), tuple(ro.ids.shape), float(ro.mask.sum()), learner.cfg.train.micro_batches))
+        return real(learner, batch, rows, delta_rows, *a, **kw)
+
+    monkeypatch.setattr(rlvr.learn, "accumulate", spy)
+    return calls
+
+
+def test_the_learn_probe_runs_the_learn_stage_on_full_length_parts_and_leaves_the_run_untouched(monkeypatch):
+    from test_autocast import tiny_setup
+
+    calls = _spy_accumulate(monkeypatch)
+    setup = tiny_setup()
+    model = setup.model
+    model.eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    part, opt = run.learn_part_seconds(setup)
+    assert part > 0 and opt > 0
+    assert not model.training                                       # its mode restored
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())   # no update
+    assert all(p.grad is None for p in model.trainable_params())     # its gradients dropped
+    assert torch.equal(torch.get_rng_state(), rng)                   # the global RNG forked
+    G, T, Lp = setup.cfg.train.samples_per_prompt, setup.limits.max_new_tokens, setup.limits.prompt_tokens
+    assert setup.cfg.train.prompts_per_step == 4                    # one part of 4 groups: timed at 1 and 2 groups
+    sizes = [rows for rows, *_ in calls]
+    assert sizes[:4] == [G, 2 * G, G, 2 * G] and sizes[4:] in ([], [G, 2 * G], [G, 2 * G] * 2)
+    # every row at the longest prompt and the full response bound, every token in the loss, in one part
+    assert all(shape == (rows, Lp + T) and mask == rows * T and micro == 1 for rows, shape, mask, micro in calls)
+    # two parts a minibatch: a part of 2 groups timed as it is (a warm-up, then the best of two)
+    calls.clear()
+    two = tiny_setup("--train.micro_batches=2")
+    run.learn_part_seconds(two)
+    assert [rows for rows, *_ in calls] == [2 * G] * 3
+    # learners elsewhere (a learner group): nothing measured here
+    calls.clear()
+    group = tiny_setup()
+    group.cfg.distributed.learners = 2
+    assert run.learn_part_seconds(group) == (0.0, 0.0) and calls == []
+
+
+def test_a_larger_part_is_extrapolated_from_one_and_two_groups(monkeypatch):
+    """Clock readings scripted: one group 0.3 then 0.2 s, two groups 0.5 then 0.35 s: each size's
+    best, a part of 4 groups = 0.2 + (0.35 - 0.2) x 3 = 0.65 s; the optimizer's best of three
+    steps (after an untimed first) 0.01 s, on a scratch parameter as large as the trainable ones."""
+    import rlvr.learn
+    from test_autocast import tiny_setup
+
+    setup = tiny_setup()
+    monkeypatch.setattr(rlvr.learn, "accumulate", lambda *a, **kw: {})
+    ticks = iter([t for d in (0.3, 0.5, 0.2, 0.35, 0.03, 0.01, 0.02) for t in (0.0, d)])
+    monkeypatch.setattr(run.time, "perf_counter", lambda: next(ticks))
+    part, opt = run.learn_part_seconds(setup)
+    assert part == pytest.approx(0.65) and opt == pytest.approx(0.01)
+
+
+def test_a_run_its_memory_refuses_is_not_probed_and_a_given_learn_time_reaches_the_price(monkeypatch):
+    from test_autocast import tiny_setup
+
+    calls = _spy_accumulate(monkeypatch)
+    setup = tiny_setup()
+    monkeypatch.setattr(run.costs, "available_bytes", lambda: 1)     # nothing fits
+    refused = run.price_of(setup, rate=1e9, decode_s=0.25)
+    assert calls == [] and refused.learn_part_s == 0.0 and refused.wall_seconds_expected > 0
+    with pytest.raises(run.RunError, match="needs about"):
+        run.check_memory(setup.cfg, refused)                         # which the run's own check then refuses
+    monkeypatch.undo()
+    given = run.price_of(setup, rate=1e9, decode_s=0.25, learn_s=(0.5, 0.01))
+    steps = setup.cfg.train.steps * setup.cfg.train.epochs_per_batch * setup.cfg.train.minibatches
+    assert given.learn_part_s == 0.5 and given.optimizer_step_s == 0.01
+    assert given.wall_seconds_expected == pytest.approx(refused.wall_seconds_expected
+                                                        - given.flops_train_per_batch * setup.cfg.train.steps / 1e9
+                                                        + steps * (0.5 + 0.01))
+    measured = run.price_of(setup, rate=1e9, decode_s=0.25)
+    assert measured.learn_part_s > 0 and measured.optimizer_step_s > 0
+
+
 def test_decode_step_is_measured_on_the_runs_policy_unless_workers_sample(monkeypatch):
     from test_autocast import tiny_setup
 
