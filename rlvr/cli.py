@@ -114,7 +114,9 @@ def cmd_price(args: argparse.Namespace, extra: list[str]) -> int:
     try:
         cfg = config.load(args.config, _split_overrides(extra))
         _, busy = run.set_threads(cfg)  # the wall-time estimate is measured with the run's threads
-        price = run.price_of(run.build(cfg, time_bf16=True))
+        from rlvr.learn import learn_part_seconds
+
+        price = run.price_of(run.build(cfg, time_bf16=True), learn_probe=learn_part_seconds)
     except (config.ConfigError, run.RunError, TaskError, ValueError) as e:
         return _fail(str(e))
     if args.json:

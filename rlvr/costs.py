@@ -28,7 +28,7 @@ Expected wall time: the same with the decode positions (P * G * T a batch) repla
 decode steps at a measured decode-step time of the run's own policy (rlvr.run.decode_step_seconds);
 with tool calls (rlvr.tools) each of the `tool_calls` continuation rounds adds P * G * T decode
 positions and T - 1 decode steps more (the most a round can take, as its FLOPs are priced). The
-learn stage, where measured (rlvr.run.learn_part_seconds: one `train.micro_batches` part's training
+learn stage, where measured (rlvr.learn.learn_part_seconds: one `train.micro_batches` part's training
 forward and backward at full length T, and one optimizer step), is priced the same way: each
 gradient step's parts and optimizer step at their measured times instead of the training FLOPs at
 the rate (a small model's training runs far below the rate too: per-operation overhead, and
@@ -249,12 +249,12 @@ class Price:
     """Measured seconds of one decode step of a batch's P x G rows (rlvr.run.decode_step_seconds); 0 = not measured."""
     learn_part_s: float = 0.0
     """Measured seconds of one training forward and backward of a `train.micro_batches` part of a
-    minibatch at the run's lengths (rlvr.run.learn_part_seconds); 0 = not measured (the training
+    minibatch at the run's lengths (rlvr.learn.learn_part_seconds); 0 = not measured (the training
     FLOPs are then priced at the matmul rate)."""
     learn_parts_per_step: int = 0
     """The parts each gradient step runs its forwards and backwards in (`learn_part_s` each)."""
     optimizer_step_s: float = 0.0
-    """Measured seconds of one optimizer step over the trainable parameters (rlvr.run.learn_part_seconds)."""
+    """Measured seconds of one optimizer step over the trainable parameters (rlvr.learn.learn_part_seconds)."""
     wall_seconds_expected: float = 0.0
     """The run's compute time with sampling's decode at `decode_step_s`: steps x (T - 1) x decode_step_s
     + (when measured) every gradient step's parts at `learn_part_s` and its optimizer step at

@@ -293,107 +293,6 @@ def decode_step_seconds(setup: Setup) -> float:
     return (more - one) / n if more > one else more / (1 + n)
 
 
-LEARN_PROBE_RETRIES = 2
-"""Timed pairs `learn_part_seconds` adds while the larger part measured no longer than the smaller."""
-OPTIMIZER_PROBE_ELEMENTS = 1 << 22
-"""The most elements of the scratch parameter `learn_part_seconds` times an optimizer step on (the
-step's time then scales with the trainable parameter count: it is bound by memory bandwidth)."""
-
-
-def learn_part_seconds(setup: Setup) -> tuple[float, float]:
-    """(seconds of one `train.micro_batches` part's training forward and backward, seconds of one
-    optimizer step), measured on this run's policy before it trains, to price the learn stage.
-
-    The part: ceil(groups per minibatch / parts) groups of G rows at the longest prompt's length
-    and the full response bound T (every token in the loss, as the price counts them), through the
-    learn stage's own `rlvr.learn.accumulate` (its forward under the run's numerics, the loss with
-    the run's terms, the backward), on synthetic rows with Δ = ±1. A part of one or two groups is
-    timed as it is (a warm-up call, then the best of two); a larger one from the times of one and of
-    two groups (each the best of two calls, timed in turn; the pair again, each call's best kept,
-    while two groups measured no longer than one: LEARN_PROBE_RETRIES), extrapolated linearly in
-    the groups: on SmolLM2 (8 groups a part) 6 group-sized calls instead of two whole parts. The
-    probe's rows run to T, so the price stays an upper estimate where responses end early. The gradients are dropped after (set to None),
-    the parameters and every generator of the run untouched (torch's global RNG forked).
-    The optimizer step: the run's optimizer (rlvr.learn.make_optimizer) over a scratch parameter of
-    min(trainable parameters, OPTIMIZER_PROBE_ELEMENTS) elements, its state allocated by a first
-    step, the best of three steps, scaled to the trainable parameter count.
-    (0.0, 0.0) where the learners run elsewhere (distributed.learners > 1) or there is nothing to train."""
-    import dataclasses
-    import types
-
-    from rlvr.learn import Learner, accumulate, make_optimizer
-    from rlvr.rollout import Batch
-
-    cfg, model, device = setup.cfg, setup.model, setup.device
-    tc = cfg.train
-    params = model.trainable_params()
-    if cfg.distributed.learners > 1 or not params:
-        return 0.0, 0.0
-    P, G, T = tc.prompts_per_step, tc.samples_per_prompt, setup.limits.max_new_tokens
-    Lp, pad = max(1, setup.limits.prompt_tokens), setup.tokenizer.pad_id
-    per_mb = -(-P // tc.minibatches)                                   # groups in a minibatch
-    per_part = -(-per_mb // min(tc.micro_batches, per_mb))             # groups in one of its parts
-    one_part = dataclasses.replace(cfg, train=dataclasses.replace(tc, micro_batches=1))
-    learner = Learner(model, None, None, one_part, torch.Generator(device=device), T, (0, 0),
-                      autocast=setup.numerics.context)
-    kl = cfg.algorithm.kl_coef > 0
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-    def batch(groups: int) -> Batch:
-        B = groups * G
-        ro = sampling.Rollout(
-            ids=torch.full((B, Lp + T), pad, dtype=torch.long, device=device),
-            attention_mask=torch.ones((B, Lp + T), dtype=torch.long, device=device), prompt_len=Lp,
-            mask=torch.ones((B, T), device=device), logp=torch.zeros((B, T), device=device),
-            truncated=torch.zeros(B, dtype=torch.bool, device=device), temperature=cfg.sampling.temperature,
-            top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k, min_p=cfg.sampling.min_p)
-        delta = (torch.arange(B, device=device) % 2 * 2 - 1).float().view(groups, G)  # Δ = ±1
-        return Batch(groups=types.SimpleNamespace(rollout=ro), parts=[], delta=delta, logp_old=ro.logp.clone(),
-                     logp_ref=ro.logp.clone() if kl else None, version=0)
-
-    made = {}
-
-    def timed(groups: int) -> float:
-        b = made.setdefault(groups, batch(groups))
-        t = time.perf_counter()
-        accumulate(learner, b, torch.arange(groups * G, device=device), b.delta_rows)
-        sync()
-        dt = time.perf_counter() - t
-        for p in params:
-            p.grad = None
-        return dt
-
-    was = model.training
-    model.train()
-    try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            if per_part <= 2:
-                timed(per_part)                                        # warm-up: allocation, kernel choice
-                part = min(timed(per_part), timed(per_part))
-            else:   # each size's best of two (the first call of each is its warm-up)
-                one, two = timed(1), timed(2)
-                one, two = min(one, timed(1)), min(two, timed(2))
-                for _ in range(LEARN_PROBE_RETRIES):   # a busy core can make the larger part the shorter
-                    if two > one:
-                        break
-                    one, two = min(one, timed(1)), min(two, timed(2))
-                part = one + max(two - one, 0.0) * (per_part - 1)
-    finally:
-        model.train(was)
-    n = sum(p.numel() for p in params)
-    scratch = torch.zeros(min(n, OPTIMIZER_PROBE_ELEMENTS), dtype=params[0].dtype, device=device, requires_grad=True)
-    scratch.grad = torch.zeros_like(scratch)
-    opt = make_optimizer([scratch], tc)
-    opt.step()                                                          # its state, allocated once
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        opt.step()
-        sync()
-        best = min(best, time.perf_counter() - t)
-    return part, best * n / scratch.numel()
-
-
 AUTOCAST_MIN_SPEEDUP = 1.2
 """`model.autocast = auto` picks bf16 when one product runs at least this many times faster under it."""
 _AUTOCAST_TIMINGS: dict[tuple, tuple[float, float]] = {}
@@ -723,14 +622,15 @@ def eval_rows(setup: Setup) -> int:
 
 
 def price_of(setup: Setup, rate: float | None = None, decode_s: float | None = None,
-             learn_s: tuple[float, float] | None = None) -> costs.Price:
+             learn_s: tuple[float, float] | None = None, learn_probe=None) -> costs.Price:
     """The price of the run `setup` describes (rlvr.costs), before it starts, with a wall-time
     estimate against `rate` FLOP/s (default: `matmul_rate` measured on the run's device) and an
     expected wall time with every decode step at `decode_s` seconds (default: `decode_step_seconds`
     measured on the run's policy) and the learn stage at `learn_s` (a part's forward and backward,
-    an optimizer step; default: `learn_part_seconds`, measured only where the run's predicted memory
-    fits, `check_memory` and `check_device_memory`, so a run that will be refused computes nothing
-    more; (0, 0): the training FLOPs at the rate). Its memory
+    an optimizer step; default: `learn_probe(setup)`, rlvr.learn.learn_part_seconds as the trainer
+    and `rlvr price` pass it, called only where the run's predicted memory fits, `check_memory` and
+    `check_device_memory`, so a run that will be refused computes nothing more; without a probe, or
+    (0, 0): the training FLOPs at the rate). Its memory
     baseline is the larger of the resident set before the policy was loaded (`setup.baseline_bytes`)
     and the resident set now less the policy's weights (what was loaded since: tokenizer, imports)."""
     cfg, model = setup.cfg, setup.model
@@ -766,14 +666,14 @@ def price_of(setup: Setup, rate: float | None = None, decode_s: float | None = N
         kept_copy_bytes=kept_copies, weight_copy_bytes=phase_copies,
     )
     first = costs.price(**kw)
-    if learn_s is None:
+    if learn_s is None and learn_probe is not None:
         try:
             check_memory(cfg, first)
             check_device_memory(cfg, first, setup.device)
         except RunError:
             return first       # refused by the caller's checks; nothing more is computed
-        learn_s = learn_part_seconds(setup) if first.wall_seconds_expected else (0.0, 0.0)
-    if not learn_s[0]:
+        learn_s = learn_probe(setup) if first.wall_seconds_expected else (0.0, 0.0)
+    if learn_s is None or not learn_s[0]:
         return first
     return costs.price(**kw, learn_part_s=learn_s[0], optimizer_step_s=learn_s[1])
 

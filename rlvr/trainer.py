@@ -59,7 +59,7 @@ from rlvr.diagnostics import (Watch, agreement_breakdown, length_by_outcome, pas
 from rlvr.distributed import Distributed, open_distributed
 from rlvr.evaluate import evaluate
 from rlvr.hostmem import set_host_memory
-from rlvr.learn import Learner, learn, make_optimizer, make_scheduler
+from rlvr.learn import Learner, learn, learn_part_seconds, make_optimizer, make_scheduler
 from rlvr.policy import Policy
 from rlvr.reward_pool import RewardPool, open_pool
 from rlvr.rollout import Batch, rollout
@@ -337,7 +337,7 @@ def start(cfg: config_mod.Config, run_dir: RunDir, *, overwrite: bool, resume: b
     run_dir.check_writable()
     setup = build(cfg, autocast=run_dir.recorded_autocast() if resume and cfg.model.autocast == "auto" else None,
                   time_bf16=not resume)
-    price = price_of(setup)
+    price = price_of(setup, learn_probe=learn_part_seconds)
     run_dir.check_space(price, snapshot_count(cfg.train))
     check_memory(cfg, price)  # refuses a run that would not fit the machine's memory (rlvr.run)
     check_device_memory(cfg, price, setup.device)  # on a GPU: the copies the first update allocates

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlvr import config as config_mod, costs, report, run, trainer
+from rlvr import config as config_mod, costs, learn as learn_mod, report, run, trainer
 from rlvr.cli import main
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sort.toml"
@@ -224,7 +224,7 @@ def test_the_learn_probe_runs_the_learn_stage_on_full_length_parts_and_leaves_th
     model.eval()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     rng = torch.get_rng_state()
-    part, opt = run.learn_part_seconds(setup)
+    part, opt = learn_mod.learn_part_seconds(setup)
     assert part > 0 and opt > 0
     assert not model.training                                       # its mode restored
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())   # no update
@@ -239,13 +239,13 @@ def test_the_learn_probe_runs_the_learn_stage_on_full_length_parts_and_leaves_th
     # two parts a minibatch: a part of 2 groups timed as it is (a warm-up, then the best of two)
     calls.clear()
     two = tiny_setup("--train.micro_batches=2")
-    run.learn_part_seconds(two)
+    learn_mod.learn_part_seconds(two)
     assert [rows for rows, *_ in calls] == [2 * G] * 3
     # learners elsewhere (a learner group): nothing measured here
     calls.clear()
     group = tiny_setup()
     group.cfg.distributed.learners = 2
-    assert run.learn_part_seconds(group) == (0.0, 0.0) and calls == []
+    assert learn_mod.learn_part_seconds(group) == (0.0, 0.0) and calls == []
 
 
 def test_a_larger_part_is_extrapolated_from_one_and_two_groups(monkeypatch):
@@ -258,8 +258,8 @@ def test_a_larger_part_is_extrapolated_from_one_and_two_groups(monkeypatch):
     setup = tiny_setup()
     monkeypatch.setattr(rlvr.learn, "accumulate", lambda *a, **kw: {})
     ticks = iter([t for d in (0.3, 0.5, 0.2, 0.35, 0.03, 0.01, 0.02) for t in (0.0, d)])
-    monkeypatch.setattr(run.time, "perf_counter", lambda: next(ticks))
-    part, opt = run.learn_part_seconds(setup)
+    monkeypatch.setattr(learn_mod.time, "perf_counter", lambda: next(ticks))
+    part, opt = learn_mod.learn_part_seconds(setup)
     assert part == pytest.approx(0.65) and opt == pytest.approx(0.01)
 
 
@@ -269,7 +269,7 @@ def test_a_run_its_memory_refuses_is_not_probed_and_a_given_learn_time_reaches_t
     calls = _spy_accumulate(monkeypatch)
     setup = tiny_setup()
     monkeypatch.setattr(run.costs, "available_bytes", lambda: 1)     # nothing fits
-    refused = run.price_of(setup, rate=1e9, decode_s=0.25)
+    refused = run.price_of(setup, rate=1e9, decode_s=0.25, learn_probe=learn_mod.learn_part_seconds)
     assert calls == [] and refused.learn_part_s == 0.0 and refused.wall_seconds_expected > 0
     with pytest.raises(run.RunError, match="needs about"):
         run.check_memory(setup.cfg, refused)                         # which the run's own check then refuses
@@ -280,8 +280,9 @@ def test_a_run_its_memory_refuses_is_not_probed_and_a_given_learn_time_reaches_t
     assert given.wall_seconds_expected == pytest.approx(refused.wall_seconds_expected
                                                         - given.flops_train_per_batch * setup.cfg.train.steps / 1e9
                                                         + steps * (0.5 + 0.01))
-    measured = run.price_of(setup, rate=1e9, decode_s=0.25)
+    measured = run.price_of(setup, rate=1e9, decode_s=0.25, learn_probe=learn_mod.learn_part_seconds)
     assert measured.learn_part_s > 0 and measured.optimizer_step_s > 0
+    assert run.price_of(setup, rate=1e9, decode_s=0.25).learn_part_s == 0.0   # no probe: the FLOPs at the rate
 
 
 def test_decode_step_is_measured_on_the_runs_policy_unless_workers_sample(monkeypatch):
