@@ -21,7 +21,7 @@ from rlvr.policy import Policy, Tokenizer
 from rlvr.rewards import goal_hits, score_batch, steps_of
 from rlvr.run import Limits, RunError, logp_old_in_learn
 from rlvr.tasks import Task, weighted_rewards
-from rlvr.tokenizer import encode_example
+from rlvr.tokenizer import encode_examples
 from rlvr.value import LearnedBaseline
 
 
@@ -128,7 +128,7 @@ def sample_and_score(policy: Policy, tok: Tokenizer, task: Task, examples: list,
         keep = [] if tool_stats is not None else None   # tool continuations reuse the KV cache (rlvr.tools)
         with autocast():
             r = sampling.generate(
-                policy, [encode_example(tok, ex) for ex in chunk], samples_per_prompt=G,
+                policy, encode_examples(tok, chunk), samples_per_prompt=G,
                 max_new_tokens=limits.max_new_tokens, eos_id=limits.eos_id, pad_id=tok.pad_id,
                 generators=gens[i:i + step] if gens else None, stop=stop, keep=keep,
                 reserve=2 * limits.max_new_tokens * limits.tool_calls, **kw)

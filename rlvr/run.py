@@ -29,7 +29,7 @@ from rlvr.models.tiny import TinyConfig, TinyTransformer
 from rlvr.policy import Policy, Tokenizer
 from rlvr.state import StateError, find_complete, find_state, load_policy_weights, verify, write_dir_atomically
 from rlvr.tasks import Task, load_task, names_a_file, resolve_weights
-from rlvr.tokenizer import CharTokenizer, PromptFormat, encode_example
+from rlvr.tokenizer import CharTokenizer, PromptFormat, encode_examples
 
 
 class RunError(RuntimeError):
@@ -461,7 +461,7 @@ def limits(cfg: config_mod.Config, task: Task, tok: Tokenizer, model: Policy | N
     examples = list(task.heldout) + list(task.train) if examples is None else examples
     max_new = cfg.sampling.max_new_tokens or task.max_new_tokens
     try:
-        lengths = [len(encode_example(tok, ex)) for ex in examples]
+        lengths = [len(ids) for ids in encode_examples(tok, examples)]
     except ValueError as e:
         raise RunError(f"the model's tokenizer cannot encode the task's prompts: {e}") from None
     n = max(lengths)

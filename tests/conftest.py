@@ -31,3 +31,18 @@ def bf16_no_faster():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(run, "autocast_timings", lambda device, rows, inner, outer, **kw: (1.0, 1.0))
         yield
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray (4 logical CPUs, no dashboard) for every test that asks for it, started at the
+    first and shut down at the end of the session: each start costs ~5 s on a 2-core machine. A run
+    that finds Ray running joins it and leaves it up (rlvr.distributed.sync.start_ray)."""
+    ray = pytest.importorskip("ray")
+    started = False
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        started = True
+    yield ray
+    if started:
+        ray.shutdown()

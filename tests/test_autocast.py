@@ -28,7 +28,7 @@ from rlvr.distributed import resolved_numerics, staleness
 from rlvr.learn import Learner, learn, make_optimizer, make_scheduler
 from rlvr.rollout import Batch, Groups, recompute_logp_old, rollout, sample_and_score
 from rlvr.run import autocast_timings as real_autocast_timings  # before tests/conftest.py patches it
-from test_distributed import EXAMPLE, TINY, ray_local  # noqa: F401  (ray_local: a fixture)
+from test_distributed import EXAMPLE, TINY
 
 torch.set_num_threads(1)
 CPU = torch.device("cpu")
@@ -727,7 +727,7 @@ def test_the_actors_get_the_choice_not_the_question(monkeypatch):
     assert resolved_numerics(setup.cfg, setup).model.autocast == "off"
 
 
-def test_recompute_with_stale_rollout_workers(ray_local, tmp_path):  # noqa: F811
+def test_recompute_with_stale_rollout_workers(ray_local, tmp_path):
     """bf16 and recompute with a rollout worker sampling one step ahead: every batch is scored by the
     learner's weights in the rollout stage, so each first ratio is exactly 1 and the staleness
     correction adds no second forward or weight."""

@@ -183,18 +183,6 @@ def test_a_fresh_batch_is_not_corrected_and_a_stale_one_is():
 # --------------------------------------------------------------------------- on a local Ray
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    ray = pytest.importorskip("ray")
-    started = False
-    if not ray.is_initialized():
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-        started = True
-    yield ray
-    if started:
-        ray.shutdown()
-
-
 def _two_steps(cfg) -> list:
     """(rewards, Δ, logp_old, version) of the first two steps, a plain learn between them."""
     setup = run.build(cfg)

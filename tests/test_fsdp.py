@@ -20,7 +20,7 @@ from rlvr.distributed import fsdp, learners as learners_mod
 from rlvr.learn import learn
 
 from test_distributed import (EXAMPLE, TINY, _cli_train, _uneven_batch, logp_old_from_the_group,  # noqa: F401
-                              micro_batches_in_a_group, new_learner, one_group_for_two_ranks, ray_local,
+                              micro_batches_in_a_group, new_learner, one_group_for_two_ranks,
                               tiny_cfg)
 
 FSDP = ["--distributed.learners=2", "--distributed.sharding=fsdp2"]

@@ -97,3 +97,51 @@ def test_a_system_message_with_chat_off_is_a_config_error(tmp_path):
     path.write_text('[task]\nchat = "off"\nsystem = "Be brief."\n')
     with pytest.raises(config_mod.ConfigError, match=r"task.system: is set, but task.chat = 'off'.*run.toml"):
         config_mod.load(path)
+
+
+def _hf_tokenizer(adds_bos: bool):
+    """A byte-level-free BPE tokenizer (printable ASCII one token each) with a ChatML template; BOS
+    added to plain text by its post-processor when `adds_bos`."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from rlvr.models.hf_tokenizer import HFTokenizer
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = specials + [chr(c) for c in range(32, 127)] + ["\n"]
+    bk = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(vocab)}, merges=[]))
+    bk.add_special_tokens(specials)
+    bk.decoder = decoders.Fuse()
+    if adds_bos:
+        bk.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=bk, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                  pad_token="<|im_end|>")
+    tok.chat_template = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
+                         "+ '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+                         "{% endif %}")
+    return HFTokenizer(tok)
+
+
+@pytest.mark.parametrize("adds_bos", [False, True])
+@pytest.mark.parametrize("fmt", [PromptFormat(), PromptFormat(chat="user", system="Be brief."), PromptFormat(chat="off")])
+def test_batched_encoding_gives_the_ids_of_one_call_a_prompt(adds_bos, fmt, monkeypatch):
+    """rlvr.tokenizer.encode_examples (the run's longest-prompt measure and each sampling call) gives
+    what encode_example gives example by example: chat turns, a system turn, plain text with and
+    without BOS, mixed in one list, across batches (ENCODE_BATCH = 3 over 9 prompts)."""
+    from rlvr.models.hf_tokenizer import HFTokenizer
+    from rlvr.tasks.arith import arith_task
+    from rlvr.tokenizer import encode_examples
+
+    tok = _hf_tokenizer(adds_bos)
+    tok.prompt_format = fmt
+    assert tok.adds_bos is adds_bos
+    examples = list(arith_task(ops="+", digits=1, heldout=4).heldout) + [PLAIN, MESSAGES, OWN_SYSTEM] + [
+        Example(prompt="  spaces  and\nlines ", answer="")]
+    monkeypatch.setattr(HFTokenizer, "ENCODE_BATCH", 3)
+    one = [encode_example(tok, ex) for ex in examples]
+    assert encode_examples(tok, examples) == one
+    assert len({tuple(ids) for ids in one[:4]}) == 4 and (fmt.chat == "off") is (2 not in one[0])  # <|im_end|>: templated
+    assert (one[4][0] == tok.bos_id) is (adds_bos or fmt.chat == "user")   # PLAIN: text, or a templated turn
+    char = CharTokenizer("0123456789+=")                                   # no batched call: one by one
+    assert encode_examples(char, [PLAIN]) == [encode_example(char, PLAIN)] == [char.encode_prompt("2+2=")]

@@ -100,6 +100,46 @@ class HFTokenizer:
             ids = ids["input_ids"]
         return list(ids)
 
+    ENCODE_BATCH = 2048
+    """Prompts per batched call of ``encode_prompts``."""
+
+    def encode_prompts(self, prompts: list) -> list[list[int]]:
+        """``encode_prompt`` of each prompt, batched: the chat conversations through one
+        ``apply_chat_template`` call (its renderer and a batched tokenizer call) per ENCODE_BATCH,
+        the strings through the backend's ``encode_batch``; the same ids as one call each."""
+        out: list = [None] * len(prompts)
+        chats = [i for i, p in enumerate(prompts) if not isinstance(p, str)]
+        texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
+        backend = getattr(self.tok, "backend_tokenizer", None)
+        if texts and backend is not None:
+            for k in range(0, len(texts), self.ENCODE_BATCH):
+                part = texts[k:k + self.ENCODE_BATCH]
+                encs = backend.encode_batch([prompts[i] for i in part], add_special_tokens=False)
+                bos = [self.bos_id] if self.adds_bos and self.bos_id is not None else []
+                for i, e in zip(part, encs):
+                    out[i] = bos + e.ids
+        else:
+            for i in texts:
+                out[i] = self.encode(prompts[i])
+        if chats:
+            for i in chats:     # the same checks as encode_prompt, before any rendering
+                p = prompts[i]
+                if not isinstance(p, (list, tuple)) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                                for m in p):
+                    raise ValueError("encode_prompt: expected a string or a list of {'role', 'content'} dicts, "
+                                     f"got {type(p).__name__}")
+            if not self.has_chat_template:
+                raise ValueError("encode_prompt: the task gives chat messages but the tokenizer has no chat_template")
+            for k in range(0, len(chats), self.ENCODE_BATCH):
+                part = chats[k:k + self.ENCODE_BATCH]
+                ids = self.tok.apply_chat_template([list(prompts[i]) for i in part], add_generation_prompt=True,
+                                                   tokenize=True, return_dict=False)
+                if hasattr(ids, "keys"):  # a BatchEncoding on some versions
+                    ids = ids["input_ids"]
+                for i, row in zip(part, ids):
+                    out[i] = list(row)
+        return out
+
     def decode(self, ids, *, stop_at_eos: bool = False) -> str:
         """Text of ``ids`` (list or 1-D tensor) with every special token skipped; with ``stop_at_eos``
         everything from the first eos on is ignored. The default (no stop) is ``CharTokenizer``'s."""
