@@ -1,10 +1,20 @@
 import os
 
-import pytest
-import torch
+# Two cores on CI: keep intra-op threads predictable so timings and determinism hold. Under
+# pytest-xdist (`-n N`) each worker process runs on a core of its own (its affinity mask, which the
+# runs, subprocesses and local Ray it starts inherit) with one thread: workers never share a core,
+# which costs a 2-thread torch process 15-50x when another busy one shares its cores. The mask is
+# set before torch loads its OpenMP runtime, which sizes its thread team by the cores it sees then.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+_PINNED = _WORKER.startswith("gw") and hasattr(os, "sched_setaffinity")
+if _PINNED:
+    _cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {_cores[int(_WORKER[2:]) % len(_cores)]})
 
-# Two cores on CI: keep intra-op threads predictable so timings and determinism hold.
-torch.set_num_threads(2)
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1 if _PINNED else 2)
 
 
 @pytest.fixture(autouse=True, scope="session")
