@@ -4,7 +4,8 @@ import os
 # pytest-xdist (`-n N`) each worker process runs on a core of its own (its affinity mask, which the
 # runs, subprocesses and local Ray it starts inherit) with one thread: workers never share a core,
 # which costs a 2-thread torch process 15-50x when another busy one shares its cores. The mask is
-# set before torch loads its OpenMP runtime, which sizes its thread team by the cores it sees then.
+# set before torch is imported: pinned after, a bf16 test at real shapes ran ~30x slower (oneDNN's
+# parallel regions still ran two OpenMP threads, then on one core).
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 _PINNED = _WORKER.startswith("gw") and hasattr(os, "sched_setaffinity")
 if _PINNED:
