@@ -349,6 +349,11 @@ class TrainConfig:
     memory_check: bool = True
     """Refuse to start a run whose predicted peak memory (the price's memory line, rlvr.costs.memory)
     exceeds the machine's available memory (MemAvailable); false = start anyway."""
+    price_probes: bool = True
+    """Time one decode step and one learn part (forward, backward, an optimizer step) on the run's own
+    policy before it starts, for the price's expected wall time (rlvr.run.decode_step_seconds,
+    rlvr.learn.learn_part_seconds; a few seconds on a 135M model, more on larger ones, also in `rlvr
+    price`); false = skip both: the price gives only its FLOP lower bound. Changes no update."""
 
 
 @dataclass

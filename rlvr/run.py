@@ -630,7 +630,8 @@ def price_of(setup: Setup, rate: float | None = None, decode_s: float | None = N
     an optimizer step; default: `learn_probe(setup)`, rlvr.learn.learn_part_seconds as the trainer
     and `rlvr price` pass it, called only where the run's predicted memory fits, `check_memory` and
     `check_device_memory`, so a run that will be refused computes nothing more; without a probe, or
-    (0, 0): the training FLOPs at the rate). Its memory
+    (0, 0): the training FLOPs at the rate). `train.price_probes = false` runs neither default probe:
+    no decode step measured, so no expected wall time, only the FLOP lower bound. Its memory
     baseline is the larger of the resident set before the policy was loaded (`setup.baseline_bytes`)
     and the resident set now less the policy's weights (what was loaded since: tokenizer, imports)."""
     cfg, model = setup.cfg, setup.model
@@ -656,7 +657,7 @@ def price_of(setup: Setup, rate: float | None = None, decode_s: float | None = N
         sampling_rounds=cfg.algorithm.dynamic_sampling_rounds if cfg.algorithm.dynamic_sampling else 1,
         matmul_flops_per_s=(matmul_rate(setup.device) if rate is None else rate) * speedup,
         matmul_kind="bf16 autocast" if speedup != 1.0 else "fp32", threads=torch.get_num_threads(),
-        decode_step_s=decode_step_seconds(setup) if decode_s is None else decode_s,
+        decode_step_s=(decode_step_seconds(setup) if cfg.train.price_probes else 0.0) if decode_s is None else decode_s,
         shape=model_shape(model) if on_cpu else None, baseline_bytes=baseline,
         logprob_chunk_rows=cfg.model.logprob_chunk_rows, eval_rows=eval_rows(setup),
         export_copy=model.has_adapter, recompute_logp_old=setup.recompute_logp_old and not setup.logp_old_from_learner,
@@ -666,7 +667,7 @@ def price_of(setup: Setup, rate: float | None = None, decode_s: float | None = N
         kept_copy_bytes=kept_copies, weight_copy_bytes=phase_copies,
     )
     first = costs.price(**kw)
-    if learn_s is None and learn_probe is not None:
+    if learn_s is None and learn_probe is not None and cfg.train.price_probes:
         try:
             check_memory(cfg, first)
             check_device_memory(cfg, first, setup.device)

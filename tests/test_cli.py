@@ -92,6 +92,34 @@ def test_price_text_lines():
     assert "no reference (kl_coef = 0)" in out
 
 
+def test_price_probes_false_times_neither_probe(monkeypatch):
+    """`rlvr price` times a decode step and a learn part on the run's policy for the expected wall
+    time; `train.price_probes = false` runs neither (none of their calls happens), and the price
+    gives the FLOP lower bound alone, the same figures otherwise."""
+    import rlvr.learn
+
+    calls = []
+    real_decode, real_learn = run.decode_step_seconds, rlvr.learn.learn_part_seconds
+    monkeypatch.setattr(run, "decode_step_seconds", lambda setup: calls.append("decode") or real_decode(setup))
+    monkeypatch.setattr(rlvr.learn, "learn_part_seconds", lambda setup: calls.append("learn") or real_learn(setup))
+    rc, out, err = cli("price", EXAMPLE, *PRICED, "--json")
+    assert rc == 0, err
+    assert calls == ["decode", "learn"]
+    probed = json.loads(out)
+    assert probed["wall_seconds_expected"] > 0 and probed["decode_step_s"] > 0 and probed["learn_part_s"] > 0
+    calls.clear()
+    rc, out, err = cli("price", EXAMPLE, *PRICED, "--train.price_probes=false", "--json")
+    assert rc == 0, err
+    assert calls == []
+    bare = json.loads(out)
+    assert bare["wall_seconds_expected"] == 0 and bare["decode_step_s"] == 0 and bare["learn_part_s"] == 0
+    assert bare["wall_seconds_estimate"] > 0 and bare["flops_per_run"] == probed["flops_per_run"]
+    assert bare["sampled_tokens_per_run"] == probed["sampled_tokens_per_run"]
+    rc, out, err = cli("price", EXAMPLE, *PRICED, "--train.price_probes=false")
+    assert rc == 0, err
+    assert "price: wall time >= " in out and "expected ~" not in out
+
+
 def test_price_task_bound_follows_sampling_max_new_tokens():
     rc, out, err = cli("price", EXAMPLE, *PRICED, "--sampling.max_new_tokens=5", "--json")
     assert rc == 0, err
