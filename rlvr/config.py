@@ -85,8 +85,12 @@ class ModelConfig:
     share_prompt_forward: bool = True
     """Hugging Face models: run each prompt once per group in the training and reference forwards
     and let its G responses attend to the shared keys/values (same logits and gradients, less work)."""
-    logprob_chunk_rows: int = 0
-    """Compute log-softmax over this many rows at a time (large vocabularies); 0 = all at once."""
+    logprob_chunk_rows: int = -1
+    """Compute the token log-probs' log-softmax (and its backward) over this many (row, position)
+    pairs at a time; 0 = all at once; -1 = auto: as many as fill a 2 MiB float32 block on a CPU
+    (10 for a 49,152-token vocabulary; 256 MiB on a GPU), so each chunk's passes run in cache
+    (rlvr.losses.auto_chunk_rows). A chunk that covers the whole batch is the plain path, so small
+    vocabularies compute as with 0."""
     gradient_checkpointing: bool = False
     """Hugging Face models: recompute each decoder layer in the backward instead of keeping its
     activations: the backward keeps a layer's input and its q, k, v (rlvr.models.lean_llama's
@@ -798,10 +802,11 @@ def validate(cfg: Config, source: str | None = None) -> None:
     if m.lora_r and a.kl_coef > 0 and a.ref_refresh_every:
         bad("algorithm.ref_refresh_every", "with LoRA the reference is the adapter disabled (the initial model); "
             "it cannot be refreshed")
-    for key, v in [("model.lora_r", m.lora_r), ("model.lora_alpha", m.lora_alpha), ("model.lora_dropout", m.lora_dropout),
-                   ("model.logprob_chunk_rows", m.logprob_chunk_rows)]:
+    for key, v in [("model.lora_r", m.lora_r), ("model.lora_alpha", m.lora_alpha), ("model.lora_dropout", m.lora_dropout)]:
         if v < 0:
             bad(key, f"must be >= 0, got {v}")
+    if m.logprob_chunk_rows < -1:
+        bad("model.logprob_chunk_rows", f"must be >= 1, 0 (all at once) or -1 (auto), got {m.logprob_chunk_rows}")
     if cfg.model.n_embd % cfg.model.n_head:
         bad("model.n_head", f"{cfg.model.n_head} does not divide model.n_embd = {cfg.model.n_embd}")
     if t.minibatches > t.prompts_per_step:

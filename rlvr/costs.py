@@ -55,7 +55,8 @@ Memory (`memory(...)`, the peak resident set a run reaches, in bytes; `b` = byte
                       input, q, k and v, and one layer recomputed at a time
       logits        = 4 x rows x T x V x 4 bytes (lm_head output, its copy joined with the prompt's
                       last position, the tempered copy, the saved log-softmax), or with
-                      `model.logprob_chunk_rows` = c: 2 x rows x T x V x 4 + 3 x c x V x 4
+                      `model.logprob_chunk_rows` = c < rows x T: 2 x rows x T x V x b_logit + 3 x c x V x 4
+                      (b_logit = 2 under bf16 forwards: the head's output and its gradient stay bf16)
     sampling        = KV cache P G x (Lp + T) x layers x 2 x Hkv x D x b, one layer's cache more
                       (the cache grows by concatenation) and the decode step's 4 x P G x V x 4 bytes
                       of logits, tempered logits, log-probs and probabilities; an upper bound where
@@ -147,18 +148,20 @@ def activation_bytes(shape: ModelShape, tokens: int, keys: int, act_bytes: int) 
     return tokens * s.layers * act_bytes * per_token_layer
 
 
-def logits_bytes(shape: ModelShape, rows: int, response_len: int, chunk_rows: int = 0) -> int:
-    """The float32 (rows, T, V) blocks of the log-prob forward and backward: 4 of them unchunked;
-    with `chunk_rows` = c, 2 full blocks and 3 (c, V) ones."""
-    full = rows * response_len * shape.vocab * 4
-    if chunk_rows:
-        return 2 * full + 3 * chunk_rows * shape.vocab * 4
-    return 4 * full
+def logits_bytes(shape: ModelShape, rows: int, response_len: int, chunk_rows: int = 0, logit_bytes: int = 4) -> int:
+    """The (rows, T, V) blocks of the log-prob forward and backward: 4 float32 ones unchunked; with
+    `chunk_rows` = c < rows x T, 2 full blocks of `logit_bytes` a logit (the head's output and its
+    gradient, in the forward's dtype: 2 under bf16, whose logits are upcast a chunk at a time) and 3
+    float32 (c, V) ones (a c covering every row is the plain path)."""
+    full = rows * response_len * shape.vocab
+    if 0 < chunk_rows < rows * response_len:
+        return 2 * full * logit_bytes + 3 * chunk_rows * shape.vocab * 4
+    return 4 * full * 4
 
 
 def memory(shape: ModelShape, *, prompts: int, group: int, prompt_len: int, response_len: int, minibatches: int,
            n_params: int, trainable_params: int, has_reference_copy: bool, baseline: int = 0,
-           bytes_per_param: int = 4, shared_prompt: bool = False, logprob_chunk_rows: int = 0,
+           bytes_per_param: int = 4, shared_prompt: bool = False, logprob_chunk_rows: int = 0, logit_bytes: int = 4,
            eval_rows: int = 0, export_copy: bool = False, weight_copy_bytes: int = 0, cache_reserve: int = 0,
            kept_copy_bytes: int = 0) -> Memory:
     """Predicted peak bytes of a run of P = `prompts` x G = `group` rows (module docstring), trained in
@@ -174,7 +177,7 @@ def memory(shape: ModelShape, *, prompts: int, group: int, prompt_len: int, resp
         baseline=baseline, policy=policy, reference=policy if has_reference_copy else 0,
         optimizer=2 * 4 * trainable_params, gradients=4 * trainable_params,
         activations=activation_bytes(shape, tokens, Lp + T, b),
-        logits=logits_bytes(shape, rows, T, min(logprob_chunk_rows, rows * T)),
+        logits=logits_bytes(shape, rows, T, logprob_chunk_rows, logit_bytes),
         kv_cache=kv_cache_bytes(shape, P * G, Lp, T + cache_reserve, b),
         eval_kv_cache=kv_cache_bytes(shape, eval_rows, Lp, T + cache_reserve, b) if eval_rows else 0,
         export_copy=policy if export_copy else 0, weight_copies=weight_copy_bytes, kept_copies=kept_copy_bytes,
@@ -514,6 +517,7 @@ def price(
     shape: ModelShape | None = None,
     baseline_bytes: int = 0,
     logprob_chunk_rows: int = 0,
+    logit_bytes: int = 4,
     eval_rows: int = 0,
     export_copy: bool = False,
     recompute_logp_old: bool = False,
@@ -537,7 +541,7 @@ def price(
     the reference is the policy with its adapter disabled, so it holds no copy. `shared_prompt`:
     the reference and training forwards run each prompt once per group (P * Lp + P * G * T tokens).
     `matmul_flops_per_s` (measured with `threads` torch threads) gives the wall-time lower bound.
-    `shape` (with `baseline_bytes`, `logprob_chunk_rows`, `eval_rows` rows decoded together in evaluation,
+    `shape` (with `baseline_bytes`, `logprob_chunk_rows` and `logit_bytes` (logits_bytes), `eval_rows` rows decoded together in evaluation,
     `export_copy` when export merges LoRA into a copy, `weight_copy_bytes` the bf16 weight copies of a
     forward, `kept_copy_bytes` those kept for the whole run) adds the predicted memory peak (`memory`; else 0). `recompute_logp_old` (algorithm.logp_old
     = recompute, or auto with bf16 forwards; `logp_old_note` says why auto chose;
@@ -576,7 +580,7 @@ def price(
         n_params=n_params, trainable_params=n_params if trainable_params is None else trainable_params,
         has_reference_copy=has_reference and not reference_is_adapter_off, baseline=baseline_bytes,
         bytes_per_param=bytes_per_param, shared_prompt=shared_prompt, logprob_chunk_rows=logprob_chunk_rows,
-        eval_rows=eval_rows, export_copy=export_copy, weight_copy_bytes=weight_copy_bytes,
+        logit_bytes=logit_bytes, eval_rows=eval_rows, export_copy=export_copy, weight_copy_bytes=weight_copy_bytes,
         kept_copy_bytes=kept_copy_bytes, cache_reserve=2 * T * tool_calls))
     return Price(
         prompts_per_step=P, samples_per_prompt=G, max_new_tokens=T, prompt_tokens=Lp, steps=steps,

@@ -148,7 +148,7 @@ def training_forward(learner: Learner, sub: sampling.Rollout, kl_on: bool, bonus
     with learner.autocast():
         return sampling.sequence_token_logprobs(learner.policy, sub, temperature=sc.temperature, top_p=sc.top_p,
                                                 top_k=sc.top_k, min_p=sc.min_p,
-                                                chunk_rows=cfg.model.logprob_chunk_rows or None,
+                                                chunk_rows=losses.chunk_setting(cfg.model.logprob_chunk_rows),
                                                 group_size=G if cfg.model.share_prompt_forward else None,
                                                 return_full=kl_on, return_entropy=bonus_on)
 

@@ -23,7 +23,7 @@ from typing import Sequence
 
 import torch
 
-from rlvr import config as config_mod, costs, sampling
+from rlvr import config as config_mod, costs, losses, sampling
 from rlvr.models.lean_llama import bf16_weights, decode_reads_packs
 from rlvr.models.tiny import TinyConfig, TinyTransformer
 from rlvr.policy import Policy, Tokenizer
@@ -610,6 +610,14 @@ def model_shape(model: Policy) -> costs.ModelShape | None:
         return None
 
 
+def priced_chunk_rows(setting: int, shape: costs.ModelShape | None) -> int:
+    """``model.logprob_chunk_rows`` as the memory price counts it (CPU runs, where ``shape`` is
+    known): -1 (auto) -> rlvr.losses.auto_chunk_rows for the vocabulary, else the setting."""
+    if setting != -1:
+        return setting
+    return losses.auto_chunk_rows(shape.vocab, "cpu") if shape is not None else 0
+
+
 def eval_rows(setup: Setup) -> int:
     """Rows one evaluation decode holds at once: greedy, min(prompts, eval.batch_size); pass@k,
     k per prompt for eval.batch_size // k prompts (rlvr.evaluate)."""
@@ -643,6 +651,7 @@ def price_of(setup: Setup, rate: float | None = None, decode_s: float | None = N
                                  if on_cpu and setup.numerics.bf16 else (0, 0))
     baseline = max(setup.baseline_bytes,
                    costs.resident_bytes() - (model.num_params() * bytes_per_param if on_cpu else 0))
+    shape = model_shape(model) if on_cpu else None
     kw = dict(
         prompts_per_step=cfg.train.prompts_per_step, samples_per_prompt=cfg.train.samples_per_prompt,
         max_new_tokens=setup.limits.max_new_tokens,
@@ -658,8 +667,9 @@ def price_of(setup: Setup, rate: float | None = None, decode_s: float | None = N
         matmul_flops_per_s=(matmul_rate(setup.device) if rate is None else rate) * speedup,
         matmul_kind="bf16 autocast" if speedup != 1.0 else "fp32", threads=torch.get_num_threads(),
         decode_step_s=(decode_step_seconds(setup) if cfg.train.price_probes else 0.0) if decode_s is None else decode_s,
-        shape=model_shape(model) if on_cpu else None, baseline_bytes=baseline,
-        logprob_chunk_rows=cfg.model.logprob_chunk_rows, eval_rows=eval_rows(setup),
+        shape=shape, baseline_bytes=baseline,
+        logprob_chunk_rows=priced_chunk_rows(cfg.model.logprob_chunk_rows, shape),
+        logit_bytes=2 if bf16_forwards(cfg, setup.numerics) else 4, eval_rows=eval_rows(setup),
         export_copy=model.has_adapter, recompute_logp_old=setup.recompute_logp_old and not setup.logp_old_from_learner,
         logp_old_from_learner=setup.logp_old_from_learner, logp_old_note=logp_old_note(cfg, setup.numerics),
         entropy_forward=cfg.algorithm.top_entropy_quantile < 1,

@@ -45,7 +45,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from rlvr.losses import entropy_from_logits, token_logprobs
+from rlvr.losses import AUTO_CHUNK, entropy_from_logits, resolve_chunk_rows, token_logprobs
 
 OUTSIDE_NUCLEUS_LOGP = -30.0
 """Finite stand-in for log(0): the recomputed logp of a token outside the current nucleus."""
@@ -565,7 +565,9 @@ def _nucleus_token_logprobs(logits, ids, *, temperature, top_p, top_k=0, min_p=0
     full = log_softmax(logits / temperature) at ids; nucleus = full - logsumexp(full over the
     nucleus) inside the nucleus (log of the renormalised nucleus probability, ``sampling_logprobs``
     to float rounding), ``OUTSIDE_NUCLEUS_LOGP`` outside it (no gradient there)."""
-    B = logits.size(0)
+    B, T = logits.shape[:2]
+    if chunk_rows == AUTO_CHUNK:                                   # auto_chunk_rows counts (row, position) pairs
+        chunk_rows = max(1, resolve_chunk_rows(chunk_rows, logits) // max(1, T))
     step = B if not chunk_rows else chunk_rows
     nuc_parts, full_parts = [], []
     for s in range(0, B, step):
@@ -591,19 +593,22 @@ def response_extent(mask: torch.Tensor) -> torch.Tensor:
 
 def _response_logits(model, ids, am, Lp, T, G):
     """(B, T, V) logits predicting the T response tokens: one forward, or (G > 1 on a model with a
-    differentiable cache) each prompt once with its G responses attending to the shared keys/values."""
+    differentiable cache) each prompt once with its G responses attending to the shared keys/values.
+    In the dtype the head computed them (bf16 under autocast; ``float_logits=False`` where the model
+    takes it): every scorer below upcasts to float32 itself, a chunk at a time when chunked."""
+    kw = {"float_logits": False} if getattr(model, "takes_float_logits", False) else {}
     if G > 1 and model.differentiable_cache:
         B = ids.size(0)
         if B % G:
             raise ValueError(f"group_size {G} does not divide the {B} rows")
         cache = model.new_cache(B // G, Lp + T)
-        first = model(ids[::G, :Lp], attention_mask=am[::G, :Lp], cache=cache, logits_to_keep=1)  # (P, 1, V)
+        first = model(ids[::G, :Lp], attention_mask=am[::G, :Lp], cache=cache, logits_to_keep=1, **kw)  # (P, 1, V)
         cache.repeat_interleave(G)
         parts = [first.repeat_interleave(G, dim=0)]                                                 # (B, 1, V)
         if T > 1:
-            parts.append(model(ids[:, Lp:-1], attention_mask=am[:, Lp:-1], cache=cache))            # (B, T-1, V)
+            parts.append(model(ids[:, Lp:-1], attention_mask=am[:, Lp:-1], cache=cache, **kw))      # (B, T-1, V)
         return torch.cat(parts, dim=1)                                                              # (B, T, V)
-    return model(ids, attention_mask=am, logits_to_keep=T + 1)[:, :-1]                              # (B, T, V)
+    return model(ids, attention_mask=am, logits_to_keep=T + 1, **kw)[:, :-1]                        # (B, T, V)
 
 
 def _score(logits, targets, off, *, temperature, top_p, top_k, min_p, chunk_rows, entropy: bool):
@@ -619,7 +624,7 @@ def _score(logits, targets, off, *, temperature, top_p, top_k, min_p, chunk_rows
 
 
 def sequence_token_logprobs(model, rollout: Rollout | tuple, *, temperature: float | None = None,
-                            top_p: float | None = None, chunk_rows: int | None = None,
+                            top_p: float | None = None, chunk_rows: int | str | None = None,
                             group_size: int | None = None, return_full: bool = False,
                             return_entropy: bool = False, top_k: int | None = None,
                             min_p: float | None = None) -> torch.Tensor | TokenLogprobs:
@@ -631,7 +636,8 @@ def sequence_token_logprobs(model, rollout: Rollout | tuple, *, temperature: flo
     (temperature and top_p required with a tuple, where top_k and min_p default to off);
     ``temperature == 0`` scores under the temperature-1 softmax as ``generate`` does. The result is 0
     where the response mask (``attention_mask[:, Lp:]``) is 0. ``chunk_rows`` bounds the rows whose
-    (rows, T, V) log-softmax is materialized at once (large vocabularies).
+    (rows, T, V) log-softmax is materialized at once (large vocabularies); ``AUTO_CHUNK`` sizes
+    them to the vocabulary and device (``rlvr.losses.auto_chunk_rows``).
 
     ``group_size=G`` (rows grouped by prompt: row b = prompt b // G, the G rows of a group carry
     the same prompt) on a model whose KV cache is differentiable (``model.differentiable_cache``,

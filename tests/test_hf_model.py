@@ -1185,3 +1185,35 @@ def test_decode_step_on_live_rows_only(fast_variant, monkeypatch):
     assert n_a == 0 and n_b > 0 and a.mask.sum() < a.mask.numel()
     assert torch.equal(a.ids, b.ids) and torch.equal(a.mask, b.mask)
     torch.testing.assert_close(a.logp, b.logp, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_float_logits_false_keeps_the_heads_dtype_and_its_values(llama, fast, monkeypatch):
+    """``float_logits=False`` returns the logits in the head's dtype (bf16 under rlvr's CPU bf16
+    context), the same numbers the default float32 logits round from, on the lean forward and on
+    transformers' own; the training scorer takes them so, and scores them as the float32 copy."""
+    from rlvr.run import autocast_context
+
+    policy, tok = llama
+    ids, am = left_pad([tok.encode(s) for s in PROMPTS], tok.pad_id)
+    was = policy.fast_path
+    policy.fast_path = fast
+    try:
+        assert policy.uses_fast_path == fast
+        with torch.no_grad(), autocast_context(True, "cpu"):
+            f32 = policy(ids, attention_mask=am)
+            kept = policy(ids, attention_mask=am, float_logits=False)
+        assert f32.dtype == torch.float32 and kept.dtype == torch.bfloat16
+        assert torch.equal(kept.float(), f32)
+        with torch.no_grad():                                # fp32 forwards: float32 either way
+            assert policy(ids, attention_mask=am, float_logits=False).dtype == torch.float32
+        r = sampling.generate(policy, [tok.encode(s) for s in PROMPTS], samples_per_prompt=2, max_new_tokens=3,
+                              temperature=1.0, eos_id=None, pad_id=tok.pad_id, generators=[torch.Generator().manual_seed(1)] * 4)
+        seen = []
+        real = sampling._score
+        monkeypatch.setattr(sampling, "_score", lambda logits, *a, **kw: seen.append(logits.dtype) or real(logits, *a, **kw))
+        with autocast_context(True, "cpu"):
+            sampling.sequence_token_logprobs(policy, r, group_size=2)
+        assert seen == [torch.bfloat16]
+    finally:
+        policy.fast_path = was

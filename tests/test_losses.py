@@ -10,14 +10,18 @@ from hypothesis import strategies as st
 from rlvr import advantages
 from rlvr.losses import (
     AGGREGATIONS,
+    AUTO_CHUNK,
     KL_ESTIMATORS,
     OBJECTIVES,
     aggregate,
+    auto_chunk_rows,
+    chunk_setting,
     entropy_bonus,
     entropy_from_logits,
     kl_estimate,
     kl_loss,
     policy_loss,
+    resolve_chunk_rows,
     sequence_logprob,
     token_logprobs,
 )
@@ -675,3 +679,72 @@ def test_entropy_bonus_aggregates_like_the_loss_and_raises_entropy():
     with torch.no_grad():
         after = entropy_from_logits(logits - 1.0 * logits.grad).item()
     assert after > before
+
+
+def test_auto_chunk_rows_by_hand():
+    # 2 MiB of float32 on a CPU: 2 * 2**20 // (4 * 49,152) = 10 rows; 2 * 2**20 // 60 = 34,952
+    assert auto_chunk_rows(49152) == 10 and auto_chunk_rows(49152, "cpu") == 10
+    assert auto_chunk_rows(15) == 34952
+    assert auto_chunk_rows(49152, "cuda") == 256 * 2**20 // (4 * 49152) == 1365
+    assert auto_chunk_rows(49152, "mps") == 1365          # other devices take the GPU size
+    assert auto_chunk_rows(10**9) == 1                     # at least one row
+    with pytest.raises(ValueError, match="vocab"):
+        auto_chunk_rows(0)
+    assert (chunk_setting(-1), chunk_setting(0), chunk_setting(7)) == (AUTO_CHUNK, None, 7)
+    logits = torch.zeros(2, 3, 49152)
+    assert resolve_chunk_rows(AUTO_CHUNK, logits) == 10 and resolve_chunk_rows(4, logits) == 4
+    assert resolve_chunk_rows(None, logits) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_chunk_covering_every_row_is_the_plain_path(dtype):
+    g = torch.Generator().manual_seed(3)
+    logits = (3 * torch.randn(3, 4, 11, generator=g)).to(dtype).requires_grad_()
+    ids = torch.randint(0, 11, (3, 4), generator=g)
+    w = torch.randn(3, 4, generator=g)
+    for fn in (lambda c: token_logprobs(logits, ids, temperature=0.7, chunk_rows=c),
+               lambda c: entropy_from_logits(logits, temperature=0.7, chunk_rows=c)):
+        plain = fn(None)
+        (gp,) = torch.autograd.grad((plain * w).sum(), logits)
+        for c in (12, 13, AUTO_CHUNK):                      # auto: 2 MiB / 44 bytes rows, all 12 at once
+            got = fn(c)
+            (gc,) = torch.autograd.grad((got * w).sum(), logits)
+            assert torch.equal(got, plain) and torch.equal(gc, gp)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk_rows", [1, 3, 5])
+def test_chunked_logprob_backward_matches_a_plain_loop_bit_for_bit(dtype, chunk_rows):
+    """The in-place chunked backward against the formula row by row: d logp / d logits =
+    (onehot(id) - softmax(logits / T)) * g / T, computed as -exp(x - lse) * g, + g at the id, / T,
+    in float32 and rounded once to the logits' dtype."""
+    g = torch.Generator().manual_seed(chunk_rows)
+    N, V, temperature = 7, 50, 0.7
+    logits = (3 * torch.randn(1, N, V, generator=g)).to(dtype).requires_grad_()
+    ids = torch.randint(0, V, (1, N), generator=g)
+    w = torch.randn(1, N, generator=g)
+    lp = token_logprobs(logits, ids, temperature=temperature, chunk_rows=chunk_rows)
+    (got,) = torch.autograd.grad((lp * w).sum(), logits)
+    x = logits.detach()[0].float() / temperature                          # (N, V)
+    lse = torch.logsumexp(x, dim=-1)                                      # (N,)
+    for r in range(N):
+        want = -torch.exp(x[r] - lse[r]) * w[0, r]
+        want[ids[0, r]] += w[0, r]
+        assert torch.equal(got[0, r], (want / temperature).to(dtype)), r
+        assert lp[0, r].item() == (x[r, ids[0, r]] - lse[r]).item()
+
+
+@pytest.mark.parametrize("chunk_rows", [None, 3, AUTO_CHUNK])
+def test_bf16_logits_score_as_their_float32_copy_bit_for_bit(chunk_rows):
+    """Scoring bf16 logits directly (what a bf16 forward hands over) gives the values and the bf16
+    gradient that upcasting them first gives: each chunk is upcast on its own."""
+    g = torch.Generator().manual_seed(5)
+    logits = (3 * torch.randn(2, 5, 40, generator=g)).to(torch.bfloat16).requires_grad_()
+    ids = torch.randint(0, 40, (2, 5), generator=g)
+    w = torch.randn(2, 5, generator=g)
+    direct = token_logprobs(logits, ids, temperature=0.7, chunk_rows=chunk_rows)
+    (gd,) = torch.autograd.grad((direct * w).sum(), logits)
+    upcast = token_logprobs(logits.float(), ids, temperature=0.7, chunk_rows=chunk_rows)
+    (gu,) = torch.autograd.grad((upcast * w).sum(), logits)
+    assert direct.dtype == torch.float32 and gd.dtype == torch.bfloat16
+    assert torch.equal(direct, upcast) and torch.equal(gd, gu)

@@ -35,6 +35,15 @@ def test_memory_options_by_hand():
     assert shared.activations == (2 * 4 + 6 * 2) * 2 * 4 * 196 == 31360   # P Lp + P G T tokens
     chunked = costs.memory(SHAPE, **BASE, logprob_chunk_rows=3)
     assert chunked.logits == 2 * 480 + 3 * 3 * 10 * 4 == 1320
+    # under bf16 forwards the head's output and its gradient are bf16 (upcast a chunk at a time)
+    assert costs.memory(SHAPE, **BASE, logprob_chunk_rows=3, logit_bytes=2).logits == 2 * 240 + 360 == 840
+    # a chunk covering all 6 x 2 rows is the plain path: four float32 blocks
+    for c in (12, 13):
+        assert costs.memory(SHAPE, **BASE, logprob_chunk_rows=c, logit_bytes=2).logits == 1920
+    # model.logprob_chunk_rows = -1 (auto) is priced at the rows rlvr.losses.auto_chunk_rows gives
+    big = costs.ModelShape(layers=2, hidden=8, mlp=32, heads=2, kv_heads=1, head_dim=4, vocab=49152)
+    assert run.priced_chunk_rows(-1, big) == 10 and run.priced_chunk_rows(-1, SHAPE) == 2 * 2**20 // 40
+    assert run.priced_chunk_rows(0, big) == 0 and run.priced_chunk_rows(7, big) == 7 and run.priced_chunk_rows(-1, None) == 0
     ref = costs.memory(SHAPE, **{**BASE, "has_reference_copy": True})
     assert ref.reference == 4000 and ref.peak == costs.memory(SHAPE, **BASE).peak + 4000
     half = costs.memory(SHAPE, **BASE, bytes_per_param=2)

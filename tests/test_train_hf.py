@@ -334,3 +334,23 @@ def test_gradient_checkpointing_needs_a_hugging_face_model():
 
     with pytest.raises(config_mod.ConfigError, match="model.gradient_checkpointing: needs a Hugging Face model"):
         config_mod.load("examples/sort.toml", ["--model.gradient_checkpointing=true"])
+
+
+@pytest.mark.parametrize("setting,want", [(-1, 3), (2, 2), (0, None)])
+def test_logprob_chunk_rows_reaches_the_reference_and_training_forwards(tmp_path, model_dir, monkeypatch, setting, want):
+    """model.logprob_chunk_rows reaches the scoring forwards: -1 (the default) sizes the chunks to
+    the vocabulary (here the CPU block shrunk to 3 rows of the 48-token vocabulary), n chunks n
+    rows, 0 scores all at once; the chunked path gets the head's logits as they are (float32 here)."""
+    import rlvr.losses
+
+    monkeypatch.setitem(rlvr.losses.LOGPROB_CHUNK_BYTES, "cpu", 3 * 48 * 4)
+    seen = []
+    real = rlvr.losses._ChunkedLogprob.apply
+    monkeypatch.setattr(rlvr.losses._ChunkedLogprob, "apply",
+                        lambda logits, ids, t, c: seen.append((c, torch.is_grad_enabled())) or real(logits, ids, t, c))
+    assert train(tmp_path / "run", f"--model.path={model_dir}", "--algorithm.kl_coef=0.05",
+                 f"--model.logprob_chunk_rows={setting}") == 0
+    if want is None:
+        assert seen == []
+    else:   # every step: the reference's forward (no gradient) and the training forward
+        assert {c for c, _ in seen} == {want} and {grad for _, grad in seen} == {True, False}

@@ -104,6 +104,9 @@ class HFPolicy(nn.Module):
     """Its KV cache (``LeanCache`` or DynamicCache, both grown with torch.cat) carries gradients, so
     the trainer may run a group's shared prompt once (``rlvr.sampling.sequence_token_logprobs(group_size=G)``)."""
 
+    takes_float_logits = True
+    """``forward`` takes ``float_logits`` (False: the head's own dtype, upcast later by the caller)."""
+
     def __init__(self, model: nn.Module, *, source: str | None = None, load_note: str = "", fast: bool = True):
         super().__init__()
         self.model = model
@@ -150,8 +153,11 @@ class HFPolicy(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None, cache: HFCache | None = None,
-                logits_to_keep: int | None = None) -> torch.Tensor:
-        """Float32 logits (B, L, V), or (B, logits_to_keep, V) for the last positions only.
+                logits_to_keep: int | None = None, float_logits: bool = True) -> torch.Tensor:
+        """Float32 logits (B, L, V), or (B, logits_to_keep, V) for the last positions only;
+        ``float_logits=False`` leaves them in the dtype the head computed (bf16 under autocast), for
+        a caller that upcasts them a chunk at a time (rlvr.sampling.sequence_token_logprobs: the
+        same log-probs and gradients, without a float32 copy of every logit and of its gradient).
 
         ``attention_mask`` (B, L) marks real tokens (None = all real). With ``cache`` the mask
         columns are appended to ``cache.mask`` and positions continue from ``cache.next_pos``.
@@ -182,7 +188,7 @@ class HFPolicy(nn.Module):
             if cache is not None:
                 cache.mask = full_am
                 cache.next_pos = cache.next_pos + am.sum(1)
-            return logits.float()
+            return logits.float() if float_logits else logits
 
         kwargs = dict(input_ids=ids, attention_mask=full_am, position_ids=positions,
                       use_cache=cache is not None, return_dict=True)
@@ -201,7 +207,7 @@ class HFPolicy(nn.Module):
             new_dc = out.get("cache") if "cache" in out else out.get("past_key_values")
             if new_dc is not None and new_dc is not cache.dc:
                 cache.dc = new_dc
-        return logits.float()
+        return logits.float() if float_logits else logits
 
     def new_cache(self, batch_size: int, max_len: int) -> HFCache | LeanCache:
         """An empty cache for ``batch_size`` rows: a ``LeanCache`` when the lean Llama forward is in
