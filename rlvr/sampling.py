@@ -592,10 +592,14 @@ def response_extent(mask: torch.Tensor) -> torch.Tensor:
 
 
 def _response_logits(model, ids, am, Lp, T, G):
-    """(B, T, V) logits predicting the T response tokens: one forward, or (G > 1 on a model with a
-    differentiable cache) each prompt once with its G responses attending to the shared keys/values.
-    In the dtype the head computed them (bf16 under autocast; ``float_logits=False`` where the model
-    takes it): every scorer below upcasts to float32 itself, a chunk at a time when chunked."""
+    """The logits predicting the T response tokens, as a list of (B, w, V) blocks whose widths sum
+    to T, in column order: one forward's (B, T, V), or (G > 1 on a model with a differentiable cache)
+    each prompt once with its G responses attending to the shared keys/values: the prompt's last
+    position repeated over its group (B, 1, V), then the responses' (B, T - 1, V). Kept apart: every
+    scorer below is per position, so scoring the blocks one by one gives the joined block's numbers
+    without a copy of all the logits (and of their gradient). In the dtype the head computed them
+    (bf16 under autocast; ``float_logits=False`` where the model takes it): the scorers upcast to
+    float32 themselves, a chunk at a time when chunked."""
     kw = {"float_logits": False} if getattr(model, "takes_float_logits", False) else {}
     if G > 1 and model.differentiable_cache:
         B = ids.size(0)
@@ -607,8 +611,8 @@ def _response_logits(model, ids, am, Lp, T, G):
         parts = [first.repeat_interleave(G, dim=0)]                                                 # (B, 1, V)
         if T > 1:
             parts.append(model(ids[:, Lp:-1], attention_mask=am[:, Lp:-1], cache=cache, **kw))      # (B, T-1, V)
-        return torch.cat(parts, dim=1)                                                              # (B, T, V)
-    return model(ids, attention_mask=am, logits_to_keep=T + 1, **kw)[:, :-1]                        # (B, T, V)
+        return parts
+    return [model(ids, attention_mask=am, logits_to_keep=T + 1, **kw)[:, :-1]]                      # (B, T, V)
 
 
 def _score(logits, targets, off, *, temperature, top_p, top_k, min_p, chunk_rows, entropy: bool):
@@ -674,11 +678,16 @@ def sequence_token_logprobs(model, rollout: Rollout | tuple, *, temperature: flo
         ids, am, T = ids[:, :Lp + T_real], am[:, :Lp + T_real], T_real
     if temperature == 0:
         temperature, top_p, top_k, min_p = 1.0, 1.0, 0, 0.0
-    logits = _response_logits(model, ids, am, Lp, T, group_size or 1)                            # (B, T, V)
+    scored, c = [], Lp                                    # each block of logits scored on its own columns
+    for logits in _response_logits(model, ids, am, Lp, T, group_size or 1):                      # (B, w, V)
+        w = logits.size(1)
+        scored.append(_score(logits, ids[:, c:c + w], am[:, c:c + w] == 0, temperature=temperature, top_p=top_p,
+                             top_k=top_k, min_p=min_p, chunk_rows=chunk_rows, entropy=return_entropy))
+        c += w
+    joined = (None if parts[0] is None else parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # (B, T)
+              for parts in zip(*scored))
     lp, lp_full, entropy = (x if x is None or T == T_out else F.pad(x, (0, T_out - T))          # (B, T_out)
-                            for x in _score(logits, ids[:, Lp:], am[:, Lp:] == 0, temperature=temperature,
-                                            top_p=top_p, top_k=top_k, min_p=min_p, chunk_rows=chunk_rows,
-                                            entropy=return_entropy))
+                            for x in joined)
     if not (return_full or return_entropy):
         return lp
     return TokenLogprobs(lp, lp_full if return_full else None, entropy)

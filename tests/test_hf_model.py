@@ -324,6 +324,37 @@ def test_shared_prompt_forward_equals_full_forward(llama, temperature, top_p):
     assert len(gf) == len(gs) > 0 and all(torch.allclose(a, b, atol=1e-5) for a, b in zip(gf, gs))
 
 
+@pytest.mark.parametrize("chunk_rows", [None, 4])
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_scoring_the_shared_prompt_blocks_apart_equals_scoring_them_joined(llama, top_p, chunk_rows):
+    """With a shared prompt the prompt's last position and the responses' logits are scored block by
+    block (no joined copy of all the logits): the log-probs, no-nucleus log-probs, entropies and
+    parameter gradients are those of the joined (B, T, V) block, to the last bit."""
+    policy, tok = llama
+    prompts = [tok.encode("ab"), tok.encode("hello"), tok.encode("xyz q")]
+    roll = sampling.generate(policy, prompts, samples_per_prompt=3, max_new_tokens=5, temperature=0.8,
+                             top_p=top_p, eos_id=None, pad_id=tok.pad_id, generator=torch.Generator().manual_seed(2))
+    w = torch.linspace(-1, 1, roll.logp.numel()).view_as(roll.logp)
+    Lp, T = roll.prompt_len, roll.ids.size(1) - roll.prompt_len
+    params = [p for p in policy.parameters() if p.requires_grad]
+    out = []
+    for joined in (False, True):
+        if joined:
+            blocks = sampling._response_logits(policy, roll.ids, roll.attention_mask, Lp, T, 3)
+            assert [b.size(1) for b in blocks] == [1, T - 1]
+            lp, full, ent = sampling._score(torch.cat(blocks, dim=1), roll.ids[:, Lp:], roll.attention_mask[:, Lp:] == 0,
+                                            temperature=0.8, top_p=top_p, top_k=0, min_p=0.0, chunk_rows=chunk_rows,
+                                            entropy=True)
+        else:
+            lp, full, ent = sampling.sequence_token_logprobs(policy, roll, group_size=3, chunk_rows=chunk_rows,
+                                                             return_full=True, return_entropy=True)
+        grads = torch.autograd.grad((lp * w).sum() + (full * w).sum() + (ent * w).sum(), params)
+        out.append((lp.detach(), full.detach(), ent.detach(), grads))
+    (a_lp, a_full, a_ent, a_g), (b_lp, b_full, b_ent, b_g) = out
+    assert torch.equal(a_lp, b_lp) and torch.equal(a_full, b_full) and torch.equal(a_ent, b_ent)
+    assert all(torch.equal(x, y) for x, y in zip(a_g, b_g))
+
+
 # ---------------------------------------------------------------------- lean Llama forward vs transformers
 FAST_VARIANTS = {
     "plain": ({}, None),
@@ -1214,6 +1245,6 @@ def test_float_logits_false_keeps_the_heads_dtype_and_its_values(llama, fast, mo
         monkeypatch.setattr(sampling, "_score", lambda logits, *a, **kw: seen.append(logits.dtype) or real(logits, *a, **kw))
         with autocast_context(True, "cpu"):
             sampling.sequence_token_logprobs(policy, r, group_size=2)
-        assert seen == [torch.bfloat16]
+        assert seen == [torch.bfloat16] * 2          # the group's shared prompt position, then the responses
     finally:
         policy.fast_path = was
