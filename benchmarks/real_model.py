@@ -384,8 +384,10 @@ def decode_products_seconds(policy, rows: int, steps: int, bf16: bool = False) -
 def phase_times(run: RlvrRun, rate: float, bandwidth: float, say: bool = False) -> list[dict]:
     """One timing of each phase of an rlvr step (one optimizer step included) and its bound. The
     forwards run under the run's numerics as rlvr's rollout and learn stages run them
-    (`setup.numerics.context()`, the backward outside it); `rate` is that numerics' matmul rate."""
-    from rlvr import costs, sampling
+    (`setup.numerics.context()`, the backward outside it); the log-prob forward is the learn stage's
+    own (`rlvr.learn.training_forward`: the run's temperature, chunked log-probs and shared prompt),
+    so the profile times what a step computes; `rate` is that numerics' matmul rate."""
+    from rlvr import costs, learn, sampling
     from rlvr.tokenizer import encode_example
 
     s = run.state
@@ -412,8 +414,7 @@ def phase_times(run: RlvrRun, rate: float, bandwidth: float, say: bool = False) 
     products = decode_products_seconds(policy, P * G, T - 1, bf16)
     policy.train()
     t = time.perf_counter()
-    with ctx():
-        logp = sampling.sequence_token_logprobs(policy, ro, group_size=G)
+    logp = learn.training_forward(s.learner, ro, kl_on=False, bonus_on=False)  # the learn stage's own forward
     fwd = time.perf_counter() - t
     t = time.perf_counter()
     (logp * ro.mask).sum().backward()
