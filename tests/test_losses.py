@@ -15,6 +15,7 @@ from rlvr.losses import (
     OBJECTIVES,
     aggregate,
     auto_chunk_rows,
+    exp_floor,
     chunk_setting,
     entropy_bonus,
     entropy_from_logits,
@@ -716,19 +717,23 @@ def test_a_chunk_covering_every_row_is_the_plain_path(dtype):
 @pytest.mark.parametrize("chunk_rows", [1, 3, 5])
 def test_chunked_logprob_backward_matches_a_plain_loop_bit_for_bit(dtype, chunk_rows):
     """The in-place chunked backward against the formula row by row: d logp / d logits =
-    (onehot(id) - softmax(logits / T)) * g / T, computed as -exp(x - lse) * g, + g at the id, / T,
-    in float32 and rounded once to the logits' dtype."""
+    (onehot(id) - softmax(logits / T)) * g / T, computed as -exp(max(x - lse, -87)) * g, + g at the
+    id, / T, in float32 and rounded once to the logits' dtype. Some logits sit far below the rest,
+    so the exponent's floor shows in their gradient (exp(-87) * g / T, not the underflowed 0)."""
     g = torch.Generator().manual_seed(chunk_rows)
     N, V, temperature = 7, 50, 0.7
-    logits = (3 * torch.randn(1, N, V, generator=g)).to(dtype).requires_grad_()
-    ids = torch.randint(0, V, (1, N), generator=g)
+    logits = 3 * torch.randn(1, N, V, generator=g)
+    logits[0, :, :5] = -150.0                                             # x - lse < -87: floored
+    logits = logits.to(dtype).requires_grad_()
+    ids = torch.randint(5, V, (1, N), generator=g)
     w = torch.randn(1, N, generator=g)
     lp = token_logprobs(logits, ids, temperature=temperature, chunk_rows=chunk_rows)
     (got,) = torch.autograd.grad((lp * w).sum(), logits)
     x = logits.detach()[0].float() / temperature                          # (N, V)
     lse = torch.logsumexp(x, dim=-1)                                      # (N,)
+    assert exp_floor(torch.float32) == -87.0 and bool((x[:, :5] - lse[:, None] < -87).all())
     for r in range(N):
-        want = -torch.exp(x[r] - lse[r]) * w[0, r]
+        want = -torch.exp((x[r] - lse[r]).clamp_min(-87.0)) * w[0, r]
         want[ids[0, r]] += w[0, r]
         assert torch.equal(got[0, r], (want / temperature).to(dtype)), r
         assert lp[0, r].item() == (x[r, ids[0, r]] - lse[r]).item()
@@ -748,3 +753,27 @@ def test_bf16_logits_score_as_their_float32_copy_bit_for_bit(chunk_rows):
     (gu,) = torch.autograd.grad((upcast * w).sum(), logits)
     assert direct.dtype == torch.float32 and gd.dtype == torch.bfloat16
     assert torch.equal(direct, upcast) and torch.equal(gd, gu)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_chunked_logprobs_far_below_the_exponent_floor_match_the_plain_path(dtype):
+    """At a low temperature many x - lse fall below exp_floor (where torch's CPU exp is slow): the
+    chunked log-probs still equal the plain path's, and their gradients differ by at most the
+    floor's probability (exp(-87) * |g| / T) per logit."""
+    g = torch.Generator().manual_seed(11)
+    temperature = 0.3
+    scale = 30 if dtype == torch.float32 else 300                        # float64's floor is -708
+    logits = (scale * torch.randn(4, 6, 64, generator=g, dtype=torch.float64)).to(dtype).requires_grad_()
+    ids = torch.randint(0, 64, (4, 6), generator=g)
+    w = torch.randn(4, 6, generator=g).to(dtype)
+    plain = token_logprobs(logits, ids, temperature=temperature)
+    (gp,) = torch.autograd.grad((plain * w).sum(), logits)
+    chunked = token_logprobs(logits, ids, temperature=temperature, chunk_rows=5)
+    (gc,) = torch.autograd.grad((chunked * w).sum(), logits)
+    x = logits.detach() / temperature
+    below = x - torch.logsumexp(x, dim=-1, keepdim=True) < exp_floor(dtype)
+    assert below.float().mean() > 0.2                                     # the floor is reached
+    assert torch.allclose(chunked, plain, rtol=1e-6 if dtype == torch.float32 else 1e-12, atol=0)
+    bound = math.exp(exp_floor(dtype)) * w.abs().max().item() / temperature * 1.01
+    assert (gc - gp)[below].abs().max().item() <= bound
+    assert torch.allclose(gc[~below], gp[~below], rtol=1e-5 if dtype == torch.float32 else 1e-12, atol=1e-30)
