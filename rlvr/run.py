@@ -515,6 +515,7 @@ def _hf_policy(cfg: config_mod.Config, device: torch.device, log) -> tuple[Polic
         log(f"note: {model.load_note}")
     if mc.gradient_checkpointing:
         model.enable_gradient_checkpointing()
+    model.cuda_graphs = mc.cuda_graphs
     return model, tokenizer
 
 

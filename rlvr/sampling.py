@@ -468,6 +468,10 @@ def _decode(model, logits, cache, *, T: int, noise, temperature, top_p, top_k, m
     logp_full = torch.zeros((B, T), dtype=torch.float32, device=device) if nucleus else None
     ended = torch.zeros(B, dtype=torch.bool, device=device)         # at eos or a stop string
     last_logits = logits.clone() if track else None
+    # fixed-shape steps (a CUDA graph on a GPU; rlvr.models.decode_graph) where the model offers them;
+    # not where the decode is continued later (track): that needs the eager cache after every step
+    make_static = getattr(model, "static_decoder", None) if cache is not None and not track and T > 1 else None
+    static = make_static(cache) if make_static is not None else None
     steps = 0
     for t in range(T):
         if noise is not None and temperature > 0 and not nucleus:  # per-prompt uniforms, no nucleus
@@ -489,7 +493,9 @@ def _decode(model, logits, cache, *, T: int, noise, temperature, top_p, top_k, m
         finished = ended if cap is None else ended | (cap <= t + 1)
         if bool(finished.all()) or t == T - 1:
             break
-        if cache is not None:
+        if static is not None:
+            logits = static.step(tok, alive)                                              # (B, V)
+        elif cache is not None:
             logits = model(tok.unsqueeze(1), attention_mask=alive.long().unsqueeze(1), cache=cache)[:, -1]
             if track:
                 last_logits = torch.where(alive.unsqueeze(1), logits, last_logits)
@@ -497,6 +503,8 @@ def _decode(model, logits, cache, *, T: int, noise, temperature, top_p, top_k, m
             ids_so_far = torch.cat([prompt_ids, out[:, :t + 1]], dim=1)
             am_so_far = torch.cat([prompt_am, alive_cols[:, :t + 1].long()], dim=1)
             logits = model(ids_so_far, attention_mask=am_so_far)[:, -1]
+    if static is not None:
+        static.finish()
     decoding = None
     if track:
         decoding = Decoding(cache, out[:, steps - 1].clone(), alive.clone(), last_logits)  # T >= 1: the loop ran

@@ -132,6 +132,12 @@ class HFPolicy(nn.Module):
         self.checkpoint_layers = False
         """Training forwards with gradient run the lean forward's layers checkpointed
         (``enable_gradient_checkpointing``)."""
+        self.cuda_graphs = False
+        """Decode steps over a lean cache on a CUDA device replay one CUDA graph per sampling call
+        (``static_decoder``; model.cuda_graphs). False: every step runs eagerly."""
+        self.static_decode_off_gpu = False
+        """Run ``static_decoder``'s fixed-shape step eagerly off a GPU too (for tests: the step a
+        graph captures, compared with the eager decode on a CPU)."""
 
     # ------------------------------------------------------------------ structure
     @property
@@ -223,6 +229,21 @@ class HFPolicy(nn.Module):
         except TypeError:  # older transformers
             dc = DynamicCache()
         return HFCache(dc, batch_size, max_len, next(self.model.parameters()).device)
+
+    def static_decoder(self, cache) -> "StaticDecode | None":
+        """The decode steps of one sampling call over ``cache`` at fixed shapes (rlvr.models.decode_graph):
+        replayed as a CUDA graph on a CUDA device with ``cuda_graphs`` on; run eagerly elsewhere where
+        ``static_decode_off_gpu`` is set; None otherwise, or where the model or cache is not supported
+        (``decode_graph.supported``): the caller then calls ``forward`` per step."""
+        from rlvr.models import decode_graph
+
+        cuda = cache.mask.device.type == "cuda" if isinstance(cache, LeanCache) else False
+        if not (cuda and self.cuda_graphs) and not self.static_decode_off_gpu:
+            return None
+        if torch.is_grad_enabled() or decode_graph.supported(self._hf_model(), cache) is not None:
+            return None
+        return decode_graph.StaticDecode(self._hf_model(), cache, self._rope, self.config.block_size,
+                                         graph=cuda and self.cuda_graphs)
 
     # ------------------------------------------------------------------ lean Llama forward
     @property
