@@ -440,3 +440,51 @@ def test_tool_on_end_needs_tool_calls_and_an_end_token():
     cfg = config_mod.load(None, ["--sampling.tool_on_end=true", "--sampling.max_tool_calls=1"])   # no stop needed
     with pytest.raises(run.RunError, match="tool_on_end.*fixed length"):
         run.build(cfg, log=lambda *a: None)                                    # the sort task has no end token
+
+
+# the chat templates of real model families, as their tokenizers ship them (SmolLM2's ChatML with its
+# default system turn; Llama 3's headers; Gemma's "model" role and its alternation rule)
+SMOLLM2_CHAT = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+                "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+                "<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+                "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+                "{% endif %}")
+LLAMA3_CHAT = ("{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
+               "'<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+               "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+GEMMA_CHAT = ("{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+              "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+              "{% if message['role'] == 'assistant' %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+              "{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}"
+              "{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}")
+
+
+@pytest.mark.parametrize("family, template, eos, role, want", [
+    ("smollm2", SMOLLM2_CHAT, "<|im_end|>", "user", "\n<|im_start|>user\n42<|im_end|>\n<|im_start|>assistant\n"),
+    ("smollm2", SMOLLM2_CHAT, "<|im_end|>", "tool", "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"),
+    ("llama3", LLAMA3_CHAT, "<|eot_id|>", "user",
+     "<|start_header_id|>user<|end_header_id|>\n\n42<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"),
+    ("gemma", GEMMA_CHAT, "<end_of_turn>", "user", "\n<start_of_turn>user\n42<end_of_turn>\n<start_of_turn>model\n"),
+])
+def test_turn_text_on_real_chat_templates(family, template, eos, role, want):
+    """What follows the assistant's words when a turn comes next, on the templates real chat models
+    ship: the assistant turn's closing (its end token, cut when the model sampled it), the new turn,
+    and the next assistant turn's opening; a template that refuses the role (Gemma's alternation
+    rule: no "tool" turn) raises, which the run turns into a clear error before any compute."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from rlvr.models.hf_tokenizer import HFTokenizer
+
+    specials = ["<pad>", "<bos>", eos]
+    bk = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(specials + list("0123456789abc"))}, merges=[]))
+    bk.add_special_tokens(specials)
+    tok = HFTokenizer(PreTrainedTokenizerFast(tokenizer_object=bk, bos_token="<bos>", eos_token=eos,
+                                              pad_token="<pad>"))
+    tok.tok.chat_template = template
+    assert tok.turn_text(role, "42") == eos + want
+    assert tok.turn_text(role, "42", after_end=True) == want          # the sampled end token is not repeated
+    if family == "gemma":
+        with pytest.raises(Exception, match="roles must alternate"):
+            tok.turn_text("tool", "42")
