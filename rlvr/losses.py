@@ -469,6 +469,15 @@ def entropy_from_logits(logits: Tensor, *, temperature: float = 1.0, chunk_rows:
     per chunk), so at most one (chunk_rows, V) float32 block exists at once; values and gradients
     match the plain path (a chunk_rows covering every row is the plain path; ``AUTO_CHUNK`` as in
     token_logprobs). The cost is one more softmax pass over (B, T, V) per training forward.
+
+    p_v = exp(log p_v) is taken with log p_v floored at ``exp_floor`` (both paths): torch's CPU
+    ``exp`` takes a slow path where its result underflows, and a low temperature sends most of a
+    vocabulary there. On 256 rows of 49,152 random logits with 98% of the log-probs below -87, 10-row
+    chunks took 94 ms forward and 187 ms forward and backward unfloored, 18 and 48 ms floored (one
+    chunk: 119 and 124 against 35 and 74 ms); with none below the floor 14-18 and 36-51 ms either
+    way. A probability under 1.65e-38 is read as 1.65e-38: the entropy and its gradient move by
+    less than V x 1.65e-38 x (1 + |log p|) (about 1e-30 at V = 49,152), nothing where no log-prob is
+    below the floor.
     """
     if logits.dim() != 3:
         raise ValueError(f"logits must be 3-D (B, T, V), got shape {tuple(logits.shape)}")
@@ -480,7 +489,7 @@ def entropy_from_logits(logits: Tensor, *, temperature: float = 1.0, chunk_rows:
     B, T, V = logits.shape
     if chunk_rows is None or chunk_rows >= B * T:
         logp_all = torch.log_softmax(logits.to(dtype) / temperature, dim=-1)  # (B, T, V)
-        return -(logp_all.exp() * logp_all).sum(dim=-1)  # (B, T)
+        return -(logp_all.clamp_min(exp_floor(dtype)).exp() * logp_all).sum(dim=-1)  # (B, T)
     return _ChunkedEntropy.apply(logits.reshape(B * T, V), temperature, chunk_rows).view(B, T)
 
 
@@ -493,7 +502,7 @@ class _ChunkedEntropy(torch.autograd.Function):
         out = torch.empty(logits.shape[0], dtype=dtype, device=logits.device)  # (N,)
         for s in range(0, logits.shape[0], chunk_rows):
             lp = torch.log_softmax(logits[s : s + chunk_rows].to(dtype) / temperature, dim=-1)  # (n, V)
-            out[s : s + chunk_rows] = -(lp.exp() * lp).sum(dim=-1)
+            out[s : s + chunk_rows] = -(lp.clamp_min(exp_floor(dtype)).exp_() * lp).sum(dim=-1)
         ctx.save_for_backward(logits, out)
         ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
         return out
@@ -508,7 +517,8 @@ class _ChunkedEntropy(torch.autograd.Function):
             lp = torch.log_softmax(logits[s : s + chunk_rows].to(H.dtype) / temperature, dim=-1)  # (n, V)
             g = grad_out[s : s + chunk_rows, None].to(H.dtype)  # (n, 1)
             # dH/dz_v = -p_v (log p_v + H); then the 1/temperature of z = logits / temperature
-            grad[s : s + chunk_rows] = -lp.exp() * (lp + H[s : s + chunk_rows, None]) * g / temperature
+            p = lp.clamp_min(exp_floor(H.dtype)).exp_()                                      # (n, V), floored
+            grad[s : s + chunk_rows] = -p * (lp + H[s : s + chunk_rows, None]) * g / temperature
         return grad, None, None
 
 
