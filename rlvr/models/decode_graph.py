@@ -159,7 +159,9 @@ class StaticDecode:
         for t, s in zip((self.attend, self.pos, self.col), saved):
             t.copy_(s)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+        # thread_local: CUDA calls of the run's other threads (a checkpoint copy, a reward pool's
+        # thread) during the capture are theirs, not an error of this capture
+        with torch.cuda.graph(g, capture_error_mode="thread_local"):
             self.out = self._body()
         self.graph = g
 
