@@ -256,12 +256,16 @@ def decode_step_seconds(setup: Setup) -> float:
     prompt, G samples each: the cache layout of a real step (on the CPU a prompt's G rows share its
     columns, ``LeanCache.repeat_interleave``; one prompt with P x G samples would not take that
     layout); a warm-up call (on a GPU with as many tokens as the timed one: it pays for its first
-    kernel choices per cache length, ~0.1 s each on an H200; on a CPU 2 tokens), then 1 and 1 + DECODE_PROBE_STEPS timed, the difference over DECODE_PROBE_STEPS (the
-    pair timed again, each call's best kept, while the difference is not positive:
-    DECODE_PROBE_RETRIES). No gradient; the run's generators untouched.
-    0.0 when sampling runs in rollout workers (elsewhere) or a response has a single token."""
+    kernel choices per cache length, ~0.1 s each on an H200; on a CPU 2 tokens), then b and b +
+    DECODE_PROBE_STEPS tokens timed, the difference over DECODE_PROBE_STEPS (the pair timed again,
+    each call's best kept, while the difference is not positive: DECODE_PROBE_RETRIES). b = 2 where
+    responses may have 3 tokens or more, else 1: a call of 2 tokens decodes one step, so both calls
+    pay what a sampling call pays once for its decode steps (the capture of a graphed decode,
+    model.cuda_graphs) and the difference is the steps alone. No gradient; the run's generators
+    untouched. 0.0 when sampling runs in rollout workers (elsewhere) or a response has a single token."""
     cfg, model, device = setup.cfg, setup.model, setup.device
-    n = min(DECODE_PROBE_STEPS, setup.limits.max_new_tokens - 1)
+    base = 2 if setup.limits.max_new_tokens >= 3 else 1
+    n = min(DECODE_PROBE_STEPS, setup.limits.max_new_tokens - base)
     if cfg.distributed.rollout_workers > 0 or n < 1:
         return 0.0
     prompt = [setup.tokenizer.pad_id] * max(1, setup.limits.prompt_tokens)
@@ -282,15 +286,15 @@ def decode_step_seconds(setup: Setup) -> float:
     was = model.training
     model.eval()
     try:
-        timed(1 + n if device.type == "cuda" else 2)              # warm-up: allocation, kernel choice
-        one, more = timed(1), timed(1 + n)
+        timed(base + n if device.type == "cuda" else 2)           # warm-up: allocation, kernel choice
+        one, more = timed(base), timed(base + n)
         for _ in range(DECODE_PROBE_RETRIES):   # a busy core can make the longer call the shorter (tiny models)
             if more > one:
                 break
-            one, more = min(one, timed(1)), min(more, timed(1 + n))
+            one, more = min(one, timed(base)), min(more, timed(base + n))
     finally:
         model.train(was)
-    return (more - one) / n if more > one else more / (1 + n)
+    return (more - one) / n if more > one else more / (base + n)
 
 
 AUTOCAST_MIN_SPEEDUP = 1.2

@@ -71,6 +71,10 @@ def test_static_decode_samples_what_the_eager_decode_samples(tmp_path, monkeypat
     assert torch.equal(static.ids, eager.ids)
     assert torch.equal(static.mask, eager.mask)
     torch.testing.assert_close(static.logp, eager.logp, atol=1e-5, rtol=0)
+    calls.clear()                        # two tokens: one step, so the price's probe pair both decode
+    two = sampling.generate(policy, PROMPTS, samples_per_prompt=3, max_new_tokens=2, temperature=1.0, eos_id=None,
+                            pad_id=0, generators=sampling.prompt_generators(0, 0, len(PROMPTS)))
+    assert len(calls) == 1 and two.ids.size(1) == two.prompt_len + 2
     policy.static_decode_off_gpu = False                                      # off: the eager steps again
     calls.clear()
     _generate(policy, eos_id=eos)

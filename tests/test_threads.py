@@ -298,9 +298,10 @@ def test_decode_step_is_measured_on_the_runs_policy_unless_workers_sample(monkey
     assert got > 0 and setup.model.training                       # measured; the model's mode restored
     P, G = setup.cfg.train.prompts_per_step, setup.cfg.train.samples_per_prompt
     assert P > 1 and G > 1
-    n = min(run.DECODE_PROBE_STEPS, setup.limits.max_new_tokens - 1)
+    assert setup.limits.max_new_tokens >= 3                       # b = 2: both timed calls decode
+    n = min(run.DECODE_PROBE_STEPS, setup.limits.max_new_tokens - 2)
     tokens = [kw["max_new_tokens"] for _, kw in calls]
-    assert tokens[:3] == [2, 1, 1 + n] and tokens[3:] in ([], [1, 1 + n], [1, 1 + n] * 2)  # warm-up, 1, 1 + n; retries
+    assert tokens[:3] == [2, 2, 2 + n] and tokens[3:] in ([], [2, 2 + n], [2, 2 + n] * 2)  # warm-up, 2, 2 + n; retries
     # a real step's shape: P prompts of G samples each (the grouped cache layout), not one prompt x P*G
     assert all(kw["samples_per_prompt"] == G and len(p) == P
                and all(len(x) == setup.limits.prompt_tokens for x in p) and kw["eos_id"] is None for p, kw in calls)
@@ -311,9 +312,10 @@ def test_decode_step_is_measured_on_the_runs_policy_unless_workers_sample(monkey
 
 
 def test_a_decode_probe_whose_longer_call_ran_shorter_times_the_pair_again(monkeypatch):
-    """Clock readings scripted: warm-up, then 1 token 0.5 s and 1 + 3 tokens 0.4 s (noise: no step
+    """Clock readings scripted: warm-up, then 2 tokens 0.5 s and 2 + 3 tokens 0.4 s (noise: no step
     time), then 0.1 s and 0.9 s: each call's best, (0.4 - 0.1) / 3 = 0.1 s a step. When every
-    retry stays inverted a step is priced at the longer call over its 4 tokens, never 0."""
+    retry stays inverted a step is priced at the longer call over its 5 tokens, never 0; with
+    responses of 2 tokens at most the pair is 1 and 2 tokens."""
     from test_autocast import tiny_setup
 
     setup = tiny_setup("--sampling.max_new_tokens=8")
@@ -326,8 +328,13 @@ def test_a_decode_probe_whose_longer_call_ran_shorter_times_the_pair_again(monke
 
     clock([0.1, 0.5, 0.4, 0.1, 0.9])
     assert run.decode_step_seconds(setup) == pytest.approx(0.1)
-    clock([0.1, 0.5, 0.4, 0.6, 0.45, 0.7, 0.42])          # inverted every time: best 1 + 3 tokens 0.4 s
-    assert run.decode_step_seconds(setup) == pytest.approx(0.4 / 4)
+    clock([0.1, 0.5, 0.4, 0.6, 0.45, 0.7, 0.42])          # inverted every time: best 2 + 3 tokens 0.4 s
+    assert run.decode_step_seconds(setup) == pytest.approx(0.4 / 5)
+    short = tiny_setup("--sampling.max_new_tokens=2")
+    calls = []
+    monkeypatch.setattr(run.sampling, "generate", lambda *a, **kw: calls.append(kw["max_new_tokens"]))
+    clock([0.1, 0.2, 0.5])
+    assert run.decode_step_seconds(short) == pytest.approx(0.3) and calls == [2, 1, 2]
 
 
 def cli(*argv) -> tuple[int, str]:
