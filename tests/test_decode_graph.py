@@ -2,6 +2,8 @@
 a CPU, gives the eager decode's tokens, log-probs and cache; unsupported models fall back to the eager
 step; on a CUDA device the captured graph replays the same step."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -124,6 +126,72 @@ def test_static_steps_match_eager_logits_and_leave_the_same_cache(tmp_path, name
     with torch.no_grad():                                                      # the eager steps carry on from it
         after = [policy(toks[0, :, None], cache=c)[:, -1] for c in (c_static, c_eager)]
     torch.testing.assert_close(after[0], after[1], atol=1e-5, rtol=0)
+
+
+class _FakeGraphs:
+    """torch.cuda's stream and graph calls as ``StaticDecode._capture`` makes them, on a CPU: a capture
+    runs the body but leaves no trace (its state and the cache restored, as a real capture executes
+    nothing), and a replay runs the body again into the captured output, as a graph's kernels write
+    their fixed output tensor. What it checks is the control flow around the graph: the warm-up's
+    rollback, inputs copied before each replay, and the output read after it."""
+
+    def __init__(self, monkeypatch):
+        self.captures, self.replays, self.sd = 0, 0, None
+        fake = self
+
+        class Stream:
+            def __init__(self, device=None):
+                pass
+
+            def wait_stream(self, other):
+                pass
+
+        class Graph:
+            def replay(self):
+                fake.replays += 1
+                fake.sd.out.copy_(fake.sd._body())
+
+        @contextlib.contextmanager
+        def graph(g, capture_error_mode="global"):
+            sd = fake.sd
+            saved = [t.clone() for t in (sd.attend, sd.pos, sd.col, *sd.cache._kbuf, *sd.cache._vbuf)]
+            yield
+            for t, v in zip((sd.attend, sd.pos, sd.col, *sd.cache._kbuf, *sd.cache._vbuf), saved):
+                t.copy_(v)
+            fake.captures += 1
+
+        for name, value in (("Stream", Stream), ("current_stream", lambda device=None: Stream()),
+                            ("stream", lambda s: contextlib.nullcontext()), ("CUDAGraph", Graph), ("graph", graph)):
+            monkeypatch.setattr(torch.cuda, name, value)
+
+
+def test_graph_control_flow_replays_the_eager_steps(tmp_path, monkeypatch):
+    """The graphed path's bookkeeping, run on a CPU with torch.cuda's graph calls faked (``_FakeGraphs``):
+    one capture at the first step after a warm-up whose state is rolled back, a replay per step, and
+    the logits and cache of the eager steps."""
+    policy, _ = _policy(tmp_path, "llama_gqa_tied_lora")
+    c_eager, _ = _prefilled(policy)
+    c_graph, _ = _prefilled(policy)
+    fake = _FakeGraphs(monkeypatch)
+    torch.manual_seed(2)
+    toks = torch.randint(3, 48, (6, 4))
+    alive = torch.ones(6, 4, dtype=torch.bool)
+    alive[2:, 1] = False
+    with torch.no_grad():
+        sd = decode_graph.StaticDecode(policy._hf_model(), c_graph, policy._rope, policy.config.block_size,
+                                       graph=False)
+        sd.use_graph, fake.sd = True, sd
+        for t in range(6):
+            want = policy(toks[t, :, None], attention_mask=alive[t, :, None].long(), cache=c_eager)[:, -1]
+            got = sd.step(toks[t], alive[t])
+            assert got is sd.out                                               # the graph's output tensor
+            torch.testing.assert_close(got[alive[t]], want[alive[t]], atol=1e-5, rtol=0)
+        sd.finish()
+    assert (fake.captures, fake.replays) == (1, 6) and sd.graph is None and sd.out is None
+    assert torch.equal(c_graph.mask, c_eager.mask) and torch.equal(c_graph.next_pos, c_eager.next_pos)
+    seen = c_eager.mask.bool()
+    for a, b in zip(c_graph.v, c_eager.v):
+        torch.testing.assert_close(a.transpose(1, 2)[seen], b.transpose(1, 2)[seen], atol=1e-5, rtol=0)
 
 
 def test_static_decode_refuses_a_full_cache_and_positions_past_the_context(tmp_path):
