@@ -42,8 +42,8 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from rlvr.models.lean_llama import (LeanCache, RopeTable, _layer_out, _qkv_in, _softcap, layer_rope_types,
-                                    layer_windows, output_head, rms_norm)
+from rlvr.models.lean_llama import (LeanCache, RopeTable, _layer_out, _qkv_in, layer_rope_types, layer_windows,
+                                    output_head, rms_norm)
 from rlvr.models.sdpa import gpu_attention
 
 
@@ -90,7 +90,7 @@ def decode_step(hf_model: nn.Module, ids: torch.Tensor, positions: torch.Tensor,
         kb.index_copy_(2, col, k.to(kb.dtype))
         vb.index_copy_(2, col, v.to(vb.dtype))
         h = _layer_out(layer, h, q, kb, vb, att)
-    return _softcap(output_head(hf_model.lm_head, rms_norm(inner.norm, h)), None)
+    return output_head(hf_model.lm_head, rms_norm(inner.norm, h))                 # no final soft-cap: supported
 
 
 class StaticDecode:
