@@ -329,9 +329,11 @@ def decode_products_seconds(policy, rows: int, steps: int, bf16: bool = False) -
     layer q/k/v with the LoRA A factors in one product from their stacked copy and the LoRA B
     products (lean_llama._stacked_t_bf16), o_proj weight-major (linear_t), gate/up stacked, down_proj
     weight-major, where this CPU rounds weight-major bf16 products as autocast does
-    (lean_llama._weight_major_bf16_ok); elsewhere each Linear row-major on (rows, 1, K) as decode
-    calls it (lean_llama.linear, from the region's bf16 copies); the head from its
-    prepacked copy (output_head).
+    (lean_llama._weight_major_bf16_ok); elsewhere row-major on (rows, 1, K) as decode calls them:
+    q/k/v and gate/up each from one prepacked stack of the frozen base weights with the LoRA terms
+    added (lean_llama._stacked_linear, where its probe passes; else each Linear alone), o_proj and
+    down_proj alone (lean_llama.linear, from the region's copies); the head from its prepacked copy
+    (output_head).
     No attention, norms, rotary, residuals or sampling: what decode would take if nothing but its
     products ran."""
     from rlvr.models import lean_llama
@@ -353,8 +355,8 @@ def decode_products_seconds(policy, rows: int, steps: int, bf16: bool = False) -
                 for layer in layers:
                     if row_major:
                         a, mlp = layer.self_attn, layer.mlp
-                        for m in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj):
-                            lean_llama.linear(m, x3)
+                        for mods in (lean_llama._qkv_mods(a), (a.o_proj,), lean_llama._gate_up_mods(mlp)):
+                            lean_llama._stacked_linear(mods, x3) or [lean_llama.linear(m, x3) for m in mods]
                         lean_llama.linear(mlp.down_proj, m3)
                         continue
                     a, mlp = layer.self_attn, layer.mlp

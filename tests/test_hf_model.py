@@ -1004,12 +1004,16 @@ def test_bf16_weight_copies_give_autocasts_numbers_bit_for_bit(fast_variant, mon
                     tensors = [t for m in base for t in (m.weight, m.bias) if t is not None]
                     mine = {(id(t),) for t in tensors}
                 assert len(held) == len(tensors) > 0 and mine == held
-                # prepacked where oneDNN has it: the head, and row-major decode's frozen weights too
+                # prepacked where oneDNN has it: the head, and row-major decode's frozen weights too (q/k/v
+                # and gate/up in one pack each where their stacked product gives autocast's bits)
                 frozen = {(id(m.weight),) for m in linears if not m.weight.requires_grad}
                 head = {(id(policy._hf_model().lm_head.weight),)}
-                assert packs == ((head | (set() if wm_ok else frozen)) if lean_llama._packed_linear_ok() else set())
+                stack_packs = scope.made(f"stack pack {lean_llama.PACK_ROWS}")
+                packed = packs | ({(w,) for k in stack_packs for w in k} & mine)
+                assert packed == ((head | (set() if wm_ok else frozen)) if lean_llama._packed_linear_ok() else set())
                 layer_ids = {id(t) for t in tensors} | {id(t) for m in linears for t in (m.weight,)}
-                stacks = {k for k in scope.made("stack") if set(k) <= layer_ids}  # q/k/v, gate/up a layer
+                stacks = {k for k in scope.made("stack") if set(k) <= layer_ids} - stack_packs  # weight-major decode's
+                # q/k/v, gate/up a layer
                 assert len(stacks) == (2 * len(policy._hf_model().model.layers) if wm_ok else 0)
             # decode weight-major in bf16 in rlvr's context only, where this CPU's layouts round alike
             assert bool(wm_calls) == (scope is not None and lean_llama._weight_major_bf16_ok())
@@ -1119,15 +1123,19 @@ def test_bf16_decode_stacks_and_packed_head_keep_autocasts_numbers(fast_variant,
     prompts = [tok.encode("ab"), tok.encode("hello")]
 
     def sample(ctx):
+        lean_llama.drop_kept_copies()          # what this call makes, not what an earlier test kept
         with ctx(), torch.no_grad():
             roll = sampling.generate(policy, prompts, samples_per_prompt=3, max_new_tokens=4, temperature=0.7,
                                      eos_id=tok.eos_id, pad_id=tok.pad_id,
                                      generators=sampling.prompt_generators(1, 0, 2))
             scope = getattr(lean_llama._SCOPE, "weights", None)
             mine = {id(t) for t in hf.parameters()}
-            return roll, (None if scope is None else
-                          tuple(len({k for k in scope.made(kind) if set(k) <= mine})
-                                for kind in ("stack", f"pack {lean_llama.PACK_ROWS}")))
+            if scope is None:
+                return roll, None
+            stack_packs = scope.made(f"stack pack {lean_llama.PACK_ROWS}")     # row-major decode's
+            stacks = {k for k in scope.made("stack") if set(k) <= mine} - stack_packs  # weight-major decode's
+            packed = {w for k in scope.made(f"pack {lean_llama.PACK_ROWS}") | stack_packs if set(k) <= mine for w in k}
+            return roll, (len(stacks), len(packed))
 
     try:
         (r1, _), (r2, held) = sample(lambda: torch.autocast("cpu", dtype=torch.bfloat16)), \
@@ -1157,6 +1165,90 @@ def test_bf16_decode_stacks_and_packed_head_keep_autocasts_numbers(fast_variant,
             assert torch.equal(outs2[0], lean_llama._linear_t_bf16(mods[0], xT))
         finally:
             W.mul_(0.5)
+
+
+def test_row_major_bf16_decode_reads_stacked_packs_with_autocasts_numbers(fast_variant, monkeypatch):
+    """Row-major bf16 decode (forced here, whatever this CPU's weight-major probe says) computes q/k/v
+    and gate/up from one prepacked stack of their frozen base weights exactly where ``_pack_ok`` says
+    the stacked product rounds as each weight's own (probed for every such call where the bases are
+    frozen, as under LoRA): each such call's outputs equal the per-module ``linear`` products to the
+    last bit (the oracle, LoRA terms included), and the sampled tokens and log-probs equal plain
+    torch.autocast's."""
+    from rlvr.models import lean_llama
+    from rlvr.run import autocast_context
+
+    _, policy, tok = fast_variant
+    if not policy.uses_fast_path or not lean_llama._packed_linear_ok():
+        pytest.skip("not the lean path, or no oneDNN packed bf16 linear with autocast's numbers")
+    monkeypatch.setattr(lean_llama, "_WM_BF16_OK", [False])
+    monkeypatch.setattr(lean_llama, "_PACK_OK_AT", {})
+    calls, real = [], lean_llama._stacked_linear
+
+    def checked(mods, x):
+        outs = real(mods, x)
+        if outs is not None:
+            want = [lean_llama.linear(m, x) for m in mods]
+            assert all(torch.equal(a, b) for a, b in zip(outs, want))
+        if getattr(lean_llama._SCOPE, "weights", None) is not None:    # rlvr's bf16 context
+            bases = [m if type(m) is torch.nn.Linear else m.base_layer for m in mods]
+            key = (tuple(m.weight.size(0) for m in bases), x.size(-1), x.numel() // x.size(-1),
+                   tuple(m.bias is not None for m in bases))
+            calls.append((outs is not None, key))
+        return outs
+
+    monkeypatch.setattr(lean_llama, "_stacked_linear", checked)
+    prompts = [tok.encode("ab"), tok.encode("hello")]
+
+    def sample(ctx):
+        with ctx(), torch.no_grad():
+            return sampling.generate(policy, prompts, samples_per_prompt=3, max_new_tokens=5, temperature=0.7,
+                                     eos_id=tok.eos_id, pad_id=tok.pad_id,
+                                     generators=sampling.prompt_generators(2, 0, 2))
+
+    r1, r2 = sample(lambda: torch.autocast("cpu", dtype=torch.bfloat16)), sample(lambda: autocast_context(True, "cpu"))
+    assert torch.equal(r1.ids, r2.ids) and torch.equal(r1.logp, r2.logp)
+    frozen_bases = not any(p.requires_grad for n, p in policy._hf_model().named_parameters() if "lora_" not in n)
+    assert calls
+    for taken, key in calls:    # in rlvr's context where the bases are frozen: probed, and taken where it passed
+        assert (key in lean_llama._PACK_OK_AT) == frozen_bases
+        assert taken == (frozen_bases and lean_llama._PACK_OK_AT[key])
+
+
+def test_the_pack_probe_sees_one_output_rounded_otherwise(monkeypatch):
+    """_pack_ok compares one product from a (stacked) pack with each weight's F.linear (with and
+    without biases, at the asked row count): one output one bf16 step off in one weight's block turns
+    that shape and row count off; an honest product keeps it on where this CPU rounds alike, each
+    (shapes, biases, rows) probed once."""
+    import torch.nn.functional as F
+
+    from rlvr.models import lean_llama
+
+    if not lean_llama._packed_linear_ok():
+        pytest.skip("this torch has no oneDNN packed bf16 linear with autocast's numbers")
+    gen = torch.Generator().manual_seed(0)
+    Wbs = tuple(torch.randn(n, 32, generator=gen).to(torch.bfloat16) for n in (48, 16, 16))
+    Wp = torch.ops.mkldnn._reorder_linear_weight(torch.cat(Wbs), lean_llama.PACK_ROWS)
+    biases = {"none": (None,) * 3, "some": (torch.ones(48, dtype=torch.bfloat16), None, torch.ones(16, dtype=torch.bfloat16))}
+    real = lean_llama._packed_linear
+    monkeypatch.setattr(lean_llama, "_PACK_OK_AT", {})
+    honest = {k: lean_llama._pack_ok(Wp, Wbs, bbs, 8) for k, bbs in biases.items()}
+    x = torch.randn(8, 32).to(torch.bfloat16)
+    for k, bbs in biases.items():   # what the probe said is what the products do
+        bias = None if k == "none" else torch.cat([b if b is not None else torch.zeros(16, dtype=torch.bfloat16) for b in bbs])
+        assert honest[k] == torch.equal(real(x, Wp, bias), torch.cat([F.linear(x, W, b) for W, b in zip(Wbs, bbs)], 1))
+        for col in (5, 48 + 3, 64 + 15):                           # in each weight's block
+            def off_by_one_step(x, Wp, bb, col=col):
+                out = real(x, Wp, bb)
+                out[-1, col] = out[-1, col] * 1.01 + 0.01          # one output off by at least one bf16 step
+                return out
+
+            monkeypatch.setattr(lean_llama, "_PACK_OK_AT", {})
+            monkeypatch.setattr(lean_llama, "_packed_linear", off_by_one_step)
+            assert lean_llama._pack_ok(Wp, Wbs, bbs, 8) is False
+    monkeypatch.setattr(lean_llama, "_packed_linear", real)
+    monkeypatch.setattr(lean_llama, "_PACK_OK_AT", {})
+    assert {k: lean_llama._pack_ok(Wp, Wbs, bbs, 8) for k, bbs in biases.items()} == honest
+    assert len(lean_llama._PACK_OK_AT) == 2                        # one probe per (shapes, biases, rows)
 
 
 def test_decode_step_on_live_rows_only(fast_variant, monkeypatch):
