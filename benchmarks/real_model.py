@@ -49,7 +49,8 @@ Measured
    copy; 4 bytes a weight in fp32, 2 for the bf16 copies of frozen weights under bf16; with 64 rows
    a decode step is usually compute-bound instead, so its bound is the larger of that and its FLOPs
    / the matmul rate, and both are printed), prefill, logp and backward against the measured
-   matmul rate of the numerics (fp32 products, or bf16 x bf16 products for ``--numerics bf16``; the
+   matmul rate of the numerics (512 x 512 products timed one by one, the fastest decile's rate:
+   ``product_rate``; fp32 products, or bf16 x bf16 products for ``--numerics bf16``; the
    step's FLOPs / rate), the optimizer (fp32 master weights in both) against bandwidth
    (8 x 4 bytes moved per trainable parameter: parameter, gradient and two moments read; parameter
    and moments written; the gradient zeroed for the next backward, which the phase includes). The
@@ -142,16 +143,23 @@ def copy_bandwidth(mib: int = 256, trials: int = 5) -> float:
     return 2 * a.numel() * 4 / best
 
 
-def bf16_matmul_rate(seconds: float = 1.0, n: int = 512) -> float:
-    """FLOP/s of (n, n) x (n, n) bf16 products (what a Linear computes under bf16 autocast once
-    both operands are bf16), timed as rlvr.run.matmul_rate times fp32's."""
-    a, b = torch.randn(n, n, dtype=torch.bfloat16), torch.randn(n, n, dtype=torch.bfloat16)
+def product_rate(dtype: torch.dtype, seconds: float = 1.0, n: int = 512) -> float:
+    """FLOP/s of (n, n) x (n, n) products in `dtype` (bf16: what a Linear computes under bf16 autocast
+    once both operands are bf16), each product timed alone for about `seconds`, at the fastest
+    decile's time: the rate this machine shows when nothing else takes its cores. A rate averaged
+    over the whole second falls with every burst of other work on a shared machine (measured here
+    minutes apart: 1,438 then 738 GFLOP/s in bf16, with per-product fast deciles of 1,476-1,517 in six
+    seconds whose averages were 1,292-1,450), and a bound set from it would fall with it."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     a @ b  # warm-up
-    count, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
+    times: list[float] = []
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds or len(times) < 10:
+        t = time.perf_counter()
         a @ b
-        count += 1
-    return 2 * n**3 * count / (time.perf_counter() - t0)
+        times.append(time.perf_counter() - t)
+    times.sort()
+    return 2 * n**3 / times[len(times) // 10]
 
 
 # ----------------------------------------------------------------------------- shared pieces
@@ -553,10 +561,11 @@ def main(argv: list[str] | None = None) -> int:
     print(set_host_memory(a.host_memory), flush=True)
 
     mdir = model_dir()
-    rate, bandwidth = matmul_rate(torch.device("cpu")), copy_bandwidth()  # rlvr.run's measurement, as the price uses
-    rate_bf16 = bf16_matmul_rate() if a.numerics == "bf16" else 0.0
+    rate, bandwidth = product_rate(torch.float32), copy_bandwidth()
+    rate_bf16 = product_rate(torch.bfloat16) if a.numerics == "bf16" else 0.0
     print(f"machine: fp32 matmul {rate / 1e9:.1f} GFLOP/s"
           + (f", bf16 matmul {rate_bf16 / 1e9:.1f} GFLOP/s" if rate_bf16 else "")
+          + f" (512^3 products, fastest decile; rlvr's price measures {matmul_rate(torch.device('cpu')) / 1e9:.1f} in fp32)"
           + f", copy bandwidth {bandwidth / 1e9:.2f} GB/s "
           f"({a.threads} threads; measured now, on whatever else the machine is running)", flush=True)
 
