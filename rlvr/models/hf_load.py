@@ -21,7 +21,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from rlvr.models.hf_policy import HFPolicy, no_progress_bars
+from rlvr.models.hf_policy import HFPolicy
+from rlvr.models.hf_source import no_progress_bars
 from rlvr.models.hf_source import HFLoadError, LoraTargetsError, check_dir, resolve_model_dir
 from rlvr.models.hf_tokenizer import HFTokenizer
 

@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from rlvr.models.lean_llama import (LeanCache, RopeTable, init_rows, lean_forward, lean_llama_unsupported,
                                     peft_unsupported, repeat_rows, sliding_window)
+from rlvr.models.hf_source import no_progress_bars
 from rlvr.models.sdpa import gpu_attention
 
 
@@ -67,24 +68,6 @@ def _block_size(cfg) -> int | None:
         if isinstance(v, int) and v > 0:
             return v
     return None
-
-
-@contextlib.contextmanager
-def no_progress_bars():
-    """transformers' per-load / per-save tqdm bars off for the block (restored after)."""
-    try:
-        from transformers.utils import logging as hf_logging
-    except ImportError:  # pragma: no cover
-        yield
-        return
-    was = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was:
-            hf_logging.enable_progress_bar()
-
 
 
 # ---------------------------------------------------------------------- policy

@@ -22,6 +22,7 @@ Stdlib only at import time; transformers is imported inside ``convert_gguf``.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -45,6 +46,23 @@ class HFLoadError(ValueError):
 class LoraTargetsError(HFLoadError):
     """A LoRA adapter whose target modules cannot be what was asked (none given and peft knows no
     default for the architecture, or a tied weight among them): the message names the modules."""
+
+
+@contextlib.contextmanager
+def no_progress_bars():
+    """transformers' per-load / per-save tqdm bars off for the block (restored after)."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # pragma: no cover
+        yield
+        return
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
 
 
 def check_dir(path: Path) -> None:
@@ -131,7 +149,6 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlvr.models.hf_policy import no_progress_bars
 
     kw = dict(gguf_file=gguf.name, local_files_only=True)
     try:
