@@ -249,7 +249,15 @@ class Price:
     wall_seconds_estimate: float = 0.0
     """flops_per_run / matmul_flops_per_s: a lower bound on the run's wall time; 0 = not measured."""
     decode_step_s: float = 0.0
-    """Measured seconds of one decode step of a batch's P x G rows (rlvr.run.decode_step_seconds); 0 = not measured."""
+    """Measured seconds of one decode step of a batch's P x G rows (rlvr.run.decode_step_seconds), or with
+    rollout workers of the largest worker's share at a worker's threads (`decode_prompts`,
+    `decode_threads`); 0 = not measured."""
+    decode_prompts: int = 0
+    """Prompts (G rows each) of the sampling call `decode_step_s` was measured on; 0 = all P."""
+    decode_threads: int = 0
+    """torch threads of that call (a rollout worker's); 0 = this process's (`threads`)."""
+    rollout_workers: int = 0
+    """distributed.rollout_workers: the workers that decode a batch's shares side by side (0: this process)."""
     learn_part_s: float = 0.0
     """Measured seconds of one training forward and backward of a `train.micro_batches` part of a
     minibatch at the run's lengths (rlvr.learn.learn_part_seconds); 0 = not measured (the training
@@ -390,7 +398,10 @@ class Price:
                 + (f" ({rounds} sampling rounds: the first and {self.tool_calls} tool continuation(s))"
                    if self.tool_calls else "")
                 + f" at the measured {self.decode_step_s * 1e3:,.3g} ms "
-                f"({self.prompts_per_step * self.samples_per_prompt} rows)"
+                + (f"({self.prompts_per_step * self.samples_per_prompt} rows)" if not self.rollout_workers else
+                   f"(a rollout worker's largest share, {self.decode_prompts} prompts x {self.samples_per_prompt} = "
+                   f"{self.decode_prompts * self.samples_per_prompt} rows at {self.decode_threads} torch thread(s); "
+                   f"the {self.rollout_workers} workers decode side by side; Ray's calls and weight syncs not counted)")
                 + (f" and each of the {self.steps * self.grad_steps_per_batch} gradient steps at the measured "
                    f"{self.learn_parts_per_step} x {self.learn_part_s * 1e3:,.4g} ms (forward and backward"
                    f"{' of each part' if self.learn_parts_per_step > 1 else ''}) + {self.optimizer_step_s * 1e3:,.3g} ms "
@@ -532,6 +543,8 @@ def price(
     weight_copy_bytes: int = 0,
     kept_copy_bytes: int = 0,
     tool_calls: int = 0,
+    decode_share: tuple[int, int] | None = None,
+    rollout_workers: int = 0,
 ) -> Price:
     """Price a run from its shape; refuses, naming the number, when one it needs is missing.
 
@@ -554,6 +567,8 @@ def price(
     `learn_part_s` (one micro part's training forward and backward, measured) and `optimizer_step_s`
     price the learn stage in it instead of its FLOPs.
     `tool_calls`: continuations per row in sampling, each at most Lp + T prefilled and T decoded (rlvr.tools).
+    `rollout_workers` (distributed.rollout_workers) with `decode_share` (prompts, threads: what
+    `decode_step_s` was measured on, rlvr.run.decode_probe_share) say whose decode step it is.
     """
     _check_counts(prompt_tokens, max_new_tokens=max_new_tokens, n_params=n_params, prompts_per_step=prompts_per_step,
                   samples_per_prompt=samples_per_prompt, steps=steps, epochs_per_batch=epochs_per_batch,
@@ -603,4 +618,6 @@ def price(
         flops_logp_old_per_batch=float(old_fwd * fwd), entropy_forward=entropy_forward,
         logp_old_recomputed=recompute_logp_old, logp_old_note=logp_old_note,
         logp_old_from_learner=logp_old_from_learner, numerics=numerics, matmul_kind=matmul_kind, tool_calls=tool_calls,
+        decode_prompts=decode_share[0] if decode_share and expected else 0,
+        decode_threads=decode_share[1] if decode_share and expected else 0, rollout_workers=rollout_workers,
         **extra)

@@ -249,6 +249,25 @@ DECODE_PROBE_RETRIES = 2
 call's time over its tokens (prefill included: never 0, an over-estimate)."""
 
 
+def decode_probe_share(setup: Setup) -> tuple[int, int] | None:
+    """(prompts, torch threads) of the sampling call that one decode step of the run is measured on
+    (``decode_step_seconds``): the step's P prompts at this process's threads; with rollout workers
+    (distributed.rollout_workers = N) the largest worker's share, ceil(P / N) prompts, at a worker's
+    threads (rlvr.distributed.sync.actor_threads of distributed.cpus_per_worker): the workers decode
+    their shares side by side, so a batch's decode takes the largest share's steps. None where that
+    cannot be measured here: workers on a Ray cluster (distributed.address set: other machines), or
+    on another kind of device than this process's (a GPU share against a CPU process, or the reverse)."""
+    cfg = setup.cfg
+    d, P = cfg.distributed, cfg.train.prompts_per_step
+    if not d.rollout_workers:
+        return P, torch.get_num_threads()
+    if d.address or (d.gpus_per_worker > 0) != (setup.device.type == "cuda"):
+        return None
+    from rlvr.distributed.sync import actor_threads
+
+    return -(-P // d.rollout_workers), actor_threads(d.cpus_per_worker)
+
+
 def decode_step_seconds(setup: Setup) -> float:
     """Seconds of one decode step of this run's sampling, measured on its own policy: the P x G rows
     of a step after a prompt of the longest prompt's length, through `rlvr.sampling.generate` (the
@@ -262,14 +281,17 @@ def decode_step_seconds(setup: Setup) -> float:
     responses may have 3 tokens or more, else 1: a call of 2 tokens decodes one step, so both calls
     pay what a sampling call pays once for its decode steps (the capture of a graphed decode,
     model.cuda_graphs) and the difference is the steps alone. No gradient; the run's generators
-    untouched. 0.0 when sampling runs in rollout workers (elsewhere) or a response has a single token."""
+    untouched. With rollout workers: a worker's largest share at a worker's threads
+    (``decode_probe_share``; this process's threads restored after). 0.0 when the workers' decode
+    cannot be measured here (``decode_probe_share`` None) or a response has a single token."""
     cfg, model, device = setup.cfg, setup.model, setup.device
     base = 2 if setup.limits.max_new_tokens >= 3 else 1
     n = min(DECODE_PROBE_STEPS, setup.limits.max_new_tokens - base)
-    if cfg.distributed.rollout_workers > 0 or n < 1:
+    share = decode_probe_share(setup)
+    if share is None or n < 1:
         return 0.0
     prompt = [setup.tokenizer.pad_id] * max(1, setup.limits.prompt_tokens)
-    P = cfg.train.prompts_per_step
+    P, threads = share
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def timed(tokens: int) -> float:
@@ -283,8 +305,9 @@ def decode_step_seconds(setup: Setup) -> float:
         sync()
         return time.perf_counter() - t
 
-    was = model.training
+    was, was_threads = model.training, torch.get_num_threads()
     model.eval()
+    torch.set_num_threads(threads)
     try:
         timed(base + n if device.type == "cuda" else 2)           # warm-up: allocation, kernel choice
         one, more = timed(base), timed(base + n)
@@ -294,6 +317,7 @@ def decode_step_seconds(setup: Setup) -> float:
             one, more = min(one, timed(base)), min(more, timed(base + n))
     finally:
         model.train(was)
+        torch.set_num_threads(was_threads)
     return (more - one) / n if more > one else more / (base + n)
 
 
@@ -672,6 +696,8 @@ def price_of(setup: Setup, rate: float | None = None, decode_s: float | None = N
         matmul_flops_per_s=(matmul_rate(setup.device) if rate is None else rate) * speedup,
         matmul_kind="bf16 autocast" if speedup != 1.0 else "fp32", threads=torch.get_num_threads(),
         decode_step_s=(decode_step_seconds(setup) if cfg.train.price_probes else 0.0) if decode_s is None else decode_s,
+        decode_share=decode_probe_share(setup) if cfg.distributed.rollout_workers else None,
+        rollout_workers=cfg.distributed.rollout_workers,
         shape=shape, baseline_bytes=baseline,
         logprob_chunk_rows=priced_chunk_rows(cfg.model.logprob_chunk_rows, shape),
         logit_bytes=2 if bf16_forwards(cfg, setup.numerics) else 4, eval_rows=eval_rows(setup),

@@ -285,7 +285,7 @@ def test_a_run_its_memory_refuses_is_not_probed_and_a_given_learn_time_reaches_t
     assert run.price_of(setup, rate=1e9, decode_s=0.25).learn_part_s == 0.0   # no probe: the FLOPs at the rate
 
 
-def test_decode_step_is_measured_on_the_runs_policy_unless_workers_sample(monkeypatch):
+def test_decode_step_is_measured_on_the_runs_policy_or_a_rollout_workers_share(monkeypatch):
     from test_autocast import tiny_setup
 
     calls = []
@@ -307,8 +307,34 @@ def test_decode_step_is_measured_on_the_runs_policy_unless_workers_sample(monkey
                and all(len(x) == setup.limits.prompt_tokens for x in p) and kw["eos_id"] is None for p, kw in calls)
     price = run.price_of(setup, rate=1e9, decode_s=0.25)
     assert price.decode_step_s == 0.25 and price.wall_seconds_expected > price.wall_seconds_estimate
-    setup.cfg.distributed.rollout_workers = 2                     # sampled elsewhere: nothing measured here
-    assert run.decode_step_seconds(setup) == 0.0
+    assert f"at the measured 250 ms ({P * G} rows)" in price.wall_line()
+
+    # rollout workers on this machine: the largest worker's share, ceil(P / N) prompts, at a worker's
+    # threads (this process's restored after); the price says whose step it is
+    d = setup.cfg.distributed
+    d.rollout_workers, d.cpus_per_worker = 2, 1.0
+    torch.set_num_threads(2)
+    seen = []
+    monkeypatch.setattr(run.sampling, "generate", lambda model, prompts, **kw: seen.append(
+        (len(prompts), torch.get_num_threads())) or real(model, prompts, **kw))
+    assert run.decode_probe_share(setup) == (-(-P // 2), 1)
+    assert run.decode_step_seconds(setup) > 0 and torch.get_num_threads() == 2
+    assert seen and set(seen) == {(-(-P // 2), 1)}
+    price = run.price_of(setup, rate=1e9, decode_s=0.25)
+    assert (price.decode_prompts, price.decode_threads, price.rollout_workers) == (-(-P // 2), 1, 2)
+    assert (f"(a rollout worker's largest share, {-(-P // 2)} prompts x {G} = {-(-P // 2) * G} rows at 1 torch "
+            "thread(s); the 2 workers decode side by side") in price.wall_line()
+    d.rollout_workers, d.cpus_per_worker = 3, 2.0
+    assert run.decode_probe_share(setup) == (-(-P // 3), 2)
+    seen.clear()
+    for key, value in (("address", "auto"), ("gpus_per_worker", 1.0)):  # elsewhere, or another device: not here
+        was = getattr(d, key)
+        setattr(d, key, value)
+        assert run.decode_probe_share(setup) is None and run.decode_step_seconds(setup) == 0.0
+        price = run.price_of(setup, rate=1e9)
+        assert price.wall_seconds_expected == 0.0 and "expected" not in price.wall_line()
+        setattr(d, key, was)
+    assert not seen
 
 
 def test_a_decode_probe_whose_longer_call_ran_shorter_times_the_pair_again(monkeypatch):
