@@ -1214,6 +1214,63 @@ def test_row_major_bf16_decode_reads_stacked_packs_with_autocasts_numbers(fast_v
         assert taken == (frozen_bases and lean_llama._PACK_OK_AT[key])
 
 
+def test_decode_plans_are_made_once_a_region_and_again_when_what_they_rest_on_changes(fast_variant, monkeypatch):
+    """A no-gradient decode call of ``linear`` / ``_stacked_linear`` reads what a plan made at its
+    first call in the region says (copies, packs, LoRA factors), served to later calls; an in-place
+    change of a weight, the adapter disabled, a forward hook or train mode inside the
+    region makes it again, and every call gives what plain torch.autocast's module call gives."""
+    from rlvr.models import lean_llama
+    from rlvr.run import autocast_context
+
+    name, policy, tok = fast_variant
+    if name != "lora" or not policy.uses_fast_path:
+        pytest.skip("one LoRA variant suffices")
+    hf = policy._hf_model()
+    attn = hf.model.layers[0].self_attn
+    q = attn.q_proj
+    made = []
+    real = lean_llama._linear_plan
+    monkeypatch.setattr(lean_llama, "_linear_plan", lambda *a: made.append(a[1]) or real(*a))
+    x = torch.randn(4, 1, q.in_features)
+
+    def plain() -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+            return q(x)
+
+    was = hf.training
+    hf.eval()
+    try:
+        with autocast_context(True, "cpu"), torch.no_grad():
+            got = lean_llama.linear(q, x)
+            assert torch.equal(lean_llama.linear(q, x), got) and len(made) == 1          # served again
+            checks = []
+            W = q.base_layer.weight   # (a factor's bf16 cast is autocast's own, cached for the region)
+            W.mul_(2.0)                                                                  # the weight changed
+            checks.append(lean_llama.linear(q, x))
+            with policy.model.disable_adapter():                                         # the adapter off
+                checks.append(lean_llama.linear(q, x))
+            handle = q.register_forward_hook(lambda mod, args, out: out * 0)            # a hook: the module runs
+            checks.append(lean_llama.linear(q, x))
+            handle.remove()
+            hf.train()                                                                   # train mode
+            checks.append(lean_llama.linear(q, x))
+            hf.eval()
+            assert len(made) == 5
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+            want = [q(x)]
+            with policy.model.disable_adapter():
+                want.append(q(x))
+            want.append(q(x) * 0)
+            hf.train()
+            want.append(q(x))
+            hf.eval()
+        assert all(torch.equal(a, b) for a, b in zip(checks, want))
+        W.mul_(0.5)
+        assert torch.equal(got, plain())
+    finally:
+        hf.train(was)
+
+
 def test_the_pack_probe_sees_one_output_rounded_otherwise(monkeypatch):
     """_pack_ok compares one product from a (stacked) pack with each weight's F.linear (with and
     without biases, at the asked row count): one output one bf16 step off in one weight's block turns
