@@ -1214,7 +1214,7 @@ def test_row_major_bf16_decode_reads_stacked_packs_with_autocasts_numbers(fast_v
         assert taken == (frozen_bases and lean_llama._PACK_OK_AT[key])
 
 
-def test_decode_plans_are_made_once_a_region_and_again_when_what_they_rest_on_changes(fast_variant, monkeypatch):
+def test_decode_plans_are_made_once_a_region_and_again_when_what_they_rest_on_changes(tmp_path, monkeypatch):
     """A no-gradient decode call of ``linear`` / ``_stacked_linear`` reads what a plan made at its
     first call in the region says (copies, packs, LoRA factors), served to later calls; an in-place
     change of a weight, the adapter disabled, a forward hook or train mode inside the
@@ -1222,9 +1222,13 @@ def test_decode_plans_are_made_once_a_region_and_again_when_what_they_rest_on_ch
     from rlvr.models import lean_llama
     from rlvr.run import autocast_context
 
-    name, policy, tok = fast_variant
-    if name != "lora" or not policy.uses_fast_path:
-        pytest.skip("one LoRA variant suffices")
+    llama_kw, lora = FAST_VARIANTS["lora"]
+    policy, _ = load_policy(make_model_dir(tmp_path, "llama", seed=3, **llama_kw), lora=lora)
+    with torch.no_grad():                                    # a non-zero adapter (B starts at 0)
+        for n, p in policy.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(0))
+    assert policy.uses_fast_path
     hf = policy._hf_model()
     attn = hf.model.layers[0].self_attn
     q = attn.q_proj
