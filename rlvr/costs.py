@@ -258,6 +258,9 @@ class Price:
     """torch threads of that call (a rollout worker's); 0 = this process's (`threads`)."""
     rollout_workers: int = 0
     """distributed.rollout_workers: the workers that decode a batch's shares side by side (0: this process)."""
+    sync_bytes: int = 0
+    """Bytes of the weight sync the rollout workers receive after every update (the trainable
+    parameters, rlvr.distributed.sync.trainable_state); 0 without workers. Not priced in time."""
     learn_part_s: float = 0.0
     """Measured seconds of one training forward and backward of a `train.micro_batches` part of a
     minibatch at the run's lengths (rlvr.learn.learn_part_seconds); 0 = not measured (the training
@@ -401,7 +404,8 @@ class Price:
                 + (f"({self.prompts_per_step * self.samples_per_prompt} rows)" if not self.rollout_workers else
                    f"(a rollout worker's largest share, {self.decode_prompts} prompts x {self.samples_per_prompt} = "
                    f"{self.decode_prompts * self.samples_per_prompt} rows at {self.decode_threads} torch thread(s); "
-                   f"the {self.rollout_workers} workers decode side by side; Ray's calls and weight syncs not counted)")
+                   f"the {self.rollout_workers} workers decode side by side; Ray's calls and the weight syncs, "
+                   f"{self.sync_bytes / 2**20:,.2f} MiB after every update, not counted)")
                 + (f" and each of the {self.steps * self.grad_steps_per_batch} gradient steps at the measured "
                    f"{self.learn_parts_per_step} x {self.learn_part_s * 1e3:,.4g} ms (forward and backward"
                    f"{' of each part' if self.learn_parts_per_step > 1 else ''}) + {self.optimizer_step_s * 1e3:,.3g} ms "
@@ -545,6 +549,7 @@ def price(
     tool_calls: int = 0,
     decode_share: tuple[int, int] | None = None,
     rollout_workers: int = 0,
+    sync_bytes: int = 0,
 ) -> Price:
     """Price a run from its shape; refuses, naming the number, when one it needs is missing.
 
@@ -568,7 +573,8 @@ def price(
     price the learn stage in it instead of its FLOPs.
     `tool_calls`: continuations per row in sampling, each at most Lp + T prefilled and T decoded (rlvr.tools).
     `rollout_workers` (distributed.rollout_workers) with `decode_share` (prompts, threads: what
-    `decode_step_s` was measured on, rlvr.run.decode_probe_share) say whose decode step it is.
+    `decode_step_s` was measured on, rlvr.run.decode_probe_share) say whose decode step it is, and
+    `sync_bytes` is what each weight sync sends them.
     """
     _check_counts(prompt_tokens, max_new_tokens=max_new_tokens, n_params=n_params, prompts_per_step=prompts_per_step,
                   samples_per_prompt=samples_per_prompt, steps=steps, epochs_per_batch=epochs_per_batch,
@@ -620,4 +626,5 @@ def price(
         logp_old_from_learner=logp_old_from_learner, numerics=numerics, matmul_kind=matmul_kind, tool_calls=tool_calls,
         decode_prompts=decode_share[0] if decode_share and expected else 0,
         decode_threads=decode_share[1] if decode_share and expected else 0, rollout_workers=rollout_workers,
+        sync_bytes=sync_bytes,
         **extra)

@@ -698,6 +698,8 @@ def price_of(setup: Setup, rate: float | None = None, decode_s: float | None = N
         decode_step_s=(decode_step_seconds(setup) if cfg.train.price_probes else 0.0) if decode_s is None else decode_s,
         decode_share=decode_probe_share(setup) if cfg.distributed.rollout_workers else None,
         rollout_workers=cfg.distributed.rollout_workers,
+        sync_bytes=(sum(p.numel() * p.element_size() for _, p in model.named_parameters() if p.requires_grad)
+                    if cfg.distributed.rollout_workers else 0),   # rlvr.distributed.sync.trainable_state's bytes
         shape=shape, baseline_bytes=baseline,
         logprob_chunk_rows=priced_chunk_rows(cfg.model.logprob_chunk_rows, shape),
         logit_bytes=2 if bf16_forwards(cfg, setup.numerics) else 4, eval_rows=eval_rows(setup),

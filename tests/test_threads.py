@@ -324,6 +324,9 @@ def test_decode_step_is_measured_on_the_runs_policy_or_a_rollout_workers_share(m
     assert (price.decode_prompts, price.decode_threads, price.rollout_workers) == (-(-P // 2), 1, 2)
     assert (f"(a rollout worker's largest share, {-(-P // 2)} prompts x {G} = {-(-P // 2) * G} rows at 1 torch "
             "thread(s); the 2 workers decode side by side") in price.wall_line()
+    from rlvr.distributed.sync import state_bytes, trainable_state
+    assert price.sync_bytes == state_bytes(trainable_state(setup.model)) > 0     # what each sync sends
+    assert f"{price.sync_bytes / 2**20:,.2f} MiB after every update" in price.wall_line()
     d.rollout_workers, d.cpus_per_worker = 3, 2.0
     assert run.decode_probe_share(setup) == (-(-P // 3), 2)
     seen.clear()
