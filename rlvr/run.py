@@ -133,6 +133,12 @@ def logp_old_note(cfg: config_mod.Config, numerics: Numerics) -> str:
     return "algorithm.logp_old = auto: fp32 forwards, the sampler's log-probs are the trainer's to rounding"
 
 
+def actor_threads(cpus: float) -> int:
+    """torch threads of an actor given `cpus` (its Ray CPU share): at least 1. A policy running more
+    threads than its share fights the other actors for cores (measured 20-50x slower per step)."""
+    return max(1, int(cpus))
+
+
 def usable_cores() -> int:
     """CPU cores this process may run on (its affinity mask; os.cpu_count() where there is none)."""
     try:
@@ -253,7 +259,7 @@ def decode_probe_share(setup: Setup) -> tuple[int, int] | None:
     """(prompts, torch threads) of the sampling call that one decode step of the run is measured on
     (``decode_step_seconds``): the step's P prompts at this process's threads; with rollout workers
     (distributed.rollout_workers = N) the largest worker's share, ceil(P / N) prompts, at a worker's
-    threads (rlvr.distributed.sync.actor_threads of distributed.cpus_per_worker): the workers decode
+    threads (``actor_threads`` of distributed.cpus_per_worker): the workers decode
     their shares side by side, so a batch's decode takes the largest share's steps. None where that
     cannot be measured here: workers on a Ray cluster (distributed.address set: other machines), or
     on another kind of device than this process's (a GPU share against a CPU process, or the reverse)."""
@@ -263,8 +269,6 @@ def decode_probe_share(setup: Setup) -> tuple[int, int] | None:
         return P, torch.get_num_threads()
     if d.address or (d.gpus_per_worker > 0) != (setup.device.type == "cuda"):
         return None
-    from rlvr.distributed.sync import actor_threads
-
     return -(-P // d.rollout_workers), actor_threads(d.cpus_per_worker)
 
 

@@ -224,7 +224,7 @@ class LearnerGroup:
         import ray
 
         import rlvr.distributed.fsdp as fsdp
-        from rlvr.distributed.sync import actor_threads
+        from rlvr.run import actor_threads
 
         d = cfg.distributed
         self.learner, self.world, self.timeout = learner, d.learners, d.timeout_s

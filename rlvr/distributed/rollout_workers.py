@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 
 from rlvr import sampling
-from rlvr.distributed.sync import actor_threads, full_state, load_weights, state_bytes, trainable_state
+from rlvr.distributed.sync import full_state, load_weights, state_bytes, trainable_state
 from rlvr.rollout import Groups, merge, sample_and_score
-from rlvr.run import RunError
+from rlvr.run import RunError, actor_threads
 
 MAX_RETRIES = 2
 """Fresh workers tried for one shard before the run stops."""

@@ -41,12 +41,6 @@ def state_bytes(state: dict[str, torch.Tensor]) -> int:
     return sum(v.numel() * v.element_size() for v in state.values())
 
 
-def actor_threads(cpus: float) -> int:
-    """torch threads of an actor given `cpus` (its Ray CPU share): at least 1. A policy running more
-    threads than its share fights the other actors for cores (measured 20-50x slower per step)."""
-    return max(1, int(cpus))
-
-
 def start_ray(address: str, cpus_needed: float):
     """Join the cluster at `address` ("auto", "ray://...", "HOST:PORT"), or start a local Ray when it
     is empty (no dashboard; logical CPUs at least `cpus_needed`, so the actors can be placed on a
