@@ -8,7 +8,8 @@ default targets), and times, alternated in one process, with ``policy.fast_path`
 forward) and False (transformers' forward):
 
 - one sampling call: 8 prompts of 47 tokens x 8 samples, 16 new tokens, temperature 0.7, no eos;
-- one training forward and backward of those 64 rows (the shared-prompt log-prob forward).
+- one training forward and backward of those 64 rows (the shared-prompt log-prob forward, its token
+  log-probs in chunks as the learn stage computes them by default: ``model.logprob_chunk_rows``).
 
 Prints each round and the medians, and the ratios transformers / lean. ``--numerics bf16`` runs both
 under rlvr's CPU bf16 autocast context (as a run with model.autocast = bf16 does).
@@ -77,7 +78,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    from rlvr import sampling
+    from rlvr import losses, sampling
+    from rlvr.config import ModelConfig
     from rlvr.hostmem import set_host_memory
     from rlvr.models.hf import LoraSpec, load_policy
     from rlvr.run import autocast_context
@@ -99,8 +101,9 @@ def main() -> None:
                                      eos_id=None, pad_id=0, generators=sampling.prompt_generators(0, 0, P))
 
     def train(roll) -> None:
-        with autocast_context(bf16, "cpu"):
-            lp = sampling.sequence_token_logprobs(policy, roll, temperature=TEMPERATURE, group_size=G)
+        with autocast_context(bf16, "cpu"):   # the learn stage's scorer: token log-probs in chunks, as by default
+            lp = sampling.sequence_token_logprobs(policy, roll, temperature=TEMPERATURE, group_size=G,
+                                                  chunk_rows=losses.chunk_setting(ModelConfig.logprob_chunk_rows))
         (lp * roll.mask).sum().backward()
         policy.zero_grad(set_to_none=True)
 
