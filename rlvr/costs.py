@@ -258,6 +258,11 @@ class Price:
     """torch threads of that call (a rollout worker's); 0 = this process's (`threads`)."""
     rollout_workers: int = 0
     """distributed.rollout_workers: the workers that decode a batch's shares side by side (0: this process)."""
+    learner_ranks: int = 1
+    """distributed.learners: the ranks that run a minibatch's shares side by side (1: this process);
+    with more, `learn_part_s` is one rank's part at `learn_threads` torch threads."""
+    learn_threads: int = 0
+    """torch threads `learn_part_s` was measured with (a learner actor's); 0 = this process's."""
     sync_bytes: int = 0
     """Bytes of the weight sync the rollout workers receive after every update (the trainable
     parameters, rlvr.distributed.sync.trainable_state); 0 without workers. Not priced in time."""
@@ -408,8 +413,10 @@ class Price:
                    f"{self.sync_bytes / 2**20:,.2f} MiB after every update, not counted)")
                 + (f" and each of the {self.steps * self.grad_steps_per_batch} gradient steps at the measured "
                    f"{self.learn_parts_per_step} x {self.learn_part_s * 1e3:,.4g} ms (forward and backward"
-                   f"{' of each part' if self.learn_parts_per_step > 1 else ''}) + {self.optimizer_step_s * 1e3:,.3g} ms "
-                   f"(optimizer)" if self.learn_part_s else "")
+                   f"{' of each part' if self.learn_parts_per_step > 1 else ''}"
+                   + (f" of one learner rank's share at {self.learn_threads} torch thread(s); the {self.learner_ranks} "
+                      f"ranks side by side; their gradient all-reduce not counted" if self.learner_ranks > 1 else "")
+                   + f") + {self.optimizer_step_s * 1e3:,.3g} ms (optimizer)" if self.learn_part_s else "")
                 + ", before evaluation and rewards")
 
     def to_dict(self) -> dict:
@@ -550,6 +557,8 @@ def price(
     decode_share: tuple[int, int] | None = None,
     rollout_workers: int = 0,
     sync_bytes: int = 0,
+    learn_share: tuple[int, int] | None = None,
+    learner_ranks: int = 1,
 ) -> Price:
     """Price a run from its shape; refuses, naming the number, when one it needs is missing.
 
@@ -574,7 +583,9 @@ def price(
     `tool_calls`: continuations per row in sampling, each at most Lp + T prefilled and T decoded (rlvr.tools).
     `rollout_workers` (distributed.rollout_workers) with `decode_share` (prompts, threads: what
     `decode_step_s` was measured on, rlvr.run.decode_probe_share) say whose decode step it is, and
-    `sync_bytes` is what each weight sync sends them.
+    `sync_bytes` is what each weight sync sends them. `learner_ranks` (distributed.learners) with
+    `learn_share` (groups of a rank's minibatch, threads: what `learn_part_s` was measured on,
+    rlvr.run.learn_probe_share) say whose learn step it is.
     """
     _check_counts(prompt_tokens, max_new_tokens=max_new_tokens, n_params=n_params, prompts_per_step=prompts_per_step,
                   samples_per_prompt=samples_per_prompt, steps=steps, epochs_per_batch=epochs_per_batch,
@@ -591,7 +602,8 @@ def price(
     trained, policy = epochs_per_batch * per_forward, n_params * bytes_per_param
     flops_per_run = float(((sampling_fwd + ref_fwd + old_fwd) * fwd + trained * trn) * steps)
     rounds = 1 + tool_calls    # sampling rounds a batch: the first, then each continuation's (at most T decoded)
-    parts = min(micro_batches, max(1, P // minibatches))   # whole groups: a part holds at least one
+    # whole groups: a part holds at least one; with a learner group a part of one rank's share
+    parts = min(micro_batches, max(1, P // minibatches if learn_share is None else learn_share[0]))
     expected = expected_wall_seconds(flops_per_run, steps * rounds * rows * T * fwd, steps * rounds * (T - 1),
                                      matmul_flops_per_s, decode_step_s, float(trained * trn * steps),
                                      steps * grad_steps, parts, learn_part_s, optimizer_step_s)
@@ -626,5 +638,6 @@ def price(
         logp_old_from_learner=logp_old_from_learner, numerics=numerics, matmul_kind=matmul_kind, tool_calls=tool_calls,
         decode_prompts=decode_share[0] if decode_share and expected else 0,
         decode_threads=decode_share[1] if decode_share and expected else 0, rollout_workers=rollout_workers,
-        sync_bytes=sync_bytes,
+        sync_bytes=sync_bytes, learner_ranks=learner_ranks,
+        learn_threads=learn_share[1] if learn_share and learner_ranks > 1 and measured_learn else 0,
         **extra)

@@ -20,7 +20,7 @@ import torch
 from rlvr import config as config_mod, losses, optim, sampling
 from rlvr.policy import Policy
 from rlvr.rollout import Batch, forward_tokens, micro_rows
-from rlvr.run import Setup
+from rlvr.run import Setup, learn_probe_share
 
 
 def lr_at(cfg: config_mod.TrainConfig, opt_step: int, total: int) -> float:
@@ -358,15 +358,20 @@ def learn_part_seconds(setup: Setup) -> tuple[float, float]:
     The optimizer step: the run's optimizer (rlvr.learn.make_optimizer) over a scratch parameter of
     min(trainable parameters, OPTIMIZER_PROBE_ELEMENTS) elements, its state allocated by a first
     step, the best of three steps, scaled to the trainable parameter count.
-    (0.0, 0.0) where the learners run elsewhere (distributed.learners > 1) or there is nothing to train."""
+    With a learner group (distributed.learners > 1) on this machine: one rank's share of a
+    minibatch at a learner actor's threads (rlvr.run.learn_probe_share; this process's threads
+    restored after); the ranks' gradient all-reduce is not timed.
+    (0.0, 0.0) where the learners cannot be timed here (a cluster, another kind of device) or there
+    is nothing to train."""
     cfg, model, device = setup.cfg, setup.model, setup.device
     tc = cfg.train
     params = model.trainable_params()
-    if cfg.distributed.learners > 1 or not params:
+    share = learn_probe_share(setup)
+    if share is None or not params:
         return 0.0, 0.0
-    P, G, T = tc.prompts_per_step, tc.samples_per_prompt, setup.limits.max_new_tokens
+    G, T = tc.samples_per_prompt, setup.limits.max_new_tokens
     Lp, pad = max(1, setup.limits.prompt_tokens), setup.tokenizer.pad_id
-    per_mb = -(-P // tc.minibatches)                                   # groups in a minibatch
+    per_mb, threads = share                                            # groups in a (rank's) minibatch
     per_part = -(-per_mb // min(tc.micro_batches, per_mb))             # groups in one of its parts
     one_part = dataclasses.replace(cfg, train=dataclasses.replace(tc, micro_batches=1))
     learner = Learner(model, None, None, one_part, torch.Generator(device=device), T, (0, 0),
@@ -398,8 +403,9 @@ def learn_part_seconds(setup: Setup) -> tuple[float, float]:
             p.grad = None
         return dt
 
-    was = model.training
+    was, was_threads = model.training, torch.get_num_threads()
     model.train()
+    torch.set_num_threads(threads)
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             if per_part <= 2:
@@ -413,17 +419,20 @@ def learn_part_seconds(setup: Setup) -> tuple[float, float]:
                         break
                     one, two = min(one, timed(1)), min(two, timed(2))
                 part = one + max(two - one, 0.0) * (per_part - 1)
+        model.train(was)
+        n = sum(p.numel() for p in params)
+        scratch = torch.zeros(min(n, OPTIMIZER_PROBE_ELEMENTS), dtype=params[0].dtype, device=device,
+                              requires_grad=True)
+        scratch.grad = torch.zeros_like(scratch)
+        opt = make_optimizer([scratch], tc)
+        opt.step()                                                      # its state, allocated once
+        best = float("inf")
+        for _ in range(3):
+            t = time.perf_counter()
+            opt.step()
+            sync()
+            best = min(best, time.perf_counter() - t)
     finally:
         model.train(was)
-    n = sum(p.numel() for p in params)
-    scratch = torch.zeros(min(n, OPTIMIZER_PROBE_ELEMENTS), dtype=params[0].dtype, device=device, requires_grad=True)
-    scratch.grad = torch.zeros_like(scratch)
-    opt = make_optimizer([scratch], tc)
-    opt.step()                                                          # its state, allocated once
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        opt.step()
-        sync()
-        best = min(best, time.perf_counter() - t)
+        torch.set_num_threads(was_threads)
     return part, best * n / scratch.numel()

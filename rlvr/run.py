@@ -262,14 +262,39 @@ def decode_probe_share(setup: Setup) -> tuple[int, int] | None:
     threads (``actor_threads`` of distributed.cpus_per_worker): the workers decode
     their shares side by side, so a batch's decode takes the largest share's steps. None where that
     cannot be measured here: workers on a Ray cluster (distributed.address set: other machines), or
-    on another kind of device than this process's (a GPU share against a CPU process, or the reverse)."""
+    on another kind of device than this process's (a GPU share against a CPU process, or the
+    reverse): ``actors_here``."""
     cfg = setup.cfg
     d, P = cfg.distributed, cfg.train.prompts_per_step
     if not d.rollout_workers:
         return P, torch.get_num_threads()
-    if d.address or (d.gpus_per_worker > 0) != (setup.device.type == "cuda"):
+    if not actors_here(d, setup.device):
         return None
     return -(-P // d.rollout_workers), actor_threads(d.cpus_per_worker)
+
+
+def actors_here(d: config_mod.DistributedConfig, device: torch.device) -> bool:
+    """Whether the Ray actors of `d` (rollout workers, learner ranks) run on this machine on this
+    process's kind of device, so that a probe here times what they compute: a local Ray (no
+    distributed.address) and a GPU share exactly when this process is on a GPU."""
+    return not d.address and (d.gpus_per_worker > 0) == (device.type == "cuda")
+
+
+def learn_probe_share(setup: Setup) -> tuple[int, int] | None:
+    """(groups of a minibatch, torch threads) that one gradient step's learn stage is measured on
+    (rlvr.learn.learn_part_seconds): the minibatch's ceil(P / minibatches) groups at this process's
+    threads; with a learner group (distributed.learners = N) one rank's share, ceil of that / N
+    whole groups (rlvr.distributed.learners.shard_rows gives the first ranks one more), at a
+    learner actor's threads (``actor_threads``): the ranks compute their shares side by side. None
+    where the ranks cannot be timed here (``actors_here``)."""
+    cfg = setup.cfg
+    d, tc = cfg.distributed, cfg.train
+    per_mb = -(-tc.prompts_per_step // tc.minibatches)                  # groups in a minibatch
+    if d.learners <= 1:
+        return per_mb, torch.get_num_threads()
+    if not actors_here(d, setup.device):
+        return None
+    return -(-per_mb // d.learners), actor_threads(d.cpus_per_worker)
 
 
 def decode_step_seconds(setup: Setup) -> float:
@@ -701,7 +726,8 @@ def price_of(setup: Setup, rate: float | None = None, decode_s: float | None = N
         matmul_kind="bf16 autocast" if speedup != 1.0 else "fp32", threads=torch.get_num_threads(),
         decode_step_s=(decode_step_seconds(setup) if cfg.train.price_probes else 0.0) if decode_s is None else decode_s,
         decode_share=decode_probe_share(setup) if cfg.distributed.rollout_workers else None,
-        rollout_workers=cfg.distributed.rollout_workers,
+        rollout_workers=cfg.distributed.rollout_workers, learner_ranks=cfg.distributed.learners,
+        learn_share=learn_probe_share(setup) if cfg.distributed.learners > 1 else None,
         sync_bytes=(sum(p.numel() * p.element_size() for _, p in model.named_parameters() if p.requires_grad)
                     if cfg.distributed.rollout_workers else 0),   # rlvr.distributed.sync.trainable_state's bytes
         shape=shape, baseline_bytes=baseline,

@@ -241,11 +241,34 @@ def test_the_learn_probe_runs_the_learn_stage_on_full_length_parts_and_leaves_th
     two = tiny_setup("--train.micro_batches=2")
     learn_mod.learn_part_seconds(two)
     assert [rows for rows, *_ in calls] == [2 * G] * 3
-    # learners elsewhere (a learner group): nothing measured here
+    # a learner group on this machine: one rank's share of the minibatch (2 of its 4 groups, as it
+    # is), at a learner actor's threads, this process's restored after; the price says whose step it is
     calls.clear()
     group = tiny_setup()
-    group.cfg.distributed.learners = 2
-    assert learn_mod.learn_part_seconds(group) == (0.0, 0.0) and calls == []
+    d = group.cfg.distributed
+    d.learners, d.cpus_per_worker = 2, 1.0
+    torch.set_num_threads(2)
+    threads = []
+    real_spy = learn_mod.accumulate
+    monkeypatch.setattr(learn_mod, "accumulate", lambda *a, **kw: threads.append(torch.get_num_threads())
+                        or real_spy(*a, **kw))
+    assert run.learn_probe_share(group) == (2, 1)
+    assert learn_mod.learn_part_seconds(group)[0] > 0 and torch.get_num_threads() == 2
+    assert [rows for rows, *_ in calls] == [2 * G] * 3 and set(threads) == {1}
+    price = run.price_of(group, rate=1e9, decode_s=0.25, learn_s=(0.5, 0.01))
+    assert (price.learner_ranks, price.learn_threads, price.learn_parts_per_step) == (2, 1, 1)
+    assert ("(forward and backward of one learner rank's share at 1 torch thread(s); the 2 ranks side by side; "
+            "their gradient all-reduce not counted)") in price.wall_line()
+    d.learners = 3                                                      # 4 groups over 3 ranks: 2 at most
+    assert run.learn_probe_share(group) == (2, 1)
+    # learners elsewhere (a cluster) or on another kind of device: nothing measured here
+    calls.clear()
+    for key, value in (("address", "auto"), ("gpus_per_worker", 1.0)):
+        was = getattr(d, key)
+        setattr(d, key, value)
+        assert run.learn_probe_share(group) is None
+        assert learn_mod.learn_part_seconds(group) == (0.0, 0.0) and calls == []
+        setattr(d, key, was)
 
 
 def test_a_larger_part_is_extrapolated_from_one_and_two_groups(monkeypatch):
