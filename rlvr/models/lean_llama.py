@@ -676,8 +676,18 @@ def _plan_state(mods: tuple[nn.Module, ...], subs: tuple[nn.Module, ...], tensor
     return ((bool(g._global_forward_hooks or g._global_forward_pre_hooks),)
             + tuple((bool(sub._forward_hooks or sub._forward_pre_hooks), sub.training) for sub in subs)
             + tuple(t.requires_grad for t in tensors)
-            + tuple((m.disable_adapters, m.merged, tuple(m.active_adapters), tuple(m.scaling.items()))
-                    for m in mods if "base_layer" in m._modules))
+            + tuple(_adapter_state(m) for m in mods if "base_layer" in m._modules))
+
+
+def _adapter_state(m: nn.Module) -> tuple:
+    """A peft tuner layer's adapter state (disabled, merged, active adapters, LoRA scalings), each
+    None where the layer has no such attribute (a tuner other than LoRA, which ``_plain_lora`` runs
+    as a module)."""
+    scaling = getattr(m, "scaling", None)
+    active = getattr(m, "active_adapters", None)
+    return (getattr(m, "disable_adapters", None), getattr(m, "merged", None),
+            None if active is None else tuple(active),
+            tuple(scaling.items()) if isinstance(scaling, dict) else scaling)
 
 
 class _Bf16Weights:
