@@ -620,7 +620,8 @@ def _response_logits(model, ids, am, Lp, T, G):
         if T > 1:
             parts.append(model(ids[:, Lp:-1], attention_mask=am[:, Lp:-1], cache=cache, **kw))      # (B, T-1, V)
         return parts
-    return [model(ids, attention_mask=am, logits_to_keep=T + 1, **kw)[:, :-1]]                      # (B, T, V)
+    # the last token predicts nothing scored: forwarded without it, the T kept logits are contiguous
+    return [model(ids[:, :-1], attention_mask=am[:, :-1], logits_to_keep=T, **kw)]                 # (B, T, V)
 
 
 def _score(logits, targets, off, *, temperature, top_p, top_k, min_p, chunk_rows, entropy: bool):

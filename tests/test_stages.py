@@ -37,7 +37,7 @@ class TablePolicy(nn.Module):
 
     def forward(self, ids, *, attention_mask=None, cache=None, logits_to_keep=0):
         self.seen.append(ids[:, 0].tolist())
-        logits = self.Z[ids[:, 0]]                                   # (rows, L, V)
+        logits = self.Z[ids[:, 0], :ids.size(1)]                     # (rows, L, V): one position per input token
         return logits[:, -logits_to_keep:] if logits_to_keep else logits
 
     def trainable_params(self):
