@@ -515,6 +515,24 @@ def expected_wall_seconds(flops: float, decode_flops: float, decode_steps: int, 
             + grad_steps * (parts_per_step * learn_part_s + optimizer_step_s))
 
 
+@dataclass(frozen=True)
+class ScaleOut:
+    """How a run's two stages spread over Ray actors (rlvr.distributed), as its price needs it."""
+
+    rollout_workers: int = 0
+    """distributed.rollout_workers: the workers that sample a batch's shares side by side (0: this process)."""
+    decode_share: tuple[int, int] | None = None
+    """(prompts, torch threads) of the sampling call a decode step was measured on: a worker's
+    largest share (rlvr.run.decode_probe_share)."""
+    sync_bytes: int = 0
+    """Bytes each weight sync sends the workers (the trainable parameters)."""
+    learner_ranks: int = 1
+    """distributed.learners: the ranks that run a minibatch's shares side by side."""
+    learn_share: tuple[int, int] | None = None
+    """(groups, torch threads) of a rank's minibatch share the learn stage was measured on
+    (rlvr.run.learn_probe_share)."""
+
+
 def price(
     *,
     prompts_per_step: int,
@@ -554,11 +572,7 @@ def price(
     weight_copy_bytes: int = 0,
     kept_copy_bytes: int = 0,
     tool_calls: int = 0,
-    decode_share: tuple[int, int] | None = None,
-    rollout_workers: int = 0,
-    sync_bytes: int = 0,
-    learn_share: tuple[int, int] | None = None,
-    learner_ranks: int = 1,
+    scale_out: ScaleOut = ScaleOut(),
 ) -> Price:
     """Price a run from its shape; refuses, naming the number, when one it needs is missing.
 
@@ -581,11 +595,8 @@ def price(
     `learn_part_s` (one micro part's training forward and backward, measured) and `optimizer_step_s`
     price the learn stage in it instead of its FLOPs.
     `tool_calls`: continuations per row in sampling, each at most Lp + T prefilled and T decoded (rlvr.tools).
-    `rollout_workers` (distributed.rollout_workers) with `decode_share` (prompts, threads: what
-    `decode_step_s` was measured on, rlvr.run.decode_probe_share) say whose decode step it is, and
-    `sync_bytes` is what each weight sync sends them. `learner_ranks` (distributed.learners) with
-    `learn_share` (groups of a rank's minibatch, threads: what `learn_part_s` was measured on,
-    rlvr.run.learn_probe_share) say whose learn step it is.
+    `scale_out` says whose decode and learn steps `decode_step_s` and `learn_part_s` are with rollout
+    workers or a learner group.
     """
     _check_counts(prompt_tokens, max_new_tokens=max_new_tokens, n_params=n_params, prompts_per_step=prompts_per_step,
                   samples_per_prompt=samples_per_prompt, steps=steps, epochs_per_batch=epochs_per_batch,
@@ -603,7 +614,8 @@ def price(
     flops_per_run = float(((sampling_fwd + ref_fwd + old_fwd) * fwd + trained * trn) * steps)
     rounds = 1 + tool_calls    # sampling rounds a batch: the first, then each continuation's (at most T decoded)
     # whole groups: a part holds at least one; with a learner group a part of one rank's share
-    parts = min(micro_batches, max(1, P // minibatches if learn_share is None else learn_share[0]))
+    so = scale_out
+    parts = min(micro_batches, max(1, P // minibatches if so.learn_share is None else so.learn_share[0]))
     expected = expected_wall_seconds(flops_per_run, steps * rounds * rows * T * fwd, steps * rounds * (T - 1),
                                      matmul_flops_per_s, decode_step_s, float(trained * trn * steps),
                                      steps * grad_steps, parts, learn_part_s, optimizer_step_s)
@@ -636,8 +648,8 @@ def price(
         flops_logp_old_per_batch=float(old_fwd * fwd), entropy_forward=entropy_forward,
         logp_old_recomputed=recompute_logp_old, logp_old_note=logp_old_note,
         logp_old_from_learner=logp_old_from_learner, numerics=numerics, matmul_kind=matmul_kind, tool_calls=tool_calls,
-        decode_prompts=decode_share[0] if decode_share and expected else 0,
-        decode_threads=decode_share[1] if decode_share and expected else 0, rollout_workers=rollout_workers,
-        sync_bytes=sync_bytes, learner_ranks=learner_ranks,
-        learn_threads=learn_share[1] if learn_share and learner_ranks > 1 and measured_learn else 0,
+        decode_prompts=so.decode_share[0] if so.decode_share and expected else 0,
+        decode_threads=so.decode_share[1] if so.decode_share and expected else 0,
+        rollout_workers=so.rollout_workers, sync_bytes=so.sync_bytes, learner_ranks=so.learner_ranks,
+        learn_threads=so.learn_share[1] if so.learn_share and so.learner_ranks > 1 and measured_learn else 0,
         **extra)

@@ -725,11 +725,7 @@ def price_of(setup: Setup, rate: float | None = None, decode_s: float | None = N
         matmul_flops_per_s=(matmul_rate(setup.device) if rate is None else rate) * speedup,
         matmul_kind="bf16 autocast" if speedup != 1.0 else "fp32", threads=torch.get_num_threads(),
         decode_step_s=(decode_step_seconds(setup) if cfg.train.price_probes else 0.0) if decode_s is None else decode_s,
-        decode_share=decode_probe_share(setup) if cfg.distributed.rollout_workers else None,
-        rollout_workers=cfg.distributed.rollout_workers, learner_ranks=cfg.distributed.learners,
-        learn_share=learn_probe_share(setup) if cfg.distributed.learners > 1 else None,
-        sync_bytes=(sum(p.numel() * p.element_size() for _, p in model.named_parameters() if p.requires_grad)
-                    if cfg.distributed.rollout_workers else 0),   # rlvr.distributed.sync.trainable_state's bytes
+        scale_out=scale_out(setup),
         shape=shape, baseline_bytes=baseline,
         logprob_chunk_rows=priced_chunk_rows(cfg.model.logprob_chunk_rows, shape),
         logit_bytes=2 if bf16_forwards(cfg, setup.numerics) else 4, eval_rows=eval_rows(setup),
@@ -750,6 +746,17 @@ def price_of(setup: Setup, rate: float | None = None, decode_s: float | None = N
     if learn_s is None or not learn_s[0]:
         return first
     return costs.price(**kw, learn_part_s=learn_s[0], optimizer_step_s=learn_s[1])
+
+
+def scale_out(setup: Setup) -> costs.ScaleOut:
+    """What the price needs of the run's rollout workers and learner group (rlvr.distributed)."""
+    d, model = setup.cfg.distributed, setup.model
+    return costs.ScaleOut(
+        rollout_workers=d.rollout_workers, learner_ranks=d.learners,
+        decode_share=decode_probe_share(setup) if d.rollout_workers else None,
+        learn_share=learn_probe_share(setup) if d.learners > 1 else None,
+        sync_bytes=(sum(p.numel() * p.element_size() for _, p in model.named_parameters() if p.requires_grad)
+                    if d.rollout_workers else 0))   # rlvr.distributed.sync.trainable_state's bytes
 
 
 def bf16_copy_bytes(model, reference_copy: bool) -> tuple[int, int]:
