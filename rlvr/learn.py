@@ -419,7 +419,6 @@ def learn_part_seconds(setup: Setup) -> tuple[float, float]:
                         break
                     one, two = min(one, timed(1)), min(two, timed(2))
                 part = one + max(two - one, 0.0) * (per_part - 1)
-        model.train(was)
         n = sum(p.numel() for p in params)
         scratch = torch.zeros(min(n, OPTIMIZER_PROBE_ELEMENTS), dtype=params[0].dtype, device=device,
                               requires_grad=True)
