@@ -613,6 +613,9 @@ def _response_logits(model, ids, am, Lp, T, G):
         B = ids.size(0)
         if B % G:
             raise ValueError(f"group_size {G} does not divide the {B} rows")
+        joined = model.shared_prompt_logits(ids, am, Lp, G, **kw) if T > 1 and hasattr(model, "shared_prompt_logits") else None
+        if joined is not None:                                                  # one pass over the layers
+            return [joined[0].repeat_interleave(G, dim=0), joined[1]]
         cache = model.new_cache(B // G, Lp + T)
         first = model(ids[::G, :Lp], attention_mask=am[::G, :Lp], cache=cache, logits_to_keep=1, **kw)  # (P, 1, V)
         cache.repeat_interleave(G)

@@ -530,6 +530,59 @@ def test_fast_cached_decoding_matches_transformers(fast_variant, attention_kind,
             policy(ids[:, :1], attention_mask=am[:, :1], cache=cache2)
 
 
+def test_shared_prompt_runs_prompt_and_responses_in_one_pass(fast_variant, attention_kind):
+    """On the lean path a shared-prompt scoring forward is ONE pass over the layers (every
+    projection called once, on the prompts' and the responses' tokens together) and gives the
+    numbers of the two calls it replaces (the prompts into a cache, then the responses over it
+    repeated G times): logits and parameter gradients to float rounding. With its layers
+    checkpointed, the same pass with every layer run again in the backward: the same numbers."""
+    _, policy, tok = fast_variant
+    prompts = [tok.encode("ab"), tok.encode("hello"), tok.encode("xyz q")]
+    G = 3
+    roll = sampling.generate(policy, prompts, samples_per_prompt=G, max_new_tokens=5, temperature=1.0,
+                             eos_id=tok.eos_id, pad_id=tok.pad_id, generators=sampling.prompt_generators(0, 0, 3))
+    ids, am, Lp = roll.ids, roll.attention_mask, roll.prompt_len
+    T = ids.size(1) - Lp
+    o_proj = policy._hf_model().model.layers[0].self_attn.o_proj
+    calls = []
+    hook = o_proj.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[:-1]))
+    params = [p for p in policy.parameters() if p.requires_grad]
+    try:
+        first, resp = policy.shared_prompt_logits(ids, am, Lp, G)
+        assert calls == [(1, 3 * Lp + 3 * G * (T - 1))]                  # one call: every token at once
+        assert first.shape == (3, 1, resp.size(-1)) and resp.shape[:2] == (3 * G, T - 1)
+        calls.clear()
+        cache = policy.new_cache(3, Lp + T)
+        first2 = policy(ids[::G, :Lp], attention_mask=am[::G, :Lp], cache=cache, logits_to_keep=1)
+        cache.repeat_interleave(G)
+        resp2 = policy(ids[:, Lp:-1], attention_mask=am[:, Lp:-1], cache=cache)
+        assert len(calls) == 2
+    finally:
+        hook.remove()
+    real = am[:, Lp:-1].bool()
+    torch.testing.assert_close(first, first2, atol=1e-5, rtol=0)
+    torch.testing.assert_close(resp[real], resp2[real], atol=1e-5, rtol=0)
+    w = torch.linspace(-1, 1, resp[real].numel())
+    g1 = torch.autograd.grad((resp[real].flatten() * w).sum() + first.sum(), params)
+    g2 = torch.autograd.grad((resp2[real].flatten() * w).sum() + first2.sum(), params)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    policy.checkpoint_layers, was_training = True, policy.training
+    try:                                           # checkpointed: the same pass, its layers run again
+        policy.train()
+        calls.clear()
+        hook = o_proj.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[:-1]))
+        first3, resp3 = policy.shared_prompt_logits(ids, am, Lp, G)
+        g3 = torch.autograd.grad((resp3[real].flatten() * w).sum() + first3.sum(), params)
+        assert calls == [(1, 3 * Lp + 3 * G * (T - 1))] * 2
+        torch.testing.assert_close(resp3, resp)
+        assert all(torch.equal(a, b) for a, b in zip(g1, g3))
+    finally:
+        hook.remove()
+        policy.checkpoint_layers = False
+        policy.train(was_training)
+
+
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
 def test_fast_generate_and_shared_prompt_grads_match_transformers(fast_variant, attention_kind, temperature,
                                                                  top_p):

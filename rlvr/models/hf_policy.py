@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from rlvr.models.lean_llama import (LeanCache, RopeTable, init_rows, lean_forward, lean_llama_unsupported,
+from rlvr.models.lean_llama import (LeanCache, RopeTable, init_rows, lean_forward, lean_forward_shared, lean_llama_unsupported,
                                     peft_unsupported, repeat_rows, sliding_window)
 from rlvr.models.hf_source import no_progress_bars
 from rlvr.models.sdpa import gpu_attention
@@ -197,6 +197,25 @@ class HFPolicy(nn.Module):
             if new_dc is not None and new_dc is not cache.dc:
                 cache.dc = new_dc
         return logits.float() if float_logits else logits
+
+    def shared_prompt_logits(self, ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, group_size: int,
+                             float_logits: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A group's prompt run once for its ``group_size`` rows, prompt and responses in one pass
+        over the layers (``lean_forward_shared``): for ``ids`` / ``attention_mask`` (B, Lp + T) whose
+        rows b*G ... b*G+G-1 share their first ``prompt_len`` columns, the logits (P, 1, V) of each
+        prompt's last position and (B, T - 1, V) of the responses' first T - 1 tokens, what a
+        forward of the prompts into a cache and one of the responses over it give, to float
+        rounding (its layers checkpointed as ``forward``'s are). None where the lean forward does not
+        run now (the caller then makes those two calls)."""
+        if not self._lean_active():
+            return None
+        G, Lp = group_size, prompt_len
+        am = attention_mask.to(device=ids.device, dtype=torch.long)
+        with gpu_attention(ids.device):
+            first, resp = lean_forward_shared(self._hf_model(), ids[::G, :Lp], am[::G, :Lp], ids[:, Lp:-1],
+                                              am[:, Lp:-1], self._rope, self.config.block_size,
+                                              checkpoint=self.checkpoint_layers and self.training)
+        return (first.float(), resp.float()) if float_logits else (first, resp)
 
     def new_cache(self, batch_size: int, max_len: int) -> HFCache | LeanCache:
         """An empty cache for ``batch_size`` rows: a ``LeanCache`` when the lean Llama forward is in
