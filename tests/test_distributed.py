@@ -491,8 +491,8 @@ def test_more_cpus_than_the_cluster_has_is_refused_before_any_actor(ray_local):
 
 @pytest.mark.parametrize("lora", [0, 4])
 def test_two_learners_on_a_hugging_face_model(ray_local, tmp_path, lora):
-    # a Llama's shared-prompt forward runs the model twice per backward through DDP; under LoRA only
-    # the adapter trains and the frozen weights take no part in the all-reduce
+    # a Llama's shared-prompt forward (prompts and responses in one pass) goes through DDP's forward, so
+    # its backward all-reduces; under LoRA only the adapter trains and the frozen weights take no part
     pytest.importorskip("transformers")
     import sys
 

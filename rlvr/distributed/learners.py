@@ -44,6 +44,16 @@ class DDPPolicy:
     def __call__(self, *args, **kwargs):
         return self._ddp(*args, **kwargs)
 
+    def shared_prompt_logits(self, ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, group_size: int,
+                             float_logits: bool = True):
+        """The wrapped model's one-pass shared-prompt logits (an HFPolicy's ``shared_prompt_logits``),
+        computed through DDP's forward as ``__call__`` is, so the backward all-reduces their
+        gradients; None where the model has no such pass now."""
+        if not getattr(self._ddp.module, "one_pass_shared_prompt", False):
+            return None
+        return self._ddp(ids, attention_mask=attention_mask, shared_prompt=(prompt_len, group_size),
+                         float_logits=float_logits)
+
     def no_sync(self):
         """DDP's context in which backward passes accumulate gradients without the all-reduce (the next
         backward outside it averages what was accumulated): rlvr.learn.accumulate's parts but the last."""

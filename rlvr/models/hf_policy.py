@@ -142,7 +142,8 @@ class HFPolicy(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, ids: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None, cache: HFCache | None = None,
-                logits_to_keep: int | None = None, float_logits: bool = True) -> torch.Tensor:
+                logits_to_keep: int | None = None, float_logits: bool = True,
+                shared_prompt: tuple[int, int] | None = None) -> torch.Tensor:
         """Float32 logits (B, L, V), or (B, logits_to_keep, V) for the last positions only;
         ``float_logits=False`` leaves them in the dtype the head computed (bf16 under autocast), for
         a caller that upcasts them a chunk at a time (rlvr.sampling.sequence_token_logprobs: the
@@ -150,8 +151,12 @@ class HFPolicy(nn.Module):
 
         ``attention_mask`` (B, L) marks real tokens (None = all real). With ``cache`` the mask
         columns are appended to ``cache.mask`` and positions continue from ``cache.next_pos``.
-        ``positions`` (B, L) overrides the computed position ids.
+        ``positions`` (B, L) overrides the computed position ids. ``shared_prompt`` = (prompt_len,
+        group_size): ``shared_prompt_logits``'s pair instead (how a wrapper whose forward must run,
+        DistributedDataParallel's, asks for it).
         """
+        if shared_prompt is not None:
+            return self.shared_prompt_logits(ids, attention_mask, *shared_prompt, float_logits=float_logits)
         B, L = ids.shape
         am = (torch.ones_like(ids, dtype=torch.long) if attention_mask is None
               else attention_mask.to(device=ids.device, dtype=torch.long))                  # (B, L)
@@ -198,6 +203,12 @@ class HFPolicy(nn.Module):
                 cache.dc = new_dc
         return logits.float() if float_logits else logits
 
+    @property
+    def one_pass_shared_prompt(self) -> bool:
+        """Whether ``shared_prompt_logits`` runs a group's prompt and responses in one pass now (the
+        lean forward is active)."""
+        return self._lean_active()
+
     def shared_prompt_logits(self, ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int, group_size: int,
                              float_logits: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A group's prompt run once for its ``group_size`` rows, prompt and responses in one pass
@@ -206,8 +217,8 @@ class HFPolicy(nn.Module):
         prompt's last position and (B, T - 1, V) of the responses' first T - 1 tokens, what a
         forward of the prompts into a cache and one of the responses over it give, to float
         rounding (its layers checkpointed as ``forward``'s are). None where the lean forward does not
-        run now (the caller then makes those two calls)."""
-        if not self._lean_active():
+        run now (``one_pass_shared_prompt``; the caller then makes those two calls)."""
+        if not self.one_pass_shared_prompt:
             return None
         G, Lp = group_size, prompt_len
         am = attention_mask.to(device=ids.device, dtype=torch.long)
