@@ -441,7 +441,7 @@ def phase_times(run: RlvrRun, rate: float, bandwidth: float, say: bool = False) 
     fwd_tok, _ = costs.model_flops_per_token(policy, Lp, T)
     keys = costs.attended_keys(Lp, T)
     layers, d = policy.hf_config.num_hidden_layers, policy.hf_config.hidden_size
-    trained_tokens = P * Lp + P * G * T                    # the prompt shared by its group
+    trained_tokens = costs.logp_forward_tokens(P * G, G, Lp, T, shared_prompt=True)  # the prompt once per group
     bwd_flops = trained_tokens * (2 * n_all + 2 * n_train + 8 * layers * d * keys)
     decode_bound = (T - 1) * max(weight_bytes / bandwidth, P * G * fwd_tok / rate)
     rated = f"{'bf16' if bf16 else 'fp32'} matmul rate"

@@ -84,7 +84,9 @@ class ModelConfig:
     head); empty = peft's default for the model type (q_proj and v_proj for Llama, Qwen, Mistral)."""
     share_prompt_forward: bool = True
     """Hugging Face models: run each prompt once per group in the training and reference forwards
-    and let its G responses attend to the shared keys/values (same logits and gradients, less work)."""
+    and let its G responses attend to the shared keys/values (same logits and gradients to float
+    rounding, less work). On the lean forward the prompts' and the responses' tokens then go through
+    the layers in one pass (larger, fewer products; attention per part)."""
     logprob_chunk_rows: int = -1
     """Compute the token log-probs' log-softmax (and its backward) over this many (row, position)
     pairs at a time; 0 = all at once; -1 = auto: as many as fill a 2 MiB float32 block on a CPU

@@ -24,8 +24,9 @@ Wall time: FLOPs per run / a measured fp32 matmul rate (rlvr.run.matmul_rate; un
 chosen by model.autocast = auto, that rate x the measured bf16 speed-up). A lower bound:
 sampling decodes one token at a time, so it is bound by memory bandwidth and per-token overhead,
 and a small model's products run far below the rate of the large square products measured.
-Expected wall time: the same with the decode positions (P * G * T a batch) replaced by T - 1
-decode steps at a measured decode-step time of the run's own policy (rlvr.run.decode_step_seconds);
+Expected wall time: the same with the decode positions (P * G * (T - 1) a batch: a decode step
+feeds the token drawn before it, and the last one drawn is never fed) replaced by T - 1 decode
+steps at a measured decode-step time of the run's own policy (rlvr.run.decode_step_seconds);
 with tool calls (rlvr.tools) each of the `tool_calls` continuation rounds adds P * G * T decode
 positions and T - 1 decode steps more (the most a round can take, as its FLOPs are priced). The
 learn stage, where measured (rlvr.learn.learn_part_seconds: one `train.micro_batches` part's training
@@ -423,10 +424,11 @@ class Price:
         return asdict(self)
 
 
-def sampling_forward_tokens(prompts: int, prompt_len: int, response_slots: int) -> int:
+def sampling_forward_tokens(prompts: int, prompt_len: int, rows: int, response_len: int) -> int:
     """Token positions one sampling pass computes: each prompt once (prefill; its KV cache is then
-    shared by the group), then every response slot (decode, one position per step)."""
-    return prompts * prompt_len + response_slots
+    shared by the group), then each of the `rows` rows' response tokens but the last (a decode step
+    feeds the token sampled before it; the last one sampled is never fed back)."""
+    return prompts * prompt_len + rows * max(response_len - 1, 0)
 
 
 def logp_old_forward_tokens(per_forward: int, prompts: int, minibatches: int, own_forward: bool,
@@ -446,11 +448,12 @@ def logp_old_forward_tokens(per_forward: int, prompts: int, minibatches: int, ow
 def logp_forward_tokens(rows: int, group_size: int, prompt_len: int, response_len: int, *,
                         shared_prompt: bool) -> int:
     """Token positions one log-prob forward (reference or training) computes over `rows` rows:
-    every row's prompt and response, or, with the prompt shared by its group of `group_size`, each
-    prompt once."""
+    every row's prompt and response but its last token (which predicts nothing scored; the forward
+    runs without it), or, with the prompt shared by its group of `group_size`, each prompt once
+    and every row's response but its last token."""
     if shared_prompt:
-        return rows // group_size * prompt_len + rows * response_len
-    return rows * (prompt_len + response_len)
+        return rows // group_size * prompt_len + rows * max(response_len - 1, 0)
+    return rows * (prompt_len + max(response_len - 1, 0))
 
 
 def attended_keys(prompt_tokens: int, response_tokens: int) -> float:
@@ -605,7 +608,7 @@ def price(
     P, G, T, Lp = prompts_per_step, samples_per_prompt, max_new_tokens, prompt_tokens
     rows, per_batch = P * G, P * G * T
     grad_steps = epochs_per_batch * minibatches
-    sampling_fwd = sampling_forward_tokens(P, Lp, rows * T) + tool_calls * rows * (Lp + 2 * T)
+    sampling_fwd = sampling_forward_tokens(P, Lp, rows, T) + tool_calls * rows * (Lp + 2 * T)
     per_forward = logp_forward_tokens(rows, G, Lp, T, shared_prompt=shared_prompt)
     ref_fwd = per_forward * has_reference
     old_fwd = logp_old_forward_tokens(per_forward, P, minibatches, recompute_logp_old or entropy_forward,
@@ -616,7 +619,9 @@ def price(
     # whole groups: a part holds at least one; with a learner group a part of one rank's share
     so = scale_out
     parts = min(micro_batches, max(1, P // minibatches if so.learn_share is None else so.learn_share[0]))
-    expected = expected_wall_seconds(flops_per_run, steps * rounds * rows * T * fwd, steps * rounds * (T - 1),
+    # decode positions a batch, as counted above: T - 1 per row in the first round, T per continuation
+    decode_positions = rows * (T - 1) + tool_calls * rows * T
+    expected = expected_wall_seconds(flops_per_run, steps * decode_positions * fwd, steps * rounds * (T - 1),
                                      matmul_flops_per_s, decode_step_s, float(trained * trn * steps),
                                      steps * grad_steps, parts, learn_part_s, optimizer_step_s)
     measured_learn = expected > 0 and learn_part_s > 0

@@ -133,7 +133,7 @@ def sample_and_score(policy: Policy, tok: Tokenizer, task: Task, examples: list,
                 generators=gens[i:i + step] if gens else None, stop=stop, keep=keep,
                 reserve=2 * limits.max_new_tokens * limits.tool_calls, **kw)
         if tool_stats is not None:  # answer the tool calls and sample on (rlvr.tools)
-            first_fwd = costs.sampling_forward_tokens(len(chunk), r.prompt_len, r.mask.numel())
+            first_fwd = costs.sampling_forward_tokens(len(chunk), r.prompt_len, *r.mask.shape)
             r, st = tools.respond_with_tools(
                 policy, tok, r, [ex for ex in chunk for _ in range(G)], task.tool,
                 max_new_tokens=limits.max_new_tokens, eos_id=limits.eos_id, stop=limits.stop,
@@ -293,7 +293,7 @@ def rollout(setup, policy: Policy, reference: Policy | None, examples_fn, *, ver
     fwd_flops, _ = costs.model_flops_per_token(policy, setup.limits.prompt_tokens, setup.limits.max_new_tokens)
     for p in parts:  # every round is paid for, kept or not
         n_fwd = (p.tools.forward_tokens if p.tools is not None else
-                 costs.sampling_forward_tokens(len(p.examples), p.rollout.prompt_len, p.rollout.mask.numel()))
+                 costs.sampling_forward_tokens(len(p.examples), p.rollout.prompt_len, *p.rollout.mask.shape))
         cost["sampled_tokens"] += int(p.rollout.mask.sum())
         cost["forward_tokens"] += n_fwd
         cost["flops"] += n_fwd * fwd_flops

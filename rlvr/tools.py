@@ -172,7 +172,7 @@ def _continue(policy, rows: list[_Row], idx: list[int], budgets: list[int], *, f
         n = int(r.mask[k].sum())
         rows[i].add_sampled(r.response_ids[k, :n].tolist(), r.logp[k, :n].tolist(), full[k, :n].tolist(), eos_id,
                             bool(r.truncated[k]))
-    return costs.sampling_forward_tokens(len(idx), r.prompt_len, r.mask.numel())
+    return costs.sampling_forward_tokens(len(idx), r.prompt_len, *r.mask.shape)
 
 
 def _reuse_pays(rows: list[_Row], inserted: dict[int, list[int]]) -> bool:

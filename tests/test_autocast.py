@@ -660,11 +660,11 @@ def test_the_price_counts_the_recompute_forward():
                 flops_fwd_per_token=10.0, flops_train_per_token=30.0)
     plain, again = costs.price(**base), costs.price(**base, recompute_logp_old=True)
     assert plain.forward_tokens_logp_old_per_batch == 0
-    assert again.forward_tokens_logp_old_per_batch == 16 * (4 + 3)        # every row, prompt + response, like logp_ref
-    assert again.flops_logp_old_per_batch == 112 * 10.0
-    assert again.forward_tokens_per_run == plain.forward_tokens_per_run + 10 * 112
-    assert again.flops_per_run == plain.flops_per_run + 10 * 112 * 10.0
-    assert "logp_old 112 (1.12e+03 FLOP, recomputed under the training numerics)" in again.lines()[2]
+    assert again.forward_tokens_logp_old_per_batch == 16 * (4 + 3 - 1)    # every row, prompt + response, like logp_ref
+    assert again.flops_logp_old_per_batch == 96 * 10.0
+    assert again.forward_tokens_per_run == plain.forward_tokens_per_run + 10 * 96
+    assert again.flops_per_run == plain.flops_per_run + 10 * 96 * 10.0
+    assert "logp_old 96 (960 FLOP, recomputed under the training numerics)" in again.lines()[2]
     assert "logp_old 0 (stored from the sampler)" in plain.lines()[2]
 
 

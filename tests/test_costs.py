@@ -47,8 +47,8 @@ def test_price_lines():
     p = costs.price(**{**BASE, "n_params": 2**18, "has_reference": True})  # 1 MiB of fp32 weights
     text = "\n".join(p.lines())
     assert len(p.lines()) == 5
-    assert "forward tokens per batch: sampling 64 " in text       # P*Lp + P*G*T = 16 + 48
-    assert "logp_ref 112 " in text and "trained tokens 224 " in text
+    assert "forward tokens per batch: sampling 48 " in text       # P*Lp + P*G*(T-1) = 16 + 32
+    assert "logp_ref 96 " in text and "trained tokens 192 " in text
     assert p.lines()[0].startswith("price: sampled tokens per gradient step = 12 ")
     assert "(P=4 x G=4 x T<=3 / 4 gradient steps per batch)" in text
     assert "sampled tokens per batch = 48; per run (10 steps) = 480" in text
@@ -110,18 +110,20 @@ def test_price_identities(P, G, T, steps, mu, mb, n, ref):
 
 def test_forward_trained_tokens_and_flops_by_hand():
     p = costs.price(**{**BASE, "has_reference": True}, flops_fwd_per_token=10.0, flops_train_per_token=30.0)
-    assert p.forward_tokens_sampling_per_batch == 4 * 4 + 4 * 4 * 3       # prefill once per prompt + decode
+    # the last response token is never fed to a forward: sampling never feeds back the token it drew
+    # last, and a log-prob forward runs without it (it predicts nothing scored)
+    assert p.forward_tokens_sampling_per_batch == 4 * 4 + 4 * 4 * (3 - 1)  # prefill once per prompt + decode
     assert p.forward_tokens_logp_old_per_batch == 0                      # stored from the sampler
-    assert p.forward_tokens_logp_ref_per_batch == 16 * (4 + 3)           # every row, prompt + response
-    assert p.trained_tokens_per_batch == 2 * 16 * (4 + 3)                # μ passes over every row
-    assert p.forward_tokens_per_run == 10 * (64 + 112)
-    assert p.trained_tokens_per_run == 10 * 224
-    assert p.flops_sampling_per_batch == 64 * 10.0 and p.flops_logp_ref_per_batch == 112 * 10.0
-    assert p.flops_train_per_batch == 224 * 30.0
-    assert p.flops_per_run == 10 * (64 * 10.0 + 112 * 10.0 + 224 * 30.0)
+    assert p.forward_tokens_logp_ref_per_batch == 16 * (4 + 3 - 1)       # every row, prompt + response
+    assert p.trained_tokens_per_batch == 2 * 16 * (4 + 3 - 1)            # μ passes over every row
+    assert p.forward_tokens_per_run == 10 * (48 + 96)
+    assert p.trained_tokens_per_run == 10 * 192
+    assert p.flops_sampling_per_batch == 48 * 10.0 and p.flops_logp_ref_per_batch == 96 * 10.0
+    assert p.flops_train_per_batch == 192 * 30.0
+    assert p.flops_per_run == 10 * (48 * 10.0 + 96 * 10.0 + 192 * 30.0)
     no_ref = costs.price(**BASE)
     assert no_ref.forward_tokens_logp_ref_per_batch == 0
-    assert no_ref.flops_train_per_batch == 224 * 6 * 1000                # the 6N rule when no figure is given
+    assert no_ref.flops_train_per_batch == 192 * 6 * 1000                # the 6N rule when no figure is given
 
 
 def test_dynamic_sampling_worst_case():
@@ -134,8 +136,8 @@ def test_dynamic_sampling_worst_case():
 
 def test_shared_prompt_forward_counts_each_prompt_once():
     p = costs.price(**{**BASE, "has_reference": True}, shared_prompt=True)
-    assert p.forward_tokens_logp_ref_per_batch == 4 * 4 + 16 * 3          # P*Lp + P*G*T
-    assert p.trained_tokens_per_batch == 2 * (4 * 4 + 16 * 3)             # μ passes
+    assert p.forward_tokens_logp_ref_per_batch == 4 * 4 + 16 * 2          # P*Lp + P*G*(T-1)
+    assert p.trained_tokens_per_batch == 2 * (4 * 4 + 16 * 2)             # μ passes
 
 
 def test_attention_flops_use_the_keys_a_token_really_attends_to():
@@ -160,7 +162,7 @@ def test_attention_flops_use_the_keys_a_token_really_attends_to():
     half = costs.model_flops_per_token(m, 4, 4)                          # 4.5 keys: rounded to a whole FLOP count
     assert half == (2 * n + 4 * layers * C * 4.5, 6 * n + 12 * layers * C * 4.5) and isinstance(half[0], int)
     p = costs.price(**{**BASE, "has_reference": True}, flops_fwd_per_token=fwd, flops_train_per_token=train)
-    assert p.flops_sampling_per_batch == 64 * (2 * n + 4 * layers * C * 4)
+    assert p.flops_sampling_per_batch == 48 * (2 * n + 4 * layers * C * 4)
 
 
 def test_hf_attention_flops_at_the_run_length_not_the_context(tmp_path):

@@ -138,36 +138,37 @@ def test_wall_estimate_by_hand():
                 epochs_per_batch=2, minibatches=2, n_params=1000, has_reference=False)
     assert costs.price(**base).wall_seconds_estimate == 0.0 and len(costs.price(**base).lines()) == 5
     p = costs.price(**base, matmul_flops_per_s=1e6, threads=2)
-    # sampling forward P*Lp + P*G*T = 16 + 48 = 64 tokens x 2N; trained μ*P*G*(Lp+T) = 2*16*7 = 224 x 6N
-    assert p.flops_per_run == (64 * 2000 + 224 * 6000) * 10 == 14_720_000
-    assert p.wall_seconds_estimate == pytest.approx(14.72)            # 1.472e7 FLOP / 1e6 FLOP/s
-    assert p.lines()[-1].startswith("price: wall time >= 14.7 s on this machine (1.47e+07 FLOP at a measured "
+    # sampling forward P*Lp + P*G*(T-1) = 16 + 32 = 48 tokens x 2N (the last token drawn is never fed back);
+    # trained μ*P*G*(Lp+T-1) = 2*16*6 = 192 x 6N (a row's last token predicts nothing scored)
+    assert p.flops_per_run == (48 * 2000 + 192 * 6000) * 10 == 12_480_000
+    assert p.wall_seconds_estimate == pytest.approx(12.48)            # 1.248e7 FLOP / 1e6 FLOP/s
+    assert p.lines()[-1].startswith("price: wall time >= 12.5 s on this machine (1.25e+07 FLOP at a measured "
                                     "fp32 matmul rate of 0.0 GFLOP/s with 2 threads); a lower bound")
     worst = costs.price(**base, matmul_flops_per_s=1e6, threads=2, sampling_rounds=3)
-    assert "(44.2 s in the worst case of dynamic sampling)" in worst.lines()[-1]
+    assert "(37.4 s in the worst case of dynamic sampling)" in worst.lines()[-1]
 
 
 def test_expected_wall_time_by_hand():
-    """The decode positions' FLOPs (P*G*T a batch) leave the rate term; T - 1 measured decode steps
-    a batch take their place."""
+    """The decode positions' FLOPs (P*G*(T-1) a batch) leave the rate term; T - 1 measured decode
+    steps a batch take their place."""
     base = dict(prompts_per_step=4, samples_per_prompt=4, max_new_tokens=3, prompt_tokens=4, steps=10,
                 epochs_per_batch=2, minibatches=2, n_params=1000, has_reference=False, threads=2)
     assert costs.price(**base, decode_step_s=0.5).wall_seconds_expected == 0.0       # no rate: nothing expected
     assert costs.price(**base, matmul_flops_per_s=1e6).wall_seconds_expected == 0.0  # no decode time measured
     p = costs.price(**base, matmul_flops_per_s=1e6, decode_step_s=0.5)
-    # 14,720,000 FLOP in all; decode positions 10 steps x 16 rows x 3 x 2N = 960,000 FLOP leave the rate term
-    # (13.76 s); 10 steps x 2 decode steps x 0.5 s = 10 s join it
-    assert p.wall_seconds_expected == pytest.approx(13.76 + 10.0)
-    assert p.wall_seconds_estimate == pytest.approx(14.72)                            # the lower bound unchanged
+    # 12,480,000 FLOP in all; decode positions 10 steps x 16 rows x 2 x 2N = 640,000 FLOP leave the rate term
+    # (11.84 s); 10 steps x 2 decode steps x 0.5 s = 10 s join it
+    assert p.wall_seconds_expected == pytest.approx(11.84 + 10.0)
+    assert p.wall_seconds_estimate == pytest.approx(12.48)                            # the lower bound unchanged
     assert p.decode_step_s == 0.5 and p.to_dict()["wall_seconds_expected"] == p.wall_seconds_expected
-    assert p.lines()[-1].endswith("; expected ~23.8 s with each of the 2 decode steps per batch at the measured "
+    assert p.lines()[-1].endswith("; expected ~21.8 s with each of the 2 decode steps per batch at the measured "
                                   "500 ms (16 rows), before evaluation and rewards")
     tools = costs.price(**base, matmul_flops_per_s=1e6, decode_step_s=0.5, tool_calls=2)
-    # sampling forwards 4*4 + 16*3 + 2 continuations x 16 rows x (4 + 2*3) = 384 a batch: 21,120,000 FLOP in all;
-    # 3 rounds of decode positions (10 x 3 x 16 x 3 x 2N = 2,880,000 FLOP) leave the rate term (18.24 s),
+    # sampling forwards 4*4 + 16*2 + 2 continuations x 16 rows x (4 + 2*3) = 368 a batch: 18,880,000 FLOP in all;
+    # the decode positions (10 x (16 x 2 + 2 x 16 x 3) x 2N = 2,560,000 FLOP) leave the rate term (16.32 s),
     # 10 steps x 3 rounds x 2 decode steps x 0.5 s = 30 s join it
-    assert tools.flops_per_run == 21_120_000
-    assert tools.wall_seconds_expected == pytest.approx(18.24 + 30.0)
+    assert tools.flops_per_run == 18_880_000
+    assert tools.wall_seconds_expected == pytest.approx(16.32 + 30.0)
     assert "with each of the 6 decode steps per batch (3 sampling rounds: the first and 2 tool continuation(s)) " \
            "at the measured 500 ms" in tools.lines()[-1]
 
@@ -179,12 +180,12 @@ def test_expected_wall_time_with_a_measured_learn_stage_by_hand():
                 epochs_per_batch=2, minibatches=2, n_params=1000, has_reference=False, threads=2,
                 matmul_flops_per_s=1e6, decode_step_s=0.5)
     p = costs.price(**base, learn_part_s=0.2, optimizer_step_s=0.05)
-    # 14,720,000 FLOP: decode positions 960,000 and training 10 x 2 epochs x 16 rows x (4 + 3) x 6N = 13,440,000
+    # 12,480,000 FLOP: decode positions 640,000 and training 10 x 2 epochs x 16 rows x (4 + 3 - 1) x 6N = 11,520,000
     # leave the rate term (0.32 s: the prefill); 10 x 2 decode steps x 0.5 s = 10 s and
     # 10 steps x 2 epochs x 2 minibatches = 40 gradient steps x (1 part x 0.2 + 0.05 s) = 10 s join it
     assert p.wall_seconds_expected == pytest.approx(0.32 + 10.0 + 10.0)
     assert (p.learn_part_s, p.learn_parts_per_step, p.optimizer_step_s) == (0.2, 1, 0.05)
-    assert p.wall_seconds_estimate == pytest.approx(14.72)                            # the lower bound unchanged
+    assert p.wall_seconds_estimate == pytest.approx(12.48)                            # the lower bound unchanged
     assert p.lines()[-1].endswith(
         "; expected ~20.3 s with each of the 2 decode steps per batch at the measured 500 ms (16 rows) and each of "
         "the 40 gradient steps at the measured 1 x 200 ms (forward and backward) + 50 ms (optimizer), before "
@@ -196,7 +197,7 @@ def test_expected_wall_time_with_a_measured_learn_stage_by_hand():
     # four micro parts asked of 2 groups: still 2 parts (whole groups)
     assert costs.price(**base, micro_batches=4, learn_part_s=0.2).learn_parts_per_step == 2
     # not measured: the training FLOPs at the rate, as before
-    assert costs.price(**base).wall_seconds_expected == pytest.approx(13.76 + 10.0)
+    assert costs.price(**base).wall_seconds_expected == pytest.approx(11.84 + 10.0)
     assert costs.price(**base).learn_part_s == 0.0
 
 

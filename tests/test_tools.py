@@ -76,8 +76,9 @@ def test_the_tool_text_is_inserted_attended_and_never_trained_on():
     assert (r.logp[r.mask == 0] == 0).all() and (r.logp[r.mask == 1].abs() < 1e-6).all()
     assert r.truncated.tolist() == [False, False]
     assert (stats.calls, stats.errors, stats.inserted_tokens) == (1, 0, 3)
-    # the continuation's prefill ran over the whole context: prompt, sampled call, inserted result
-    assert stats.forward_tokens == 7 + 2
+    # the continuation's prefill ran over the whole context: prompt, sampled call, inserted result;
+    # then it drew 2 tokens, feeding back the first (the last drawn is never fed to a forward)
+    assert stats.forward_tokens == 7 + (2 - 1)
 
 
 @pytest.mark.parametrize("empty", [False, True])
@@ -224,7 +225,7 @@ def test_a_training_run_with_the_calculator(tmp_path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert price["tool_calls"] == 2 and "price: tool calls:" in out.getvalue()
     rows, Lp, T = 16, price["prompt_tokens"], 24
-    assert price["forward_tokens_sampling_per_batch"] == 4 * Lp + rows * T + 2 * rows * (Lp + 2 * T)
+    assert price["forward_tokens_sampling_per_batch"] == 4 * Lp + rows * (T - 1) + 2 * rows * (Lp + 2 * T)
     assert summary["cost/forward_tokens"] <= price["forward_tokens_per_run"]
 
 

@@ -65,7 +65,7 @@ def test_trains_and_writes_a_plain_hf_model(tmp_path, model_dir, lora, capsys):
     price = json.loads((out / "price.json").read_text())
     # the prompt is run once per group (shared keys/values); counted work equals the price exactly
     Lp = price["prompt_tokens"]
-    assert summary["cost/trained_tokens"] == price["trained_tokens_per_run"] == 2 * (4 * Lp + 16 * 3)
+    assert summary["cost/trained_tokens"] == price["trained_tokens_per_run"] == 2 * (4 * Lp + 16 * (3 - 1))
     assert summary["cost/forward_tokens"] == price["forward_tokens_per_run"]
     assert cli.main(["eval", str(out)]) == 0
     assert json.loads(capsys.readouterr().out)["eval/goal"] == summary["eval/goal"]
