@@ -1577,13 +1577,16 @@ def _shared_out(layer: nn.Module, h: torch.Tensor, q: torch.Tensor, k: torch.Ten
     _, N, H, D = q.shape
     Hkv, Np, B = k.size(1), P * Lp, P * G
     L = (N - Np) // B
-    q, k, v = q[0], k[0], v[0]                                              # (N, H, D), (Hkv, N, D) x 2
-    kp, vp = (t[:, :Np].view(Hkv, P, Lp, D).transpose(0, 1) for t in (k, v))      # (P, Hkv, Lp, D)
-    kr, vr = (t[:, Np:].view(Hkv, B, L, D).transpose(0, 1) for t in (k, v))        # (B, Hkv, L, D)
+    # split, not sliced: the backward joins the parts' gradients in one copy (a slice's would fill
+    # a zero tensor of all N tokens for each part and add them)
+    qp, qr = q[0].split([Np, B * L])                                       # (Np, H, D), (B*L, H, D)
+    (kp, kr), (vp, vr) = (t[0].split([Np, B * L], dim=1) for t in (k, v))  # (Hkv, Np | B*L, D)
+    kp, vp = (t.view(Hkv, P, Lp, D).transpose(0, 1) for t in (kp, vp))        # (P, Hkv, Lp, D)
+    kr, vr = (t.view(Hkv, B, L, D).transpose(0, 1) for t in (kr, vr))        # (B, Hkv, L, D)
     kr = torch.cat([kp.repeat_interleave(G, dim=0), kr], dim=2)                    # (B, Hkv, Lp + L, D)
     vr = torch.cat([vp.repeat_interleave(G, dim=0), vr], dim=2)
-    op = _attention(q[:Np].view(P, Lp, H, D).transpose(1, 2), kp, vp, attn.scaling, att_p[3], att_p[4], cap)
-    orr = _attention(q[Np:].view(B, L, H, D).transpose(1, 2), kr, vr, attn.scaling, att_r[3], att_r[4], cap)
+    op = _attention(qp.view(P, Lp, H, D).transpose(1, 2), kp, vp, attn.scaling, att_p[3], att_p[4], cap)
+    orr = _attention(qr.view(B, L, H, D).transpose(1, 2), kr, vr, attn.scaling, att_r[3], att_r[4], cap)
     o = torch.cat([op.view(Np, H * D), orr.view(B * L, H * D)]).unsqueeze(0)      # (1, N, H*D)
     h = h + _attn_residual(layer, linear(attn.o_proj, o))
     return h + _mlp_residual(layer, _mlp(layer.mlp, rms_norm(_mlp_norm(layer), h)))
@@ -1640,9 +1643,9 @@ def lean_forward_shared(hf_model: nn.Module, prompt_ids: torch.Tensor, prompt_am
             continue
         q, k, v = _project_qkv(layer.self_attn, rms_norm(layer.input_layernorm, h), None, (cos, sin), H, Hkv, False)
         h = _shared_out(layer, h, q, k, v, P, Lp, G, att_p, att_r)
-    h = h[0]                                                                             # (N, d)
-    last = h[Lp - 1:Np:Lp].view(P, 1, d)                                                 # each prompt's last position
+    hp, hr = h[0].split([Np, B * L])                                                     # (Np, d), (B*L, d)
+    last = hp.view(P, Lp, d)[:, -1:]                                                     # (P, 1, d) each prompt's last
     soft = getattr(cfg, "final_logit_softcapping", None)
     first = _softcap(output_head(hf_model.lm_head, rms_norm(inner.norm, last)), soft)     # (P, 1, V)
-    resp = _softcap(output_head(hf_model.lm_head, rms_norm(inner.norm, h[Np:].view(B, L, d))), soft)  # (B, L, V)
+    resp = _softcap(output_head(hf_model.lm_head, rms_norm(inner.norm, hr.view(B, L, d))), soft)  # (B, L, V)
     return first, resp
