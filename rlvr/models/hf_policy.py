@@ -217,8 +217,9 @@ class HFPolicy(nn.Module):
         prompt's last position and (B, T - 1, V) of the responses' first T - 1 tokens, what a
         forward of the prompts into a cache and one of the responses over it give, to float
         rounding (its layers checkpointed as ``forward``'s are). None where the lean forward does not
-        run now (``one_pass_shared_prompt``; the caller then makes those two calls)."""
-        if not self.one_pass_shared_prompt:
+        run now (``one_pass_shared_prompt``; the caller then makes those two calls) or no response
+        has a token to score past its first (T < 2: the prompts' call alone)."""
+        if not self.one_pass_shared_prompt or ids.size(1) - prompt_len < 2:
             return None
         G, Lp = group_size, prompt_len
         am = attention_mask.to(device=ids.device, dtype=torch.long)
