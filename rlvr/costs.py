@@ -6,12 +6,15 @@ G samples, T the response-length bound, Lp the longest prompt, μ passes, M mini
     sampled tokens per batch          = P * G * T                (x rounds, worst case, with dynamic sampling)
     sampled tokens per gradient step  = P * G * T / (μ * M)
     sampled tokens per run            = steps * P * G * T
-    forward tokens, sampling          = P * Lp (prefill, once per prompt) + P * G * T (decode, KV cache)
+    forward tokens, sampling          = P * Lp (prefill, once per prompt) + P * G * (T - 1) (decode, KV cache)
     forward tokens, logp_old          = 0: the sampler's own log-probs are stored (rlvr.trainer);
-                                        P * G * (Lp + T) with algorithm.logp_old = "recompute"
-    forward tokens, logp_ref          = P * G * (Lp + T) when the KL term is on
-    trained tokens (fwd + bwd)        = μ * P * G * (Lp + T)
-    (with the prompt shared by its group, P * G * (Lp + T) becomes P * Lp + P * G * T)
+                                        P * G * (Lp + T - 1) with algorithm.logp_old = "recompute"
+    forward tokens, logp_ref          = P * G * (Lp + T - 1) when the KL term is on
+    trained tokens (fwd + bwd)        = μ * P * G * (Lp + T - 1)
+    (with the prompt shared by its group, P * G * (Lp + T - 1) becomes P * Lp + P * G * (T - 1))
+
+A row's last response token is never fed to a forward: a decode step feeds the token drawn before
+it, and a log-prob forward runs without the last token, which predicts nothing scored.
 
 FLOPs: forward tokens x (2N + attention), trained tokens x (6N + attention), with N the matmul
 parameters and the attention term of the model's `flops_per_token` taken at the keys a token really
@@ -583,7 +586,7 @@ def price(
     `micro_batches` (train.micro_batches): the parts a minibatch's forward and backward run in (memory
     only). `trainable_params` (LoRA: the adapter) sizes the AdamW state; `reference_is_adapter_off` means
     the reference is the policy with its adapter disabled, so it holds no copy. `shared_prompt`:
-    the reference and training forwards run each prompt once per group (P * Lp + P * G * T tokens).
+    the reference and training forwards run each prompt once per group (P * Lp + P * G * (T - 1) tokens).
     `matmul_flops_per_s` (measured with `threads` torch threads) gives the wall-time lower bound.
     `shape` (with `baseline_bytes`, `logprob_chunk_rows` and `logit_bytes` (logits_bytes), `eval_rows` rows decoded together in evaluation,
     `export_copy` when export merges LoRA into a copy, `weight_copy_bytes` the bf16 weight copies of a
