@@ -613,7 +613,8 @@ def _response_logits(model, ids, am, Lp, T, G):
         B = ids.size(0)
         if B % G:
             raise ValueError(f"group_size {G} does not divide the {B} rows")
-        joined = model.shared_prompt_logits(ids, am, Lp, G, **kw) if T > 1 and hasattr(model, "shared_prompt_logits") else None
+        one_pass = getattr(model, "shared_prompt_logits", None)        # None where the model has none (or T < 2)
+        joined = one_pass(ids, am, Lp, G, **kw) if one_pass is not None else None
         if joined is not None:                                                  # one pass over the layers
             return [joined[0].repeat_interleave(G, dim=0), joined[1]]
         cache = model.new_cache(B // G, Lp + T)

@@ -1454,3 +1454,20 @@ def test_float_logits_false_keeps_the_heads_dtype_and_its_values(llama, fast, mo
         assert seen == [torch.bfloat16] * 2          # the group's shared prompt position, then the responses
     finally:
         policy.fast_path = was
+
+
+def test_positions_past_the_context_are_refused_in_both_shared_prompt_paths(tmp_path):
+    """A response running past max_position_embeddings is refused with the position and the limit,
+    whether a group's prompt is scored in one pass or in two calls (prompt into a cache, responses
+    over it), before any layer runs."""
+    policy, _ = load_policy(make_model_dir(tmp_path / "m", max_position_embeddings=8))
+    ids = torch.arange(1, 11).repeat(2, 1)                                 # 1 prompt x G = 2 rows, 10 columns
+    am = torch.ones_like(ids)
+    with pytest.raises(ValueError, match=r"position 8 >= block_size 8 \(max_position_embeddings\)"):
+        policy.shared_prompt_logits(ids, am, 4, 2)                          # positions 0-3, then 4-8
+    cache = policy.new_cache(1, 10)
+    policy(ids[:1, :4], attention_mask=am[:1, :4], cache=cache)
+    cache.repeat_interleave(2)
+    with pytest.raises(ValueError, match=r"position 8 >= block_size 8 \(max_position_embeddings\)"):
+        policy(ids[:, 4:-1], attention_mask=am[:, 4:-1], cache=cache)
+    assert policy.shared_prompt_logits(ids[:, :8], am[:, :8], 4, 2)[1].shape[:2] == (2, 3)  # within: scored

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from rlvr.models.lean_llama import (LeanCache, RopeTable, init_rows, lean_forward, lean_forward_shared, lean_llama_unsupported,
-                                    peft_unsupported, repeat_rows, sliding_window)
+from rlvr.models.lean_llama import (LeanCache, RopeTable, init_rows, lean_forward, lean_forward_shared,
+                                    lean_llama_unsupported, peft_unsupported, repeat_rows, sliding_window)
 from rlvr.models.hf_source import no_progress_bars
 from rlvr.models.sdpa import gpu_attention
 
@@ -167,12 +167,8 @@ class HFPolicy(nn.Module):
         else:
             full_am = am
         if positions is None:
-            positions = (am.cumsum(1) - 1).clamp_min(0)                                     # (B, L)
-            if cache is not None:
-                positions = positions + cache.next_pos.unsqueeze(1)
-        bs = self.config.block_size
-        if bs is not None and L > 0 and int(positions.max()) >= bs:
-            raise ValueError(f"position {int(positions.max())} >= block_size {bs} (max_position_embeddings)")
+            positions = self._positions(am, None if cache is None else cache.next_pos)   # (B, L)
+        self._check_positions(positions)
 
         if isinstance(cache, LeanCache) or (cache is None and self._lean_active()):
             with gpu_attention(ids.device):
@@ -203,6 +199,20 @@ class HFPolicy(nn.Module):
                 cache.dc = new_dc
         return logits.float() if float_logits else logits
 
+    @staticmethod
+    def _positions(am: torch.Tensor, start: torch.Tensor | None) -> torch.Tensor:
+        """Position ids (B, L) of tokens with mask ``am`` (B, L): each real token's count of real
+        tokens before it in this call (pads take 0, or the next real one's), plus ``start`` (B,),
+        the next position of each row's cache (None: 0)."""
+        positions = (am.cumsum(1) - 1).clamp_min(0)
+        return positions if start is None else positions + start.unsqueeze(1)
+
+    def _check_positions(self, positions: torch.Tensor) -> None:
+        """A clear error for a position beyond the model's ``max_position_embeddings``."""
+        bs = self.config.block_size
+        if bs is not None and positions.numel() and int(positions.max()) >= bs:
+            raise ValueError(f"position {int(positions.max())} >= block_size {bs} (max_position_embeddings)")
+
     @property
     def one_pass_shared_prompt(self) -> bool:
         """Whether ``shared_prompt_logits`` runs a group's prompt and responses in one pass now (the
@@ -223,9 +233,13 @@ class HFPolicy(nn.Module):
             return None
         G, Lp = group_size, prompt_len
         am = attention_mask.to(device=ids.device, dtype=torch.long)
+        am_p, am_r = am[::G, :Lp], am[:, Lp:-1]                       # the prompts' (P, Lp), the responses' (B, T-1)
+        pos_p = self._positions(am_p, None)
+        pos_r = self._positions(am_r, am_p.sum(1).repeat_interleave(G))  # continuing each row's prompt
+        self._check_positions(pos_r)
         with gpu_attention(ids.device):
-            first, resp = lean_forward_shared(self._hf_model(), ids[::G, :Lp], am[::G, :Lp], ids[:, Lp:-1],
-                                              am[:, Lp:-1], self._rope, self.config.block_size,
+            first, resp = lean_forward_shared(self._hf_model(), ids[::G, :Lp], am_p, pos_p, ids[:, Lp:-1], am_r, pos_r,
+                                              self._rope, self.config.block_size,
                                               checkpoint=self.checkpoint_layers and self.training)
         return (first.float(), resp.float()) if float_logits else (first, resp)
 

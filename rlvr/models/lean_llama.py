@@ -1406,6 +1406,12 @@ def _attention_masks(full_am: torch.Tensor, cache: LeanCache | None, past: int, 
     return False, None, None, None, _attend_mask(full_am, past, L, window)[:, None]  # (B, 1, L|1, S)
 
 
+def _explicit_attention(cfg, device: torch.device, L: int, S: int) -> bool:
+    """Whether L queries over S keys take the explicit products (``SMALL_ATTENTION`` on a CPU, and
+    always for a model that soft-caps its scores, which SDPA cannot) rather than SDPA."""
+    return (device.type == "cpu" and L * S <= SMALL_ATTENTION) or getattr(cfg, "attn_logit_softcapping", None) is not None
+
+
 def _layer_masks(hf_model: nn.Module, full_am: torch.Tensor, cache: LeanCache | None, past: int, L: int, Hkv: int,
                  rep: int, dtype: torch.dtype, small: bool) -> tuple[list, dict]:
     """(each layer's window key, {key: ``_attention_masks``}): a window at least as wide as the
@@ -1511,8 +1517,7 @@ def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, 
     att_bf16 = _cpu_bf16_autocast(ids.device)
     kv_bf16 = att_bf16 and cache is not None and not torch.is_grad_enabled()
     windows, atts = _layer_masks(hf_model, full_am, cache, past, L, Hkv, rep, torch.bfloat16 if att_bf16 else h.dtype,
-                                 small=(ids.device.type == "cpu" and L * S <= SMALL_ATTENTION)
-                                 or getattr(cfg, "attn_logit_softcapping", None) is not None)  # SDPA cannot cap
+                                 small=_explicit_attention(cfg, ids.device, L, S))
 
     wm = _weight_major(h)                               # the products' dtype, or None: not weight-major
     # a no-gradient bf16 forward that is not weight-major (a prefill) makes the stacks decode reads
@@ -1592,23 +1597,24 @@ def _shared_out(layer: nn.Module, h: torch.Tensor, q: torch.Tensor, k: torch.Ten
     return h + _mlp_residual(layer, _mlp(layer.mlp, rms_norm(_mlp_norm(layer), h)))
 
 def lean_forward_shared(hf_model: nn.Module, prompt_ids: torch.Tensor, prompt_am: torch.Tensor,
-                        resp_ids: torch.Tensor, resp_am: torch.Tensor, rope: RopeTable,
-                        block_size: int | None, checkpoint: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                        prompt_pos: torch.Tensor, resp_ids: torch.Tensor, resp_am: torch.Tensor,
+                        resp_pos: torch.Tensor, rope: RopeTable, block_size: int | None,
+                        checkpoint: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """A group's shared prompt and its G responses in ONE pass over the layers: the logits of each
     prompt's last position (P, 1, V) and of the responses' tokens (B, L, V), B = P * G, in the
     weights' dtype; what ``lean_forward`` gives for the prompts (``logits_to_keep=1``, into a cache)
     and then for the responses over that cache repeated G times, to float rounding.
 
-    ``prompt_ids`` / ``prompt_am`` (P, Lp) the prompts (left-padded) and their mask; ``resp_ids`` /
-    ``resp_am`` (B, L) the tokens after them, row b continuing prompt b // G. The per-token parts of
+    ``prompt_ids`` / ``prompt_am`` / ``prompt_pos`` (P, Lp) the prompts (left-padded), their mask
+    and positions; ``resp_ids`` / ``resp_am`` / ``resp_pos`` (B, L) the tokens after them, row b
+    continuing prompt b // G (positions as ``HFPolicy.forward`` computes them for the two calls). The per-token parts of
     a layer (norms, q/k/v, rotary, o_proj, MLP) run once on the P * Lp + B * L tokens as one
     (1, N, d) block instead of in two calls of P * Lp and B * L rows: half the calls, and products
     of more rows, which the CPU's bf16 kernels run faster than either part (SmolLM2's layer
     products, 376 and 960 rows apart against 1,336 together, forward and input gradient on a 2-core
     Xeon with AMX: 372 against 246 ms). Attention runs per part: the prompts causally over their
     own keys, each response over its prompt's keys (repeated G times, as a cache with gradient
-    holds them) and its own. Positions and masks as ``HFPolicy.forward`` computes them for the two
-    calls. ``checkpoint`` (a training forward with gradient: model.gradient_checkpointing): each
+    holds them) and its own, masked as the two calls mask them. ``checkpoint`` (a training forward with gradient: model.gradient_checkpointing): each
     layer as ``lean_forward``'s two checkpointed halves (``_qkv_in``, ``_shared_out``), the same
     numbers."""
     inner, cfg = hf_model.model, hf_model.config
@@ -1618,19 +1624,15 @@ def lean_forward_shared(hf_model: nn.Module, prompt_ids: torch.Tensor, prompt_am
     H = cfg.num_attention_heads
     Hkv = getattr(cfg, "num_key_value_heads", None) or H
     rep = H // Hkv
-    pos_p = (prompt_am.cumsum(1) - 1).clamp_min(0)                                   # (P, Lp)
-    pos_r = (resp_am.cumsum(1) - 1).clamp_min(0) + prompt_am.sum(1).repeat_interleave(G).unsqueeze(1)  # (B, L)
-    positions = torch.cat([pos_p.reshape(1, Np), pos_r.reshape(1, B * L)], dim=1)   # (1, N)
-    if block_size is not None and int(positions.max()) >= block_size:
-        raise ValueError(f"position {int(positions.max())} >= block_size {block_size} (max_position_embeddings)")
+    positions = torch.cat([prompt_pos.reshape(1, Np), resp_pos.reshape(1, B * L)], dim=1)  # (1, N)
     h = inner.embed_tokens(torch.cat([prompt_ids.reshape(1, Np), resp_ids.reshape(1, B * L)], dim=1))  # (1, N, d)
     d = h.size(-1)
     full_am = torch.cat([prompt_am.repeat_interleave(G, dim=0), resp_am], dim=1)    # (B, Lp + L)
     att_dtype = torch.bfloat16 if _cpu_bf16_autocast(h.device) else h.dtype
-    capped = getattr(cfg, "attn_logit_softcapping", None) is not None              # SDPA cannot cap
-    small = (lambda q, s: (h.device.type == "cpu" and q * s <= SMALL_ATTENTION) or capped)
-    win_p, atts_p = _layer_masks(hf_model, prompt_am, None, 0, Lp, Hkv, rep, att_dtype, small(Lp, Lp))
-    win_r, atts_r = _layer_masks(hf_model, full_am, None, Lp, L, Hkv, rep, att_dtype, small(L, Lp + L))
+    win_p, atts_p = _layer_masks(hf_model, prompt_am, None, 0, Lp, Hkv, rep, att_dtype,
+                                 _explicit_attention(cfg, h.device, Lp, Lp))
+    win_r, atts_r = _layer_masks(hf_model, full_am, None, Lp, L, Hkv, rep, att_dtype,
+                                 _explicit_attention(cfg, h.device, L, Lp + L))
     rope_keys, tables = _rope_tables(hf_model, rope, positions, h.dtype, block_size, False)
     checkpoint = checkpoint and torch.is_grad_enabled()
     for li, layer in enumerate(inner.layers):
