@@ -573,6 +573,7 @@ def _hf_policy(cfg: config_mod.Config, device: torch.device, log) -> tuple[Polic
     if mc.gradient_checkpointing:
         model.enable_gradient_checkpointing()
     model.cuda_graphs = mc.cuda_graphs
+    model.compile_layers = mc.compile
     return model, tokenizer
 
 

@@ -118,6 +118,9 @@ class HFPolicy(nn.Module):
         self.cuda_graphs = False
         """Decode steps over a lean cache on a CUDA device replay one CUDA graph per sampling call
         (``static_decoder``; model.cuda_graphs). False: every step runs eagerly."""
+        self.compile_layers = False
+        """The lean forward's one-pass training and scoring forwards run each Llama-type decoder layer's
+        per-token parts compiled (``torch.compile``; model.compile)."""
         self.static_decode_off_gpu = False
         """Run ``static_decoder``'s fixed-shape step eagerly off a GPU too (for tests: the step a
         graph captures, compared with the eager decode on a CPU)."""
@@ -240,7 +243,8 @@ class HFPolicy(nn.Module):
         with gpu_attention(ids.device):
             first, resp = lean_forward_shared(self._hf_model(), ids[::G, :Lp], am_p, pos_p, ids[:, Lp:-1], am_r, pos_r,
                                               self._rope, self.config.block_size,
-                                              checkpoint=self.checkpoint_layers and self.training)
+                                              checkpoint=self.checkpoint_layers and self.training,
+                                              compiled=self.compile_layers)
         return (first.float(), resp.float()) if float_logits else (first, resp)
 
     def new_cache(self, batch_size: int, max_len: int) -> HFCache | LeanCache:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import warnings
 import weakref
 
 import torch
@@ -1569,14 +1570,153 @@ def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, 
 
 
 
-def _shared_out(layer: nn.Module, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                P: int, Lp: int, G: int, att_p: tuple, att_r: tuple) -> torch.Tensor:
-    """The rest of a decoder layer in ``lean_forward_shared``'s one pass: q (1, N, H, D), k / v
-    (1, Hkv, N, D) of the P * Lp prompt tokens, then the B * L response tokens (B = P * G);
-    attention per part (the prompts over their own keys with masks ``att_p``, each response over
-    its prompt's keys, repeated G times as a cache with gradient holds them, and its own with
-    ``att_r``; both as ``_attention_masks`` builds them), then o_proj, its residual, the MLP block
-    and its residual on all N tokens -> (1, N, d)."""
+# ---------------------------------------------------------------------- compiled layer parts
+_COMPILE: dict = {}
+"""``torch.compile``'d ``_qkv_block`` / ``_out_block`` (made at first use), and "failed": why compiling
+failed in this process (then every layer runs eagerly)."""
+
+
+def compile_available() -> bool:
+    """Whether ``model.compile`` can act here: ``torch.compile`` exists and has not failed in this
+    process (``_compiled_call``). A CPU needs a C++ compiler for Inductor's kernels; where none is
+    found the first compiled call fails, is reported once and the layers run eagerly."""
+    return hasattr(torch, "compile") and "failed" not in _COMPILE
+
+
+def _proj(m: nn.Module) -> tuple | None:
+    """(weight, bias or None, ((A, B, scaling), ...)) of a plain ``nn.Linear`` or plain peft LoRA
+    ``Linear`` (``_plain_lora``) for ``_lin``, weight and bias as ``linear`` reads them (the region's
+    bf16 copies of weights that need no gradient here under CPU bf16 autocast); None for anything else."""
+    if type(m) is nn.Linear and not _hooked(m):
+        W, b, adapters = m.weight, m.bias, []
+    else:
+        plan = _plain_lora(m, torch.float32)
+        if plan is None:
+            return None
+        W, b, adapters = plan
+    if _cpu_bf16_autocast(W.device):
+        Wb, bb = _bf16_copy(W), None if b is None else _bf16_copy(b)
+        W, b = (W if Wb is None else Wb), (b if bb is None else bb)
+    return W, b, tuple(adapters)
+
+
+def _is_silu(act: nn.Module) -> bool:
+    """Whether an MLP's activation module computes ``F.silu`` (torch's ``nn.SiLU``, transformers'
+    ``SiLUActivation``), with no hooks."""
+    if _hooked(act):
+        return False
+    if type(act) is nn.SiLU:
+        return True
+    try:
+        from transformers.activations import SiLUActivation
+    except ImportError:  # pragma: no cover - older transformers map "silu" to nn.SiLU
+        return False
+    return type(act) is SiLUActivation
+
+
+def compiled_plan(layer: nn.Module) -> tuple | None:
+    """What ``_compiled_qkv`` / ``_compiled_out`` read of a Llama-type decoder layer (Llama, Mistral,
+    Qwen 2, SmolLM: RMSNorms with ``variance_epsilon``, q/k/v with optional biases, no per-head norms,
+    no norms around the attention or MLP outputs, a SiLU-gated MLP; every projection a plain Linear or
+    plain LoRA Linear): (input norm weight, eps, (q, k, v) ``_proj``s, o_proj's, MLP norm weight,
+    eps, gate, up, down ``_proj``s); None for any other layer, which runs eagerly."""
+    attn, mlp = layer.self_attn, layer.mlp
+    n1, n2 = layer.input_layernorm, layer._modules.get("post_attention_layernorm")
+    if (_sandwich(layer) or getattr(attn, "q_norm", None) is not None or "qkv_proj" in attn._modules
+            or not _stock_mlp(mlp) or "gate_up_proj" in mlp._modules or not _is_silu(_act(mlp))
+            or getattr(attn, "attn_logit_softcapping", None) is not None or n2 is None):
+        return None
+    norms = []
+    for n in (n1, n2):
+        eps = getattr(n, "variance_epsilon", None)
+        if eps is None or _hooked(n) or n.weight.dtype != torch.float32:
+            return None
+        norms.append((n.weight, float(eps)))
+    projs = [_proj(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
+                                mlp.down_proj)]
+    if any(p is None for p in projs):
+        return None
+    return norms[0][0], norms[0][1], tuple(projs[:3]), projs[3], norms[1][0], norms[1][1], projs[4], projs[5], projs[6]
+
+
+def _lin(x: torch.Tensor, p: tuple) -> torch.Tensor:
+    """``linear``'s product for ``_proj``'s p: ``x @ W.T + b``, then ``+ lora_B(lora_A(x)) * scaling``
+    per adapter, peft's order (casts to bf16 by autocast where it is on)."""
+    W, b, adapters = p
+    y = F.linear(x, W, b)
+    for A, B, scaling in adapters:
+        y = y + F.linear(F.linear(x, A), B) * scaling
+    return y
+
+
+def _qkv_block(h: torch.Tensor, nw: torch.Tensor, eps: float, projs: tuple, cos: torch.Tensor, sin: torch.Tensor,
+               H: int, Hkv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer's first half as ``_qkv_in`` computes it: h (B, L, d) -> rotated q (B, L, H, D), k and
+    v (B, Hkv, L, D); cos / sin (B, L, 1, D)."""
+    x = F.rms_norm(h, (h.size(-1),), nw, eps)
+    q, k, v = (_lin(x, p) for p in projs)
+    B, L = h.shape[:2]
+    D = cos.size(-1)
+    q, k = q.view(B, L, H, D), k.view(B, L, Hkv, D)
+    v = v.view(B, L, Hkv, D).transpose(1, 2)
+    q = q * cos + q.roll(D // 2, dims=-1) * sin
+    k = (k * cos + k.roll(D // 2, dims=-1) * sin).transpose(1, 2)
+    return q, k, v
+
+
+def _out_block(h: torch.Tensor, o: torch.Tensor, po: tuple, nw: torch.Tensor, eps: float, pg: tuple, pu: tuple,
+               pd: tuple) -> torch.Tensor:
+    """A layer's second half after its attention output o (B, L, H * D): o_proj and the residual, the
+    MLP's norm, ``down(silu(gate(x)) * up(x))`` and the residual -> (B, L, d)."""
+    h = h + _lin(o, po)
+    x = F.rms_norm(h, (h.size(-1),), nw, eps)
+    return h + _lin(F.silu(_lin(x, pg)) * _lin(x, pu), pd)
+
+
+def _compiled_call(name: str, fn, args: tuple, dynamic: tuple, eager):
+    """``torch.compile(fn)(*args)``, the token dimension (dim 1) of each tensor ``args[i]``, i in
+    ``dynamic``, marked dynamic so that one compiled code serves every batch length (the weights'
+    shapes stay static). Where compiling fails (no C++ compiler for Inductor's CPU kernels, an
+    unsupported torch), the reason is kept (``_COMPILE["failed"]``), a warning says it once, and
+    ``eager()`` computes this call and every later layer runs eagerly."""
+    if "failed" in _COMPILE:
+        return eager()
+    compiled = _COMPILE.get(name)
+    if compiled is None:
+        compiled = _COMPILE[name] = torch.compile(fn, dynamic=None)
+    for i in dynamic:
+        torch._dynamo.maybe_mark_dynamic(args[i], 1)
+    try:
+        return compiled(*args)
+    except Exception as e:  # noqa: BLE001 - any failure to compile leaves the eager layers, said once
+        _COMPILE["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        warnings.warn(f"model.compile: compiling the decoder layers failed ({_COMPILE['failed']}); "
+                      f"they run eagerly in this process", RuntimeWarning, stacklevel=2)
+        return eager()
+
+
+def _compiled_qkv(layer: nn.Module, h: torch.Tensor, plan: tuple, cos: torch.Tensor, sin: torch.Tensor,
+                  H: int, Hkv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_qkv_in`` through the compiled ``_qkv_block`` (``compiled_plan``'s ``plan``)."""
+    return _compiled_call("qkv", _qkv_block, (h, plan[0], plan[1], plan[2], cos, sin, H, Hkv), (0, 4, 5),
+                          lambda: _qkv_in(layer, h, cos, sin, H, Hkv))
+
+
+def _compiled_out(layer: nn.Module, h: torch.Tensor, o: torch.Tensor, plan: tuple) -> torch.Tensor:
+    """A layer's o_proj, residual and MLP block through the compiled ``_out_block``."""
+    def eager() -> torch.Tensor:
+        h2 = h + _attn_residual(layer, linear(layer.self_attn.o_proj, o))
+        return h2 + _mlp_residual(layer, _mlp(layer.mlp, rms_norm(_mlp_norm(layer), h2)))
+    return _compiled_call("out", _out_block, (h, o) + plan[3:], (0, 1), eager)
+
+
+def _shared_attention(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      P: int, Lp: int, G: int, att_p: tuple, att_r: tuple) -> torch.Tensor:
+    """Attention in ``lean_forward_shared``'s one pass: q (1, N, H, D), k / v (1, Hkv, N, D) of the
+    P * Lp prompt tokens, then the B * L response tokens (B = P * G), attended per part (the prompts
+    over their own keys with masks ``att_p``, each response over its prompt's keys, repeated G times
+    as a cache with gradient holds them, and its own with ``att_r``; both as ``_attention_masks``
+    builds them) -> o (1, N, H * D)."""
     attn = layer.self_attn
     cap = getattr(attn, "attn_logit_softcapping", None)
     _, N, H, D = q.shape
@@ -1592,14 +1732,23 @@ def _shared_out(layer: nn.Module, h: torch.Tensor, q: torch.Tensor, k: torch.Ten
     vr = torch.cat([vp.repeat_interleave(G, dim=0), vr], dim=2)
     op = _attention(qp.view(P, Lp, H, D).transpose(1, 2), kp, vp, attn.scaling, att_p[3], att_p[4], cap)
     orr = _attention(qr.view(B, L, H, D).transpose(1, 2), kr, vr, attn.scaling, att_r[3], att_r[4], cap)
-    o = torch.cat([op.view(Np, H * D), orr.view(B * L, H * D)]).unsqueeze(0)      # (1, N, H*D)
-    h = h + _attn_residual(layer, linear(attn.o_proj, o))
+    return torch.cat([op.view(Np, H * D), orr.view(B * L, H * D)]).unsqueeze(0)   # (1, N, H*D)
+
+
+def _shared_out(layer: nn.Module, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                P: int, Lp: int, G: int, att_p: tuple, att_r: tuple) -> torch.Tensor:
+    """The rest of a decoder layer in ``lean_forward_shared``'s one pass: attention per part
+    (``_shared_attention``), then o_proj, its residual, the MLP block and its residual on all N
+    tokens -> (1, N, d)."""
+    o = _shared_attention(layer, q, k, v, P, Lp, G, att_p, att_r)
+    h = h + _attn_residual(layer, linear(layer.self_attn.o_proj, o))
     return h + _mlp_residual(layer, _mlp(layer.mlp, rms_norm(_mlp_norm(layer), h)))
+
 
 def lean_forward_shared(hf_model: nn.Module, prompt_ids: torch.Tensor, prompt_am: torch.Tensor,
                         prompt_pos: torch.Tensor, resp_ids: torch.Tensor, resp_am: torch.Tensor,
                         resp_pos: torch.Tensor, rope: RopeTable, block_size: int | None,
-                        checkpoint: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                        checkpoint: bool = False, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """A group's shared prompt and its G responses in ONE pass over the layers: the logits of each
     prompt's last position (P, 1, V) and of the responses' tokens (B, L, V), B = P * G, in the
     weights' dtype; what ``lean_forward`` gives for the prompts (``logits_to_keep=1``, into a cache)
@@ -1616,7 +1765,9 @@ def lean_forward_shared(hf_model: nn.Module, prompt_ids: torch.Tensor, prompt_am
     own keys, each response over its prompt's keys (repeated G times, as a cache with gradient
     holds them) and its own, masked as the two calls mask them. ``checkpoint`` (a training forward with gradient: model.gradient_checkpointing): each
     layer as ``lean_forward``'s two checkpointed halves (``_qkv_in``, ``_shared_out``), the same
-    numbers."""
+    numbers. ``compiled`` (model.compile): each layer that ``compiled_plan`` covers runs its per-token
+    parts as two compiled functions (``_compiled_qkv``, ``_compiled_out``; not with ``checkpoint``),
+    its attention as here."""
     inner, cfg = hf_model.model, hf_model.config
     P, Lp = prompt_ids.shape
     B, L = resp_ids.shape
@@ -1635,6 +1786,7 @@ def lean_forward_shared(hf_model: nn.Module, prompt_ids: torch.Tensor, prompt_am
                                  _explicit_attention(cfg, h.device, L, Lp + L))
     rope_keys, tables = _rope_tables(hf_model, rope, positions, h.dtype, block_size, False)
     checkpoint = checkpoint and torch.is_grad_enabled()
+    compiled = compiled and not checkpoint and compile_available()
     for li, layer in enumerate(inner.layers):
         cos, sin = tables[rope_keys[li]]                                    # (1, N, 1, D)
         att_p, att_r = atts_p[win_p[li]], atts_r[win_r[li]]
@@ -1642,6 +1794,11 @@ def lean_forward_shared(hf_model: nn.Module, prompt_ids: torch.Tensor, prompt_am
             q, k, v = torch.utils.checkpoint.checkpoint(_qkv_in, layer, h, cos, sin, H, Hkv, use_reentrant=False)
             h = torch.utils.checkpoint.checkpoint(_shared_out, layer, h, q, k, v, P, Lp, G, att_p, att_r,
                                                   use_reentrant=False)
+            continue
+        plan = compiled_plan(layer) if compiled else None
+        if plan is not None:                  # the per-token parts compiled (model.compile), attention as below
+            q, k, v = _compiled_qkv(layer, h, plan, cos, sin, H, Hkv)
+            h = _compiled_out(layer, h, _shared_attention(layer, q, k, v, P, Lp, G, att_p, att_r), plan)
             continue
         q, k, v = _project_qkv(layer.self_attn, rms_norm(layer.input_layernorm, h), None, (cos, sin), H, Hkv, False)
         h = _shared_out(layer, h, q, k, v, P, Lp, G, att_p, att_r)

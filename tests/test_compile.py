@@ -1,0 +1,155 @@
+"""model.compile: the lean one-pass forward's decoder layers through torch.compile (rlvr.models.lean_llama
+``compiled_plan`` / ``_compiled_call``), checked against the eager layers on tiny Hugging Face models."""
+
+import warnings
+
+import pytest
+import torch
+
+from rlvr import sampling
+from rlvr.models import lean_llama as lean
+from rlvr.models.hf import LoraSpec, load_policy
+from rlvr.run import autocast_context
+
+from hf_models import make_model_dir
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+VARIANTS = {
+    # Llama with GQA, LoRA on every Linear: the plan covers every layer
+    "llama_lora": ("llama", {"num_key_value_heads": 2}, LoraSpec(r=4, alpha=8, target_modules="all-linear")),
+    # Qwen 2: q/k/v biases, a tied head, LoRA on some projections only
+    "qwen2_lora": ("qwen2", {"num_key_value_heads": 2, "tie_word_embeddings": True},
+                   LoraSpec(r=4, alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def variant(request, tmp_path_factory):
+    kind, kw, lora = VARIANTS[request.param]
+    d = make_model_dir(tmp_path_factory.mktemp(request.param), kind, seed=3, **kw)
+    policy, tok = load_policy(d, lora=lora)
+    torch.manual_seed(0)
+    with torch.no_grad():                     # a non-zero adapter (B starts at 0)
+        for n, p in policy.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    return policy, tok
+
+
+def _rollout(policy, tok, G=3):
+    prompts = [tok.encode("ab"), tok.encode("hello"), tok.encode("xyz q")]
+    return sampling.generate(policy, prompts, samples_per_prompt=G, max_new_tokens=5, temperature=1.0,
+                             eos_id=tok.eos_id, pad_id=tok.pad_id, generators=sampling.prompt_generators(0, 0, 3))
+
+
+def _scored(policy, roll, compiled: bool, bf16: bool, calls: list):
+    """(the shared-prompt forward's response logits (B, T-1, V), the trainable parameters' gradients of
+    a fixed weighting of them), with ``policy.compile_layers = compiled``, under bf16 autocast or not."""
+    params = [p for p in policy.parameters() if p.requires_grad]
+    G = roll.ids.size(0) // 3
+    policy.compile_layers = compiled
+    try:
+        with autocast_context(bf16, "cpu"):
+            first, resp = policy.shared_prompt_logits(roll.ids, roll.attention_mask, roll.prompt_len, G)
+    finally:
+        policy.compile_layers = False
+    real = roll.attention_mask[:, roll.prompt_len:-1].bool()
+    w = torch.linspace(-1, 1, int(real.sum()))
+    grads = torch.autograd.grad((resp[real].float().logsumexp(-1) * w).sum() + first.float().sum(), params)
+    n = len(calls)
+    return resp.detach()[real], grads, n
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """The names of the compiled calls made (``_compiled_call``), in order."""
+    seen = []
+    real = lean._compiled_call
+
+    def spy(name, *a, **k):
+        seen.append(name)
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(lean, "_compiled_call", spy)
+    return seen
+
+
+def test_compiled_layers_give_the_eager_numbers(variant, calls):
+    """fp32: every layer's per-token parts through the compiled functions (two calls a layer, the
+    option reaching the forward), logits and LoRA gradients equal to the eager layers' to float
+    rounding; without model.compile nothing is compiled."""
+    policy, tok = variant
+    if not lean.compile_available():
+        pytest.fail(f"torch.compile unavailable here: {lean._COMPILE.get('failed')}")
+    hf = policy._hf_model()
+    assert all(lean.compiled_plan(layer) is not None for layer in hf.model.layers)
+    roll = _rollout(policy, tok)
+    eager = _scored(policy, roll, False, False, calls)
+    assert eager[2] == 0
+    comp = _scored(policy, roll, True, False, calls)
+    assert calls == ["qkv", "out"] * len(hf.model.layers)
+    torch.testing.assert_close(comp[0], eager[0], atol=1e-5, rtol=0)
+    for a, b in zip(comp[1], eager[1]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    assert "failed" not in lean._COMPILE
+
+
+def test_compiled_layers_under_bf16_autocast(variant, calls):
+    """Under CPU bf16 autocast the compiled layers compute in bf16 too (their own rounding: Inductor
+    keeps fused elementwise chains in float32): as close to the float32 forward as the eager bf16
+    layers are, within a factor of two, logits and gradients."""
+    policy, tok = variant
+    roll = _rollout(policy, tok)
+    ref = _scored(policy, roll, False, False, calls)
+    eager = _scored(policy, roll, False, True, calls)
+    comp = _scored(policy, roll, True, True, calls)
+    assert len(calls) == 2 * len(policy._hf_model().model.layers)
+
+    def err(x):
+        return ((x[0].float() - ref[0]).abs().mean().item(),
+                max(((a - b).norm() / b.norm()).item() for a, b in zip(x[1], ref[1])))
+
+    (e_logits, e_grads), (c_logits, c_grads) = err(eager), err(comp)
+    assert 0 < e_logits and 0 < c_logits <= 2 * e_logits, (c_logits, e_logits)
+    assert c_grads <= 2 * e_grads + 1e-6, (c_grads, e_grads)
+
+
+def test_layers_a_plan_does_not_cover_run_eagerly(tmp_path, calls):
+    """A layer outside ``compiled_plan`` (Gemma: (1 + w) norms, GELU) runs its eager layers with
+    model.compile on: no compiled call, the same numbers to the bit."""
+    d = make_model_dir(tmp_path / "gemma", "gemma", seed=3)
+    policy, tok = load_policy(d)
+    assert all(lean.compiled_plan(layer) is None for layer in policy._hf_model().model.layers)
+    roll = _rollout(policy, tok)
+    eager = _scored(policy, roll, False, False, calls)
+    comp = _scored(policy, roll, True, False, calls)
+    assert calls == []
+    assert torch.equal(comp[0], eager[0]) and all(torch.equal(a, b) for a, b in zip(comp[1], eager[1]))
+
+
+def test_a_failed_compile_warns_once_and_runs_eagerly(variant, monkeypatch):
+    """Where compiling fails (here torch.compile's function raises, as it does without a C++
+    compiler), one warning names the reason, this forward and later ones run the eager layers (the
+    same numbers to the bit) and ``compile_available`` says no."""
+    policy, tok = variant
+    roll = _rollout(policy, tok)
+    eager = _scored(policy, roll, False, False, [])
+
+    def broken(fn, **kw):
+        def run(*a, **k):
+            raise RuntimeError("no C++ compiler found\nmore")
+        return run
+
+    monkeypatch.setattr(lean, "_COMPILE", {})
+    monkeypatch.setattr(torch, "compile", broken)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        comp = _scored(policy, roll, True, False, [])
+        again = _scored(policy, roll, True, False, [])
+    said = [str(w.message) for w in caught if "model.compile" in str(w.message)]
+    assert len(said) == 1 and "RuntimeError: no C++ compiler found" in said[0] and "eagerly" in said[0]
+    assert not lean.compile_available()
+    for x in (comp, again):
+        assert torch.equal(x[0], eager[0]) and all(torch.equal(a, b) for a, b in zip(x[1], eager[1]))
