@@ -153,3 +153,44 @@ def test_a_failed_compile_warns_once_and_runs_eagerly(variant, monkeypatch):
     assert not lean.compile_available()
     for x in (comp, again):
         assert torch.equal(x[0], eager[0]) and all(torch.equal(a, b) for a, b in zip(x[1], eager[1]))
+
+
+def test_compiled_prefill_and_full_forward_decode_steps_stay_eager(variant, calls, monkeypatch):
+    """``lean_forward`` with model.compile: a forward of whole rows (with gradient) and a prefill into a
+    cache take the compiled layers (fp32: the eager numbers to float rounding); the decode steps
+    after the prefill stay eager (no compiled call), so sampling's steps keep their own kernels.
+    (A no-gradient fp32 call of at most ``HEAD_ROWS`` rows runs weight-major products, which stay
+    eager too: set to 0 here so that this small prefill is one that compiles, as a real one of more
+    rows is.)"""
+    monkeypatch.setattr(lean, "HEAD_ROWS", 0)
+    policy, tok = variant
+    layers = len(policy._hf_model().model.layers)
+    roll = _rollout(policy, tok)
+    ids, am = roll.ids, roll.attention_mask
+    params = [p for p in policy.parameters() if p.requires_grad]
+    out = {}
+    for compiled in (False, True):
+        policy.compile_layers = compiled
+        try:
+            calls.clear()
+            logits = policy(ids, attention_mask=am)                                   # (B, L, V), with gradient
+            grads = torch.autograd.grad((logits.logsumexp(-1) * am).sum(), params)
+            assert calls == (["qkv", "out"] * layers if compiled else [])
+            with torch.no_grad():
+                calls.clear()
+                cache = policy.new_cache(ids.size(0), ids.size(1))
+                pre = policy(ids[:, :-2], attention_mask=am[:, :-2], cache=cache)
+                assert calls == (["qkv", "out"] * layers if compiled else [])
+                calls.clear()
+                L = ids.size(1)
+                steps = [policy(ids[:, i:i + 1], attention_mask=am[:, i:i + 1], cache=cache) for i in (L - 2, L - 1)]
+                assert calls == []                                                    # decode steps: eager
+        finally:
+            policy.compile_layers = False
+        out[compiled] = (logits.detach(), grads, pre, torch.cat(steps, 1))
+    real = am.bool()
+    torch.testing.assert_close(out[True][0][real], out[False][0][real], atol=1e-5, rtol=0)
+    for a, b in zip(out[True][1], out[False][1]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out[True][2][real[:, :-2]], out[False][2][real[:, :-2]], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out[True][3][real[:, -2:]], out[False][3][real[:, -2:]], atol=1e-5, rtol=0)

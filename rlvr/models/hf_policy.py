@@ -177,7 +177,8 @@ class HFPolicy(nn.Module):
             with gpu_attention(ids.device):
                 logits = lean_forward(self._hf_model(), ids, full_am, positions, cache, logits_to_keep,
                                       self._rope, self.config.block_size,
-                                      checkpoint=self.checkpoint_layers and self.training)
+                                      checkpoint=self.checkpoint_layers and self.training,
+                                      compiled=self.compile_layers)
             if cache is not None:
                 cache.mask = full_am
                 cache.next_pos = cache.next_pos + am.sum(1)

@@ -1478,7 +1478,7 @@ def _layer_out(layer: nn.Module, h: torch.Tensor, q: torch.Tensor, k: torch.Tens
 
 def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, positions: torch.Tensor,
                  cache: LeanCache | None, logits_to_keep: int | None, rope: RopeTable,
-                 block_size: int | None, checkpoint: bool = False) -> torch.Tensor:
+                 block_size: int | None, checkpoint: bool = False, compiled: bool = False) -> torch.Tensor:
     """Logits (B, L or logits_to_keep, V) in the weights' dtype of a stock ``LlamaForCausalLM`` (or a
     ``lean_families`` model).
 
@@ -1496,6 +1496,11 @@ def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, 
     as two checkpointed halves (``_qkv_in``, ``_layer_out``; torch.utils.checkpoint, non-reentrant)
     with the cache append between them, so the backward keeps each layer's input and its q, k, v and
     recomputes the rest; the append is not repeated by the recompute. The same numbers.
+
+    ``compiled`` (model.compile): in a call of more than one token per row (a prefill, a training or
+    scoring forward; not a decode step) each layer that ``compiled_plan`` covers runs its per-token
+    parts as two compiled functions (``_compiled_qkv``, ``_compiled_out``), its attention as here
+    (not with ``checkpoint``).
     """
     inner = hf_model.model
     B, L = ids.shape
@@ -1527,6 +1532,7 @@ def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, 
     n, d = h.shape[0], h.size(-1)                                               # n: the rows computed
     rope_keys, tables = _rope_tables(hf_model, rope, positions, h.dtype, block_size, wm is not None)
     checkpoint = checkpoint and torch.is_grad_enabled() and wm is None and live is None
+    compiled = compiled and not checkpoint and L > 1 and compile_available()   # decode steps stay eager
     for li, layer in enumerate(inner.layers):
         attn = layer.self_attn
         D = attn.head_dim
@@ -1538,10 +1544,13 @@ def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, 
                 k, v = cache.append(li, k, v)
             h = torch.utils.checkpoint.checkpoint(_layer_out, layer, h, q, k, v, att, use_reentrant=False)
             continue
-        x = rms_norm(layer.input_layernorm, h)
         if prestack:
             _prestack(layer)
-        q, k, v = _project_qkv(attn, x, wm, (cos, sin), H, Hkv, kv_bf16)
+        plan = compiled_plan(layer) if compiled and wm is None and live is None else None
+        if plan is not None:                  # the per-token parts compiled (model.compile), attention as below
+            q, k, v = _compiled_qkv(layer, h, plan, cos, sin, H, Hkv)
+        else:
+            q, k, v = _project_qkv(attn, rms_norm(layer.input_layernorm, h), wm, (cos, sin), H, Hkv, kv_bf16)
         if kv_bf16:
             q, k = q.to(torch.bfloat16), k.to(torch.bfloat16)
         if live is not None:                                                     # every row, zeros if finished
@@ -1554,7 +1563,9 @@ def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, 
             o = _attention(q.transpose(1, 2), k, v, attn.scaling, att[3], att[4], cap)  # (B, L, H*D)
         if live is not None:
             o = o.index_select(0, live)                                          # (n, L, H*D)
-        if wm is not None:
+        if plan is not None:
+            h = _compiled_out(layer, h, o, plan)
+        elif wm is not None:
             h = h + _attn_residual(layer, linear_t(attn.o_proj, o.view(n * L, H * D).to(wm).t()).t().view(n, L, d))
             x = rms_norm(_mlp_norm(layer), h).view(n * L, d)
             h = h + _mlp_residual(layer, _mlp_t(layer.mlp, x, wm).t().view(n, L, d))
