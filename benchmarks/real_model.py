@@ -55,7 +55,11 @@ Measured
    (8 x 4 bytes moved per trainable parameter: parameter, gradient and two moments read; parameter
    and moments written; the gradient zeroed for the next backward, which the phase includes). The
    optimizer's state is allocated by one step on zero gradients before the timings (a run pays that
-   once, not every step).
+   once, not every step). With ``--compile on`` (the default: rlvr's ``model.compile``, which runs
+   its decoder layers' per-token parts through torch.compile in prefills and training and scoring
+   forwards) one untimed pass of every phase runs first, for the same reason: its compiles (tens of
+   seconds) are paid once a run; the step times and the accuracy curves include them. TRL runs
+   with its default, ``torch_compile`` off.
 
 The profile also times decode's matrix products alone ("decode products": every Linear of the
 model and the output head on the decode step's rows, each weight read once a step, nothing else)
@@ -172,12 +176,14 @@ def model_dir() -> Path:
     return d
 
 
-def rlvr_config(mdir: Path, steps: int, eval_prompts: int, threads: int, numerics: str = "fp32"):
+def rlvr_config(mdir: Path, steps: int, eval_prompts: int, threads: int, numerics: str = "fp32",
+                compile_layers: bool = False):
     from rlvr import config as config_mod
 
     opts = ", ".join(f"{k} = {json.dumps(v)}" for k, v in TASK_OPTIONS.items())
     return config_mod.load(None, [
         f"--model.path={mdir}", "--model.dtype=fp32", f"--model.autocast={AUTOCAST[numerics]}", f"--model.lora_r={LORA_R}", f"--model.lora_alpha={LORA_ALPHA}",
+        f"--model.compile={str(compile_layers).lower()}",
         "--task.path=rlvr.tasks.arith:arith_task", "--task.reward=correct", f"--task.options={{{opts}}}",
         f"--train.steps={steps}", f"--train.prompts_per_step={P}", f"--train.samples_per_prompt={G}",
         f"--train.lr={LR}", f"--train.threads={threads}", "--train.seed=0",
@@ -200,11 +206,12 @@ def heldout_accuracy(policy, setup, prompts: int) -> float:
 class RlvrRun:
     """One rlvr training run driven step by step (rollout, then learn), as rlvr's own loop does."""
 
-    def __init__(self, mdir: Path, steps: int, eval_prompts: int, threads: int, numerics: str = "fp32"):
+    def __init__(self, mdir: Path, steps: int, eval_prompts: int, threads: int, numerics: str = "fp32",
+                 compile_layers: bool = False):
         from rlvr.run import build
         from rlvr.trainer import new_state
 
-        self.cfg = rlvr_config(mdir, steps, eval_prompts, threads, numerics)
+        self.cfg = rlvr_config(mdir, steps, eval_prompts, threads, numerics, compile_layers)
         self.setup = build(self.cfg, log=lambda *a: None)
         self.state = new_state(self.setup)
 
@@ -471,7 +478,7 @@ def step_times(mdir: Path, a, setup) -> dict:
     def block(lib: str, keep: bool) -> None:
         gc.collect()  # the other library's last run, kept alive by reference cycles, freed before this one
         if lib == "rlvr":
-            r = RlvrRun(mdir, a.block_steps, a.eval_prompts, a.threads, a.numerics)
+            r = RlvrRun(mdir, a.block_steps, a.eval_prompts, a.threads, a.numerics, a.compile == "on")
             times = [r.step() for _ in range(a.block_steps)]
         else:
             times = TrlRun(mdir, setup, a.block_steps, a.threads, a.numerics).run(float("inf"), [], lambda *x: None)
@@ -496,7 +503,7 @@ def accuracy_curves(mdir: Path, a, setup) -> dict:
     max_steps = a.curve_steps or 10**6
 
     gc.collect()
-    r = RlvrRun(mdir, max_steps, a.eval_prompts, a.threads, a.numerics)
+    r = RlvrRun(mdir, max_steps, a.eval_prompts, a.threads, a.numerics, a.compile == "on")
     spent, steps, pending = 0.0, 0, list(marks)
     while True:
         if pending and spent >= pending[0]:              # one evaluation, however many marks a step crossed
@@ -547,6 +554,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--numerics", choices=sorted(AUTOCAST), default="fp32",
                     help="both libraries in fp32, or both with bf16 autocast over fp32 weights")
     ap.add_argument("--profile-reps", type=int, default=3, help="timings of each phase (the median is reported)")
+    ap.add_argument("--compile", choices=["on", "off"], default="on",
+                    help="rlvr's model.compile (its decoder layers' per-token parts through torch.compile in "
+                         "prefills and training / scoring forwards); TRL runs with its default (torch_compile off)")
     ap.add_argument("--quick", action="store_true", help="2 steps each, 20 held-out prompts, no warm-up")
     ap.add_argument("--profile-only", action="store_true", help="stop after the phase profile")
     ap.add_argument("--host-memory", choices=["keep", "system"], default="keep",
@@ -569,10 +579,11 @@ def main(argv: list[str] | None = None) -> int:
           + f", copy bandwidth {bandwidth / 1e9:.2f} GB/s "
           f"({a.threads} threads; measured now, on whatever else the machine is running)", flush=True)
 
-    probe = RlvrRun(mdir, 1, a.eval_prompts, a.threads, a.numerics)
+    probe = RlvrRun(mdir, 1, a.eval_prompts, a.threads, a.numerics, a.compile == "on")
     setup = probe.setup
     print(f"numerics: {a.numerics} for both (rlvr model.autocast = {AUTOCAST[a.numerics]}, TRL bf16 = "
-          f"{a.numerics == 'bf16'}); the phase profile too", flush=True)
+          f"{a.numerics == 'bf16'}); the phase profile too; rlvr model.compile = {a.compile == 'on'} "
+          f"(TRL torch_compile = False, its default)", flush=True)
     print(f"model {mdir}: {setup.model.num_params():,} parameters, LoRA r={LORA_R} "
           f"({sum(p.numel() for p in setup.model.trainable_params()):,} trainable); longest prompt "
           f"{setup.limits.prompt_tokens} tokens", flush=True)
@@ -583,6 +594,11 @@ def main(argv: list[str] | None = None) -> int:
         p.grad = torch.zeros_like(p)
     opt.step()
     opt.zero_grad(set_to_none=True)
+    if a.compile == "on":       # the compiles (tens of seconds, once per run) before the timings, as the optimizer's state
+        t = time.perf_counter()
+        phase_times(probe, rate_bf16 or rate, bandwidth)
+        print(f"  (one untimed pass first: model.compile's compiles took {time.perf_counter() - t:.1f} s with it)",
+              flush=True)
     profile = phase_profile(probe, rate_bf16 or rate, bandwidth, a.profile_reps)
     for p in profile:
         print(f"  {p['phase']:<17} {ms(p['seconds'], 8)} ms  {p['per_s']:10,.0f}/s  bound {ms(p['bound_s'], 7)} ms "

@@ -1684,10 +1684,11 @@ def _out_block(h: torch.Tensor, o: torch.Tensor, po: tuple, nw: torch.Tensor, ep
     return h + _lin(F.silu(_lin(x, pg)) * _lin(x, pu), pd)
 
 
-def _compiled_call(name: str, fn, args: tuple, dynamic: tuple, eager):
-    """``torch.compile(fn)(*args)``, the token dimension (dim 1) of each tensor ``args[i]``, i in
-    ``dynamic``, marked dynamic so that one compiled code serves every batch length (the weights'
-    shapes stay static). Where compiling fails (no C++ compiler for Inductor's CPU kernels, an
+def _compiled_call(name: str, fn, args: tuple, dynamic: tuple[tuple[int, int], ...], eager):
+    """``torch.compile(fn)(*args)``, the token dimension ``dim`` of each tensor ``args[i]``, (i, dim)
+    in ``dynamic``, marked dynamic so that one compiled code serves every batch length (the weights'
+    shapes stay static; other sizes that change from call to call, a prompt length, become dynamic
+    after one more compile: torch.compile's automatic dynamic shapes). Where compiling fails (no C++ compiler for Inductor's CPU kernels, an
     unsupported torch), the reason is kept (``_COMPILE["failed"]``), a warning says it once, and
     ``eager()`` computes this call and every later layer runs eagerly."""
     if "failed" in _COMPILE:
@@ -1695,8 +1696,8 @@ def _compiled_call(name: str, fn, args: tuple, dynamic: tuple, eager):
     compiled = _COMPILE.get(name)
     if compiled is None:
         compiled = _COMPILE[name] = torch.compile(fn, dynamic=None)
-    for i in dynamic:
-        torch._dynamo.maybe_mark_dynamic(args[i], 1)
+    for i, dim in dynamic:
+        torch._dynamo.maybe_mark_dynamic(args[i], dim)
     try:
         return compiled(*args)
     except Exception as e:  # noqa: BLE001 - any failure to compile leaves the eager layers, said once
@@ -1709,7 +1710,7 @@ def _compiled_call(name: str, fn, args: tuple, dynamic: tuple, eager):
 def _compiled_qkv(layer: nn.Module, h: torch.Tensor, plan: tuple, cos: torch.Tensor, sin: torch.Tensor,
                   H: int, Hkv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``_qkv_in`` through the compiled ``_qkv_block`` (``compiled_plan``'s ``plan``)."""
-    return _compiled_call("qkv", _qkv_block, (h, plan[0], plan[1], plan[2], cos, sin, H, Hkv), (0, 4, 5),
+    return _compiled_call("qkv", _qkv_block, (h, plan[0], plan[1], plan[2], cos, sin, H, Hkv), ((0, 1), (4, 1), (5, 1)),
                           lambda: _qkv_in(layer, h, cos, sin, H, Hkv))
 
 
@@ -1718,18 +1719,26 @@ def _compiled_out(layer: nn.Module, h: torch.Tensor, o: torch.Tensor, plan: tupl
     def eager() -> torch.Tensor:
         h2 = h + _attn_residual(layer, linear(layer.self_attn.o_proj, o))
         return h2 + _mlp_residual(layer, _mlp(layer.mlp, rms_norm(_mlp_norm(layer), h2)))
-    return _compiled_call("out", _out_block, (h, o) + plan[3:], (0, 1), eager)
+    return _compiled_call("out", _out_block, (h, o) + plan[3:], ((0, 1), (1, 1)), eager)
 
 
 def _shared_attention(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      P: int, Lp: int, G: int, att_p: tuple, att_r: tuple) -> torch.Tensor:
-    """Attention in ``lean_forward_shared``'s one pass: q (1, N, H, D), k / v (1, Hkv, N, D) of the
-    P * Lp prompt tokens, then the B * L response tokens (B = P * G), attended per part (the prompts
-    over their own keys with masks ``att_p``, each response over its prompt's keys, repeated G times
-    as a cache with gradient holds them, and its own with ``att_r``; both as ``_attention_masks``
-    builds them) -> o (1, N, H * D)."""
+                      P: int, Lp: int, G: int, att_p: tuple, att_r: tuple, compiled: bool = False) -> torch.Tensor:
+    """Attention in ``lean_forward_shared``'s one pass (``_attend_parts`` with the layer's scaling and
+    soft cap), through torch.compile with ``compiled`` (model.compile)."""
     attn = layer.self_attn
-    cap = getattr(attn, "attn_logit_softcapping", None)
+    args = (q, k, v, P, Lp, G, attn.scaling, getattr(attn, "attn_logit_softcapping", None), att_p, att_r)
+    if compiled:
+        return _compiled_call("attn", _attend_parts, args, ((0, 1), (1, 2), (2, 2)), lambda: _attend_parts(*args))
+    return _attend_parts(*args)
+
+
+def _attend_parts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, P: int, Lp: int, G: int, scaling: float,
+                  cap: float | None, att_p: tuple, att_r: tuple) -> torch.Tensor:
+    """q (1, N, H, D), k / v (1, Hkv, N, D) of the P * Lp prompt tokens, then the B * L response tokens
+    (B = P * G), attended per part: the prompts over their own keys with masks ``att_p``, each
+    response over its prompt's keys, repeated G times as a cache with gradient holds them, and its
+    own with ``att_r`` (both as ``_attention_masks`` builds them) -> o (1, N, H * D)."""
     _, N, H, D = q.shape
     Hkv, Np, B = k.size(1), P * Lp, P * G
     L = (N - Np) // B
@@ -1741,8 +1750,8 @@ def _shared_attention(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: tor
     kr, vr = (t.view(Hkv, B, L, D).transpose(0, 1) for t in (kr, vr))        # (B, Hkv, L, D)
     kr = torch.cat([kp.repeat_interleave(G, dim=0), kr], dim=2)                    # (B, Hkv, Lp + L, D)
     vr = torch.cat([vp.repeat_interleave(G, dim=0), vr], dim=2)
-    op = _attention(qp.view(P, Lp, H, D).transpose(1, 2), kp, vp, attn.scaling, att_p[3], att_p[4], cap)
-    orr = _attention(qr.view(B, L, H, D).transpose(1, 2), kr, vr, attn.scaling, att_r[3], att_r[4], cap)
+    op = _attention(qp.view(P, Lp, H, D).transpose(1, 2), kp, vp, scaling, att_p[3], att_p[4], cap)
+    orr = _attention(qr.view(B, L, H, D).transpose(1, 2), kr, vr, scaling, att_r[3], att_r[4], cap)
     return torch.cat([op.view(Np, H * D), orr.view(B * L, H * D)]).unsqueeze(0)   # (1, N, H*D)
 
 
@@ -1809,7 +1818,7 @@ def lean_forward_shared(hf_model: nn.Module, prompt_ids: torch.Tensor, prompt_am
         plan = compiled_plan(layer) if compiled else None
         if plan is not None:                  # the per-token parts compiled (model.compile), attention as below
             q, k, v = _compiled_qkv(layer, h, plan, cos, sin, H, Hkv)
-            h = _compiled_out(layer, h, _shared_attention(layer, q, k, v, P, Lp, G, att_p, att_r), plan)
+            h = _compiled_out(layer, h, _shared_attention(layer, q, k, v, P, Lp, G, att_p, att_r, True), plan)
             continue
         q, k, v = _project_qkv(layer.self_attn, rms_norm(layer.input_layernorm, h), None, (cos, sin), H, Hkv, False)
         h = _shared_out(layer, h, q, k, v, P, Lp, G, att_p, att_r)
