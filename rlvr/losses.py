@@ -54,6 +54,8 @@ import math
 import torch
 from torch import Tensor
 
+from rlvr.compiled import compile_available, compiled_call
+
 # --- token log-probs ------------------------------------------------------------------------
 
 
@@ -118,7 +120,8 @@ def resolve_chunk_rows(chunk_rows: int | str | None, logits: Tensor) -> int | No
 
 
 def token_logprobs(
-    logits: Tensor, ids: Tensor, *, temperature: float = 1.0, chunk_rows: int | str | None = None
+    logits: Tensor, ids: Tensor, *, temperature: float = 1.0, chunk_rows: int | str | None = None,
+    compiled: bool = False,
 ) -> Tensor:
     """log softmax(logits / temperature) at ids: (B, T, V), (B, T) -> (B, T), float32 or wider.
 
@@ -146,6 +149,8 @@ def token_logprobs(
     if chunk_rows is None or chunk_rows >= B * T:
         logp_all = torch.log_softmax(logits.to(dtype) / temperature, dim=-1)  # (B, T, V)
         return logp_all.gather(-1, ids[..., None]).squeeze(-1)  # (B, T)
+    if compiled and logits.dtype in (torch.float32, torch.bfloat16, torch.float16) and compile_available():
+        return _CompiledLogprob.apply(logits.reshape(B * T, V), ids.reshape(B * T), temperature).view(B, T)
     flat = _ChunkedLogprob.apply(logits.reshape(B * T, V), ids.reshape(B * T), temperature, chunk_rows)
     return flat.view(B, T)
 
@@ -196,6 +201,51 @@ class _ChunkedLogprob(torch.autograd.Function):
             else:
                 grad[s : s + chunk_rows] = x.div_(temperature)
         return grad, None, None, None
+
+
+def _lse_block(logits: Tensor, temperature: float, floor: float) -> Tensor:
+    """(N, V) logits -> (N,) float32 ``_logsumexp_floored(logits.float() / temperature)``, as one
+    compiled kernel reads it (no float32 copy of the logits)."""
+    x = logits.float() / temperature
+    m = x.amax(dim=-1, keepdim=True)                                      # (N, 1)
+    m = torch.where(m.abs() == math.inf, torch.zeros_like(m), m)
+    return (x - m).clamp_min(floor).exp().sum(dim=-1).log() + m.squeeze(-1)
+
+
+def _logprob_grad_block(logits: Tensor, ids: Tensor, lse: Tensor, g: Tensor, temperature: float, floor: float) -> Tensor:
+    """d(sum of g * log-probs at ids)/d logits, (N, V) in the logits' dtype:
+    (onehot(ids) - softmax(logits / temperature)) * g / temperature, the exponent's arguments
+    floored as ``_ChunkedLogprob``'s; one compiled elementwise pass."""
+    x = logits.float() / temperature
+    p = (x - lse[:, None]).clamp_min(floor).exp()                         # (N, V)
+    onehot = torch.arange(logits.size(1), device=logits.device)[None, :] == ids[:, None]
+    return ((onehot.to(p.dtype) - p) * (g[:, None] / temperature)).to(logits.dtype)
+
+
+class _CompiledLogprob(torch.autograd.Function):
+    """``token_logprobs`` with ``compiled`` (model.compile): (N, V) logits, (N,) ids -> (N,) float32
+    log-probs, the log-sum-exp and the backward each one compiled pass over the logits (Inductor
+    fuses the upcast, the temperature, the exponent and the sums, so no chunk of float32 logits is
+    made); the numbers of ``_ChunkedLogprob`` to float rounding."""
+
+    @staticmethod
+    def forward(ctx, logits, ids, temperature):
+        floor = exp_floor(torch.float32)
+        args = (logits, temperature, floor)
+        lse = compiled_call("logsumexp", _lse_block, args, ((0, 0),), lambda: _lse_block(*args))   # (N,)
+        out = logits.gather(1, ids[:, None]).squeeze(1).float() / temperature - lse
+        ctx.save_for_backward(logits, ids, lse)
+        ctx.temperature = temperature
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        logits, ids, lse = ctx.saved_tensors
+        args = (logits, ids, lse, grad_out.float(), ctx.temperature, exp_floor(torch.float32))
+        grad = compiled_call("logprob_grad", _logprob_grad_block, args, ((0, 0), (1, 0), (2, 0), (3, 0)),
+                             lambda: _logprob_grad_block(*args))
+        return grad, None, None
 
 
 def sequence_logprob(logp: Tensor, mask: Tensor) -> Tensor:

@@ -628,10 +628,13 @@ def _response_logits(model, ids, am, Lp, T, G):
     return [model(ids[:, :-1], attention_mask=am[:, :-1], logits_to_keep=T, **kw)]                 # (B, T, V)
 
 
-def _score(logits, targets, off, *, temperature, top_p, top_k, min_p, chunk_rows, entropy: bool):
-    """(logp, logp_full, entropy or None) of `targets` (b, w) under `logits` (b, w, V), 0 where `off`."""
+def _score(logits, targets, off, *, temperature, top_p, top_k, min_p, chunk_rows, entropy: bool,
+           compiled: bool = False):
+    """(logp, logp_full, entropy or None) of `targets` (b, w) under `logits` (b, w, V), 0 where `off`;
+    `compiled` (model.compile): the untruncated log-probs through compiled passes (rlvr.losses.token_logprobs)."""
     if not truncates(top_p, top_k, min_p):
-        lp = lp_full = token_logprobs(logits, targets, temperature=temperature, chunk_rows=chunk_rows)
+        lp = lp_full = token_logprobs(logits, targets, temperature=temperature, chunk_rows=chunk_rows,
+                                      compiled=compiled)
     else:
         lp, lp_full = _nucleus_token_logprobs(logits, targets, temperature=temperature, top_p=top_p, top_k=top_k,
                                               min_p=min_p, chunk_rows=chunk_rows)
@@ -670,6 +673,9 @@ def sequence_token_logprobs(model, rollout: Rollout | tuple, *, temperature: flo
     reference compares; with a nucleus (``truncates``) the nucleus log-prob is derived from it at the cost of one
     logsumexp, so both come from one log-softmax) and/or the per-token entropy of that distribution
     (rlvr.losses.entropy_from_logits: one more softmax pass).
+
+    A model with ``compile_layers`` on (model.compile) scores the untruncated log-probs through
+    compiled passes (rlvr.losses.token_logprobs ``compiled``), the same numbers to float rounding.
     """
     if isinstance(rollout, Rollout):
         ids, am, Lp = rollout.ids, rollout.attention_mask, rollout.prompt_len
@@ -691,11 +697,13 @@ def sequence_token_logprobs(model, rollout: Rollout | tuple, *, temperature: flo
         ids, am, T = ids[:, :Lp + T_real], am[:, :Lp + T_real], T_real
     if temperature == 0:
         temperature, top_p, top_k, min_p = 1.0, 1.0, 0, 0.0
+    compiled = bool(getattr(model, "compile_layers", False))        # model.compile: the log-probs' passes too
     scored, c = [], Lp                                    # each block of logits scored on its own columns
     for logits in _response_logits(model, ids, am, Lp, T, group_size or 1):                      # (B, w, V)
         w = logits.size(1)
         scored.append(_score(logits, ids[:, c:c + w], am[:, c:c + w] == 0, temperature=temperature, top_p=top_p,
-                             top_k=top_k, min_p=min_p, chunk_rows=chunk_rows, entropy=return_entropy))
+                             top_k=top_k, min_p=min_p, chunk_rows=chunk_rows, entropy=return_entropy,
+                             compiled=compiled))
         c += w
     joined = (None if parts[0] is None else parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # (B, T)
               for parts in zip(*scored))

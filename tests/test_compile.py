@@ -6,6 +6,7 @@ import warnings
 import pytest
 import torch
 
+from rlvr import compiled as rlvr_compiled
 from rlvr import sampling
 from rlvr.models import lean_llama as lean
 from rlvr.models.hf import LoraSpec, load_policy
@@ -64,15 +65,15 @@ def _scored(policy, roll, compiled: bool, bf16: bool, calls: list):
 
 @pytest.fixture
 def calls(monkeypatch):
-    """The names of the compiled calls made (``_compiled_call``), in order."""
+    """The names of the compiled calls made (``rlvr.compiled.compiled_call``), in order."""
     seen = []
-    real = lean._compiled_call
+    real = lean.compiled_call
 
     def spy(name, *a, **k):
         seen.append(name)
         return real(name, *a, **k)
 
-    monkeypatch.setattr(lean, "_compiled_call", spy)
+    monkeypatch.setattr(lean, "compiled_call", spy)
     return seen
 
 
@@ -82,7 +83,7 @@ def test_compiled_layers_give_the_eager_numbers(variant, calls):
     rounding; without model.compile nothing is compiled."""
     policy, tok = variant
     if not lean.compile_available():
-        pytest.fail(f"torch.compile unavailable here: {lean._COMPILE.get('failed')}")
+        pytest.fail(f"torch.compile unavailable here: {rlvr_compiled.compile_failure()}")
     hf = policy._hf_model()
     assert all(lean.compiled_plan(layer) is not None for layer in hf.model.layers)
     roll = _rollout(policy, tok)
@@ -93,7 +94,7 @@ def test_compiled_layers_give_the_eager_numbers(variant, calls):
     torch.testing.assert_close(comp[0], eager[0], atol=1e-5, rtol=0)
     for a, b in zip(comp[1], eager[1]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
-    assert "failed" not in lean._COMPILE
+    assert rlvr_compiled.compile_failure() is None
 
 
 def test_compiled_layers_under_bf16_autocast(variant, calls):
@@ -142,15 +143,15 @@ def test_a_failed_compile_warns_once_and_runs_eagerly(variant, monkeypatch):
             raise RuntimeError("no C++ compiler found\nmore")
         return run
 
-    monkeypatch.setattr(lean, "_COMPILE", {})
+    monkeypatch.setattr(rlvr_compiled, "_COMPILED", {})
     monkeypatch.setattr(torch, "compile", broken)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         comp = _scored(policy, roll, True, False, [])
         again = _scored(policy, roll, True, False, [])
     said = [str(w.message) for w in caught if "model.compile" in str(w.message)]
-    assert len(said) == 1 and "RuntimeError: no C++ compiler found" in said[0] and "eagerly" in said[0]
-    assert not lean.compile_available()
+    assert len(said) == 1 and "RuntimeError: no C++ compiler found" in said[0] and "eager code" in said[0]
+    assert not rlvr_compiled.compile_available() and "no C++ compiler" in rlvr_compiled.compile_failure()
     for x in (comp, again):
         assert torch.equal(x[0], eager[0]) and all(torch.equal(a, b) for a, b in zip(x[1], eager[1]))
 
@@ -175,12 +176,12 @@ def test_compiled_prefill_and_full_forward_decode_steps_stay_eager(variant, call
             calls.clear()
             logits = policy(ids, attention_mask=am)                                   # (B, L, V), with gradient
             grads = torch.autograd.grad((logits.logsumexp(-1) * am).sum(), params)
-            assert calls == (["qkv", "out"] * layers if compiled else [])
+            assert calls == (["qkv", "attn rows", "out"] * layers if compiled else [])
             with torch.no_grad():
                 calls.clear()
                 cache = policy.new_cache(ids.size(0), ids.size(1))
                 pre = policy(ids[:, :-2], attention_mask=am[:, :-2], cache=cache)
-                assert calls == (["qkv", "out"] * layers if compiled else [])
+                assert calls == (["qkv", "attn rows", "out"] * layers if compiled else [])
                 calls.clear()
                 L = ids.size(1)
                 steps = [policy(ids[:, i:i + 1], attention_mask=am[:, i:i + 1], cache=cache) for i in (L - 2, L - 1)]
@@ -194,3 +195,29 @@ def test_compiled_prefill_and_full_forward_decode_steps_stay_eager(variant, call
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(out[True][2][real[:, :-2]], out[False][2][real[:, :-2]], atol=1e-5, rtol=0)
     torch.testing.assert_close(out[True][3][real[:, -2:]], out[False][3][real[:, -2:]], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_token_logprobs_give_the_chunked_numbers(dtype):
+    """``token_logprobs(compiled=True)``: the chunked path's log-probs and logit gradients to float
+    rounding (bf16 gradients: one bf16 step), at a low temperature whose exponents reach the floor
+    and with an id at every vocabulary edge."""
+    from rlvr.losses import token_logprobs
+
+    gen = torch.Generator().manual_seed(0)
+    V = 300
+    logits = (torch.randn(3, 7, V, generator=gen) * 6).to(dtype).requires_grad_(True)
+    ids = torch.randint(0, V, (3, 7), generator=gen)
+    ids[0, 0], ids[0, 1] = 0, V - 1
+    w = torch.randn(3, 7, generator=gen)
+    out = {}
+    for compiled in (False, True):
+        logits.grad = None
+        lp = token_logprobs(logits, ids, temperature=0.3, chunk_rows=4, compiled=compiled)
+        (lp * w).sum().backward()
+        out[compiled] = (lp.detach(), logits.grad.clone())
+    assert out[True][0].dtype == torch.float32
+    torch.testing.assert_close(out[True][0], out[False][0], atol=1e-5, rtol=1e-6)
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out[True][1], out[False][1], **tol)
+    assert rlvr_compiled.compile_failure() is None

@@ -33,13 +33,14 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-import warnings
 import weakref
 
 import torch
 import torch.utils.checkpoint
 import torch.nn as nn
 import torch.nn.functional as F
+
+from rlvr.compiled import compile_available, compiled_call
 
 SMALL_ATTENTION = 16384
 """On CPU, queries x keys (L * S) up to this use explicit matmul attention (a few small ops, ~3x
@@ -1498,9 +1499,9 @@ def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, 
     recomputes the rest; the append is not repeated by the recompute. The same numbers.
 
     ``compiled`` (model.compile): in a call of more than one token per row (a prefill, a training or
-    scoring forward; not a decode step) each layer that ``compiled_plan`` covers runs its per-token
-    parts as two compiled functions (``_compiled_qkv``, ``_compiled_out``), its attention as here
-    (not with ``checkpoint``).
+    scoring forward; not a decode step) each layer that ``compiled_plan`` covers runs through
+    compiled functions (``_compiled_qkv``, the attention unless the cache has the grouped layout,
+    ``_compiled_out``; not with ``checkpoint``).
     """
     inner = hf_model.model
     B, L = ids.shape
@@ -1559,6 +1560,9 @@ def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, 
             k, v = cache.append(li, k, v)                                        # grouped: keys (P, Hkv, D, S)
         if att[0]:                                                               # the grouped layout
             o = _grouped_attention(q, k, v, att[1], att[2], attn.scaling, cap)   # (B, L, H*D)
+        elif plan is not None:                                                   # compiled (model.compile)
+            args = (q.transpose(1, 2), k, v, attn.scaling, att[3], att[4], cap)
+            o = compiled_call("attn rows", _attention, args, ((0, 2), (1, 2), (2, 2)), lambda: _attention(*args))
         else:
             o = _attention(q.transpose(1, 2), k, v, attn.scaling, att[3], att[4], cap)  # (B, L, H*D)
         if live is not None:
@@ -1582,18 +1586,6 @@ def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, 
 
 
 # ---------------------------------------------------------------------- compiled layer parts
-_COMPILE: dict = {}
-"""``torch.compile``'d ``_qkv_block`` / ``_out_block`` (made at first use), and "failed": why compiling
-failed in this process (then every layer runs eagerly)."""
-
-
-def compile_available() -> bool:
-    """Whether ``model.compile`` can act here: ``torch.compile`` exists and has not failed in this
-    process (``_compiled_call``). A CPU needs a C++ compiler for Inductor's kernels; where none is
-    found the first compiled call fails, is reported once and the layers run eagerly."""
-    return hasattr(torch, "compile") and "failed" not in _COMPILE
-
-
 def _proj(m: nn.Module) -> tuple | None:
     """(weight, bias or None, ((A, B, scaling), ...)) of a plain ``nn.Linear`` or plain peft LoRA
     ``Linear`` (``_plain_lora``) for ``_lin``, weight and bias as ``linear`` reads them (the region's
@@ -1684,33 +1676,10 @@ def _out_block(h: torch.Tensor, o: torch.Tensor, po: tuple, nw: torch.Tensor, ep
     return h + _lin(F.silu(_lin(x, pg)) * _lin(x, pu), pd)
 
 
-def _compiled_call(name: str, fn, args: tuple, dynamic: tuple[tuple[int, int], ...], eager):
-    """``torch.compile(fn)(*args)``, the token dimension ``dim`` of each tensor ``args[i]``, (i, dim)
-    in ``dynamic``, marked dynamic so that one compiled code serves every batch length (the weights'
-    shapes stay static; other sizes that change from call to call, a prompt length, become dynamic
-    after one more compile: torch.compile's automatic dynamic shapes). Where compiling fails (no C++ compiler for Inductor's CPU kernels, an
-    unsupported torch), the reason is kept (``_COMPILE["failed"]``), a warning says it once, and
-    ``eager()`` computes this call and every later layer runs eagerly."""
-    if "failed" in _COMPILE:
-        return eager()
-    compiled = _COMPILE.get(name)
-    if compiled is None:
-        compiled = _COMPILE[name] = torch.compile(fn, dynamic=None)
-    for i, dim in dynamic:
-        torch._dynamo.maybe_mark_dynamic(args[i], dim)
-    try:
-        return compiled(*args)
-    except Exception as e:  # noqa: BLE001 - any failure to compile leaves the eager layers, said once
-        _COMPILE["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        warnings.warn(f"model.compile: compiling the decoder layers failed ({_COMPILE['failed']}); "
-                      f"they run eagerly in this process", RuntimeWarning, stacklevel=2)
-        return eager()
-
-
 def _compiled_qkv(layer: nn.Module, h: torch.Tensor, plan: tuple, cos: torch.Tensor, sin: torch.Tensor,
                   H: int, Hkv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``_qkv_in`` through the compiled ``_qkv_block`` (``compiled_plan``'s ``plan``)."""
-    return _compiled_call("qkv", _qkv_block, (h, plan[0], plan[1], plan[2], cos, sin, H, Hkv), ((0, 1), (4, 1), (5, 1)),
+    return compiled_call("qkv", _qkv_block, (h, plan[0], plan[1], plan[2], cos, sin, H, Hkv), ((0, 1), (4, 1), (5, 1)),
                           lambda: _qkv_in(layer, h, cos, sin, H, Hkv))
 
 
@@ -1719,7 +1688,7 @@ def _compiled_out(layer: nn.Module, h: torch.Tensor, o: torch.Tensor, plan: tupl
     def eager() -> torch.Tensor:
         h2 = h + _attn_residual(layer, linear(layer.self_attn.o_proj, o))
         return h2 + _mlp_residual(layer, _mlp(layer.mlp, rms_norm(_mlp_norm(layer), h2)))
-    return _compiled_call("out", _out_block, (h, o) + plan[3:], ((0, 1), (1, 1)), eager)
+    return compiled_call("out", _out_block, (h, o) + plan[3:], ((0, 1), (1, 1)), eager)
 
 
 def _shared_attention(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -1729,7 +1698,7 @@ def _shared_attention(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: tor
     attn = layer.self_attn
     args = (q, k, v, P, Lp, G, attn.scaling, getattr(attn, "attn_logit_softcapping", None), att_p, att_r)
     if compiled:
-        return _compiled_call("attn", _attend_parts, args, ((0, 1), (1, 2), (2, 2)), lambda: _attend_parts(*args))
+        return compiled_call("attn", _attend_parts, args, ((0, 1), (1, 2), (2, 2)), lambda: _attend_parts(*args))
     return _attend_parts(*args)
 
 
