@@ -818,6 +818,8 @@ def validate(cfg: Config, source: str | None = None) -> None:
         bad("model.lora_r", "LoRA needs a Hugging Face model (model.path)")
     if m.gradient_checkpointing and not m.path:
         bad("model.gradient_checkpointing", "needs a Hugging Face model (model.path)")
+    if m.compile and not m.path:
+        bad("model.compile", "needs a Hugging Face model (model.path)")
     if not 0 < a.ref_mixup_alpha <= 1:
         bad("algorithm.ref_mixup_alpha", f"must be in (0, 1] (1 = copy the policy), got {a.ref_mixup_alpha}")
     elif a.ref_mixup_alpha < 1 and not (a.ref_refresh_every and a.kl_coef > 0):

@@ -574,7 +574,28 @@ def _hf_policy(cfg: config_mod.Config, device: torch.device, log) -> tuple[Polic
         model.enable_gradient_checkpointing()
     model.cuda_graphs = mc.cuda_graphs
     model.compile_layers = mc.compile
+    if mc.compile:
+        log(f"note: {compile_note(model)}")
     return model, tokenizer
+
+
+def compile_note(model) -> str:
+    """What model.compile acts on for ``model`` (an HFPolicy): how many decoder layers it compiles,
+    or why none (the transformers forward, layers not of the Llama type, gradient checkpointing)."""
+    from rlvr.models.lean_llama import compiled_plan
+
+    if model.fast_unsupported is not None:
+        return f"model.compile: this model runs transformers' forward ({model.fast_unsupported}); nothing is compiled"
+    if model.gradient_checkpointing:
+        return "model.compile: with model.gradient_checkpointing the layers run eagerly; nothing is compiled"
+    layers = model._hf_model().model.layers
+    n = sum(compiled_plan(layer) is not None for layer in layers)
+    if n == 0:
+        return (f"model.compile: none of the {len(layers)} decoder layers is of the Llama type the compiled "
+                f"layers cover; they run eagerly")
+    return (f"model.compile: {n} of {len(layers)} decoder layers and the token log-probs run compiled in "
+            f"prefills and training and scoring forwards (decode steps eager); compiling takes tens of "
+            f"seconds at the first training step and the first prefill, which the price's wall time leaves out")
 
 
 def prompt_format(cfg: config_mod.Config, task: Task, tok: Tokenizer, log=print) -> PromptFormat:

@@ -221,3 +221,24 @@ def test_compiled_token_logprobs_give_the_chunked_numbers(dtype):
     tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(out[True][1], out[False][1], **tol)
     assert rlvr_compiled.compile_failure() is None
+
+
+def test_rlvr_train_with_model_compile_runs_the_compiled_layers(tmp_path, calls, capsys):
+    """`rlvr train --model.compile=true` on a tiny LoRA Llama: the note says what is compiled, the
+    run's rollout and learn stages call the compiled layers, and it trains to the end; without a
+    Hugging Face model the key is refused before any compute."""
+    from rlvr import cli
+    from rlvr.config import ConfigError, load
+
+    with pytest.raises(ConfigError, match=r"model\.compile: needs a Hugging Face model"):
+        load(None, ["--model.compile=true"])
+    d = make_model_dir(tmp_path / "llama", num_key_value_heads=2)
+    rc = cli.main(["train", "examples/sort.toml", "--out", str(tmp_path / "run"), f"--model.path={d}",
+                   "--model.lora_r=4", "--model.compile=true", "--train.prompts_per_step=4",
+                   "--train.samples_per_prompt=4", "--task.options={n = 3, heldout = 30}", "--eval.prompts=8",
+                   "--eval.pass_k=0", "--eval.every=0", "--train.steps=2"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "model.compile: 2 of 2 decoder layers and the token log-probs run compiled" in out
+    assert calls.count("qkv") >= 2 * 2 and calls.count("out") == calls.count("qkv")
+    assert rlvr_compiled.compile_failure() is None
