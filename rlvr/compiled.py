@@ -38,8 +38,9 @@ def compiled_call(name: str, fn, args: tuple, dynamic: tuple[tuple[int, int], ..
     compiled = _COMPILED.get(name)
     if compiled is None:
         compiled = _COMPILED[name] = torch.compile(fn, dynamic=None)
-    for i, dim in dynamic:
-        torch._dynamo.maybe_mark_dynamic(args[i], dim)
+    mark = getattr(torch._dynamo, "maybe_mark_dynamic", None)   # older torch: automatic dynamic shapes only
+    for i, dim in dynamic if mark is not None else ():
+        mark(args[i], dim)
     try:
         return compiled(*args)
     except Exception as e:  # noqa: BLE001 - any failure to compile leaves the eager code, said once

@@ -103,18 +103,20 @@ class ModelConfig:
     Opt-in for now: its CPU twin is tested against the eager decode, its speed on a GPU is not yet
     measured (README, "GPU")."""
     compile: bool = False
-    """Hugging Face models of the Llama type (Llama, Mistral, Qwen 2, SmolLM) on the lean forward:
-    the training forward and the no-gradient scoring forwards (logp_old, the reference), which run a
-    group's prompt and responses in one pass, compute each decoder layer's per-token parts (the
-    norms, the q/k/v, o, MLP products with their LoRA terms, rotary embeddings, the residual adds)
-    through ``torch.compile`` (Inductor: fused kernels for the elementwise passes between the
-    products, forward and backward), attention as before. Compiling takes tens of seconds at the
-    first training step and again at the first no-gradient forward (one code for every batch length),
-    so it pays over long runs, not short ones (README: SmolLM2 on a 2-core CPU). The numbers change
-    by rounding (Inductor keeps the fused elementwise chains in float32 where eager bf16 autocast
-    rounds each step): sampling stays eager, so under bf16 the sampler's and the trainer's log-probs
-    differ by more than before, which algorithm.logp_old = auto already treats. Where compiling fails
-    (a CPU needs a C++ compiler) a warning says so once and the layers run eagerly."""
+    """Hugging Face models of the Llama type (Llama, Mistral, Qwen 2, SmolLM) on the lean forward: every
+    forward of more than one token a row (the training forward and its backward, the no-gradient
+    scoring forwards of logp_old and the reference, the sampling prefill) runs each decoder layer as
+    three torch.compile'd functions (the norm, q/k/v with their LoRA terms and rotary; the attention;
+    o_proj, the residuals, the MLP's norm and block), and the token log-probs' log-sum-exp and
+    backward as one compiled pass each: Inductor's fused kernels for the elementwise passes between
+    the products. Decode steps stay eager. Compiling takes tens of seconds, at the first training
+    step, the first prefill and the first no-gradient forward (one code for every batch length),
+    which the price's wall time leaves out: it pays over runs of a few minutes or more (README:
+    SmolLM2 on a 2-core CPU). The numbers change by rounding (under bf16 Inductor keeps fused chains
+    in float32 where eager autocast rounds each step), so the sampler's log-probs and the trainer's
+    differ by more than before, which algorithm.logp_old = auto already treats. Other layer kinds and
+    runs with model.gradient_checkpointing run eagerly (the run's log says how many layers compile);
+    where compiling fails (a CPU needs a C++ compiler) a warning says so once and the eager code runs."""
     gradient_checkpointing: bool = False
     """Hugging Face models: recompute each decoder layer in the backward instead of keeping its
     activations: the backward keeps a layer's input and its q, k, v (rlvr.models.lean_llama's

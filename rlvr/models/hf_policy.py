@@ -119,8 +119,9 @@ class HFPolicy(nn.Module):
         """Decode steps over a lean cache on a CUDA device replay one CUDA graph per sampling call
         (``static_decoder``; model.cuda_graphs). False: every step runs eagerly."""
         self.compile_layers = False
-        """The lean forward's one-pass training and scoring forwards run each Llama-type decoder layer's
-        per-token parts compiled (``torch.compile``; model.compile)."""
+        """The lean forward's calls of more than one token a row (prefills, training and scoring
+        forwards) run each Llama-type decoder layer compiled (``torch.compile``; model.compile), and
+        ``rlvr.sampling.sequence_token_logprobs`` the token log-probs."""
         self.static_decode_off_gpu = False
         """Run ``static_decoder``'s fixed-shape step eagerly off a GPU too (for tests: the step a
         graph captures, compared with the eager decode on a CPU)."""

@@ -1463,6 +1463,13 @@ def _mlp_residual(layer: nn.Module, m: torch.Tensor) -> torch.Tensor:
     return rms_norm(layer.post_feedforward_layernorm, m) if _sandwich(layer) else m
 
 
+def _out_rest(layer: nn.Module, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """A decoder layer after its attention output o (B, L, H * D), on the usual path: o_proj and its
+    residual, the MLP block and its residual -> the layer's output (B, L, d)."""
+    h = h + _attn_residual(layer, linear(layer.self_attn.o_proj, o))
+    return h + _mlp_residual(layer, _mlp(layer.mlp, rms_norm(_mlp_norm(layer), h)))
+
+
 def _layer_out(layer: nn.Module, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                att: tuple) -> torch.Tensor:
     """The rest of a decoder layer on the usual path: attention over k, v (the cache's, appended to;
@@ -1473,8 +1480,7 @@ def _layer_out(layer: nn.Module, h: torch.Tensor, q: torch.Tensor, k: torch.Tens
     cap = getattr(attn, "attn_logit_softcapping", None)
     o = (_grouped_attention(q, k, v, gmask, gchunks, attn.scaling, cap) if grouped
          else _attention(q.transpose(1, 2), k, v, attn.scaling, addmask, sdpa_mask, cap))
-    h = h + _attn_residual(layer, linear(attn.o_proj, o))
-    return h + _mlp_residual(layer, _mlp(layer.mlp, rms_norm(_mlp_norm(layer), h)))
+    return _out_rest(layer, h, o)
 
 
 def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, positions: torch.Tensor,
@@ -1574,8 +1580,7 @@ def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, 
             x = rms_norm(_mlp_norm(layer), h).view(n * L, d)
             h = h + _mlp_residual(layer, _mlp_t(layer.mlp, x, wm).t().view(n, L, d))
         else:
-            h = h + _attn_residual(layer, linear(attn.o_proj, o))
-            h = h + _mlp_residual(layer, _mlp(layer.mlp, rms_norm(_mlp_norm(layer), h)))
+            h = _out_rest(layer, h, o)
     k_keep = int(logits_to_keep) if logits_to_keep is not None else 0
     if 0 < k_keep < L:
         h = h[:, -k_keep:]
@@ -1684,11 +1689,8 @@ def _compiled_qkv(layer: nn.Module, h: torch.Tensor, plan: tuple, cos: torch.Ten
 
 
 def _compiled_out(layer: nn.Module, h: torch.Tensor, o: torch.Tensor, plan: tuple) -> torch.Tensor:
-    """A layer's o_proj, residual and MLP block through the compiled ``_out_block``."""
-    def eager() -> torch.Tensor:
-        h2 = h + _attn_residual(layer, linear(layer.self_attn.o_proj, o))
-        return h2 + _mlp_residual(layer, _mlp(layer.mlp, rms_norm(_mlp_norm(layer), h2)))
-    return compiled_call("out", _out_block, (h, o) + plan[3:], ((0, 1), (1, 1)), eager)
+    """``_out_rest`` through the compiled ``_out_block``."""
+    return compiled_call("out", _out_block, (h, o) + plan[3:], ((0, 1), (1, 1)), lambda: _out_rest(layer, h, o))
 
 
 def _shared_attention(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -1729,9 +1731,7 @@ def _shared_out(layer: nn.Module, h: torch.Tensor, q: torch.Tensor, k: torch.Ten
     """The rest of a decoder layer in ``lean_forward_shared``'s one pass: attention per part
     (``_shared_attention``), then o_proj, its residual, the MLP block and its residual on all N
     tokens -> (1, N, d)."""
-    o = _shared_attention(layer, q, k, v, P, Lp, G, att_p, att_r)
-    h = h + _attn_residual(layer, linear(layer.self_attn.o_proj, o))
-    return h + _mlp_residual(layer, _mlp(layer.mlp, rms_norm(_mlp_norm(layer), h)))
+    return _out_rest(layer, h, _shared_attention(layer, q, k, v, P, Lp, G, att_p, att_r))
 
 
 def lean_forward_shared(hf_model: nn.Module, prompt_ids: torch.Tensor, prompt_am: torch.Tensor,
