@@ -116,7 +116,8 @@ class ModelConfig:
     in float32 where eager autocast rounds each step), so the sampler's log-probs and the trainer's
     differ by more than before, which algorithm.logp_old = auto already treats. Other layer kinds and
     runs with model.gradient_checkpointing run eagerly (the run's log says how many layers compile);
-    where compiling fails (a CPU needs a C++ compiler) a warning says so once and the eager code runs."""
+    where compiling fails (a CPU needs a C++ compiler) a warning says so once and the eager code runs.
+    Measured on CPUs only so far (on a GPU Inductor generates Triton kernels instead, untimed here)."""
     gradient_checkpointing: bool = False
     """Hugging Face models: recompute each decoder layer in the backward instead of keeping its
     activations: the backward keeps a layer's input and its q, k, v (rlvr.models.lean_llama's

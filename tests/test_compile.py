@@ -1,5 +1,6 @@
-"""model.compile: the lean one-pass forward's decoder layers through torch.compile (rlvr.models.lean_llama
-``compiled_plan`` / ``_compiled_call``), checked against the eager layers on tiny Hugging Face models."""
+"""model.compile: the lean forward's decoder layers (rlvr.models.lean_llama ``compiled_plan``) and the token
+log-probs (rlvr.losses ``token_logprobs(compiled=True)``) through torch.compile (rlvr.compiled), checked
+against the eager code on tiny Hugging Face models, with the fallback where compiling fails and a real run."""
 
 import warnings
 
@@ -46,8 +47,9 @@ def _rollout(policy, tok, G=3):
 
 
 def _scored(policy, roll, compiled: bool, bf16: bool, calls: list):
-    """(the shared-prompt forward's response logits (B, T-1, V), the trainable parameters' gradients of
-    a fixed weighting of them), with ``policy.compile_layers = compiled``, under bf16 autocast or not."""
+    """(the shared-prompt forward's logits at the responses' real positions (n, V), the trainable
+    parameters' gradients of a fixed weighting of them, the compiled calls seen so far), with
+    ``policy.compile_layers = compiled``, under bf16 autocast or not."""
     params = [p for p in policy.parameters() if p.requires_grad]
     G = roll.ids.size(0) // 3
     policy.compile_layers = compiled
