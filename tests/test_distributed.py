@@ -489,10 +489,11 @@ def test_more_cpus_than_the_cluster_has_is_refused_before_any_actor(ray_local):
     assert ray_local.is_initialized()  # a Ray this run did not start is left running
 
 
-@pytest.mark.parametrize("lora", [0, 4])
-def test_two_learners_on_a_hugging_face_model(ray_local, tmp_path, lora):
+@pytest.mark.parametrize("lora,compile_layers", [(0, False), (4, False), (4, True)])
+def test_two_learners_on_a_hugging_face_model(ray_local, tmp_path, lora, compile_layers):
     # a Llama's shared-prompt forward (prompts and responses in one pass) goes through DDP's forward, so
-    # its backward all-reduces; under LoRA only the adapter trains and the frozen weights take no part
+    # its backward all-reduces; under LoRA only the adapter trains and the frozen weights take no part;
+    # with model.compile the compiled layers' backward all-reduces too
     pytest.importorskip("transformers")
     import sys
 
@@ -500,8 +501,9 @@ def test_two_learners_on_a_hugging_face_model(ray_local, tmp_path, lora):
     from make_tiny_hf_model import build
 
     build(tmp_path / "llama", layers=1, hidden=32, heads=2, context=64)
-    extra = [f"--model.path={tmp_path / 'llama'}", "--model.init=", "--distributed.learners=2",
-             "--model.share_prompt_forward=true"] + ([f"--model.lora_r={lora}"] if lora else [])
+    extra = ([f"--model.path={tmp_path / 'llama'}", "--model.init=", "--distributed.learners=2",
+             "--model.share_prompt_forward=true", f"--model.compile={str(compile_layers).lower()}"]
+             + ([f"--model.lora_r={lora}"] if lora else []))
     cfg = config_mod.load(EXAMPLE, [x for x in TINY if not x.startswith("--model.n_")] + extra)
     one, two = run.build(cfg), run.build(cfg)
     two.model.load_state_dict(one.model.state_dict())  # peft's LoRA init is not seeded by train.seed
