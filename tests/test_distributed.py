@@ -511,6 +511,10 @@ def test_two_learners_on_a_hugging_face_model(ray_local, tmp_path, lora, compile
     l1, l2 = new_learner(one), new_learner(two)
     batch = _uneven_batch(one)
     learn(l1, copy.deepcopy(batch))
+    if compile_layers:                          # the one-process learner ran the compiled layers
+        from rlvr import compiled
+
+        assert compiled.compile_failure() is None and "qkv" in compiled._COMPILED
     group = learners_mod.LearnerGroup(cfg, l2)
     try:
         group.learn(batch)
