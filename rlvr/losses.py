@@ -212,7 +212,8 @@ def _lse_block(logits: Tensor, temperature: float, floor: float) -> Tensor:
     return (x - m).clamp_min(floor).exp().sum(dim=-1).log() + m.squeeze(-1)
 
 
-def _logprob_grad_block(logits: Tensor, ids: Tensor, lse: Tensor, g: Tensor, temperature: float, floor: float) -> Tensor:
+def _logprob_grad_block(logits: Tensor, ids: Tensor, lse: Tensor, g: Tensor, temperature: float,
+                        floor: float) -> Tensor:
     """d(sum of g * log-probs at ids)/d logits, (N, V) in the logits' dtype:
     (onehot(ids) - softmax(logits / temperature)) * g / temperature, the exponent's arguments
     floored as ``_ChunkedLogprob``'s; one compiled elementwise pass."""
