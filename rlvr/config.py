@@ -105,11 +105,11 @@ class ModelConfig:
     compile: bool = False
     """Hugging Face models of the Llama type (Llama, Mistral, Qwen 2, SmolLM) on the lean forward: every
     forward of more than one token a row (the training forward and its backward, the no-gradient
-    scoring forwards of logp_old and the reference, the sampling prefill) runs each decoder layer as
-    three torch.compile'd functions (the norm, q/k/v with their LoRA terms and rotary; the attention;
-    o_proj, the residuals, the MLP's norm and block), and the token log-probs' log-sum-exp and
-    backward as one compiled pass each: Inductor's fused kernels for the elementwise passes between
-    the products. Decode steps stay eager. Compiling takes tens of seconds, at the first training
+    scoring forwards of logp_old and the reference, the sampling prefill) runs each decoder layer
+    through torch.compile (one compiled function a layer in the one-pass forward of a group's prompt
+    and responses; q/k/v, the attention and the rest apart in a prefill, whose cache writes sit
+    between them), and the token log-probs' log-sum-exp and backward as one compiled pass each:
+    Inductor's fused kernels for the elementwise passes between the products. Decode steps stay eager. Compiling takes tens of seconds, at the first training
     step, the first prefill and the first no-gradient forward (one code for every batch length),
     which the price's wall time leaves out: it pays over runs of a few minutes or more (README:
     SmolLM2 on a 2-core CPU). The numbers change by rounding (under bf16 Inductor keeps fused chains

@@ -1681,6 +1681,16 @@ def _out_block(h: torch.Tensor, o: torch.Tensor, po: tuple, nw: torch.Tensor, ep
     return h + _lin(F.silu(_lin(x, pg)) * _lin(x, pu), pd)
 
 
+def _shared_layer_block(h: torch.Tensor, plan: tuple, cos: torch.Tensor, sin: torch.Tensor, H: int, Hkv: int,
+                        P: int, Lp: int, G: int, scaling: float, cap: float | None, att_p: tuple,
+                        att_r: tuple) -> torch.Tensor:
+    """A whole decoder layer of ``lean_forward_shared``'s one pass as one function to compile:
+    ``_qkv_block``, ``_attend_parts``, ``_out_block`` (``compiled_plan``'s ``plan``)."""
+    q, k, v = _qkv_block(h, plan[0], plan[1], plan[2], cos, sin, H, Hkv)
+    o = _attend_parts(q, k, v, P, Lp, G, scaling, cap, att_p, att_r)
+    return _out_block(h, o, *plan[3:])
+
+
 def _compiled_qkv(layer: nn.Module, h: torch.Tensor, plan: tuple, cos: torch.Tensor, sin: torch.Tensor,
                   H: int, Hkv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``_qkv_in`` through the compiled ``_qkv_block`` (``compiled_plan``'s ``plan``)."""
@@ -1694,14 +1704,11 @@ def _compiled_out(layer: nn.Module, h: torch.Tensor, o: torch.Tensor, plan: tupl
 
 
 def _shared_attention(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      P: int, Lp: int, G: int, att_p: tuple, att_r: tuple, compiled: bool = False) -> torch.Tensor:
-    """Attention in ``lean_forward_shared``'s one pass (``_attend_parts`` with the layer's scaling and
-    soft cap), through torch.compile with ``compiled`` (model.compile)."""
+                      P: int, Lp: int, G: int, att_p: tuple, att_r: tuple) -> torch.Tensor:
+    """Attention in ``lean_forward_shared``'s one pass: ``_attend_parts`` with the layer's scaling and
+    soft cap."""
     attn = layer.self_attn
-    args = (q, k, v, P, Lp, G, attn.scaling, getattr(attn, "attn_logit_softcapping", None), att_p, att_r)
-    if compiled:
-        return compiled_call("attn", _attend_parts, args, ((0, 1), (1, 2), (2, 2)), lambda: _attend_parts(*args))
-    return _attend_parts(*args)
+    return _attend_parts(q, k, v, P, Lp, G, attn.scaling, getattr(attn, "attn_logit_softcapping", None), att_p, att_r)
 
 
 def _attend_parts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, P: int, Lp: int, G: int, scaling: float,
@@ -1754,9 +1761,8 @@ def lean_forward_shared(hf_model: nn.Module, prompt_ids: torch.Tensor, prompt_am
     own keys, each response over its prompt's keys (repeated G times, as a cache with gradient
     holds them) and its own, masked as the two calls mask them. ``checkpoint`` (a training forward with gradient: model.gradient_checkpointing): each
     layer as ``lean_forward``'s two checkpointed halves (``_qkv_in``, ``_shared_out``), the same
-    numbers. ``compiled`` (model.compile): each layer that ``compiled_plan`` covers runs its per-token
-    parts as two compiled functions (``_compiled_qkv``, ``_compiled_out``; not with ``checkpoint``),
-    its attention as here."""
+    numbers. ``compiled`` (model.compile): each layer that ``compiled_plan`` covers runs as one
+    compiled function (``_shared_layer_block``; not with ``checkpoint``)."""
     inner, cfg = hf_model.model, hf_model.config
     P, Lp = prompt_ids.shape
     B, L = resp_ids.shape
@@ -1785,9 +1791,12 @@ def lean_forward_shared(hf_model: nn.Module, prompt_ids: torch.Tensor, prompt_am
                                                   use_reentrant=False)
             continue
         plan = compiled_plan(layer) if compiled else None
-        if plan is not None:                  # the per-token parts compiled (model.compile), attention as below
-            q, k, v = _compiled_qkv(layer, h, plan, cos, sin, H, Hkv)
-            h = _compiled_out(layer, h, _shared_attention(layer, q, k, v, P, Lp, G, att_p, att_r, True), plan)
+        if plan is not None:                  # the whole layer compiled (model.compile)
+            attn = layer.self_attn
+            args = (h, plan, cos, sin, H, Hkv, P, Lp, G, attn.scaling, getattr(attn, "attn_logit_softcapping", None),
+                    att_p, att_r)
+            h = compiled_call("layer", _shared_layer_block, args, ((0, 1), (2, 1), (3, 1)),
+                              lambda: _shared_out(layer, h, *_qkv_in(layer, h, cos, sin, H, Hkv), P, Lp, G, att_p, att_r))
             continue
         q, k, v = _project_qkv(layer.self_attn, rms_norm(layer.input_layernorm, h), None, (cos, sin), H, Hkv, False)
         h = _shared_out(layer, h, q, k, v, P, Lp, G, att_p, att_r)
