@@ -203,13 +203,10 @@ class _ChunkedLogprob(torch.autograd.Function):
         return grad, None, None, None
 
 
-def _lse_block(logits: Tensor, temperature: float, floor: float) -> Tensor:
+def _lse_block(logits: Tensor, temperature: float) -> Tensor:
     """(N, V) logits -> (N,) float32 ``_logsumexp_floored(logits.float() / temperature)``, as one
     compiled kernel reads it (no float32 copy of the logits)."""
-    x = logits.float() / temperature
-    m = x.amax(dim=-1, keepdim=True)                                      # (N, 1)
-    m = torch.where(m.abs() == math.inf, torch.zeros_like(m), m)
-    return (x - m).clamp_min(floor).exp().sum(dim=-1).log() + m.squeeze(-1)
+    return _logsumexp_floored(logits.float() / temperature)
 
 
 def _logprob_grad_block(logits: Tensor, ids: Tensor, lse: Tensor, g: Tensor, temperature: float,
@@ -231,8 +228,7 @@ class _CompiledLogprob(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, ids, temperature):
-        floor = exp_floor(torch.float32)
-        args = (logits, temperature, floor)
+        args = (logits, temperature)
         lse = compiled_call("logsumexp", _lse_block, args, ((0, 0),), lambda: _lse_block(*args))   # (N,)
         out = logits.gather(1, ids[:, None]).squeeze(1).float() / temperature - lse
         ctx.save_for_backward(logits, ids, lse)
