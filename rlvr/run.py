@@ -5,9 +5,11 @@ response bound, the end token, the longest prompt) and checks them against the m
 all before a single token is sampled; `load_run(run_dir)` reloads a run's checkpoint for
 `rlvr eval` and `rlvr probe` (a run cut off before its end: its best/ or its last state).
 
-Run directories are data: `refuse_run_task` keeps eval, probe and audit from importing a task *file*
-named by a run directory's config.toml (someone else's run directory would run their code) unless
-the user names the task again (`--task.path=...`) or passes `--trust-run-config`. Training (rlvr.trainer), evaluation and the probe share these, so
+Run directories are data: `refuse_run_task` keeps eval, probe and audit from loading anything but the
+project's own task factories (rlvr.tasks.*) when a run directory's config.toml names the task or a
+file or module in its options (someone else's run directory would run their code), and
+`run_config_guard` holds every import made while the task is built to the same rule, unless the user
+names the task again (`--task.path=...`) or passes `--trust-run-config`. Training (rlvr.trainer), evaluation and the probe share these, so
 each rule lives in one place.
 """
 
@@ -15,7 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +32,8 @@ from rlvr.models.lean_llama import bf16_weights, decode_reads_packs
 from rlvr.models.tiny import TinyConfig, TinyTransformer
 from rlvr.policy import Policy, Tokenizer
 from rlvr.state import StateError, find_complete, find_state, load_policy_weights, verify, write_dir_atomically
-from rlvr.tasks import Task, load_task, names_a_file, resolve_weights
+from rlvr.tasks import (Task, foreign_code, load_task, names_code, project_task_refusal, resolve_weights,
+                        split_path, untrusted_config)
 from rlvr.tokenizer import CharTokenizer, PromptFormat, encode_examples
 
 
@@ -350,8 +355,18 @@ def decode_step_seconds(setup: Setup) -> float:
     return (more - one) / n if more > one else more / (base + n)
 
 
-AUTOCAST_MIN_SPEEDUP = 1.2
-"""`model.autocast = auto` picks bf16 when one product runs at least this many times faster under it."""
+AUTOCAST_MIN_SPEEDUP = 2.0
+"""`model.autocast = auto` picks bf16 when the probe product runs at least this many times faster
+under it. Far above 1: bf16 changes what a run computes (and so which trajectory a seed follows),
+which is worth it only for a clear speed-up; and a threshold far from the ratios CPUs actually
+measure keeps the decision from flipping between two starts on one machine (docs/performance.md)."""
+AUTOCAST_MIN_HIDDEN = 256
+"""`model.autocast = auto` keeps fp32, without timing, for models whose hidden size is below this:
+their step is per-operation overhead more than matrix products, so bf16 buys little speed and a
+machine-dependent trajectory (docs/performance.md)."""
+AUTOCAST_SAMPLE_S = 2e-3
+"""Each timed sample of the probe product repeats it for at least this long, so a sample is the
+product's warm cost and not a timer tick or a first call's kernel choice."""
 _AUTOCAST_TIMINGS: dict[tuple, tuple[float, float]] = {}
 
 
@@ -372,22 +387,24 @@ def _cpu_bf16():
         yield
 
 
-def autocast_timings(device: torch.device, rows: int, inner: int, outer: int, budget_s: float = 0.2,
-                     reps: int = 5) -> tuple[float, float]:
-    """(fp32 seconds, bf16 seconds) of one (rows, inner) x (inner, outer) product as a Linear layer
-    computes it (the weight cast to bf16 included), plain and under bf16 autocast on `device`: the
-    best of up to `reps` timed calls of each after a warm-up call, in about `budget_s`. Stops early
-    when bf16 is clearly slower (above 1.5x fp32's time, or a warm-up past the budget). Measured
-    once per process and thread count (a few ms when cached); on a GPU each timing is 10 calls."""
+def autocast_timings(device: torch.device, rows: int, inner: int, outer: int, budget_s: float = 0.5,
+                     rounds: int = 5) -> tuple[float, float]:
+    """(fp32 seconds, bf16 seconds) of one warm (rows, inner) x (inner, outer) product as a Linear
+    layer computes it (the weight cast to bf16 included), plain and under bf16 autocast on `device`.
+
+    First-call costs are excluded: three untimed calls of each choose the kernels, then each timed
+    sample repeats the product for at least AUTOCAST_SAMPLE_S, and the result is the median of
+    `rounds` samples of each, alternated (fewer when the budget runs out). Measured once per process
+    and thread count."""
     key = (str(device), rows, inner, outer, torch.get_num_threads())
     if key in _AUTOCAST_TIMINGS:
         return _AUTOCAST_TIMINGS[key]
     x, w = torch.randn(rows, inner, device=device), torch.randn(outer, inner, device=device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    calls = 10 if device.type == "cuda" else 1
 
-    def timed(bf16: bool) -> float:
+    def timed(bf16: bool, calls: int) -> float:
         with torch.no_grad(), autocast_context(bf16, device.type):
+            sync()
             t0 = time.perf_counter()
             for _ in range(calls):
                 torch.nn.functional.linear(x, w)
@@ -395,13 +412,15 @@ def autocast_timings(device: torch.device, rows: int, inner: int, outer: int, bu
             return (time.perf_counter() - t0) / calls
 
     start = time.perf_counter()
-    fp32, bf16 = timed(False), timed(True)                       # warm-up (kernel choice, first casts)
-    if bf16 * calls < budget_s:
-        fp32, bf16 = float("inf"), float("inf")
-        for _ in range(reps):
-            fp32, bf16 = min(fp32, timed(False)), min(bf16, timed(True))
-            if bf16 > 1.5 * fp32 or time.perf_counter() - start > budget_s:
-                break
+    warm = (timed(False, 3), timed(True, 3))                     # kernel choice, first casts: not timed
+    calls = [max(1, math.ceil(AUTOCAST_SAMPLE_S / max(t, 1e-9))) for t in warm]
+    samples: tuple[list[float], list[float]] = ([], [])
+    for _ in range(rounds):
+        for i, bf16 in enumerate((False, True)):
+            samples[i].append(timed(bf16, calls[i]))
+        if time.perf_counter() - start > budget_s:
+            break
+    fp32, bf16 = (statistics.median(s) for s in samples)
     _AUTOCAST_TIMINGS[key] = (fp32, bf16)
     return fp32, bf16
 
@@ -437,28 +456,41 @@ class Numerics:
     def describe(self) -> str:
         """One line for the price: what was chosen and why, with both measured times."""
         what = "bf16 autocast" if self.bf16 else "fp32"
-        if not self.fp32_s:
-            return f"{what} (model.autocast = {self.asked})"
         rows, inner, outer = self.shape
+        if not self.fp32_s:
+            if self.asked == "auto" and inner:
+                return (f"{what} (model.autocast = auto: hidden size {inner} < {AUTOCAST_MIN_HIDDEN}, not timed: "
+                        f"a model this small is not bound by its products)")
+            return f"{what} (model.autocast = {self.asked})"
         speedup = self.fp32_s / self.bf16_s
+        auto_bf16 = auto_takes_bf16(self.fp32_s, self.bf16_s, inner)
         why = (f"bf16 needs >= {AUTOCAST_MIN_SPEEDUP}x" if self.asked == "auto" else
                "as set" + (("; slower than fp32" if speedup < 1 else "") + "; model.autocast = auto would take fp32 here"
-                           if speedup < AUTOCAST_MIN_SPEEDUP else ""))
+                           if not auto_bf16 else ""))
         return (f"{what} (model.autocast = {self.asked}: bf16 {speedup:.2f}x fp32 here, "
                 f"{self.bf16_s * 1e3:.3g} ms against {self.fp32_s * 1e3:.3g} ms for a {rows} x {inner} x {outer} "
                 f"product; {why})")
 
 
+def auto_takes_bf16(fp32_s: float, bf16_s: float, hidden: int) -> bool:
+    """The rule of `model.autocast = auto`: bf16 for a model of hidden size at least
+    AUTOCAST_MIN_HIDDEN whose probe product runs at least AUTOCAST_MIN_SPEEDUP times faster in it."""
+    return hidden >= AUTOCAST_MIN_HIDDEN and fp32_s >= AUTOCAST_MIN_SPEEDUP * bf16_s
+
+
 def choose_numerics(mode: str, device: torch.device, shape: tuple[int, int, int],
                     time_bf16: bool = False) -> Numerics:
-    """`model.autocast` resolved: `bf16` and `off` as said; `auto` times one (rows, inner, outer)
-    product with `autocast_timings` and takes bf16 when fp32 time / bf16 time >= AUTOCAST_MIN_SPEEDUP.
-    `time_bf16` (a fresh run's price): `bf16` is timed too, and kept whatever the times say, so the
-    price's wall time is at the rate bf16 runs at here and its line says when bf16 is the slower one."""
+    """`model.autocast` resolved: `bf16` and `off` as said; `auto` keeps fp32 untimed below
+    AUTOCAST_MIN_HIDDEN (the probe's inner size), else times one (rows, inner, outer) product with
+    `autocast_timings` and applies `auto_takes_bf16`. `time_bf16` (a fresh run's price): `bf16` is
+    timed too, and kept whatever the times say, so the price's wall time is at the rate bf16 runs at
+    here and its line says when bf16 is the slower one."""
     if mode == "off" or (mode == "bf16" and not time_bf16):
         return Numerics(mode == "bf16", mode, device.type)
+    if mode == "auto" and shape[1] < AUTOCAST_MIN_HIDDEN:
+        return Numerics(False, mode, device.type, shape=tuple(shape))
     fp32_s, bf16_s = autocast_timings(device, *shape)
-    bf16 = mode == "bf16" or fp32_s >= AUTOCAST_MIN_SPEEDUP * bf16_s
+    bf16 = mode == "bf16" or auto_takes_bf16(fp32_s, bf16_s, shape[1])
     return Numerics(bf16, mode, device.type, fp32_s, bf16_s, tuple(shape))
 
 
@@ -893,16 +925,84 @@ def is_run_dir(d: Path) -> bool:
     return (d / "config.toml").is_file() and any((d / f).is_file() for f in ("price.json", "metrics.jsonl", "best.json"))
 
 
+RUN_CONFIG = "config.toml"
+"""The name of the config `rlvr train` writes into a run directory."""
+
+
+def is_run_config(config_file: Path) -> bool:
+    """True when a config the user points probe or audit at is to be read as a run directory's (data):
+    it is named config.toml (what `rlvr train` writes, and what a copied run directory holds) or sits
+    beside a file rlvr writes into a run (price.json, metrics.jsonl, best.json, summary.json)."""
+    config_file = Path(config_file)
+    beside = ("price.json", "metrics.jsonl", "best.json", "summary.json")
+    return config_file.name == RUN_CONFIG or any(os.path.lexists(config_file.parent / f) for f in beside)
+
+
+def _user_options(overrides: Sequence[str]) -> set[str] | None:
+    """The top-level `task.options` keys the command line sets (`--task.options.KEY=...`); None when it
+    replaces the whole table (`--task.options=...`)."""
+    keys: set[str] = set()
+    for o in overrides:
+        name = o.split("=", 1)[0]
+        if name == "--task.options":
+            return None
+        if name.startswith("--task.options."):
+            keys.add(name[len("--task.options."):].split(".")[0])
+    return keys
+
+
+def _options_key(key: str) -> str:
+    """The top-level option of a `foreign_code` key: "task.options.rewards[1].path" -> "rewards"."""
+    return key[len("task.options."):].split(".")[0].split("[")[0]
+
+
+def _user_named(cfg: config_mod.Config, overrides: Sequence[str]) -> tuple[bool, set[str] | None]:
+    """(the command line names the task path, the options it sets: see `_user_options`)."""
+    return any(o.startswith("--task.path=") for o in overrides), _user_options(overrides)
+
+
 def refuse_run_task(cfg: config_mod.Config, config_file: Path, *, overrides: Sequence[str] = (),
                     trusted: bool = False) -> None:
-    """RunError when `cfg` (read from a run directory's `config_file`) names a task *file* the user did
-    not name again: importing it would run code that came with the run directory. A module of an
-    installed package (`rlvr.tasks.sort:sort_task`) is fine; so is `--task.path=...` or `trusted`."""
-    if trusted or any(o.startswith("--task.path=") for o in overrides) or not names_a_file(cfg.task.path):
+    """RunError, before anything is imported, when `cfg` (read from a run directory's `config_file`, or
+    any config the user did not pass as their own) names code other than the project's own task
+    factories: a run directory is data, and its config could name any module, file or builtin.
+
+    The task path must be `rlvr.tasks.NAME:factory` (a function defined there returning a Task, or a Task
+    value: `rlvr.tasks.project_task_refusal`) unless the user names it again (`--task.path=...`); no string
+    in `task.options` may name a Python file or a `module:NAME` outside rlvr.tasks
+    (`rlvr.tasks.foreign_code`) unless the user sets that option (`--task.options...`). `trusted`
+    (`--trust-run-config`) lifts both. The error names the key and the file."""
+    if trusted:
         return
-    raise RunError(f"{config_file} names the task file {cfg.task.path!r}; a run directory is data, so its code is "
-                   f"not run unless you say so (a copied run directory could run anything). Pass "
-                   f"--task.path={cfg.task.path} to load it anyway (or another task), or --trust-run-config")
+    path_given, keys = _user_named(cfg, overrides)
+    hint = ("a run directory is data, so its config may name only the project's task factories (rlvr.tasks.*) "
+            "unless you say so (a copied run directory could run anything)")
+    if not path_given:
+        why = project_task_refusal(cfg.task.path)
+        if why is not None:
+            raise RunError(f"{config_file}: task.path {why}; {hint}. Pass --task.path={cfg.task.path} to load it "
+                           f"anyway (or another task), or --trust-run-config")
+    for key, value in foreign_code(cfg.task.options):
+        top = _options_key(key)
+        if keys is None or top in keys:
+            continue
+        raise RunError(f"{config_file}: {key} = {value!r} names code outside the project's task modules; {hint}. "
+                       f"Set --task.options.{top}=... yourself, or pass --trust-run-config")
+
+
+def run_config_guard(cfg: config_mod.Config, config_file: Path, *, overrides: Sequence[str] = (),
+                     trusted: bool = False) -> contextlib.AbstractContextManager:
+    """The block in which a run directory's task is loaded (`rlvr.tasks.untrusted_config`): every import by
+    name made while the task is built (a mixture's components, a dataset task's rewards) must be a module
+    of rlvr.tasks, or what the command line itself named. No restriction when `trusted`."""
+    if trusted:
+        return contextlib.nullcontext()
+    path_given, keys = _user_named(cfg, overrides)
+    allow = {split_path(cfg.task.path)[0]} if path_given else set()
+    for key, value in foreign_code(cfg.task.options):
+        if keys is None or _options_key(key) in keys:
+            allow.add(names_code(value))
+    return untrusted_config(str(config_file), allow=sorted(allow))
 
 
 def _checkpoint(d: Path, cfg: config_mod.Config) -> tuple[Policy, Tokenizer]:
@@ -962,7 +1062,8 @@ def load_run(run_dir: Path, overrides: Sequence[str] = (), *, trusted: bool = Fa
         raise RunError(f"{run_dir} is not a finished run and holds nothing to load: {need} is missing, and there "
                        f"is no best/ or state/ (the run stopped before its first save)")
     refuse_run_task(cfg, run_dir / "config.toml", overrides=overrides, trusted=trusted)
-    setup = build(cfg)
+    with run_config_guard(cfg, run_dir / "config.toml", overrides=overrides, trusted=trusted):
+        setup = build(cfg)
     try:
         step = load_policy_weights(run_dir, setup.model)
     except StateError as e:
