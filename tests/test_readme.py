@@ -36,3 +36,25 @@ def test_every_example_is_in_the_readme_with_a_figure():
         assert re.search(r"\d\.\d{2,}", line) and "being measured" not in line, line   # a measured figure, no placeholder
     for p in (ROOT / "tests" / "configs").glob("*.toml"):
         assert f"`{p.name}`" in text and not (ROOT / "examples" / p.name).exists(), p.name
+
+
+def test_readme_is_a_front_page():
+    """The README is what a newcomer reads in five minutes; the rest lives in docs/."""
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 300
+
+
+def test_readme_links_point_at_files_that_exist():
+    text = (ROOT / "README.md").read_text()
+    targets = re.findall(r"\]\(([^)\s]+)\)", text)
+    assert targets
+    for target in targets:
+        if target.startswith(("http://", "https://", "#")):
+            continue
+        assert (ROOT / target.split("#")[0]).exists(), target
+
+
+def test_docs_build_is_one_command_in_the_readme_and_runs_in_ci():
+    """`mkdocs build --strict`: broken links and references fail the docs build, in CI too."""
+    assert 'python -m pip install -e ".[docs]" && mkdocs build --strict' in (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "mkdocs build --strict" in ci and ci.index('bash -c "$TEST_CMD"') < ci.index("mkdocs build --strict")
