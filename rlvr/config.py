@@ -111,8 +111,8 @@ class ModelConfig:
     between them), and the token log-probs' log-sum-exp and backward as one compiled pass each:
     Inductor's fused kernels for the elementwise passes between the products. Decode steps stay eager. Compiling takes tens of seconds, at the first training
     step, the first prefill and the first no-gradient forward (one code for every batch length),
-    which the price's wall time leaves out: it pays over runs of a few minutes or more (README:
-    SmolLM2 on a 2-core CPU). The numbers change by rounding (under bf16 Inductor keeps fused chains
+    which the price's wall time leaves out: it pays over runs of a few minutes or more, not in short
+    ones (figures: docs/benchmarks.md). The numbers change by rounding (under bf16 Inductor keeps fused chains
     in float32 where eager autocast rounds each step), so the sampler's log-probs and the trainer's
     differ by more than before, which algorithm.logp_old = auto already treats. Other layer kinds and
     runs with model.gradient_checkpointing run eagerly (the run's log says how many layers compile);
@@ -248,9 +248,8 @@ class AlgorithmConfig:
     the rollout stage runs that forward before the update, one more forward per batch. The price counts what runs.
     `auto` (the default): `recompute` when the policy's forwards run in bf16 (model.autocast = bf16,
     or auto choosing it; model.dtype = bf16), where the sampler's one-token decode steps and the
-    training forward's whole-sequence products round differently (SmolLM2-135M on a CPU with AMX:
-    0.0076 mean |logp_sampler - logp_train|, 0.30 on one token, and 0.15% of the first minibatch's
-    tokens clipped on that noise alone); `sampler` in fp32. The price says which was taken and why;
+    training forward's whole-sequence products round differently, enough to clip some of the first
+    minibatch's tokens on that noise alone (docs/guide/models.md); `sampler` in fp32. The price says which was taken and why;
     train/sampler_logp_absdiff shows the gap every step."""
     is_cap: float = 2.0
     """Cap C of the truncated importance weight min(π_train / π_sampler, C) of logp_old = recompute
@@ -350,17 +349,16 @@ class TrainConfig:
     """torch intra-op threads; 0 = the cores this process may use. The run warns before step 1 when
     the cores other processes keep busy (measured at the start; rlvr.run.busy_elsewhere) plus these
     threads exceed the cores: threads that share busy cores
-    wait for each other at every matmul (a 2-thread run on 2 cores beside another busy process ran
-    15-50x slower a step than with 1 thread)."""
+    wait for each other at every matmul, which makes each step many times slower
+    (docs/guide/configs.md, "Threads")."""
     host_memory: Literal["auto", "keep", "system"] = "auto"
     """How the process takes memory from the C library (rlvr.hostmem). auto: keep, except with
     model.gradient_checkpointing (system: a run that recomputes to save memory does not keep a heap at
     its peak; SmolLM2 with checkpointing peaked at 8,315 MiB under keep, 6,015 MiB under system).
     keep: glibc serves every block
     from its heap and never trims it, so the step's large temporaries (logits, activations) reuse freed
-    memory instead of faulting in fresh zeroed pages each step (SmolLM2 with LoRA on 2 cores: ~390,000
-    page faults a step to a few; the step 0.93-0.95x the time); the resident set stays at its peak,
-    ~8% above glibc's own there. Only glibc has this; elsewhere nothing changes. system: the C
+    memory instead of faulting in fresh zeroed pages each step (from hundreds of thousands of page
+    faults a step to a few; docs/performance.md); the resident set stays at its peak. Only glibc has this; elsewhere nothing changes. system: the C
     library's defaults (memory goes back to the system between steps). rlvr eval and rlvr probe
     apply it too."""
     device: str = "cpu"

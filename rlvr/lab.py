@@ -303,7 +303,7 @@ def _group_delta(row: tuple[float, ...], scheme: str, baseline: float | None, to
     """Δ of one (1, G) reward row from `advantages.compute`, as Python floats.
 
     Memoized: Δ is a pure function of the row, and a bandit run revisits the same few rows
-    (2**G orderings of 0/1 rewards) thousands of times; caching makes the exercise ~10x faster.
+    (2**G orderings of 0/1 rewards) thousands of times, so caching saves most of the exercise.
     """
     b = None if baseline is None else torch.tensor([baseline], dtype=DTYPE)
     rewards = torch.tensor([row], dtype=DTYPE)  # (1, G)

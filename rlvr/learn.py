@@ -41,9 +41,9 @@ def lr_at(cfg: config_mod.TrainConfig, opt_step: int, total: int) -> float:
 
 def make_optimizer(params: list, tc: config_mod.TrainConfig) -> torch.optim.Optimizer:
     """AdamW; its fused kernel when this torch has one for the device (same update, one kernel per
-    step instead of a loop over tensors: 0.4 ms against 3.3 ms on a 0.5M-parameter model on CPU);
-    over one flat buffer (rlvr.optim.FlatAdamW, the same update bit for bit) when the parameters are
-    many small CPU tensors that allow it (SmolLM2's 120 LoRA tensors: 2 against 4 ms a step)."""
+    step instead of a loop over tensors); over one flat buffer (rlvr.optim.FlatAdamW, the same update
+    bit for bit) when the parameters are many small CPU tensors that allow it: one pass instead of
+    one per tensor (figures: docs/benchmarks.md)."""
     kw = dict(lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
     try:
         if optim.flat_fits(params):
@@ -176,10 +176,9 @@ def prepass_logp_old(learner: Learner, batch: Batch, minibatches: list[torch.Ten
     update: each minibatch in the `train.micro_batches` parts `accumulate` will run it in, with
     gradient enabled and the policy as the learner runs it (its graph dropped at once), so every
     minibatch's first forward in epoch 0 would compute exactly these numbers at π_old. A forward
-    over other rows may not (bf16 products are not row-count invariant on every CPU: on one with
-    AMX, SmolLM2's over 32 rows was 0.028 a token from the same rows' within 64), which left each
-    minibatch's ratio off 1 by bf16 noise when the rollout stage computed logp_old over its own
-    parts.
+    over other rows may not: bf16 products are not row-count invariant on every CPU, and a ratio
+    off 1 by bf16 noise would be clipped as if the policy had moved (docs/guide/models.md, "Where
+    logp_old comes from").
 
     `shard` (a rank of a learner group, rlvr.distributed.learners.Shard): the rank's own rows of each
     minibatch, in the parts `accumulate(group=True)` runs them in, and as many forwards as it runs

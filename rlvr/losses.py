@@ -65,10 +65,9 @@ AUTO_CHUNK = "auto"
 LOGPROB_CHUNK_BYTES = {"cpu": 2 * 2**20, "cuda": 256 * 2**20}
 """The float32 (rows, V) block an automatic chunk holds, by device type (others take the CUDA size).
 On a CPU a block that stays in the core's cache makes each of the chunk's passes (cast, temperature,
-exponent, scatter, write back) run at cache speed instead of memory speed: SmolLM2's 1,024 x 49,152
-response logits took 0.33 s (bf16) for the token log-probs' forward and backward all at once against
-0.09 s in 10-row chunks on a 2-core Xeon. On a GPU the chunk bounds memory only; a larger one
-keeps the launches few."""
+exponent, scatter, write back) run at cache speed instead of memory speed, several times faster on
+a large vocabulary (figures: docs/benchmarks.md, "Figures behind the code's rules"). On a GPU the
+chunk bounds memory only; a larger one keeps the launches few."""
 
 
 def exp_floor(dtype: torch.dtype) -> float:
@@ -78,10 +77,9 @@ def exp_floor(dtype: torch.dtype) -> float:
     probability under 1.65e-38 (float32): read as exp(-87) instead, a change of less than 1.65e-38
     in any probability or logit gradient, none in a log-sum-exp whose largest term is 1 (the rest of
     its sum is absorbed). Why: torch's CPU ``exp`` (and ``logsumexp``) take a slow path on
-    arguments whose result underflows, 20-60x the time of the rest measured on a 2-core Xeon, and a
-    low sampling temperature reaches them: at temperature 0.3, 22% of SmolLM2's response logits sit
-    below the floor, and their chunked forward and backward took 362 and 496 ms against 29 and 32 ms
-    at temperature 0.7."""
+    arguments whose result underflows, many times slower than the rest, and a low sampling
+    temperature sends a large share of a real model's logits there (figures: docs/benchmarks.md,
+    "Figures behind the code's rules")."""
     return float(math.ceil(math.log(torch.finfo(dtype).tiny)))
 
 
@@ -519,10 +517,8 @@ def entropy_from_logits(logits: Tensor, *, temperature: float = 1.0, chunk_rows:
 
     p_v = exp(log p_v) is taken with log p_v floored at ``exp_floor`` (both paths): torch's CPU
     ``exp`` takes a slow path where its result underflows, and a low temperature sends most of a
-    vocabulary there. On 256 rows of 49,152 random logits with 98% of the log-probs below -87, 10-row
-    chunks took 94 ms forward and 187 ms forward and backward unfloored, 18 and 48 ms floored (one
-    chunk: 119 and 124 against 35 and 74 ms); with none below the floor 14-18 and 36-51 ms either
-    way. A probability under 1.65e-38 is read as 1.65e-38: the entropy and its gradient move by
+    vocabulary there, so the floor makes such chunks several times faster and costs nothing
+    measurable where no log-prob is below it (docs/benchmarks.md). A probability under 1.65e-38 is read as 1.65e-38: the entropy and its gradient move by
     less than V x 1.65e-38 x (1 + |log p|) (about 1e-30 at V = 49,152), nothing where no log-prob is
     below the floor.
     """

@@ -1,10 +1,9 @@
 """AdamW over one flat buffer: the same update as torch's fused AdamW, one kernel call per step.
 
 torch's fused AdamW on a CPU pays a fixed cost per parameter tensor (its Python bookkeeping, one
-step counter per tensor, one parallel region per tensor): 3-5 ms a step (step and zero_grad right
-after a backward) for the 120 LoRA tensors of SmolLM2-135M (r = 16 on q and v), where reading and
-writing their 0.9M parameters' weights, gradients and two moments takes about 1 ms at this
-machine's copy bandwidth; FlatAdamW measured 2 ms there. `FlatAdamW`
+step counter per tensor, one parallel region per tensor), which for the many small LoRA tensors of
+a real model costs several times what reading and writing their weights, gradients and two moments
+takes at the machine's copy bandwidth (figures: docs/benchmarks.md). `FlatAdamW`
 moves those parameters into one flat buffer (each parameter a view of its slice), their gradients
 into another and keeps the two moments flat, so a step is one fused call over one tensor.
 

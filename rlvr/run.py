@@ -140,7 +140,8 @@ def logp_old_note(cfg: config_mod.Config, numerics: Numerics) -> str:
 
 def actor_threads(cpus: float) -> int:
     """torch threads of an actor given `cpus` (its Ray CPU share): at least 1. A policy running more
-    threads than its share fights the other actors for cores (measured 20-50x slower per step)."""
+    threads than its share fights the other actors for cores and runs many times slower a step
+    (docs/distributed.md)."""
     return max(1, int(cpus))
 
 
@@ -156,10 +157,10 @@ def oversubscribed(threads: int, load: float, cores: int, what: str | None = Non
                    allowance: float = 1.0) -> str | None:
     """The warning when `threads` more busy threads on top of `load` busy cores exceed `cores` by more
     than `allowance`, else None; `what` says how `load` was measured (default: the 1-minute load
-    average). Two threads on two cores that another process keeps busy ran 15-50x slower a step than
-    one thread (the threads wait for each other at every matmul). The load average's allowance is
-    one core, since it also counts this process's own start-up (the matmul-rate probe, building the
-    model: 0.8 was read on an otherwise idle 2-core machine); a direct measurement that leaves this
+    average). Threads on cores that another process keeps busy wait for each other at every matmul,
+    which makes each step many times slower (docs/guide/configs.md, "Threads"). The load average's
+    allowance is one core, since it also counts this process's own start-up (the matmul-rate probe,
+    building the model: most of a core on an otherwise idle machine, docs/benchmarks.md); a direct measurement that leaves this
     process out needs only half a core."""
     if load + threads <= cores + allowance:
         return None
@@ -309,7 +310,7 @@ def decode_step_seconds(setup: Setup) -> float:
     prompt, G samples each: the cache layout of a real step (on the CPU a prompt's G rows share its
     columns, ``LeanCache.repeat_interleave``; one prompt with P x G samples would not take that
     layout); a warm-up call (on a GPU with as many tokens as the timed one: it pays for its first
-    kernel choices per cache length, ~0.1 s each on an H200; on a CPU 2 tokens), then b and b +
+    kernel choices per cache length, which cost far more than a step; on a CPU 2 tokens), then b and b +
     DECODE_PROBE_STEPS tokens timed, the difference over DECODE_PROBE_STEPS (the pair timed again,
     each call's best kept, while the difference is not positive: DECODE_PROBE_RETRIES). b = 2 where
     responses may have 3 tokens or more, else 1: a call of 2 tokens decodes one step, so both calls

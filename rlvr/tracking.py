@@ -88,8 +88,8 @@ def flatten(config_dict: dict, prefix: str = "") -> dict[str, Any]:
 
 
 class _TensorBoard:
-    """One event per row holding all its scalars (torch's FileWriter: ~0.6 ms a row against ~5 ms for
-    one add_scalar call per key on a 37-key row)."""
+    """One event per row holding all its scalars: torch's FileWriter pays per event, so one
+    add_scalar call per key costs several times as much a row (docs/benchmarks.md)."""
 
     def __init__(self, run_dir: Path, config_dict: dict, project: str):
         from tensorboard.compat.proto.summary_pb2 import Summary
@@ -126,8 +126,8 @@ _MLFLOW_BAD = re.compile(r"[^/\w.\- :]")
 
 
 class _MLflow:
-    """Metrics are sent in batches of FLUSH_AT (and at close): one log_batch per row cost ~12 ms
-    against a file store."""
+    """Metrics are sent in batches of FLUSH_AT (and at close): each log_batch call has a fixed cost
+    against a store, too much to pay once a row (docs/benchmarks.md)."""
 
     FLUSH_AT = 500
 

@@ -18,8 +18,8 @@ PATTERNS = {
     "a CPU or GPU model": r"\b(Xeon|EPYC|Ryzen|Threadripper|Core i[3579]|AMX|AVX-?512\w*|AVX2|"
                           r"H100|H200|A100|V100|RTX ?\d+)\b",
     "a machine's core count": r"\b\d+-core\b",
-    "a median of repeats": r"\bmedian of\b",
-    "alternated timings": r"\balternated\b",
+    "a median of repeats": r"\bmedians? of (\d+|two|three|four|five|six|seven|eight|nine|ten)\b",
+    "alternated timings": r"\b(\d+|two|three|four|five|six|seven|eight|nine|ten) alternated\b",
     "a time against a time": r"\d\s*(ms|us|µs|s)\s+against\b|\bagainst\s+[\d.,]+\s*(ms|us|µs)\b",
     "a rate": r"\d\s*[GMT]FLOP/s|\d\s*GB/s",
     "a machine's hour": r"\b(slow|fast|slower|faster|middle) hour\b",
@@ -50,7 +50,9 @@ def test_patterns_catch_measurement_prose():
         assert RE.search(text), text
     for text in ("measured on its own policy", "measured on this run's policy",
                  "bf16 only when it is at least 1.2x faster", "(measured at the start)",
+                 "the result is the median of `rounds` samples of each, alternated",
                  "bf16 only when it is at least 1.2x faster", "(measured at the start)",
+                 "the result is the median of `rounds` samples of each, alternated",
                  "f'{a * 1e3:.3g} ms against {b:.3g} ms'", "see docs/performance.md"):
         assert not RE.search(text), text
 

@@ -1,8 +1,8 @@
 """Decode steps at fixed shapes, replayed as one CUDA graph per sampling call.
 
 On a GPU an eager decode step of a small or mid-sized model is kernel launches, not arithmetic:
-about 50 small kernels a layer issued one at a time from Python (measured on an H200: a 0.49e9-
-parameter Llama's decode step of 256 rows took ~25 ms, at 1.4% of the bf16 peak). A CUDA graph
+about 50 small kernels a layer issued one at a time from Python, so the GPU idles at a small
+fraction of its peak (figures: docs/benchmarks.md, "On a GPU"). A CUDA graph
 records one step's kernels once and replays them with a single launch. A graph replays fixed
 shapes at fixed addresses, and the eager step's shapes change every step (the keys attended grow
 by one column, the attention mask is rebuilt by concatenation), so ``StaticDecode`` runs a

@@ -1,12 +1,11 @@
 """Which fused attention kernels rlvr's forwards let torch choose on an NVIDIA GPU.
 
-Measured on an NVIDIA H200 (torch 2.11, CUDA 13): ``F.scaled_dot_product_attention`` with a
-boolean mask chose cuDNN's attention kernel for a decode-shaped call (256 rows, 5 key/value heads
-of 4 query heads, one query, 50-83 keys, bf16). cuDNN builds an execution plan per new shape: the
-first call at each new key length took 0.07 to 1.3 s, later ones 0.4 ms. The memory-efficient
-kernel took 0.1 ms a call, with no first-call cost. Sampling meets a new key length at every
-decode step (the first step of a 128-token run took 17.5 s there, the later ones 3.6 s), and
-training meets new shapes whenever response lengths change. So on CUDA every rlvr forward runs with cuDNN's attention
+Rule: on CUDA, cuDNN's attention is switched off. Why: ``F.scaled_dot_product_attention`` with a
+boolean mask may choose cuDNN's attention kernel for a decode-shaped call, and cuDNN builds an
+execution plan per new shape, a first call many times slower than the later ones; the
+memory-efficient kernel has no first-call cost. Sampling meets a new key length at every decode
+step, and training meets new shapes whenever response lengths change (figures:
+docs/benchmarks.md, "On a GPU"). So on CUDA every rlvr forward runs with cuDNN's attention
 switched off; torch still chooses among flash, memory-efficient and math attention as it would.
 Elsewhere (CPU, MPS) nothing changes.
 """
