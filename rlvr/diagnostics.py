@@ -72,6 +72,54 @@ def response_concentration(responses: list[str]) -> dict:
     return {"train/top_response": text, "train/top_response_frac": count / len(responses)}
 
 
+def missing_symbols(answers: list[str], responses: list[str], G: int, min_frac: float = 0.05) -> dict:
+    """Characters the answers need that no response of the groups needing them writes: the sign of a
+    policy that stopped writing something (the sort task's digit it replaces by a neighbour). Once no
+    sample draws it, every group that needs it agrees at a partial reward and nothing teaches it back.
+
+    `answers` has one entry per group (P), `responses` G per group, row b in group b // G. A character
+    counts when at least `min_frac` of the groups (and at least one) need it and none of their
+    responses holds it. Returns `train/missing_symbols` (those characters, sorted, as one string) and
+    `train/missing_need_frac` (the fraction of groups needing at least one of them); {} when none."""
+    P = len(answers)
+    need: dict[str, list[int]] = {}
+    for g, answer in enumerate(answers):
+        for c in set(answer) - set(" \t\n"):
+            need.setdefault(c, []).append(g)
+    missing = sorted(c for c, groups in need.items() if len(groups) >= max(1, min_frac * P)
+                     and not any(c in responses[g * G + j] for g in groups for j in range(G)))
+    if not missing:
+        return {}
+    needing = {g for c in missing for g in need[c]}
+    return {"train/missing_symbols": "".join(missing), "train/missing_need_frac": len(needing) / P}
+
+
+def exploration_levers(entropy_coef: float, samples_per_prompt: int, temperature: float) -> dict:
+    """What a run already does to keep every token in play, read from its configuration, for the
+    warnings that recommend the next lever (`Watch.levers`)."""
+    return {"entropy_coef": entropy_coef, "samples_per_prompt": samples_per_prompt, "temperature": temperature}
+
+
+def next_exploration_lever(levers: dict) -> str:
+    """The next setting to try when a run stops sampling something it needs, never one the run has:
+    an entropy bonus first, then a stronger one, then more samples per prompt (each one more chance
+    to draw the rare token while it can still be taught back). See docs/benchmarks.md (sort over
+    seeds) for the table these steps come from."""
+    coef, G = levers.get("entropy_coef", 0.0), levers.get("samples_per_prompt", 0)
+    if not coef:
+        return ("the run has no entropy bonus: set algorithm.entropy_coef (0.01 keeps the digits of "
+                "examples/sort.toml in play; see docs/benchmarks.md)")
+    if coef < ENTROPY_STRONG:
+        return (f"algorithm.entropy_coef is {coef:g} already: raise it to {ENTROPY_STRONG:g} "
+                f"(see docs/benchmarks.md, sort over seeds)")
+    return (f"algorithm.entropy_coef is {coef:g} already: draw more samples per prompt "
+            f"(train.samples_per_prompt = {2 * G if G else 16}; each one another chance to write it)")
+
+
+ENTROPY_STRONG = 0.03
+"""The entropy bonus `next_exploration_lever` recommends once a run's own one has not been enough."""
+
+
 @dataclass
 class Watch:
     """Rules over the run's history that print a warning naming the fix.
@@ -109,6 +157,10 @@ class Watch:
     names as well (the rest of the batch solved, these stuck: a token the policy no longer samples)."""
     window: int = 10
     cooldown: int = 100
+    levers: dict = field(default_factory=dict)
+    """What the run already does to keep tokens in play (`exploration_levers`), so that no warning
+    recommends a setting the run has; set from the run's configuration, not restored from a state."""
+    _missing_since: dict = field(default_factory=dict)
     _rows: list = field(default_factory=list)
     _start_goal: float | None = None
     _evals: list = field(default_factory=list)
@@ -135,9 +187,14 @@ class Watch:
             "partial": row.get("train/agree_partial_frac"), "partial_reward": row.get("train/agree_partial_reward"),
             "top": row.get("train/top_response"), "top_frac": row.get("train/top_response_frac"),
         })
+        missing = row.get("train/missing_symbols", "")
+        self._missing_since = {c: self._missing_since.get(c, step) for c in missing}
         if len(self._rows) < self.window:
             return []
         msgs = []
+        lost = sorted(c for c, since in self._missing_since.items() if step - since + 1 >= self.window)
+        if lost and self._due("missing", step):
+            msgs.append(self._missing_message(lost, row))
         agree = self._recent("agree")
         if agree > self.agree_max and self._due("agree", step):
             msgs.append(self._agree_message(agree))
@@ -149,6 +206,31 @@ class Watch:
                         f"scores; see rollouts.jsonl, run `rlvr audit CONFIG` to see what the reward pays it, and lower "
                         f"train.lr or add a KL term (algorithm.kl_coef)")
         return msgs
+
+    def _missing_message(self, lost: list[str], row: dict) -> str:
+        since = min(self._missing_since[c] for c in lost)
+        what = " or ".join(repr(c) for c in lost)
+        need = row.get("train/missing_need_frac")
+        goal = self._plateau_since("goal")
+        plateau = f"; the training goal has stayed near {goal[1]:.3g} since step {goal[0]}" if goal else ""
+        return (f"no sample has written {what} since step {since}"
+                f"{f', though {need:.0%} of the prompts need it' if need is not None else ''}: the policy "
+                f"stopped writing it, so every group that needs it agrees and nothing teaches it back"
+                f"{plateau}; {next_exploration_lever(self.levers)}")
+
+    def _plateau_since(self, key: str, tol: float = 0.02) -> tuple[int, float] | None:
+        """(first step, value) of the stretch at the end of the run over which the `window`-step mean
+        of `key` stayed within `tol` of its last value; None without values."""
+        vals = [(r["step"], r[key]) for r in self._rows if r.get(key) is not None]
+        if len(vals) < self.window:
+            return None
+        means = [(vals[i][0], sum(v for _, v in vals[i - self.window + 1:i + 1]) / self.window)
+                 for i in range(self.window - 1, len(vals))]
+        last = means[-1][1]
+        first = len(means) - 1
+        while first > 0 and abs(means[first - 1][1] - last) <= tol:
+            first -= 1
+        return means[first][0] - self.window + 1 if first else vals[0][0], last
 
     def _agree_message(self, agree: float) -> str:
         head = f"{100 * agree:.0f}% of groups agree over the last {self.window} steps and teach nothing"
@@ -166,8 +248,7 @@ class Watch:
                 stuck = (f"; but {partial:.0%} of groups agree at the same partial reward"
                          f"{f' {value:.3g}' if value is not None else ''} without solving: the policy may have "
                          f"stopped writing something those prompts need (no sample draws it, so nothing teaches "
-                         f"it back); see rollouts.jsonl, and keep every token in play with an entropy bonus "
-                         f"(algorithm.entropy_coef, e.g. 0.01) or more samples per prompt")
+                         f"it back); see rollouts.jsonl; {next_exploration_lever(self.levers)}")
             return (f"{head}; most are fully solved: the training prompts are now too easy (use harder prompts, "
                     f"or stop if eval/goal has reached its target){stuck}")
         if top == "partial" and partial >= 0.5 * agree:

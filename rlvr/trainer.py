@@ -54,8 +54,8 @@ from pathlib import Path
 import torch
 
 from rlvr import advantages, config as config_mod, costs
-from rlvr.diagnostics import (Watch, agreement_breakdown, length_by_outcome, pass_rate_histogram,
-                              response_concentration)
+from rlvr.diagnostics import (Watch, agreement_breakdown, exploration_levers, length_by_outcome, missing_symbols,
+                              pass_rate_histogram, response_concentration)
 from rlvr.distributed import Distributed, open_distributed
 from rlvr.evaluate import evaluate
 from rlvr.hostmem import set_host_memory
@@ -65,7 +65,7 @@ from rlvr.reward_pool import RewardPool, open_pool
 from rlvr.rollout import Batch, rollout
 from rlvr.run import (RunError, Setup, build, check_device_memory, check_memory, price_of,  # noqa: F401  (RunError:
                       set_threads)                                                         # raised to the CLI)
-from rlvr.rundir import RunDir, schedule_change_note, snapshot_count
+from rlvr.rundir import LogWriteError, RunDir, schedule_change_note, snapshot_count
 from rlvr.state import StateError, load_state, save_state
 from rlvr.value import LearnedBaseline
 
@@ -74,13 +74,24 @@ STOP_AFTER_SKIPPED_STEPS = 3
 """Consecutive steps with every update skipped (non-finite loss or gradient norm) that stop the run."""
 
 
+class StartupInterrupted(KeyboardInterrupt):
+    """SIGINT / SIGTERM while the run starts (task, model, price, the step-0 evaluation): raised at once
+    in the main thread, so the run stops where it is; nothing was trained, nothing new is saved."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 class Interrupts:
-    """SIGINT / SIGTERM during a run: the first asks the loop to stop after the current step (state
+    """SIGINT / SIGTERM during a run: while `starting` (until the first step begins) it stops the run at
+    once (StartupInterrupted); then the first asks the loop to stop after the current step (state
     saved, summary marked interrupted, exit 128 + the signal's number); a second one exits at once,
     keeping the last saved state. Installed only in the main thread (signals go nowhere else)."""
 
     def __init__(self):
         self.signum: int | None = None
+        self.starting = True
         self._old: dict = {}
 
     def __enter__(self) -> "Interrupts":
@@ -95,6 +106,10 @@ class Interrupts:
 
     def _handle(self, signum: int, _frame) -> None:
         name = signal.Signals(signum).name
+        if self.starting:
+            self.signum = signum
+            os.write(2, f"\nrlvr: {name} during start-up: stopping now\n".encode())
+            raise StartupInterrupted(signum)
         if self.signum is not None:  # os.write, not print: a handler may run in the middle of a print
             os.write(2, f"\nrlvr: {name} again: exiting now; the last saved state is kept (continue with "
                         f"--resume)\n".encode())
@@ -178,10 +193,13 @@ def new_state(setup: Setup) -> RunState:
                       autocast=setup.numerics.context)
     value = (LearnedBaseline(setup.tokenizer.vocab_size, lr=ac.value_lr, seed=tc.seed, device=setup.device)
              if ac.scheme == "learned" else None)
-    return RunState(setup, learner, reference, prompt_rng, sample_gen, value=value)
+    levers = exploration_levers(cfg.algorithm.entropy_coef, cfg.train.samples_per_prompt, cfg.sampling.temperature)
+    return RunState(setup, learner, reference, prompt_rng, sample_gen, value=value, watch=Watch(levers=levers))
 
 
 def save(state: RunState, run_dir: RunDir, wall: float) -> None:
+    """Save the state after `state.step` (rlvr.state), the logs fsynced first: the state refers to their rows."""
+    run_dir.sync_logs()
     lr = state.learner
     value_t, value_meta = state.value.to_tensors() if state.value is not None else ({}, None)
     save_state(run_dir.path, step=state.step, model=lr.policy, opt=lr.opt, sched=lr.sched, ref=state.reference,
@@ -198,8 +216,8 @@ def restore(state: RunState, run_dir: RunDir) -> None:
     state.step, state.cost, state.wall_before = got["step"], {**COST_ZERO, **got["cost"]}, got["wall"]
     state.saved_step = state.step
     state.version = got["extra"].get("version", state.step)
-    if "watch" in got["extra"]:
-        state.watch = Watch(**got["extra"]["watch"])
+    if "watch" in got["extra"]:   # its history from the state, what the run does now from the configuration
+        state.watch = Watch(**{**got["extra"]["watch"], "levers": state.watch.levers})
     if state.value is not None:
         try:
             state.value.load_tensors({k[6:]: v for k, v in got["extra_tensors"].items() if k.startswith("value.")},
@@ -225,6 +243,7 @@ def step_row(step: int, batch: Batch, stats: dict, state: RunState, t0: float) -
         "train/pass_rate_hist": pass_rate_histogram(groups.hits),
         **agreement_breakdown(batch.parts[0].rewards, batch.parts[0].hits),
         **response_concentration(groups.responses),
+        **missing_symbols([e.answer for e in groups.examples], groups.responses, groups.rewards.shape[1]),
         "train/response_len": float(lengths.float().mean()),
         **{f"train/response_len_{k}": v for k, v in
            length_by_outcome(lengths, groups.hits.view(-1), batch.rollout.truncated.cpu()).items()},
@@ -371,17 +390,48 @@ def train(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, resume:
     # before the model's first allocation (rlvr.hostmem)
     host_memory = set_host_memory(cfg.train.host_memory, cfg.model.gradient_checkpointing)
     run_dir = RunDir(out, log=log)
+    state = None
     with Interrupts() as stop:
-        state = start(cfg, run_dir, overwrite=overwrite, resume=resume, log=log)
-        log(host_memory)
-        if busy:
-            run_dir.warn(state.step, busy)
         try:
+            state = start(cfg, run_dir, overwrite=overwrite, resume=resume, log=log)
+            log(host_memory)
+            if busy:
+                run_dir.warn(state.step, busy)
             with open_pool(cfg.task, state.setup.task) as state.pool, \
                     open_distributed(cfg, state.setup, state.learner, state.version, state.step, log) as state.dist:
-                return loop(run_dir, state, log, stop)
+                t0 = time.perf_counter()
+                try:
+                    return loop(run_dir, state, log, stop)
+                except LogWriteError as e:
+                    raise RunError(write_failed(run_dir, state, state.wall_before + time.perf_counter() - t0,
+                                                str(e))) from None
+        except StartupInterrupted as e:
+            return startup_interrupted(run_dir, state, e.signum, log)
         finally:
             run_dir.close()
+
+
+def write_failed(run_dir: RunDir, state: RunState, wall: float, why: str) -> str:
+    """The message of a run stopped because its log could not be written (a full disk): the state after
+    `state.step` is saved when it fits (a resume continues from there), else the last saved one is kept."""
+    if state.saved_step == state.step:
+        saved = f"the state after step {state.step} is saved"
+    else:
+        try:
+            save(state, run_dir, wall)
+            saved = f"the state after step {state.step} was saved"
+        except (StateError, LogWriteError) as e:
+            saved = f"the state after step {state.step} did not fit ({e}); {kept(state)}"
+    return (f"stopped at step {state.step}: {why}; {saved}. Free space on that disk, then continue with "
+            f"--resume (rlvr train CONFIG --out {run_dir.path} --resume)")
+
+
+def startup_interrupted(run_dir: RunDir, state: RunState | None, signum: int, log) -> dict:
+    """The summary of a run stopped by a signal before its first step: nothing trained, nothing saved."""
+    steps = state.step if state is not None else 0
+    log(f"interrupted during start-up, before step {steps + 1}; nothing new was trained or saved"
+        + (f" (the saved state after step {steps} is kept)" if steps else ""))
+    return {"interrupted": True, "signal": signal.Signals(signum).name, "exit_code": 128 + signum, "steps": steps}
 
 
 def advance(state: RunState, step: int) -> tuple[Batch, dict]:
@@ -473,6 +523,8 @@ def loop(run_dir: RunDir, state: RunState, log, stop: Interrupts | None = None) 
             f"on {row['eval/prompts']} held-out prompts")
         state.eval0 = row
     state.last_save = time.monotonic()
+    if stop is not None:
+        stop.starting = False                     # from here a signal stops the run after its step
     before_s = time.perf_counter() - t_start      # the step-0 evaluation: not a part of any step
     first = state.step + 1
     for step in range(first, tc.steps + 1):

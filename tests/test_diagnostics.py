@@ -1,9 +1,12 @@
 """Figures that show learning, and the rules that turn them into warnings naming a fix."""
 
+import json
+from pathlib import Path
+
 import torch
 
-from rlvr.diagnostics import (PASS_RATE_BINS, Watch, agreement_breakdown, length_by_outcome, pass_rate_histogram,
-                               response_concentration)
+from rlvr.diagnostics import (PASS_RATE_BINS, Watch, agreement_breakdown, exploration_levers, length_by_outcome,
+                               missing_symbols, pass_rate_histogram, response_concentration)
 
 
 def test_pass_rate_histogram_by_hand():
@@ -232,3 +235,95 @@ def test_constant_answer_points_to_rollouts_and_audit():
         x["train/top_response_frac"] = 0.8
     msg = next(m for _, m in replay(Watch(), rows, evals) if "entropy" in m)
     assert "it now answers '111' to 80% of its samples (a constant answer" in msg and "rlvr audit" in msg
+
+
+# --------------------------------------------------------------------------- a token no sample writes
+
+def test_missing_symbols_by_hand():
+    # 3 groups of 2: the answers need 0,1,3 / 3,4 / 5,6; nobody writes "3" (the first two groups need
+    # it); "5" is written once in its group; "6" is needed by 1 group of 3 and written nowhere
+    answers = ["013", "34", "56"]
+    responses = ["014", "01", "44", "4", "5", "55"]
+    got = missing_symbols(answers, responses, G=2)
+    assert got == {"train/missing_symbols": "36", "train/missing_need_frac": 1.0}
+    # a symbol counts only when enough groups need it: 6 is needed by 1/3 of the groups
+    assert missing_symbols(answers, responses, G=2, min_frac=0.5) == {"train/missing_symbols": "3",
+                                                                      "train/missing_need_frac": 2 / 3}
+    # written anywhere in the groups that need it: not missing
+    assert missing_symbols(["13"], ["31", "1"], G=2) == {}
+    assert missing_symbols(["1 3"], ["1", "13"], G=2) == {}        # whitespace is never counted
+
+
+def missing_row(step, goal, missing="3"):
+    r = {**row(agree=0.3), "train/goal": goal}
+    if missing:
+        r.update({"train/missing_symbols": missing, "train/missing_need_frac": 0.41})
+    return r
+
+
+def test_the_missing_token_warning_names_it_says_since_when_and_recommends_what_the_run_lacks():
+    """Steps 1-4 write every digit, "3" is missing from step 5 on while the goal sits at 0.59 from
+    step 3: after `window` steps of absence the warning names "3", the step it went missing and the
+    plateau's start, and recommends the next lever the run does not have."""
+    def run(levers):
+        w = Watch(window=3, cooldown=100, levers=levers)
+        msgs = []
+        for s in range(1, 9):
+            msgs += w.after_step(s, missing_row(s, goal=0.3 if s < 3 else 0.59, missing="3" if s >= 5 else ""))
+        return msgs
+
+    off, on, strong = (run(exploration_levers(c, 8, 1.0)) for c in (0.0, 0.01, 0.03))
+    for msgs in (off, on, strong):
+        assert len(msgs) == 1
+        assert msgs[0].startswith("no sample has written '3' since step 5, though 41% of the prompts need it")
+        assert "the training goal has stayed near 0.59 since step 3" in msgs[0]
+    assert "the run has no entropy bonus: set algorithm.entropy_coef" in off[0]
+    assert "algorithm.entropy_coef is 0.01 already: raise it to 0.03" in on[0] and "set algorithm.entropy_coef" not in on[0]
+    assert "algorithm.entropy_coef is 0.03 already" in strong[0] and "train.samples_per_prompt = 16" in strong[0]
+    assert "raise it" not in strong[0]
+
+
+def test_a_token_that_comes_back_resets_its_count():
+    w = Watch(window=3)
+    seen = [w.after_step(s, missing_row(s, 0.5, missing="3" if s != 3 else "")) for s in range(1, 6)]
+    assert not any(seen)                                    # missing at 1-2 and 4-5: never 3 steps in a row
+    assert w.after_step(6, missing_row(6, 0.5))             # 4, 5, 6
+
+
+def test_a_sort_run_whose_policy_never_writes_3_is_told_so(tmp_path, monkeypatch):
+    """The real command on the sort task, with the built-in model's logit of "3" pushed down by 1e4
+    (it is never sampled): the run warns that no sample writes '3', and, as it already has an entropy
+    bonus, recommends a stronger one instead of the one it has."""
+    from rlvr import cli
+    from rlvr.models import tiny
+
+    three = tiny_token_id("3")
+    forward = tiny.TinyTransformer.forward
+
+    def never_three(self, *a, **kw):
+        logits = forward(self, *a, **kw)
+        return logits.index_add(-1, torch.tensor([three]), torch.full((*logits.shape[:-1], 1), -1e4))
+
+    monkeypatch.setattr(tiny.TinyTransformer, "forward", never_three)
+    out = tmp_path / "run"
+    assert cli.main(["train", str(SORT), "--out", str(out), "--model.n_embd=32", "--model.n_layer=1",
+                     "--model.n_head=2", "--train.steps=12", "--train.prompts_per_step=16",
+                     "--train.samples_per_prompt=4", "--eval.every=0", "--eval.pass_k=0", "--eval.prompts=10",
+                     "--task.options={n = 5, heldout = 50}", "--algorithm.entropy_coef=0.01"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert all(r["train/missing_symbols"] == "3" for r in rows if "train/reward" in r)
+    warnings = [r["warning"] for r in rows if "warning" in r and "no sample has written" in r["warning"]]
+    assert len(warnings) == 1 and warnings[0].startswith("no sample has written '3' since step 1")
+    assert "algorithm.entropy_coef is 0.01 already: raise it to 0.03" in warnings[0]
+
+
+SORT = Path(__file__).resolve().parents[1] / "examples" / "sort.toml"
+
+
+def tiny_token_id(char: str) -> int:
+    from rlvr import config as config_mod, run
+
+    setup = run.build(config_mod.load(SORT, ["--model.n_embd=32", "--model.n_layer=1", "--model.n_head=2",
+                                             "--task.options={n = 5, heldout = 50}"]), log=lambda *_: None)
+    (tid,) = setup.tokenizer.encode(char)
+    return tid
