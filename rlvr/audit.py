@@ -481,7 +481,7 @@ def command(args, overrides: list[str]) -> int:
     """`rlvr audit`: 0 clean, 1 flagged, 2 bad input (message on stderr)."""
     from pathlib import Path
 
-    from rlvr.run import RunError, is_run_dir, refuse_run_task
+    from rlvr.run import RunError, is_run_config, refuse_run_task, run_config_guard
 
     def fail(msg: str) -> int:
         print(f"rlvr: error: {msg}", file=sys.stderr)
@@ -493,9 +493,12 @@ def command(args, overrides: list[str]) -> int:
         return fail(f"--prompts must be at least 1, got {args.prompts}")
     try:
         cfg = config_mod.load(args.config, overrides)
-        if is_run_dir(Path(args.config).parent):  # a run directory's config: its task file is not run unasked
-            refuse_run_task(cfg, Path(args.config), overrides=overrides, trusted=getattr(args, "trust_run_config", False))
-        task = load_task(cfg.task.path, **cfg.task.options)
+        trusted = getattr(args, "trust_run_config", False)
+        untrusted = is_run_config(Path(args.config))  # a run directory's config is data: its code is not run unasked
+        if untrusted:
+            refuse_run_task(cfg, Path(args.config), overrides=overrides, trusted=trusted)
+        with run_config_guard(cfg, Path(args.config), overrides=overrides, trusted=trusted or not untrusted):
+            task = load_task(cfg.task.path, **cfg.task.options)
         weights = resolve_weights(task, cfg.task.reward, cfg.task.reward_weights)
         with open_pool(cfg.task, task) as pool:
             result = run_audit(task, weights, prompts=args.prompts, threshold=args.threshold, seed=cfg.train.seed,

@@ -5,10 +5,13 @@ and tells you while it runs whether it is learning. Background: docs/background.
 commands:
   rlvr train CONFIG.toml [--section.key=value ...] [--out DIR] [--overwrite | --resume]
                                     train; --resume continues the run in --out from its last state
+  rlvr sft CONFIG.toml [--section.key=value ...] [--out DIR] [--overwrite]
+                                    a supervised warm start on demonstrations ([sft]); then
+                                    rlvr train CONFIG --model.init=RUN/checkpoint starts RL from it
   rlvr eval RUN_DIR [--prompts N] [--task.path=...] [--trust-run-config]
                                     reload a run's checkpoint (or best/, or its last state), score
-                                    the held-out goal; a task file named by the run is imported
-                                    only when you say so
+                                    the held-out goal; a run directory is data: code other than
+                                    rlvr.tasks.* that its config names runs only when you say so
   rlvr price CONFIG.toml [--json]   sampled tokens per gradient step, FLOPs, memory, wall-time lower bound
   rlvr probe CONFIG.toml [--checkpoint RUN_DIR] [--prompts N] [--samples K] [--json]
                                     which prompts are worth sampling: how many Δ are non-zero
@@ -59,6 +62,10 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
         out = Path(args.out) if args.out else Path("runs") / f"{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
         if args.resume and not args.out:
             raise RunError("--resume needs --out RUN_DIR (the run to continue)")
+        if not args.resume:  # a symbolic --out, or one --overwrite may not replace: refused before anything is built
+            from rlvr.rundir import RunDir
+
+            RunDir(out).check_out(overwrite=args.overwrite)
         summary = trainer.train(cfg, out, overwrite=args.overwrite, resume=args.resume)
     except (config.ConfigError, RunError, TaskError, StateError, RewardPoolError, tracking.TrackingError) as e:
         return _fail(str(e))
@@ -66,6 +73,25 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     if summary.get("interrupted"):  # stopped by SIGINT / SIGTERM after saving state: 130 / 143
         return summary["exit_code"]
     print(json.dumps({k: v for k, v in summary.items() if k != "price"}, indent=2))
+    return 0
+
+
+def cmd_sft(args: argparse.Namespace, extra: list[str]) -> int:
+    from rlvr import tracking
+    from rlvr.reward_pool import RewardPoolError
+    from rlvr.run import RunError
+    from rlvr.sft import SftError, train_sft
+    from rlvr.tasks import TaskError
+
+    try:
+        cfg = config.load(args.config, _split_overrides(extra))
+        tracking.check_installed(cfg.log)
+        out = Path(args.out) if args.out else Path("runs") / f"{Path(args.config).stem}-sft-{time.strftime('%Y%m%d-%H%M%S')}"
+        summary = train_sft(cfg, out, overwrite=args.overwrite)
+    except (config.ConfigError, RunError, TaskError, SftError, RewardPoolError, tracking.TrackingError) as e:
+        return _fail(str(e))
+    print(f"run directory: {out}")
+    print(json.dumps(summary, indent=2))
     return 0
 
 
@@ -79,17 +105,21 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
 
     try:
         overrides = _split_overrides(extra)
+        if args.prompts is not None and args.prompts < 1:
+            raise run.RunError(f"--prompts {args.prompts}: must be >= 1 (the number of held-out prompts to score)")
         run_dir = Path(args.run_dir)
         if not run_dir.is_dir():
             raise run.RunError(f"{run_dir} is not a finished run: no such directory")
-        if (run_dir / "config.toml").is_file():  # the task is imported below: never code the run directory names
-            run.refuse_run_task(config.load(run_dir / "config.toml", overrides), run_dir / "config.toml",
+        cfg_file = run_dir / "config.toml"
+        if cfg_file.is_file():  # the task is imported below: never code the run directory names
+            run.refuse_run_task(config.load(cfg_file, overrides), cfg_file,
                                 overrides=overrides, trusted=args.trust_run_config)
         cfg, model, tok = run.load_run(run_dir, overrides, trusted=args.trust_run_config,
                                        note=lambda msg: print(f"rlvr: note: {msg}", file=sys.stderr))
         run.set_threads(cfg)                    # as the run trained: its threads, its host allocator
         hostmem.set_host_memory(cfg.train.host_memory, cfg.model.gradient_checkpointing)
-        task = load_task(cfg.task.path, **cfg.task.options)
+        with run.run_config_guard(cfg, cfg_file, overrides=overrides, trusted=args.trust_run_config):
+            task = load_task(cfg.task.path, **cfg.task.options)
         weights = run.reward_weights(cfg, task)
         limits = run.limits(cfg, task, tok, model)
         numerics = run.eval_numerics(cfg, model, RunDir(run_dir).recorded_autocast())
@@ -134,8 +164,11 @@ def cmd_lab(args: argparse.Namespace, extra: list[str]) -> int:
     if args.lab_cmd is None:
         print(lab.format_report())
         return 0
-    res = lab.bandit_exercise(lrs=tuple(args.lr), seeds=args.seeds, group_size=args.group_size, steps=args.steps,
-                              scheme=args.scheme, rewards=tuple(args.rewards))
+    try:  # the lab checks its arguments (ValueError naming the one that is out of range)
+        res = lab.bandit_exercise(lrs=tuple(args.lr), seeds=args.seeds, group_size=args.group_size,
+                                  steps=args.steps, scheme=args.scheme, rewards=tuple(args.rewards))
+    except ValueError as e:
+        return _fail(f"lab bandit: {e}")
     print(lab.format_exercise(res))
     return 0
 
@@ -180,15 +213,27 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("config", help="TOML config file")
     t.add_argument("--out", help="run directory (default runs/<config>-<time>)")
-    t.add_argument("--overwrite", action="store_true", help="replace an existing run directory")
+    t.add_argument("--overwrite", action="store_true",
+                   help="replace an existing run directory: only one rlvr wrote, and only the names rlvr writes "
+                        "(never the current directory, one above it, the home directory or a symbolic link)")
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its last saved state")
     t.set_defaults(func=cmd_train)
+
+    sf = sub.add_parser("sft", allow_abbrev=False, help="a supervised warm start on demonstrations (sft.data or the "
+                        "task's demonstrate()); its checkpoint starts `rlvr train`",
+                        epilog="the [sft] keys and every other config key: rlvr train --help",
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    sf.add_argument("config", help="TOML config file (a train config; its [sft] section)")
+    sf.add_argument("--out", help="run directory (default runs/<config>-sft-<time>)")
+    sf.add_argument("--overwrite", action="store_true", help="replace an existing run directory (as rlvr train)")
+    sf.set_defaults(func=cmd_sft)
 
     e = sub.add_parser("eval", allow_abbrev=False, help="reload a run's checkpoint and evaluate it on held-out prompts")
     e.add_argument("run_dir")
     e.add_argument("--prompts", type=int, default=None, help="held-out prompts (default: the run's eval.prompts)")
     e.add_argument("--trust-run-config", action="store_true",
-                   help="import the task file the run's config.toml names (by default only installed modules)")
+                   help="run the code the run's config.toml names (a task file or module, files or modules in "
+                        "task.options); by default only the project's task factories (rlvr.tasks.*) load")
     e.set_defaults(func=cmd_eval)
 
     pr = sub.add_parser("price", allow_abbrev=False, help="price a run before it starts (sampled tokens per gradient step)")
@@ -205,7 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--split", choices=["train", "heldout"], default="train", help="which prompts to probe")
     pb.add_argument("--json", action="store_true")
     pb.add_argument("--trust-run-config", action="store_true",
-                    help="allow a task file named by a run directory's config (CONFIG inside a run, or --checkpoint's state)")
+                    help="run code other than rlvr.tasks.* named by a run directory's config (CONFIG named config.toml or "
+                         "inside a run directory, or --checkpoint's state)")
     pb.set_defaults(func=cmd_probe)
 
     au = sub.add_parser("audit", allow_abbrev=False, help="score strategies that do not solve the task; exit 1 if the reward pays them")
@@ -215,7 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     au.add_argument("--prompts", type=int, default=200, help="held-out prompts to score each strategy on")
     au.add_argument("--json", action="store_true")
     au.add_argument("--trust-run-config", action="store_true",
-                    help="allow a task file named by CONFIG when CONFIG is a run directory's config.toml")
+                    help="run code other than rlvr.tasks.* named by CONFIG when CONFIG is a run directory's config "
+                         "(named config.toml, or inside a run directory)")
     au.set_defaults(func=cmd_audit)
 
     rp = sub.add_parser("report", allow_abbrev=False,

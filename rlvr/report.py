@@ -24,17 +24,25 @@ matplotlib lines: per panel its x axis and every line's label, x and y), so a te
 check a plot from the file alone (`read_png_series`).
 
 Files written (and the only ones ever overwritten): report.html and the PNG names in PLOTS (tool_calls.png only
-for runs with tool calls).
+for runs with tool calls), each through a fresh ``tempfile.mkstemp`` file renamed into place, in an output
+directory that is checked to be a real directory (a symbolic link there is refused). A run directory is
+data: its files are read without following symbolic links (O_NOFOLLOW); a linked metrics.jsonl is refused,
+any other linked file is skipped with a warning, so a page meant to be shared never embeds a file from
+outside the run.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
+import errno
 import html
 import json
 import math
 import os
+import stat
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -120,10 +128,41 @@ def _num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def is_own_file(path: Path) -> bool:
+    """True when `path` is a regular file itself, not a symbolic link (to anything) or a directory."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def read_own_text(path: Path) -> str:
+    """The text of the run's file `path`, opened without following a symbolic link (O_NOFOLLOW) and only
+    when it is a regular file: a run directory is data, and a link in it could point at any file
+    (a key, a secret) that the page, which is meant to be shared, would then embed. OSError otherwise."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        with os.fdopen(fd, "rb") as f:
+            fd = -1
+            return f.read().decode("utf-8", errors="replace")
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def _linked(path: Path) -> str | None:
+    """A warning for a run file that is a symbolic link (never read), else None."""
+    if not path.is_symlink():
+        return None
+    return f"{path} is a symbolic link (to {os.readlink(path)}); a run's files are read only when they are its own, so it was skipped"
+
+
 def _read_jsonl(path: Path, warnings: list[str]) -> list[dict]:
     """Rows of a JSONL file. An unparseable last line is dropped (half-written); any other is an error."""
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
+        text = read_own_text(path)
     except OSError as e:
         raise ReportError(f"cannot read {path}: {e.strerror or e}") from None
     lines = text.split("\n")
@@ -145,10 +184,13 @@ def _read_jsonl(path: Path, warnings: list[str]) -> list[dict]:
 
 
 def _read_json(path: Path, warnings: list[str]) -> dict | None:
-    if not path.is_file():
+    if _linked(path):
+        warnings.append(_linked(path))
+        return None
+    if not is_own_file(path):
         return None
     try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
+        obj = json.loads(read_own_text(path))
     except (OSError, ValueError) as e:
         warnings.append(f"{path}: unreadable ({e}); ignored")
         return None
@@ -166,6 +208,9 @@ def load_run_records(run_dir) -> RunRecords:
     if not run_dir.is_dir():
         raise ReportError(f"{run_dir} is not a directory; expected a run directory (rlvr train --out)")
     metrics = run_dir / "metrics.jsonl"
+    if metrics.is_symlink():
+        raise ReportError(f"{metrics} is a symbolic link (to {os.readlink(metrics)}); a run's files are read only "
+                          f"when they are its own, never through a link")
     if not metrics.is_file():
         what = "is empty" if not any(run_dir.iterdir()) else "has no metrics.jsonl"
         raise ReportError(f"{run_dir} {what}; expected a run directory written by `rlvr train`")
@@ -187,12 +232,15 @@ def load_run_records(run_dir) -> RunRecords:
         raise ReportError(f"{metrics} has no metrics rows yet (empty, or only a half-written line); "
                           f"nothing to report")
     rollouts = run_dir / "rollouts.jsonl"
-    if rollouts.is_file():
-        rec.rollouts = [r for r in _read_jsonl(rollouts, rec.warnings) if isinstance(r.get("responses"), list)]
     cfg = run_dir / "config.toml"
-    if cfg.is_file():
+    for linked in (_linked(rollouts), _linked(cfg)):
+        if linked:
+            rec.warnings.append(linked)
+    if is_own_file(rollouts):
+        rec.rollouts = [r for r in _read_jsonl(rollouts, rec.warnings) if isinstance(r.get("responses"), list)]
+    if is_own_file(cfg):
         try:
-            rec.config_text = cfg.read_text(encoding="utf-8", errors="replace")
+            rec.config_text = read_own_text(cfg)
         except OSError as e:
             rec.warnings.append(f"{cfg}: unreadable ({e})")
     rec.summary = _read_json(run_dir / "summary.json", rec.warnings)
@@ -393,15 +441,15 @@ def plot(runs, out_dir) -> list[Path]:
     runs = [runs] if isinstance(runs, RunRecords) else list(runs)
     Figure, FigureCanvasAgg = _import_matplotlib()
     out_dir = Path(out_dir)
+    make_out_dir(out_dir)
     specs, _ = plan_plots(runs)
     names = [r.name for r in runs] if len(runs) > 1 else [""]
     written = []
     for spec in specs:
         fig, panels = _draw(spec, names, Figure, FigureCanvasAgg)
-        path = out_dir / spec.name
-        _check_writable(path)
-        fig.savefig(path, format="png", metadata={"rlvr:series": _plotted(fig, spec, panels)})
-        written.append(path)
+        series = _plotted(fig, spec, panels)
+        written.append(write_replacing(out_dir, spec.name,
+                                       lambda f: fig.savefig(f, format="png", metadata={"rlvr:series": series})))
     return written
 
 
@@ -698,10 +746,45 @@ def _check_writable(path: Path) -> None:
 
 
 def _check_out_dir(out: Path) -> None:
+    """Refuse an output directory that is a symbolic link (the page would land wherever it points), a file,
+    or one holding a link or a directory under one of the names the report writes."""
+    if out.is_symlink():
+        raise ReportError(f"{out} is a symbolic link (to {os.readlink(out)}); the report writes only into a real "
+                          f"directory: remove the link or pass --out DIR")
     if out.exists() and not out.is_dir():
         raise ReportError(f"--out {out} is a file, not a directory; choose another path")
     for name in OUTPUT_NAMES:
         _check_writable(out / name)
+
+
+def make_out_dir(out: Path) -> None:
+    """Create `out` (and its parents) and check, after creating it, that it is a real directory (not a link)."""
+    _check_out_dir(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ReportError(f"cannot create {out}: {e.strerror or e}") from None
+    _check_out_dir(out)
+
+
+def write_replacing(out: Path, name: str, write) -> Path:
+    """`out/name` written whole: `write(file)` fills a fresh file made by `tempfile.mkstemp` in the checked
+    directory `out`, which is then renamed over `out/name` (a link or directory there is refused, never
+    followed). A stale temporary name, or a link planted under one, is never opened."""
+    final = out / name
+    _check_writable(final)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=out)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.chmod(tmp, 0o644)
+        _check_writable(final)
+        os.replace(tmp, final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return final
 
 
 def default_out(run_dirs: list) -> Path:
@@ -720,13 +803,10 @@ def command(args) -> int:
         out = Path(args.out) if getattr(args, "out", None) else default_out(run_dirs)
         _check_out_dir(out)
         _import_matplotlib()  # before anything is created
-        out.mkdir(parents=True, exist_ok=True)
+        make_out_dir(out)
         pngs = plot(runs, out)
         page = render_html(runs[0], pngs) if len(runs) == 1 else render_compare_html(runs, pngs)
-        html_path = out / HTML_NAME
-        tmp = out / f".{HTML_NAME}.tmp"
-        tmp.write_text(page, encoding="utf-8")
-        os.replace(tmp, html_path)
+        html_path = write_replacing(out, HTML_NAME, lambda f: f.write(page.encode("utf-8")))
     except ReportError as e:
         print(f"rlvr: error: {e}", file=sys.stderr)
         return 2

@@ -12,10 +12,14 @@
                              stopped by a signal, `"interrupted": true` and the steps done)
 
 `RunDir` owns these files: the loop hands it rows and models and never opens a file itself.
+`--overwrite` replaces only a directory that is a run (config.toml beside price.json or metrics.jsonl)
+and deletes only the names above (and rlvr's trackers' and report's directories); it never replaces the
+current directory, one above it, the home directory or `/`, and never follows a symbolic --out.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -23,6 +27,7 @@ import tempfile
 from pathlib import Path
 
 from rlvr import config as config_mod
+from rlvr.overwrite import clear_run, overwrite_refusal
 from rlvr.run import RunError, save_checkpoint
 from rlvr.state import STATE_DIR, atomic_dir, find_complete, find_state
 
@@ -82,19 +87,126 @@ def snapshot_count(train_cfg) -> int:
     return min(train_cfg.snapshots_keep, made) if train_cfg.snapshots_keep else made
 
 
-def truncate_jsonl(path: Path, last_step: int) -> None:
-    """Keep the rows of steps <= last_step (drops what a killed run wrote after its last state)."""
-    if not path.exists():
-        return
+def kept_rows(text: str, last_step: int) -> list[str]:
+    """The lines of a JSONL log that hold a row (a JSON object) of a step <= last_step: a half-written
+    line, a line that is not an object and the rows written after the last saved state are dropped."""
     keep = []
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         try:
             row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a half-written last line
-        if row.get("step", 0) <= last_step:
+        except ValueError:
+            continue  # a half-written line (a kill, a full disk)
+        if not isinstance(row, dict):
+            continue  # not a row rlvr writes
+        step = row.get("step", 0)
+        if not isinstance(step, (int, float)) or isinstance(step, bool) or step <= last_step:
             keep.append(line)
-    path.write_text("".join(line + "\n" for line in keep))
+    return keep
+
+
+def replace_file(path: Path, data: bytes) -> None:
+    """Write `data` as `path` atomically: a temporary file in the same directory, fsynced, then renamed
+    over `path` (a kill or a full disk leaves the old file whole). The file keeps the old one's
+    permissions (0644 for a new one)."""
+    try:
+        mode = os.stat(path).st_mode & 0o777
+    except OSError:
+        mode = 0o644
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), mode)
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def truncate_jsonl(path: Path, last_step: int) -> None:
+    """Keep the rows of steps <= last_step (drops what a killed run wrote after its last state; see
+    `kept_rows`), rewriting the file atomically (`replace_file`); a LogWriteError when it cannot."""
+    if not path.exists():
+        return
+    try:
+        text = path.read_bytes().decode("utf-8", errors="replace")
+        replace_file(path, "".join(line + "\n" for line in kept_rows(text, last_step)).encode())
+    except OSError as e:
+        raise LogWriteError(write_failure(path, e)) from None
+
+
+class LogWriteError(RunError):
+    """A run's log (metrics.jsonl, rollouts.jsonl) could not be written: the message names the file, the
+    disk and its free space."""
+
+
+def mount_point(path: Path) -> Path:
+    """The mount point of the filesystem holding `path` (the nearest existing folder's)."""
+    p = Path(os.path.abspath(path))
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    while not os.path.ismount(p) and p != p.parent:
+        p = p.parent
+    return p
+
+
+def write_failure(path: Path, err: OSError) -> str:
+    """Why `path` could not be written, with the free space of its disk (the filesystem the run directory
+    is on, named by its mount point)."""
+    try:
+        free = f"{shutil.disk_usage(path.parent).free / 2**20:.1f} MiB free"
+    except OSError:
+        free = "free space unknown"
+    return (f"cannot write {path}: {err.strerror or err} (errno {err.errno}); the disk holding it (mounted at "
+            f"{mount_point(path)}) has {free}")
+
+
+def _write(fd: int, data: memoryview) -> int:
+    """os.write: the one call through which the logs reach the disk."""
+    return os.write(fd, data)
+
+
+class JsonlLog:
+    """An append-only JSONL log written a whole batch of lines at a time, unbuffered: a write that fails
+    (a full disk) is cut back to the end of the last whole line, so the file never holds a torn row,
+    and raises LogWriteError (`write_failure`); nothing stays buffered for `close` to retry."""
+
+    def __init__(self, path: Path, mode: str):
+        self.path = Path(path)
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if mode == "a" else os.O_TRUNC)
+        self._fd: int | None = os.open(self.path, flags, 0o644)
+        self._end = os.lseek(self._fd, 0, os.SEEK_END)
+
+    @property
+    def closed(self) -> bool:
+        return self._fd is None
+
+    def write(self, text: str) -> None:
+        data = text.encode("utf-8")
+        rest = memoryview(data)
+        try:
+            while rest:
+                rest = rest[_write(self._fd, rest):]
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, self._end)
+            raise LogWriteError(write_failure(self.path, e)) from None
+        self._end += len(data)
+
+    def sync(self) -> None:
+        """fsync the file: every row written so far is on the disk."""
+        try:
+            os.fsync(self._fd)
+        except OSError as e:
+            raise LogWriteError(write_failure(self.path, e)) from None
+
+    def close(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
 
 
 class RunDir:
@@ -111,10 +223,15 @@ class RunDir:
     def recorded_autocast(self) -> str | None:
         """"bf16" or "off" as the run's first start chose under model.autocast = auto (its price.json),
         so a resumed run keeps the numerics it started with; None when not recorded."""
+        path = self.path / "price.json"
         try:
-            numerics = json.loads((self.path / "price.json").read_text()).get("numerics", "")
+            price = json.loads(path.read_text())
         except (OSError, ValueError):
             return None
+        numerics = price.get("numerics", "") if isinstance(price, dict) else None
+        if not isinstance(numerics, str):
+            raise RunError(f"{path}: damaged: expected a JSON object whose \"numerics\" is a string, got "
+                           f"{json.dumps(price)[:80]}; restore the file or delete it")
         return "bf16" if numerics.startswith("bf16") else "off" if numerics.startswith("fp32") else None
 
     def check_resumable(self, cfg: config_mod.Config) -> config_mod.Config:
@@ -135,6 +252,8 @@ class RunDir:
         before any model is built: a small file is written, fsynced and removed where the run would
         write (the directory, or the nearest existing folder above it when it does not exist yet)."""
         out = self.path
+        if out.is_symlink():
+            raise RunError(f"--out {out} is a symbolic link (to {os.readlink(out)}); give the directory itself")
         where = out
         while not where.exists() and where != where.parent:
             where = where.parent
@@ -171,21 +290,38 @@ class RunDir:
                            + (f", {snapshots} snapshots as much each" if snapshots else "")
                            + "); free space or choose another directory")
 
-    def prepare(self, *, overwrite: bool) -> None:
-        """Refuse to write into an existing run unless told; nothing is deleted otherwise."""
+    def check_out(self, *, overwrite: bool) -> None:
+        """Refuse, before anything is built or deleted, an --out that is a symbolic link or a file, or one
+        --overwrite may not replace (`overwrite_refusal`)."""
         out = self.path
-        if out.exists() and not out.is_dir():
-            raise RunError(f"--out {out} is a file, not a directory; choose another path")
+        why = overwrite_refusal(out) if overwrite else None
+        if why is None and out.is_symlink():
+            why = f"--out {out} is a symbolic link (to {os.readlink(out)}); give the directory itself"
+        if why is None and out.exists() and not out.is_dir():
+            why = f"--out {out} is a file, not a directory; choose another path"
+        if why is not None:
+            raise RunError(why)
+
+    def prepare(self, *, overwrite: bool) -> None:
+        """Refuse to write into an existing run unless told; with --overwrite, delete only the names rlvr
+        writes (`clear_run`) in a directory rlvr recognises as a run (`overwrite_refusal`)."""
+        out = self.path
+        self.check_out(overwrite=overwrite)
         if out.exists() and any(out.iterdir()):
             if not overwrite:
                 raise RunError(f"--out {out} already holds files; pass --overwrite to replace them, --resume to "
                                f"continue the run, or choose another directory")
-            shutil.rmtree(out)
+            kept = clear_run(out)
+            if kept:
+                self.log(f"--overwrite: kept {len(kept)} name(s) rlvr did not write in {out}: {', '.join(kept[:5])}"
+                         + (" ..." if len(kept) > 5 else ""))
         out.mkdir(parents=True, exist_ok=True)
 
     def write_start(self, cfg: config_mod.Config, price) -> None:
-        (self.path / "config.toml").write_text(config_mod.to_toml(cfg))
-        (self.path / "price.json").write_text(json.dumps(price.to_dict(), indent=2))
+        """config.toml and price.json, each replaced atomically (a resumed run's copies stay whole if the
+        write is cut off)."""
+        replace_file(self.path / "config.toml", config_mod.to_toml(cfg).encode())
+        replace_file(self.path / "price.json", json.dumps(price.to_dict(), indent=2).encode())
 
     def open_logs(self, cfg: config_mod.Config, *, resume_after: int | None) -> None:
         """Open metrics.jsonl, rollouts.jsonl and the trackers the config asks for (rlvr.tracking);
@@ -198,13 +334,13 @@ class RunDir:
             for name in ("metrics.jsonl", "rollouts.jsonl"):
                 truncate_jsonl(self.path / name, resume_after)
             mode = "a"
-        self._metrics = open(self.path / "metrics.jsonl", mode)
-        self._rollouts = open(self.path / "rollouts.jsonl", mode)
+        self._metrics = JsonlLog(self.path / "metrics.jsonl", mode)
+        self._rollouts = JsonlLog(self.path / "rollouts.jsonl", mode)
 
     # ------------------------------------------------------------------ during the run
     def metrics(self, row: dict) -> None:
+        """Append one row to metrics.jsonl (a LogWriteError naming the disk when it cannot)."""
         self._metrics.write(json.dumps(row) + "\n")
-        self._metrics.flush()
         if self._tracker is not None and "step" in row:
             self._tracker.log(row["step"], row)
 
@@ -215,13 +351,17 @@ class RunDir:
     def rollouts(self, step: int, groups, delta, n: int) -> None:
         """The first `n` groups of the step: prompt, answer, responses, rewards and Δ."""
         G = groups.rewards.shape[1]
-        for g in range(min(n, len(groups.examples))):
-            self._rollouts.write(json.dumps({
-                "step": step, "prompt": groups.examples[g].prompt, "answer": str(groups.examples[g].answer),
-                "responses": groups.responses[g * G:(g + 1) * G], "rewards": groups.rewards[g].tolist(),
-                "delta": delta[g].tolist(),
-            }) + "\n")
-        self._rollouts.flush()
+        self._rollouts.write("".join(json.dumps({
+            "step": step, "prompt": groups.examples[g].prompt, "answer": str(groups.examples[g].answer),
+            "responses": groups.responses[g * G:(g + 1) * G], "rewards": groups.rewards[g].tolist(),
+            "delta": delta[g].tolist(),
+        }) + "\n" for g in range(min(n, len(groups.examples)))))
+
+    def sync_logs(self) -> None:
+        """fsync metrics.jsonl and rollouts.jsonl: called before a state save, which refers to their rows."""
+        for f in (self._metrics, self._rollouts):
+            if f is not None and not f.closed:
+                f.sync()
 
     def load_best(self) -> dict:
         d = find_complete(self.path, "best")

@@ -23,7 +23,10 @@ def file_run(tmp_path_factory):
     mark = d / "imported"
     (d / "marking.py").write_text(textwrap.dedent(f"""
         open({str(mark)!r}, "a").write("x")
-        from rlvr.tasks.sort import sort_task as make
+        from rlvr.tasks.sort import sort_task
+
+        def make(**options):
+            return sort_task(**options)
     """))
     run = d / "run"
     assert cli.main(["train", "examples/sort.toml", *TINY, "--train.steps=2", "--eval.every=0",

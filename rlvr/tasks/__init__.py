@@ -63,14 +63,17 @@ error names the path and the field at fault.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import difflib
 import hashlib
 import importlib
 import importlib.util
 import inspect
 import os
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -111,6 +114,10 @@ class Task:
     ``sampling.stop`` strings (with ``sampling.max_tool_calls`` > 0); returns the text to insert
     into the response before sampling goes on, or None to end the response there. It runs in
     the reward workers (or the trainer's process) on model output: parse, never ``eval``. See rlvr.tools."""
+    demonstrate: Callable[[Example], str | list | None] | None = None
+    """``demonstrate(example)``: a worked response for a training example, for ``rlvr sft`` (rlvr.sft):
+    the response text, or the turns after the prompt as ``{"role", "content"}`` messages (assistant turns
+    trained on, tool or user turns inserted between them), or None to skip that example."""
 
 
 class TaskError(ValueError):
@@ -205,11 +212,132 @@ def validate_task(task: Any) -> None:
         raise TaskError(f"step_delimiter must be a str, got {task.step_delimiter!r}")
     if task.tool is not None and not callable(task.tool):
         raise TaskError(f"tool must be None or callable, got {task.tool!r:.80}")
+    if task.demonstrate is not None and not callable(task.demonstrate):
+        raise TaskError(f"demonstrate must be None or callable, got {task.demonstrate!r:.80}")
 
 
 def is_file(target: str) -> bool:
     """True when an import target names a file (``*.py`` or a path) rather than a module."""
     return target.endswith(".py") or "/" in target or os.sep in target
+
+
+PROJECT_TASKS = "rlvr.tasks"
+"""The package whose modules a run directory's config may name (see :func:`untrusted_config`)."""
+
+_MODULE_NAME = re.compile(r"^\s*([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):([A-Za-z_]\w*)\s*$")
+_PY_FILE = re.compile(r"\.(py|pyw|pyc|so|pyd)\s*(:[^:/\\]*)?$", re.IGNORECASE)
+
+
+def in_project_tasks(target: str) -> bool:
+    """True when the import target ``target`` is a module of the project's task package
+    (``rlvr.tasks.NAME``, or deeper); never a file. The package itself (its loaders) is not one."""
+    return isinstance(target, str) and not is_file(target) and target.startswith(PROJECT_TASKS + ".")
+
+
+def names_code(value: str) -> str | None:
+    """The import target a string names when it is code: a Python file (``x.py``, ``x.py:NAME``) or a
+    ``package.module:NAME``; None for any other string (a file of data, a word)."""
+    text = value.strip()
+    if _PY_FILE.search(text):
+        return text.rpartition(":")[0] if re.search(r"\.py\w?\s*:", text) else text
+    m = _MODULE_NAME.match(text)
+    return m.group(1) if m else None
+
+
+def foreign_code(options: Any, key: str = "task.options") -> list[tuple[str, str]]:
+    """``(key, string)`` for every string in ``options`` (nested tables and lists included) that names
+    code outside the project's task modules (:func:`names_code`, :func:`in_project_tasks`)."""
+    if isinstance(options, str):
+        target = names_code(options)
+        return [(key, options)] if target is not None and not in_project_tasks(target) else []
+    if isinstance(options, dict):
+        return [hit for k, v in options.items() for hit in foreign_code(v, f"{key}.{k}")]
+    if isinstance(options, (list, tuple)):
+        return [hit for i, v in enumerate(options) for hit in foreign_code(v, f"{key}[{i}]")]
+    return []
+
+
+_UNTRUSTED: contextvars.ContextVar[tuple[str, frozenset[str]] | None] = contextvars.ContextVar(
+    "rlvr_untrusted_config", default=None)
+
+
+@contextlib.contextmanager
+def untrusted_config(source: str | None, allow: Sequence[str] = ()) -> Iterator[None]:
+    """Within the block, every import by name (:func:`load_task`, a dataset task's reward, a mixture's
+    component) must be a module of :data:`PROJECT_TASKS`, or one of the import targets in ``allow``
+    (what the user named on the command line); anything else is a TaskError naming ``source`` (the
+    config it came from). ``source=None``: no restriction (a config the user passed as their own)."""
+    token = _UNTRUSTED.set(None if source is None else (source, frozenset(allow)))
+    try:
+        yield
+    finally:
+        _UNTRUSTED.reset(token)
+
+
+def check_import(target: str, what: str) -> None:
+    """TaskError when an :func:`untrusted_config` block is active and ``target`` is not allowed in it."""
+    active = _UNTRUSTED.get()
+    if active is None:
+        return
+    source, allow = active
+    if in_project_tasks(target) or target in allow:
+        return
+    raise TaskError(f"{what}: {source} is data (a run directory's config), so it may name only the project's "
+                    f"task modules ({PROJECT_TASKS}.*), not {target!r}; pass --trust-run-config to run its code")
+
+
+def split_path(path: str) -> tuple[str, str]:
+    """``(import target, NAME)`` of a task path; NAME defaults to :data:`DEFAULT_NAME`."""
+    target, sep, name = path.rpartition(":")
+    if not sep or not target or is_file(name):  # no ':NAME' (or a Windows drive colon)
+        return path, DEFAULT_NAME
+    return target, name
+
+
+def defined_refusal(obj: Any, module: Any, name: str) -> str | None:
+    """Why ``module.name`` (``obj``) is not a task: None for a Task value or a Python function defined in
+    ``module`` itself; a builtin (``os:system``), a class or a name the module imported is refused, so
+    that a path runs only the factory it names."""
+    if isinstance(obj, Task):
+        return None
+    if inspect.isfunction(obj) and obj.__module__ == module.__name__:
+        return None
+    home = getattr(obj, "__module__", None)
+    if not callable(obj):
+        return f"{name} is a {type(obj).__name__}, not a Task or a function returning one"
+    if inspect.isbuiltin(obj) or home in (None, "builtins"):
+        kind = "a built-in"
+    elif inspect.isclass(obj):
+        kind = "a class"
+    elif inspect.isfunction(obj):
+        kind = f"imported from {home}"
+    else:
+        kind = f"a {type(obj).__name__}"
+    return (f"{name} is {kind}, not a Task or a function defined in {module.__name__}; name the module that "
+            f"defines the task function")
+
+
+def project_task_refusal(path: str) -> str | None:
+    """Why ``path`` is not one of the project's own task factories: None for ``rlvr.tasks.NAME:factory``
+    where factory is a Task value or a function defined there and annotated ``-> Task``."""
+    if not isinstance(path, str):
+        return f"{path!r} is not a task path"
+    target, name = split_path(path)
+    if not in_project_tasks(target):
+        return f"{path!r} is not one of the project's task modules ({PROJECT_TASKS}.NAME)"
+    try:
+        module = importlib.import_module(target)
+    except Exception as e:
+        return f"{path!r}: module {target!r} failed to import: {type(e).__name__}: {e}"
+    if not name.isidentifier() or not hasattr(module, name):
+        return f"{path!r}: {target} has no {name!r}"
+    obj = getattr(module, name)
+    why = defined_refusal(obj, module, name)
+    if why is not None:
+        return f"{path!r}: {why}"
+    if not isinstance(obj, Task) and inspect.signature(obj).return_annotation not in (Task, "Task"):
+        return f"{path!r}: {name} is not a task factory (a function annotated to return a Task)"
+    return None
 
 
 def names_a_file(path: str) -> bool:
@@ -324,8 +452,9 @@ def load_task(path: str, **kwargs: Any) -> Task:
     """Load the task at ``path`` and check it against the contract.
 
     ``path`` is ``package.module:NAME`` or ``path/to/file.py:NAME`` (NAME defaults to
-    ``TASK``). NAME may be a Task, or a callable returning one, which is called with
-    ``kwargs``. Raises TaskError, with ``path`` in the message, when the file does not exist,
+    ``TASK``). NAME may be a Task, or a function defined in that module (never a builtin, a class
+    or a name the module imported: see :func:`defined_refusal`) returning one, which is called with
+    ``kwargs``. Inside an :func:`untrusted_config` block only the project's task modules load. Raises TaskError, with ``path`` in the message, when the file does not exist,
     the module does not import (the import error is shown), the module or the call raises
     SystemExit (``sys.exit``: never a silent exit of the caller), NAME is missing (the candidate
     names are listed), a keyword is not a parameter of NAME (the parameters are listed; see
@@ -334,17 +463,19 @@ def load_task(path: str, **kwargs: Any) -> Task:
     """
     if not isinstance(path, str) or not path.strip():
         raise TaskError(f"task path must be 'package.module:NAME' or 'file.py:NAME', got {path!r}")
-    target, sep, name = path.rpartition(":")
-    if not sep or not target or is_file(name):  # no ':NAME' (or a Windows drive colon)
-        target, name = path, DEFAULT_NAME
+    target, name = split_path(path)
     if not name.isidentifier():
         raise TaskError(f"{path}: {name!r} is not a Python name")
+    check_import(target, path)
     module = import_file(target, path) if is_file(target) else _import_module(target, path)
     if not hasattr(module, name):
         found = _candidates(module)
         listing = ", ".join(found) if found else "none (no Task values or functions)"
         raise TaskError(f"{path}: {target} has no {name!r}; tasks or functions there: {listing}")
     obj = getattr(module, name)
+    why = defined_refusal(obj, module, name)
+    if why is not None:
+        raise TaskError(f"{path}: {why}")
     if isinstance(obj, Task):
         if kwargs:
             raise TaskError(

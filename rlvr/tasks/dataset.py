@@ -51,6 +51,7 @@ that also occur in train.
 
 from __future__ import annotations
 
+import codecs
 import importlib
 import inspect
 import json
@@ -60,7 +61,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rlvr.rewards import Reward, RewardCard
-from rlvr.tasks import Example, Task, TaskError, import_file, is_file
+from rlvr.tasks import Example, Task, TaskError, check_import, import_file, is_file
 from rlvr.tasks.answers import Answer, accepts_meta, unwrap, wrap_meta  # re-exported
 
 __all__ = ["Answer", "jsonl_task", "read_rows", "resolve_reward", "wrap_meta", "exact_match",
@@ -107,12 +108,15 @@ def _user_card(spec: str, fn: Callable) -> RewardCard:
 
 
 def _import_object(spec: str, what: str) -> Any:
-    """The object at ``pkg.mod:NAME`` or ``file.py:NAME`` (NAME is required)."""
+    """The object at ``pkg.mod:NAME`` or ``file.py:NAME`` (NAME is required): a Reward value or a function
+    defined in that module (never a builtin or an imported name), and only a module of the project's
+    tasks inside an ``untrusted_config`` block (rlvr.tasks)."""
     target, sep, name = spec.rpartition(":")
     if not sep or not target or not name:
         raise TaskError(f"{what} {spec!r}: expected 'package.module:NAME' or 'path/to/file.py:NAME'")
     if not name.isidentifier():
         raise TaskError(f"{what} {spec!r}: {name!r} is not a Python name")
+    check_import(target, f"{what} {spec!r}")
     if is_file(target):
         module = import_file(target, f"{what} {spec!r}")
     else:
@@ -129,7 +133,11 @@ def _import_object(spec: str, what: str) -> Any:
                        and getattr(v, "__module__", None) == module.__name__)
         raise TaskError(f"{what} {spec!r}: {target} has no {name!r}; callables there: "
                         f"{', '.join(found) or 'none'}")
-    return getattr(module, name)
+    obj = getattr(module, name)
+    if not isinstance(obj, Reward) and not (inspect.isfunction(obj) and obj.__module__ == module.__name__):
+        raise TaskError(f"{what} {spec!r}: {name} is not a Reward or a function defined in {target} (a built-in, "
+                        f"a class or an imported name is refused); name the module that defines it")
+    return obj
 
 
 def resolve_reward(spec: Any, name: str | None = None) -> Reward:
@@ -229,7 +237,8 @@ def build_rewards(rewards: Any) -> dict[str, Reward]:
 
 
 def read_rows(path: str | os.PathLike) -> list[tuple[str, dict]]:
-    """[(where, row)] of a JSONL file (where = 'file:line') or a parquet/arrow/csv file."""
+    """[(where, row)] of a JSONL file (where = 'file:line'; UTF-8, a leading byte-order mark dropped) or a
+    parquet/arrow/csv file."""
     p = Path(path)
     if p.is_dir():
         raise TaskError(f"data file {str(p)!r} is a directory, not a file")
@@ -251,6 +260,8 @@ def read_rows(path: str | os.PathLike) -> list[tuple[str, dict]]:
     else:
         with open(p, "rb") as f:
             for lineno, raw in enumerate(f, start=1):
+                if lineno == 1:  # a UTF-8 byte-order mark, as spreadsheet and Windows exports write
+                    raw = raw.removeprefix(codecs.BOM_UTF8)
                 try:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError as e:

@@ -5,7 +5,7 @@ Why a worker process
 math-verify bounds ``parse`` and ``verify`` with ``signal.alarm``, which only works on the main
 thread of a process (off it, the timeout silently does nothing or raises), and sympy can run
 for minutes on an adversarial expression. So :class:`MathVerifier` runs them in one long-lived
-child process (a fresh ``python -c`` interpreter: no inherited threads, CUDA state or
+child process (a fresh ``python -P -c`` interpreter, the current directory not on its path: no inherited threads, CUDA state or
 re-imported ``__main__``) where they *are* on the main thread, and waits at most ``timeout`` seconds per call. On a timeout the child is killed,
 the call raises :class:`TimeoutError` (status ``error`` in :func:`rlvr.rewards.score`: counted,
 never a silent 0, never a hang) and the next call starts a fresh child. Calls are serialized by
@@ -44,6 +44,7 @@ import time
 from fractions import Fraction
 from typing import Any, Callable
 
+from rlvr.isolation import python_argv
 from rlvr.rewards import Reward, RewardCard
 from rlvr.tasks import Example, Task, TaskError
 from rlvr.tasks.answers import Answer, unwrap
@@ -111,7 +112,7 @@ def _serve() -> None:
 class MathVerifier:
     """A worker process that runs checks with a per-call timeout; restarted after a timeout.
 
-    The worker is a fresh interpreter (``python -c``, via subprocess), not a multiprocessing
+    The worker is a fresh interpreter (``python -P -c``, rlvr.isolation, via subprocess), not a multiprocessing
     child: ``spawn`` and ``forkserver`` re-import the parent's ``__main__``, which would re-run
     an unguarded training script, and ``fork`` copies the trainer's threads. POSIX only (it
     waits on the pipe with ``select``).
@@ -132,7 +133,7 @@ class MathVerifier:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
         self._proc = subprocess.Popen(
-            [sys.executable, "-c", "from rlvr.tasks.mathverify import _serve; _serve()"],
+            python_argv("from rlvr.tasks.mathverify import _serve; _serve()"),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0,
         )
         self._buf = b""

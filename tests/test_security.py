@@ -1,0 +1,304 @@
+"""Safe with other people's files: a run directory is data, --overwrite deletes only what rlvr wrote.
+
+Each crafted run directory carries a marker that its code would write if it ran: under eval, probe,
+audit and report the marker must stay unwritten. Each refused --overwrite must leave its directory
+byte-identical. A control beside each shows that the crafted code does run when the user says so
+(or under the old command line), so a test cannot pass by the code simply not being reached.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+
+import pytest
+
+from rlvr.cli import main
+from rlvr.isolation import python_argv
+from rlvr.tasks import TaskError, load_task, untrusted_config
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = str(ROOT / "examples" / "sort.toml")
+TINY = ["--model.n_embd=32", "--model.n_layer=1", "--model.n_head=2", "--train.steps=1",
+        "--train.prompts_per_step=4", "--train.samples_per_prompt=4", "--eval.every=0", "--eval.prompts=5",
+        "--eval.pass_k=0", "--task.options={n = 3, heldout = 50}", "--train.threads=1", "--task.reward_workers=0"]
+
+
+def cli(*argv) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        rc = main([str(a) for a in argv])
+    return rc, out.getvalue(), err.getvalue()
+
+
+def tree(d: Path) -> dict:
+    """Every entry under `d` (not followed through links): its bytes, 'dir', or the link's target."""
+    out = {}
+    for root, dirs, files in os.walk(d):
+        for name in dirs + files:
+            p = Path(root) / name
+            rel = str(p.relative_to(d))
+            out[rel] = ("link", os.readlink(p)) if p.is_symlink() else "dir" if p.is_dir() else p.read_bytes()
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A finished 1-step run of the sort task (built-in tiny model)."""
+    run = tmp_path_factory.mktemp("trained") / "run"
+    rc, _, err = cli("train", EXAMPLE, *TINY, "--out", run)
+    assert rc == 0, err
+    return run
+
+
+def set_task(config: Path, path: str, options: str) -> None:
+    """Rewrite the [task] path and options of a config.toml that rlvr wrote."""
+    text = config.read_text()
+    text = re.sub(r'(\[task\]\n)path = "[^"]*"', lambda m: f"{m.group(1)}path = {json.dumps(path)}", text)
+    text = re.sub(r"\noptions = \{[^\n]*\}", lambda m: f"\noptions = {options}", text, count=1)
+    config.write_text(text)
+
+
+def crafted(trained: Path, tmp_path: Path, path: str, options: str) -> Path:
+    """A copy of the trained run whose config.toml names `path` with `options`."""
+    run = tmp_path / "crafted"
+    shutil.copytree(trained, run)
+    set_task(run / "config.toml", path, options)
+    return run
+
+
+def only_config(run: Path, tmp_path: Path) -> Path:
+    """A crafted directory holding the config alone (no price.json, metrics.jsonl or best.json beside it)."""
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(run / "config.toml", bare / "config.toml")
+    return bare / "config.toml"
+
+
+def commands(run: Path, config: Path) -> list[list]:
+    return [["eval", run, "--prompts=4"], ["probe", run / "config.toml", "--prompts=2", "--samples=2"],
+            ["audit", run / "config.toml", "--prompts=4"], ["probe", config, "--prompts=2", "--samples=2"],
+            ["audit", config, "--prompts=4"]]
+
+
+# --------------------------------------------------------------------------- code named by a run's config
+
+
+def test_a_builtin_named_as_the_task_never_runs(trained, tmp_path):
+    mark = tmp_path / "MARK"
+    run = crafted(trained, tmp_path, "os:system", f'{{ command = "touch {mark}" }}')
+    for argv in commands(run, only_config(run, tmp_path)):
+        rc, _, err = cli(*argv)
+        assert rc == 2, (argv, err)
+        assert "task.path 'os:system'" in err and "config.toml" in err and "a run directory is data" in err, err
+        assert "Traceback" not in err and not mark.exists(), argv
+    # not a task factory defined in the module it names: refused even when the config is trusted
+    rc, _, err = cli("eval", run, "--trust-run-config", "--prompts=4")
+    assert rc == 2 and "system is a built-in, not a Task or a function defined in os" in err, err
+    assert not mark.exists()
+    rc, _, err = cli("train", EXAMPLE, *TINY, "--task.path=os:system", f'--task.options={{command = "touch {mark}"}}',
+                     "--out", tmp_path / "out")
+    assert rc == 2 and "system is a built-in" in err and not mark.exists()
+
+
+def test_an_imported_name_is_not_a_task_factory(tmp_path):
+    (tmp_path / "reexport.py").write_text("from rlvr.tasks.sort import sort_task\n")
+    with pytest.raises(TaskError, match="sort_task is imported from rlvr.tasks.sort"):
+        load_task(f"{tmp_path / 'reexport.py'}:sort_task", n=3)
+
+
+EVIL_REWARD = """
+open({mark!r}, "a").write("imported")
+
+def r(prompt, response, answer):
+    return 0.0
+"""
+
+
+def test_a_file_named_in_task_options_is_not_imported(trained, tmp_path):
+    mark = tmp_path / "MARK"
+    evil = tmp_path / "evil.py"
+    evil.write_text(EVIL_REWARD.format(mark=str(mark)))
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i:03d}", "answer": f"{i:03d}"}) + "\n" for i in range(40)))
+    options = f'{{ train = "{data}", rewards = ["exact_match", "{evil}:r"] }}'
+    run = crafted(trained, tmp_path, "rlvr.tasks.dataset:jsonl_task", options)
+    for argv in [*commands(run, only_config(run, tmp_path)),
+                 ["eval", run, "--task.path=rlvr.tasks.dataset:jsonl_task"]]:  # naming the task trusts it, not its options
+        rc, _, err = cli(*argv)
+        assert rc == 2, (argv, err)
+        assert "task.options.rewards[1]" in err and "evil.py:r" in err and "config.toml" in err, err
+        assert not mark.exists(), argv
+    rc, _, err = cli("audit", run / "config.toml", "--prompts=4", "--trust-run-config")  # the control: it would run
+    assert mark.exists(), err
+
+
+def test_a_module_named_in_task_options_is_held_to_the_project_tasks(tmp_path, monkeypatch):
+    """A mixture's component named by a bare module (no ':' and no '.py', so no string check sees it)
+    is refused at import while a run directory's task is built."""
+    mark = tmp_path / "MARK"
+    (tmp_path / "sneaky_component.py").write_text(f"open({str(mark)!r}, 'a').write('x')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    comps = [{"path": "sneaky_component", "options": {}}]
+    with untrusted_config("RUN/config.toml"), pytest.raises(TaskError, match="RUN/config.toml is data"):
+        load_task("rlvr.tasks.mix:mix_task", tasks=comps)
+    assert not mark.exists()
+    with pytest.raises(TaskError):  # the control: outside the block the module is imported
+        load_task("rlvr.tasks.mix:mix_task", tasks=comps)
+    assert mark.exists()
+
+
+def test_workers_do_not_import_from_the_current_directory(trained, tmp_path, monkeypatch):
+    """`cd RUN && rlvr eval .`: a struct.py in the run directory would shadow the stdlib module in a
+    reward worker started with `python -c` (the current directory first on sys.path)."""
+    mark = tmp_path / "MARK"
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    (run / "struct.py").write_text(f"open({str(mark)!r}, 'a').write('x')\nfrom _struct import *\n")
+    old = subprocess.run([sys.executable, "-c", "import struct"], cwd=run)  # the control: the old command line
+    assert old.returncode == 0 and mark.exists()
+    mark.unlink()
+    assert subprocess.run(python_argv("import struct, json"), cwd=run).returncode == 0
+    assert not mark.exists()
+    monkeypatch.chdir(run)
+    rc, out, err = cli("eval", ".", "--prompts=4", "--task.reward_workers=1")
+    assert rc == 0, err
+    assert json.loads(out)["eval/prompts"] == 4 and not mark.exists()
+
+
+# --------------------------------------------------------------------------- rlvr report and links
+
+
+def report_run(d: Path) -> Path:
+    d.mkdir(parents=True)
+    (d / "config.toml").write_text('[task]\npath = "rlvr.tasks.sort:sort_task"\n')
+    rows = [{"step": s, "train/reward": 0.1 * s, "train/goal": 0.1, "train/sampled_tokens": 10 * s} for s in (1, 2)]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return d
+
+
+def test_report_refuses_a_linked_report_directory(tmp_path):
+    pytest.importorskip("matplotlib")
+    run = report_run(tmp_path / "run")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (run / "report").symlink_to(elsewhere)
+    rc, _, err = cli("report", run)
+    assert rc == 2 and f"{run / 'report'} is a symbolic link" in err and "Traceback" not in err, err
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_report_never_writes_through_a_planted_temporary_name(tmp_path):
+    pytest.importorskip("matplotlib")
+    run = report_run(tmp_path / "run")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    (run / "report").mkdir()
+    (run / "report" / ".report.html.tmp").symlink_to(victim)
+    rc, _, err = cli("report", run)
+    assert rc == 0, err
+    assert victim.read_text() == "keep me"
+    assert (run / "report" / "report.html").is_file() and not (run / "report" / "report.html").is_symlink()
+    assert "<html" in (run / "report" / "report.html").read_text()
+
+
+def test_report_never_reads_a_linked_file_of_the_run(tmp_path):
+    pytest.importorskip("matplotlib")
+    run = report_run(tmp_path / "run")
+    secret = tmp_path / "secret.toml"
+    secret.write_text('token = "SECRET-4f1c"\n')
+    (run / "config.toml").unlink()
+    (run / "config.toml").symlink_to(secret)
+    (run / "price.json").symlink_to(tmp_path / "secret.toml")
+    rc, _, err = cli("report", run)
+    assert rc == 0, err
+    page = (run / "report" / "report.html").read_text()
+    assert "SECRET-4f1c" not in page
+    assert f"{run / 'config.toml'} is a symbolic link" in err and "skipped" in err
+    (run / "metrics.jsonl").rename(tmp_path / "metrics.jsonl")
+    (run / "metrics.jsonl").symlink_to(tmp_path / "metrics.jsonl")
+    rc, _, err = cli("report", run)
+    assert rc == 2 and f"{run / 'metrics.jsonl'} is a symbolic link" in err, err
+
+
+# --------------------------------------------------------------------------- --overwrite
+
+
+def a_run_look(d: Path) -> None:
+    """Files that make `d` look like a run directory (config.toml beside metrics.jsonl) and one that is not rlvr's."""
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.toml").write_text("[train]\nsteps = 1\n")
+    (d / "metrics.jsonl").write_text('{"step": 1}\n')
+    (d / "thesis.tex").write_text("years of work")
+
+
+def overwrite(out, tmp_path) -> tuple[int, str]:
+    """`rlvr train ... --out OUT --overwrite`: (exit code, stdout and stderr)."""
+    rc, out, err = cli("train", EXAMPLE, *TINY, "--out", out, "--overwrite")
+    return rc, out + err
+
+
+def test_overwrite_refuses_a_directory_that_is_not_a_run(tmp_path):
+    mine = tmp_path / "mine"
+    (mine / ".ssh").mkdir(parents=True)
+    (mine / ".ssh" / "id_ed25519").write_text("key")
+    (mine / "thesis.tex").write_text("years of work")
+    before = tree(mine)
+    rc, err = overwrite(mine, tmp_path)
+    assert rc == 2 and "is not a run directory" in err and "nothing was deleted" in err, err
+    assert tree(mine) == before
+
+
+@pytest.mark.parametrize("where", ["cwd", "parent", "home"])
+def test_overwrite_refuses_the_current_parent_and_home_directories(tmp_path, monkeypatch, where):
+    target = tmp_path / "target"
+    a_run_look(target)               # even a directory that looks like a run
+    (target / "sub").mkdir()
+    monkeypatch.setenv("HOME", str(target if where == "home" else tmp_path / "nohome"))
+    if where == "cwd":
+        monkeypatch.chdir(target)
+        out = "."
+    elif where == "parent":
+        monkeypatch.chdir(target / "sub")
+        out = ".."
+    else:
+        out = str(target)
+    before = tree(target)
+    rc, err = overwrite(out, tmp_path)
+    words = {"cwd": "is the current directory", "parent": "is the current directory or one above it",
+             "home": "is the home directory"}[where]
+    assert rc == 2 and words in err and "Traceback" not in err, err
+    assert tree(target) == before
+
+
+def test_overwrite_refuses_a_symbolic_out(tmp_path):
+    real = tmp_path / "real"
+    a_run_look(real)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    before = tree(real)
+    rc, err = overwrite(link, tmp_path)
+    assert rc == 2 and f"--out {link} is a symbolic link" in err and "Traceback" not in err, err
+    assert tree(real) == before and link.is_symlink()
+
+
+def test_overwrite_replaces_a_run_and_keeps_what_rlvr_did_not_write(trained, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    (run / "notes.txt").write_text("mine")
+    (run / "metrics.jsonl").write_text('{"step": 99, "train/reward": 5}\n')
+    rc, err = overwrite(run, tmp_path)
+    assert rc == 0, err
+    assert (run / "notes.txt").read_text() == "mine"
+    assert "--overwrite: kept 1 name(s) rlvr did not write" in err and "notes.txt" in err
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows and all(r.get("step") != 99 for r in rows)
+    assert (run / "checkpoint" / "model.safetensors").is_file()
