@@ -315,11 +315,12 @@ def test_existing_run_is_refused_then_overwritten(tmp_path):
     old_summary = b'{"eval/goal": 0.123, "note": "a run that must not be clobbered"}\n'
     (run / "summary.json").write_bytes(old_summary)
     (run / "metrics.jsonl").write_bytes(b'{"step": 1}\n')
+    (run / "config.toml").write_bytes(b"[train]\nsteps = 1\n")  # with metrics.jsonl: a run rlvr wrote
     rc, _, err = cli("train", EXAMPLE, *TINY, "--out", run)
     assert rc == 2 and "--overwrite" in err and str(run) in err, err
     assert (run / "summary.json").read_bytes() == old_summary
     assert (run / "metrics.jsonl").read_bytes() == b'{"step": 1}\n'
-    assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl", "summary.json"]  # nothing added
+    assert sorted(p.name for p in run.iterdir()) == ["config.toml", "metrics.jsonl", "summary.json"]  # nothing added
 
     rc, out, err = cli("train", EXAMPLE, *TINY, "--out", run, "--overwrite")
     assert rc == 0, err
