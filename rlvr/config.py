@@ -519,6 +519,30 @@ def field_docs(cls: type) -> dict[str, str]:
     docs: dict[str, str] = {}
     for node, nxt in zip(body, body[1:]):
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+@dataclass
+class SftConfig:
+    """`rlvr sft`: a supervised warm start on demonstrations (rlvr.sft), before `rlvr train`."""
+
+    data: str = ""
+    """A JSONL file of demonstrations, one {"messages": [{"role", "content"}, ...]} object a line: the turns
+    before the first assistant turn are the prompt, every assistant turn is trained on, and the other turns
+    after it (tool results, user feedback) are inserted as rlvr.tools inserts them (attended, never trained
+    on). Empty = the task's own `demonstrate` for its training examples."""
+    epochs: int = 1
+    """Passes over the demonstrations."""
+    steps: int = 0
+    """Stop after this many optimizer steps (0 = when the epochs end)."""
+    examples: int = 0
+    """Demonstrations used, the first ones of the file or the task's training set (0 = all)."""
+    batch_size: int = 16
+    """Demonstrations per optimizer step."""
+    lr: float = 3e-4
+    """AdamW learning rate (train.betas, train.weight_decay and train.grad_clip apply as in `rlvr train`)."""
+    eval_every: int = 0
+    """Held-out evaluation of the task's goal every this many steps (0 = at the start, per
+    eval.at_start, and at the end only); eval.prompts held-out prompts, greedy."""
+
+
             if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
                 docs[node.target.id] = " ".join(nxt.value.value.split())
     return docs
@@ -531,6 +555,7 @@ def _field_types(cls: type) -> dict[str, Any]:
 def help_text() -> str:
     """Every key, its type, default and docstring: the body of `rlvr train --help`."""
     lines = []
+    sft: SftConfig = field(default_factory=SftConfig)
     for section, cls in SECTIONS.items():
         lines.append(f"[{section}]  {cls.__doc__}")
         docs = field_docs(cls)
@@ -542,6 +567,7 @@ def help_text() -> str:
             lines.append(f"  --{section}.{f.name}={getattr(default, f.name)!r}  ({tname})")
             lines.append(f"      {docs.get(f.name, '')}")
     return "\n".join(lines)
+    "sft": SftConfig,
 
 
 # ---------------------------------------------------------------------------------------------
@@ -924,6 +950,15 @@ def _check_learnable(cfg: Config, bad) -> None:
     """Values the types accept but a run cannot learn with (or cannot even build)."""
     t, a, s = cfg.train, cfg.algorithm, cfg.sampling
     if s.temperature < MIN_TEMPERATURE:
+    for key, v in [("sft.epochs", cfg.sft.epochs), ("sft.batch_size", cfg.sft.batch_size)]:
+        if v < 1:
+            bad(key, f"must be >= 1, got {v}")
+    for key, v in [("sft.steps", cfg.sft.steps), ("sft.examples", cfg.sft.examples),
+                   ("sft.eval_every", cfg.sft.eval_every)]:
+        if v < 0:
+            bad(key, f"must be >= 0 (0 = off), got {v}")
+    if cfg.sft.lr <= 0:
+        bad("sft.lr", f"must be > 0, got {cfg.sft.lr}")
         bad("sampling.temperature", f"{s.temperature:g} is too small to sample from: below {MIN_TEMPERATURE:g} "
             "sampling is greedy in effect, the responses of a group agree and every Δ is 0")
     if not cfg.model.path and s.max_new_tokens > MAX_BUILTIN_CONTEXT:

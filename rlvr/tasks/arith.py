@@ -135,6 +135,20 @@ def calculator_tool(prompt: str, response: str, answer: int) -> str:
     return f"<result>{'?' if value is None else value}</result>"
 
 
+def demonstrate(example: Example) -> str:
+    """The worked reply to an arith prompt, for ``rlvr sft``: the number only."""
+    return str(example.answer)
+
+
+def demonstrate_calculator(example: Example) -> list[dict]:
+    """The worked reply with the calculator, for ``rlvr sft``: a call, the tool's result (a ``tool`` turn,
+    inserted as rlvr.tools inserts it), then the number."""
+    m = example.meta
+    return [{"role": "assistant", "content": f"<calc>{m['a']} {m['op']} {m['b']}</calc>"},
+            {"role": "tool", "content": f"<result>{example.answer}</result>"},
+            {"role": "assistant", "content": str(example.answer)}]
+
+
 def _operand_range(digits: int) -> range:
     return range(0, 10) if digits == 1 else range(10 ** (digits - 1), 10 ** digits)
 
@@ -242,7 +256,8 @@ def arith_task(ops: str = "+", digits: int = 2, n_train: int | None = None, held
     train = [example(k) for k in keys[heldout:]]
     return Task(name=f"arith-{'-'.join(OP_NAMES[o] for o in ops)}-{digits}d", train=train, heldout=held,
                 rewards=rewards, goal=goal, max_new_tokens=max_new_tokens,
-                tool=calculator_tool if calculator else None)
+                tool=calculator_tool if calculator else None,
+                demonstrate=demonstrate_calculator if calculator else demonstrate)
 
 
 TASK = arith_task

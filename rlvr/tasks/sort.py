@@ -334,6 +334,11 @@ def _rewards(n: int, low: int, high: int, sep: str) -> dict[str, Reward]:
     return {r.name: r for r in (card(f) for card in cards)}
 
 
+def demonstrate(example: Example) -> str:
+    """The worked response to a sort prompt, for ``rlvr sft``: the answer itself."""
+    return example.answer
+
+
 def sort_task(
     n: int = 5,
     low: int = 0,
@@ -381,6 +386,7 @@ def sort_task(
         max_new_tokens=n * width + len(sep) * (n - 1),
         alphabet=alphabet,
         fixed_length=True,
+        demonstrate=demonstrate,
     )
 
 
