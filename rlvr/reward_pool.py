@@ -56,6 +56,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
+from rlvr.isolation import python_argv
 from rlvr.rewards import Reward, Score, StepScores, call_tool, check_goal, check_value, score, steps_of
 
 __all__ = ["RewardPool", "RewardPoolError", "open_pool", "available_cores", "DEFAULT_TIMEOUT_S",
@@ -237,7 +238,7 @@ class _Worker:
         env = dict(os.environ, **_WORKER_ENV, RLVR_POOL_PARENT=str(os.getpid()))
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", "from rlvr.reward_pool import _serve; _serve()"],
+            python_argv("from rlvr.reward_pool import _serve; _serve()"),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0, start_new_session=True,
         )
         self.fd = self.proc.stdout.fileno()
