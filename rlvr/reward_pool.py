@@ -12,6 +12,14 @@ after the other. A :class:`RewardPool` runs the calls in ``workers`` long-lived 
   killed (with anything it started) and replaced, and the rest of its chunk goes on in another worker;
 * each worker with an address-space limit (``RLIMIT_AS``): a reward that allocates past ``memory_mb``
   gets a MemoryError (status ``error``) instead of taking the machine's memory;
+* each worker with limits on processes (``RLIMIT_NPROC``), file size (``RLIMIT_FSIZE``) and CPU time
+  (``RLIMIT_CPU``), every limit's hard value equal to its soft one and the worker without
+  ``CAP_SYS_RESOURCE``, so a reward cannot raise them (:class:`Limits`); an environment holding only
+  allow-listed names (:func:`worker_env`), so the trainer's tokens and keys do not reach a reward;
+* the processes a reward starts die with its worker: the worker is their reaper (Linux
+  ``PR_SET_CHILD_SUBREAPER``), so one that left its process group with ``setsid`` stays its
+  descendant, and the pool stops and kills the whole tree (:func:`kill_tree`) when it closes or
+  replaces the worker;
 * a worker that dies (``os._exit``, a signal, a segfault, the kernel's out-of-memory killer) gives the
   call it was running status ``crashed`` and is replaced; ``SystemExit`` or ``KeyboardInterrupt``
   raised by the reward's code is status ``exit`` and the worker goes on (workers ignore Ctrl-C, which is
@@ -36,6 +44,9 @@ Usage::
 
 POSIX only (``select`` on pipes, ``RLIMIT_AS``); workers die with the process that started them (Linux
 ``PR_SET_PDEATHSIG``), so a killed trainer leaves no stray worker behind.
+
+A fault boundary, not a sandbox: a reward still runs as the trainer's user, can read every file that
+user can, and can use the network. Hostile reward code belongs in a container (docs/security.md).
 """
 
 from __future__ import annotations
@@ -44,6 +55,7 @@ import contextlib
 import json
 import os
 import pickle
+import secrets
 import select
 import signal
 import struct
@@ -53,14 +65,14 @@ import threading
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterator, Sequence
 
 from rlvr.isolation import python_argv
 from rlvr.rewards import Reward, Score, StepScores, call_tool, check_goal, check_value, score, steps_of
 
 __all__ = ["RewardPool", "RewardPoolError", "open_pool", "available_cores", "DEFAULT_TIMEOUT_S",
-           "DEFAULT_MEMORY_MB"]
+           "DEFAULT_MEMORY_MB", "Limits", "limits_of", "worker_env", "kill_tree", "WORKER_ENV_NAMES"]
 
 DEFAULT_TIMEOUT_S = 60.0
 """Seconds one reward or goal call may take in a worker before it is status ``timeout``."""
@@ -72,9 +84,72 @@ CHUNKS_PER_WORKER = 4
 """A batch is cut into about this many chunks per worker (balances uneven call times)."""
 MAX_TRIES = 3
 """A chunk whose worker dies before running any of it (not the reward's fault) is sent again this often."""
+DEFAULT_PROCESSES = 1024
+"""Processes and threads a worker's user may start beyond those it runs when the worker starts
+(RLIMIT_NPROC); 0 = no limit."""
+DEFAULT_FILE_MB = 1024
+"""Largest file (MB) a worker, or a process it starts, may write (RLIMIT_FSIZE); 0 = no limit."""
+DEFAULT_CPU_S = 3600
+"""CPU seconds a worker, and each process it starts, may use in its life (RLIMIT_CPU); 0 = no limit."""
+MAX_TREE_ROUNDS = 20
+"""Rounds of stopping a worker's descendants before they are killed (a round that finds none new ends it)."""
 _WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
                "TOKENIZERS_PARALLELISM": "false"}
 """One thread per worker: the pool is the parallelism (and torch in a worker would otherwise take every core)."""
+WORKER_ENV_NAMES = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "LC_*", "TZ", "TERM",
+                    "TMPDIR", "TEMP", "TMP", "LD_LIBRARY_PATH", "PYTHONHASHSEED", "PYTHONUTF8", "PYTHONIOENCODING",
+                    "PYTHONDONTWRITEBYTECODE", "PYTHONWARNINGS", "OMP_*", "MKL_*", "OPENBLAS_*", "NUMEXPR_*",
+                    "VECLIB_MAXIMUM_THREADS", "TOKENIZERS_PARALLELISM", "XDG_CACHE_HOME", "HF_HOME", "HF_HUB_CACHE",
+                    "HF_DATASETS_CACHE", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE",
+                    "RLVR_CACHE")
+"""The trainer's environment variables a worker receives (a trailing ``*`` matches a prefix): what a
+reward or a task factory needs to run (the search path, home, locale, temporary directory, thread
+counts, cache locations). Nothing else crosses, so tokens and keys (``HF_TOKEN``, cloud credentials)
+stay in the trainer; ``task.reward_env`` names more."""
+WORKER_MARK = "RLVR_REWARD_WORKER"
+"""Environment variable holding a worker's own random mark: every process it starts inherits it, so
+one that outlived a worker that died on its own is still found by it (:func:`kill_tree`)."""
+CAP_SYS_RESOURCE = 24
+"""The Linux capability that lets a process raise its hard resource limits (root holds it)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The resource limits of a worker and of every process it starts, each with hard = soft.
+
+    Set after the task is loaded, so they bound the reward calls; 0 = no limit, for each.
+
+    * ``memory_mb``: address space beyond what loading the task took (RLIMIT_AS);
+    * ``processes``: processes and threads the worker's user may add to those it runs when the worker
+      starts (RLIMIT_NPROC: the kernel counts it per user, over all of that user's processes, and does
+      not enforce it for root);
+    * ``file_mb``: the largest file a write may make (RLIMIT_FSIZE: per file, not the total written;
+      a write past it fails with an OSError);
+    * ``cpu_s``: CPU seconds beyond what loading the task took (RLIMIT_CPU, over a process's life: past
+      it the kernel kills the process). The pool replaces a worker that has used half between calls,
+      so only a runaway call or a process a reward left running meets it.
+    """
+
+    memory_mb: int = DEFAULT_MEMORY_MB
+    processes: int = DEFAULT_PROCESSES
+    file_mb: int = DEFAULT_FILE_MB
+    cpu_s: int = DEFAULT_CPU_S
+
+
+def env_allowed(name: str, patterns: Sequence[str]) -> bool:
+    """Whether ``name`` is one of ``patterns`` (an exact name, or a prefix ending in ``*``)."""
+    return any(name == p or (p.endswith("*") and name.startswith(p[:-1])) for p in patterns)
+
+
+def worker_env(environ: dict[str, str], extra: Sequence[str] = ()) -> dict[str, str]:
+    """A worker's environment: the names of ``environ`` allowed by :data:`WORKER_ENV_NAMES` or ``extra``,
+    one thread per worker, and ``PYTHONPATH`` set to this interpreter's search path (so the worker
+    imports the modules this process does)."""
+    patterns = (*WORKER_ENV_NAMES, *extra)
+    env = {k: v for k, v in environ.items() if env_allowed(k, patterns)}
+    env.update(_WORKER_ENV)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+    return env
 
 
 TOOL_JOB = "\x00tool"
@@ -122,8 +197,69 @@ def _die_with_parent(parent: int) -> None:
         os._exit(0)
 
 
+def _contain() -> None:
+    """Linux: make this worker the reaper of its orphaned descendants (``PR_SET_CHILD_SUBREAPER``: a
+    process a reward started stays in the worker's tree even after ``setsid`` and its parent's exit,
+    so :func:`kill_tree` finds it), forbid gaining privileges through exec (``PR_SET_NO_NEW_PRIVS``:
+    no setuid programs), and drop ``CAP_SYS_RESOURCE`` (from the bounding, effective, permitted and
+    inheritable sets), so a worker run as root cannot raise its hard limits. Elsewhere, nothing."""
+    if not sys.platform.startswith("linux"):  # pragma: no cover
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(36, 1, 0, 0, 0)                    # PR_SET_CHILD_SUBREAPER
+    libc.prctl(38, 1, 0, 0, 0)                    # PR_SET_NO_NEW_PRIVS
+    libc.prctl(24, CAP_SYS_RESOURCE, 0, 0, 0)     # PR_CAPBSET_DROP (fails without CAP_SETPCAP: no caps to drop)
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+    head, data = Header(0x20080522, 0), (Data * 2)()  # _LINUX_CAPABILITY_VERSION_3: 2 x 32 bits
+    if libc.capget(ctypes.byref(head), data) != 0:  # pragma: no cover
+        return
+    bit = ~(1 << CAP_SYS_RESOURCE) & 0xFFFFFFFF
+    if (data[0].effective | data[0].permitted | data[0].inheritable) & (1 << CAP_SYS_RESOURCE):
+        data[0].effective &= bit
+        data[0].permitted &= bit
+        data[0].inheritable &= bit
+        if libc.capset(ctypes.byref(head), data) != 0:  # pragma: no cover
+            raise OSError(ctypes.get_errno(), "cannot drop CAP_SYS_RESOURCE")
+
+
+def _user_tasks(uid: int) -> int:
+    """Processes and threads of user ``uid`` now (what RLIMIT_NPROC counts); 0 when /proc is unreadable."""
+    n = 0
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:  # pragma: no cover - not Linux
+        return 0
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+            if int(fields["Uid"].split()[0]) == uid:
+                n += int(fields["Threads"])
+        except (OSError, KeyError, ValueError, IndexError):
+            continue
+    return n
+
+
+def _set_limit(which: int, value: int) -> None:
+    """setrlimit(which, (value, value)), at most the current hard limit (a process may only lower it)."""
+    import resource
+
+    _, hard = resource.getrlimit(which)
+    if hard != resource.RLIM_INFINITY:
+        value = min(value, hard)
+    resource.setrlimit(which, (value, value))
+
+
 def _limit_memory(memory_mb: int) -> None:
-    """RLIMIT_AS = the address space in use now (the loaded task) + memory_mb."""
+    """RLIMIT_AS (hard and soft) = the address space in use now (the loaded task) + memory_mb."""
     if memory_mb <= 0:
         return
     import resource
@@ -133,11 +269,28 @@ def _limit_memory(memory_mb: int) -> None:
             used = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError):  # pragma: no cover - not Linux
         used = 0
-    limit = used + memory_mb * 2**20
-    _, hard = resource.getrlimit(resource.RLIMIT_AS)
-    if hard != resource.RLIM_INFINITY:
-        limit = min(limit, hard)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    _set_limit(resource.RLIMIT_AS, used + memory_mb * 2**20)
+
+
+def _apply_limits(limits: Limits) -> None:
+    """Every limit of ``limits`` on this process (and so on every process it starts), hard = soft; a
+    write past the file limit raises an OSError instead of ending the process (SIGXFSZ ignored)."""
+    import resource
+
+    _limit_memory(limits.memory_mb)
+    if limits.processes > 0:
+        _set_limit(resource.RLIMIT_NPROC, _user_tasks(os.getuid()) + limits.processes)
+    if limits.file_mb > 0:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        _set_limit(resource.RLIMIT_FSIZE, limits.file_mb * 2**20)
+    if limits.cpu_s > 0:
+        _set_limit(resource.RLIMIT_CPU, int(_cpu_seconds()) + 1 + limits.cpu_s)
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds this process has used (what RLIMIT_CPU counts)."""
+    t = os.times()
+    return t.user + t.system
 
 
 def _batch_scores(reward: Reward, prompts: list, responses: list, answers: list) -> list[Score] | None:
@@ -154,12 +307,12 @@ def _batch_scores(reward: Reward, prompts: list, responses: list, answers: list)
 def _serve() -> None:
     """The worker loop: load the task, then answer chunks until stdin closes.
 
-    Protocol: the parent writes length-prefixed pickles (first ``{"path", "options", "memory_mb"}``, then
+    Protocol: the parent writes length-prefixed pickles (first ``{"path", "options", "limits"}``, then
     ``(items, jobs)`` with ``items = {i: (prompt, response, answer)}`` and ``jobs = [(reward name or None
     for the goal, [i, ...]), ...]``). The worker writes JSON lines on a private copy of stdout (fd 1 is
     pointed at stderr so a reward's prints cannot corrupt it): ``{"ready": [names]}`` or ``{"fail": msg}``
     once; per chunk, ``{"batch": j}`` before a batched call of job j, ``{"j": j, "i": i, "s": [...Score]}``
-    per call in job order, then ``{"done": 1}`` (or ``{"bad": msg}`` if the chunk cannot be read).
+    per call in job order, then ``{"done": 1, "cpu": seconds used}`` (or ``{"bad": msg}`` if the chunk cannot be read).
     """
     out = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)
@@ -176,6 +329,11 @@ def _serve() -> None:
         return
     init = pickle.loads(body)
     try:
+        _contain()
+    except OSError as e:  # pragma: no cover
+        send({"fail": f"cannot contain the worker: {e}"})
+        return
+    try:
         from rlvr.tasks import load_task
 
         task = load_task(init["path"], **init["options"])
@@ -183,11 +341,11 @@ def _serve() -> None:
         send({"fail": f"{type(e).__name__}: {e}"})
         return
     try:
-        _limit_memory(int(init["memory_mb"]))
+        _apply_limits(init["limits"])
     except (OSError, ValueError) as e:  # pragma: no cover
-        send({"fail": f"cannot set the memory limit: {e}"})
+        send({"fail": f"cannot set the worker's resource limits: {e}"})
         return
-    send({"ready": list(task.rewards)})
+    send({"ready": list(task.rewards), "cpu": _cpu_seconds()})
     while True:
         body = _read_frame(inp)
         if body is None:
@@ -212,16 +370,100 @@ def _serve() -> None:
                 scores = batched if batched is not None else (
                     score(reward.fn, *items[i], interrupts=True) for i in idx)
             for i, s in zip(idx, scores):
-                if s.status == "error" and s.detail.startswith("MemoryError") and init["memory_mb"] > 0:
-                    s = s._replace(detail=f"MemoryError: over the worker's memory limit ({init['memory_mb']} MB "
+                if s.status == "error" and s.detail.startswith("MemoryError") and init["limits"].memory_mb > 0:
+                    s = s._replace(detail=f"MemoryError: over the worker's memory limit ({init['limits'].memory_mb} MB "
                                           "beyond the loaded task, task.reward_memory_mb)")
                 steps = steps_of(s.value)  # a process reward's per-step scores travel beside their mean
                 send({"j": j, "i": i, "s": list(s), **({"steps": list(steps)} if steps else {})})
-        send({"done": 1})
+        send({"done": 1, "cpu": _cpu_seconds()})
 
 
 # ---------------------------------------------------------------------------------------------
 # the parent side
+
+
+def _parents() -> dict[int, int]:
+    """{pid: parent pid} of every process in /proc (empty where there is none)."""
+    table = {}
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:  # pragma: no cover - not Linux
+        return table
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                table[pid] = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    return table
+
+
+def descendants(pid: int, parents: dict[int, int]) -> set[int]:
+    """The processes below ``pid`` in the tree ``parents`` ({pid: parent pid}), ``pid`` not included."""
+    children: dict[int, list[int]] = {}
+    for child, parent in parents.items():
+        children.setdefault(parent, []).append(child)
+    found, todo = set(), list(children.get(pid, []))
+    while todo:
+        p = todo.pop()
+        if p not in found:
+            found.add(p)
+            todo += children.get(p, [])
+    return found
+
+
+def marked(mark: str) -> set[int]:
+    """The processes (other than this one) whose environment holds ``WORKER_MARK=mark``: those a worker
+    started, and theirs, unless one replaced its environment."""
+    needle, found = f"{WORKER_MARK}={mark}".encode(), set()
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:  # pragma: no cover - not Linux
+        return found
+    for pid in pids:
+        if pid == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    found.add(pid)
+        except OSError:
+            continue
+    return found
+
+
+def _signal_all(pids: set[int], sig: int) -> None:
+    for p in pids:
+        with contextlib.suppress(OSError):
+            os.kill(p, sig)
+
+
+def kill_tree(pid: int | None, mark: str) -> None:
+    """SIGKILL the live worker ``pid`` (a child of this process not yet waited for, or None when it is
+    gone), its process group, its descendants and every process carrying its ``mark``.
+
+    The worker and its descendants are first stopped (SIGSTOP), round after round until a round finds
+    none new (a stopped process cannot start another, so none escapes between the listing and the
+    kill), then killed together. A worker is the reaper of its orphans (:func:`_contain`), so a process
+    that called ``setsid`` and lost its parent is still below it; one that outlived a worker that died
+    on its own is found by the mark in its environment."""
+    doomed: set[int] = set()
+    if pid is not None:
+        doomed.add(pid)
+        for _ in range(MAX_TREE_ROUNDS):
+            _signal_all(doomed, signal.SIGSTOP)
+            more = (descendants(pid, _parents()) | marked(mark)) - doomed
+            if not more:
+                break
+            doomed |= more
+        with contextlib.suppress(OSError):
+            os.killpg(pid, signal.SIGKILL)  # the worker is not waited for yet, so its group id is its own
+    for _ in range(MAX_TREE_ROUNDS):
+        doomed |= marked(mark)
+        _signal_all(doomed, signal.SIGKILL)
+        doomed = marked(mark) - doomed
+        if not doomed:
+            return
 
 
 @dataclass
@@ -234,9 +476,10 @@ class _Chunk:
 class _Worker:
     """One child process and what it is doing: starting, idle, or busy with a chunk."""
 
-    def __init__(self, init: bytes):
-        env = dict(os.environ, **_WORKER_ENV, RLVR_POOL_PARENT=str(os.getpid()))
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+    def __init__(self, init: bytes, env_names: Sequence[str] = ()):
+        self.mark = secrets.token_hex(12)
+        env = dict(worker_env(dict(os.environ), env_names), RLVR_POOL_PARENT=str(os.getpid()))
+        env[WORKER_MARK] = self.mark
         self.proc = subprocess.Popen(
             python_argv("from rlvr.reward_pool import _serve; _serve()"),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0, start_new_session=True,
@@ -249,17 +492,15 @@ class _Worker:
         self.j = self.k = 0          # the next call it will report: jobs[j], item k of it
         self.batch = False           # a batched call of jobs[j] is running
         self.names: list[str] = []
+        self.cpu0 = 0.0              # CPU seconds it had used when the task was loaded
         self.write(init)
 
     def write(self, body: bytes) -> None:
         self.proc.stdin.write(struct.pack(">Q", len(body)) + body)
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(OSError):
-                os.killpg(self.proc.pid, signal.SIGKILL)  # the worker and anything its reward started
-            with contextlib.suppress(OSError):
-                self.proc.kill()
+        """Kill the worker and every process its rewards started (:func:`kill_tree`)."""
+        kill_tree(self.proc.pid if self.proc.poll() is None else None, self.mark)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(5)
         for f in (self.proc.stdin, self.proc.stdout):
@@ -288,28 +529,36 @@ class RewardPool:
     """``workers`` processes that each hold the task ``load_task(task_path, **task_options)``.
 
     ``workers`` None = :func:`available_cores`. Starts them all and waits until each has loaded the task
-    (RewardPoolError if one cannot). ``restarts`` counts workers replaced after a timeout or a crash.
+    (RewardPoolError if one cannot). ``restarts`` counts workers replaced after a timeout or a crash,
+    ``recycled`` those replaced, idle, after using half their CPU limit. ``limits`` are each worker's
+    (:class:`Limits`; ``memory_mb`` given alone sets that one), ``env`` names environment variables
+    the workers receive beyond :data:`WORKER_ENV_NAMES`.
     Use as a context manager, or call :meth:`close`. One call at a time (a lock serializes them).
     """
 
     def __init__(self, task_path: str, task_options: dict | None = None, *, workers: int | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, memory_mb: int = DEFAULT_MEMORY_MB):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, memory_mb: int | None = None, limits: Limits | None = None,
+                 env: Sequence[str] = ()):
         if workers is not None and workers < 1:
             raise ValueError(f"workers must be >= 1 (or None for one per core), got {workers}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.task_path, self.task_options = task_path, dict(task_options or {})
-        self.timeout_s, self.memory_mb = float(timeout_s), int(memory_mb)
+        limits = limits or Limits()
+        if memory_mb is not None:
+            limits = replace(limits, memory_mb=int(memory_mb))
+        self.timeout_s, self.limits, self.env_names = float(timeout_s), limits, tuple(env)
+        self.memory_mb = limits.memory_mb
         self.n_workers = workers or available_cores()
-        self.restarts = 0
+        self.restarts = self.recycled = 0
         self.reward_names: list[str] = []
-        self._init = pickle.dumps({"path": task_path, "options": self.task_options, "memory_mb": self.memory_mb})
+        self._init = pickle.dumps({"path": task_path, "options": self.task_options, "limits": limits})
         self._lock = threading.Lock()
         self._workers: list[_Worker] = []
         self._finalizer = weakref.finalize(self, _kill_all, self._workers)
         try:
             for _ in range(self.n_workers):
-                self._workers.append(_Worker(self._init))
+                self._workers.append(_Worker(self._init, self.env_names))
             self._loop(deque(), {})  # wait until every worker is ready
         except BaseException:
             self.close()
@@ -455,8 +704,10 @@ class RewardPool:
                 w.deadline = time.monotonic() + self.timeout_s * len(w.chunk.jobs[w.j][1])
             elif "done" in msg:
                 w.state, w.chunk = "idle", None
+                if self.limits.cpu_s > 0 and 2 * (msg.get("cpu", 0.0) - w.cpu0) > self.limits.cpu_s:
+                    self._replace(w, restart=False)  # long before RLIMIT_CPU would kill it mid-call
             elif "ready" in msg:
-                w.state, w.names = "idle", msg["ready"]
+                w.state, w.names, w.cpu0 = "idle", msg["ready"], msg.get("cpu", 0.0)
             elif "fail" in msg:
                 raise RewardPoolError(f"a reward worker cannot load the task {self.task_path!r}: {msg['fail']}")
             elif "bad" in msg:
@@ -494,16 +745,28 @@ class RewardPool:
             for i in idx:
                 results[(name, i)] = Score(0.0, status, detail)
 
-    def _replace(self, w: _Worker) -> None:
+    def _replace(self, w: _Worker, restart: bool = True) -> None:
         w.kill()
-        self.restarts += 1
-        self._workers[self._workers.index(w)] = _Worker(self._init)
+        if restart:
+            self.restarts += 1
+        else:
+            self.recycled += 1
+        self._workers[self._workers.index(w)] = _Worker(self._init, self.env_names)
+
+
+def limits_of(task_cfg: Any) -> Limits:
+    """The worker limits of a run's ``[task]`` section (a limit it does not name keeps its default)."""
+    return Limits(memory_mb=task_cfg.reward_memory_mb,
+                  processes=getattr(task_cfg, "reward_processes", DEFAULT_PROCESSES),
+                  file_mb=getattr(task_cfg, "reward_file_mb", DEFAULT_FILE_MB),
+                  cpu_s=getattr(task_cfg, "reward_cpu_s", DEFAULT_CPU_S))
 
 
 @contextlib.contextmanager
 def open_pool(task_cfg: Any, task: Any = None) -> Iterator[RewardPool | None]:
     """The pool a run's ``[task]`` section asks for (``reward_workers``, ``reward_timeout_s``,
-    ``reward_memory_mb``, ``path``, ``options``), closed on exit; None when ``reward_workers == 0``
+    ``reward_memory_mb``, ``reward_processes``, ``reward_file_mb``, ``reward_cpu_s``, ``reward_env``,
+    ``path``, ``options``), closed on exit; None when ``reward_workers == 0``
     (score in this process). With the loaded ``task``, also checks up front that its answers can be
     sent to the workers."""
     if task_cfg.reward_workers == 0:
@@ -511,7 +774,8 @@ def open_pool(task_cfg: Any, task: Any = None) -> Iterator[RewardPool | None]:
         return
     pool = RewardPool(task_cfg.path, task_cfg.options,
                       workers=task_cfg.reward_workers if task_cfg.reward_workers > 0 else None,
-                      timeout_s=task_cfg.reward_timeout_s, memory_mb=task_cfg.reward_memory_mb)
+                      timeout_s=task_cfg.reward_timeout_s, limits=limits_of(task_cfg),
+                      env=getattr(task_cfg, "reward_env", ()))
     try:
         if task is not None:
             pool.check_answers([ex.answer for ex in list(task.train[:1]) + list(task.heldout[:1])])

@@ -48,13 +48,16 @@ def bf16_no_faster():
 
 @pytest.fixture(scope="session")
 def ray_local():
-    """One local Ray (4 logical CPUs, no dashboard) for every test that asks for it, started at the
-    first and shut down at the end of the session: each start costs ~5 s on a 2-core machine. A run
-    that finds Ray running joins it and leaves it up (rlvr.distributed.sync.start_ray)."""
+    """One local Ray (4 logical CPUs, no dashboard, on loopback as a run's own: init_local_ray) for every
+    test that asks for it, started at the first and shut down at the end of the session: each start
+    costs ~5 s on a 2-core machine. A run that finds Ray running joins it and leaves it up
+    (rlvr.distributed.sync.start_ray)."""
     ray = pytest.importorskip("ray")
     started = False
     if not ray.is_initialized():
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        from rlvr.distributed.sync import init_local_ray
+
+        init_local_ray(ray, 4)
         started = True
     yield ray
     if started:

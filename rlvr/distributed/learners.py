@@ -24,7 +24,10 @@ steps each rank's rows. Rank 0 gathers the full weights into the trainer's polic
 from __future__ import annotations
 
 import datetime
+import ipaddress
+import os
 import socket
+import urllib.parse
 
 import torch
 import torch.distributed as dist
@@ -124,30 +127,91 @@ class Shard:
                 for i, k in enumerate(keys)}
 
 
-def free_address() -> str:
-    """tcp://IP:PORT of a free port on this host, reachable by the other ranks (the Ray node IP)."""
+LOOPBACK = "127.0.0.1"
+"""The group's address without Ray, or with the local Ray (rlvr.distributed.sync.start_ray binds it there)."""
+IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+"""The variables that name the network interface gloo and NCCL open their own connections on."""
+
+
+def group_host() -> str:
+    """The address rank 0's store listens on: this node's Ray address (loopback for a local Ray, a
+    cluster node's own address otherwise), or loopback without Ray."""
     try:
         import ray
 
-        host = ray.util.get_node_ip_address()
+        return ray.util.get_node_ip_address() if ray.is_initialized() else LOOPBACK
     except Exception:  # noqa: BLE001 -- no Ray: a one-machine group
-        host = "127.0.0.1"
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return f"tcp://{host}:{s.getsockname()[1]}"
+        return LOOPBACK
 
 
-def init_group(device: torch.device, rank: int, world: int, init_method: str, timeout_s: float) -> None:
-    """Join the process group as `rank`: gloo on CPU, NCCL when the policy is on CUDA."""
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method, rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+def open_rendezvous(host: str | None = None) -> tuple[socket.socket, str]:
+    """(a listening socket on ``host`` (default :func:`group_host`) and an ephemeral port, its
+    ``tcp://HOST:PORT``). Rank 0's store takes the socket over (``init_group(listener=)``), so the port is
+    never free between choosing it and using it (no other process can take it), and it is bound to
+    that one address, not every interface. The caller closes its copy after the group has started."""
+    host = host or group_host()
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.bind((host, 0))
+        listener.listen(128)
+    except OSError:
+        listener.close()
+        raise
+    port = listener.getsockname()[1]
+    return listener, f"tcp://[{host}]:{port}" if family == socket.AF_INET6 else f"tcp://{host}:{port}"
 
 
-def join_group(learner: Learner, rank: int, world: int, init_method: str, timeout_s: float) -> DDPPolicy:
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an IP address) is this machine's loopback."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def loopback_interface() -> str | None:
+    """The name of the loopback network interface (``lo`` on Linux, ``lo0`` on macOS); None if not found."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:  # pragma: no cover
+        return None
+    return next((n for n in ("lo", "lo0") if n in names), None)
+
+
+def keep_on_loopback(init_method: str, environ=os.environ) -> None:
+    """A group whose rendezvous is on loopback has every rank on this machine: gloo's and NCCL's own
+    connections go on the loopback interface too (``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME``, each
+    unless already set), instead of the address the host name resolves to."""
+    host = urllib.parse.urlsplit(init_method).hostname or ""
+    lo = loopback_interface()
+    if lo and is_loopback(host):
+        for name in IFNAME_VARIABLES:
+            environ.setdefault(name, lo)
+
+
+def init_group(device: torch.device, rank: int, world: int, init_method: str, timeout_s: float,
+               listener: socket.socket | None = None) -> None:
+    """Join the process group as `rank`: gloo on CPU, NCCL when the policy is on CUDA. Rank 0 passes the
+    `listener` of :func:`open_rendezvous`, on which its store serves the others."""
+    keep_on_loopback(init_method)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    url = urllib.parse.urlsplit(init_method)
+    if listener is None:     # every rank passes its own store, so all see the same keys
+        store = dist.TCPStore(url.hostname, url.port, world, False, timeout)
+    else:
+        store = dist.TCPStore(url.hostname, url.port, world, True, timeout, wait_for_workers=False,
+                              master_listen_fd=os.dup(listener.fileno()))  # the store closes its copy
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+def join_group(learner: Learner, rank: int, world: int, init_method: str, timeout_s: float,
+               listener: socket.socket | None = None) -> DDPPolicy:
     """Join the process group as `rank` and wrap the policy in DDP (whose constructor broadcasts rank 0's
     weights)."""
     device = next(iter(learner.policy.parameters())).device
-    init_group(device, rank, world, init_method, timeout_s)
+    init_group(device, rank, world, init_method, timeout_s, listener)
     ids = [device.index] if device.type == "cuda" else None
     return DDPPolicy(torch.nn.parallel.DistributedDataParallel(learner.policy, device_ids=ids))
 
@@ -241,25 +305,30 @@ class LearnerGroup:
         self.fsdp = d.sharding == "fsdp2"
         actor = ray.remote(LearnerActor).options(num_cpus=d.cpus_per_worker, num_gpus=d.gpus_per_worker)
         self.actors = [actor.remote(cfg, actor_threads(d.cpus_per_worker)) for _ in range(self.world - 1)]
+        listener = None
         try:     # a failed start leaves no process group or actor behind (the caller gets no object to close)
-            init = free_address()
+            listener, init = open_rendezvous()
             state = learner_state(learner)
             ref = ray.put(state)
             joins = [a.join.remote(ref, r + 1, self.world, init, self.timeout) for r, a in enumerate(self.actors)]
             if self.fsdp:
-                init_group(next(iter(learner.policy.parameters())).device, 0, self.world, init, self.timeout)
+                init_group(next(iter(learner.policy.parameters())).device, 0, self.world, init, self.timeout,
+                           listener)
                 self.train = fsdp.sharded_learner(copy.deepcopy(learner.policy), cfg, state, learner.generator,
                                                   learner.max_len, learner.flops, autocast=learner.autocast)
                 self.model = self.train.policy
                 learner.opt = fsdp.GatheredOptimizer(self.full_optimizer_state, self.train.opt)
                 learner.sched = self.train.sched
             else:
-                self.train, self.model = learner, join_group(learner, 0, self.world, init, self.timeout)
+                self.train, self.model = learner, join_group(learner, 0, self.world, init, self.timeout, listener)
             del state
             self._wait(joins, "start")
         except BaseException:
             self.close()
             raise
+        finally:
+            if listener is not None:
+                listener.close()
 
     def _wait(self, refs: list, what: str):
         """ray.get(refs) within the timeout; a lost rank is a RunError that says to resume."""
@@ -314,3 +383,4 @@ class LearnerGroup:
         self.actors = []
         if dist.is_initialized():
             dist.destroy_process_group()
+        self.model = None  # DDP's hold on the process group, and so on its store's listening socket

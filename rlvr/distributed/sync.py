@@ -15,6 +15,9 @@ import torch
 
 from rlvr.run import RunError
 
+LOOPBACK = "127.0.0.1"
+"""The address a local Ray's processes listen on."""
+
 
 def full_state(policy) -> dict[str, torch.Tensor]:
     """Every weight and buffer of `policy` as contiguous CPU tensors (a worker's starting copy)."""
@@ -41,10 +44,31 @@ def state_bytes(state: dict[str, torch.Tensor]) -> int:
     return sum(v.numel() * v.element_size() for v in state.values())
 
 
+def init_local_ray(ray, num_cpus: int) -> None:
+    """``ray.init`` of a Ray on this machine alone: its processes (GCS, raylet, workers, agents) listen
+    on the loopback address only (``_node_ip_address`` 127.0.0.1, with Ray's "no cluster" switch, the
+    one it uses on macOS, held off during the start, since otherwise Ray trades a loopback address
+    for the machine's own), and no dashboard. Ray versions that enable token authentication for a new
+    local cluster do so here too (docs/security.md)."""
+    try:
+        from ray._private import ray_constants
+    except ImportError:  # pragma: no cover - a Ray without the module: the node address alone
+        ray_constants = None
+    saved = getattr(ray_constants, "ENABLE_RAY_CLUSTER", None)
+    if saved is not None:
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, _node_ip_address=LOOPBACK)
+    finally:
+        if saved is not None:
+            ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
 def start_ray(address: str, cpus_needed: float):
     """Join the cluster at `address` ("auto", "ray://...", "HOST:PORT"), or start a local Ray when it
-    is empty (no dashboard; logical CPUs at least `cpus_needed`, so the actors can be placed on a
-    small machine). Returns True when this call started Ray (and the caller should shut it down)."""
+    is empty (listening on loopback only, no dashboard: :func:`init_local_ray`; logical CPUs at least
+    `cpus_needed`, so the actors can be placed on a small machine). Returns True when this call
+    started Ray (and the caller should shut it down)."""
     try:
         import ray
     except ImportError:
@@ -56,8 +80,8 @@ def start_ray(address: str, cpus_needed: float):
         if address:
             ray.init(address=address, include_dashboard=False, log_to_driver=False)
         else:
-            ray.init(num_cpus=max(os.cpu_count() or 1, int(cpus_needed + 0.999)), include_dashboard=False,
-                     log_to_driver=False)  # actors inherit this process's environment (PYTHONPATH)
+            # actors inherit this process's environment (PYTHONPATH)
+            init_local_ray(ray, max(os.cpu_count() or 1, int(cpus_needed + 0.999)))
     except (ConnectionError, RuntimeError, ValueError) as e:
         raise RunError(f"distributed.address = {address!r}: cannot start or join Ray: {e}") from None
     _check_cpus(ray, cpus_needed, started=True)

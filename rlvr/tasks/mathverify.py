@@ -130,8 +130,9 @@ class MathVerifier:
 
     # -- process management
     def _start(self) -> None:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+        from rlvr.reward_pool import worker_env
+
+        env = worker_env(dict(os.environ))  # the reward workers' allow-list: no token of the trainer's
         self._proc = subprocess.Popen(
             python_argv("from rlvr.tasks.mathverify import _serve; _serve()"),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0,
