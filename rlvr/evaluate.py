@@ -58,6 +58,7 @@ def evaluate(model: Policy, tok: Tokenizer, task: Task, *, reward_weights: dict[
     if greedy.tools is not None:  # how the greedy responses used the task's tool (rlvr.tools)
         res["tool_calls_per_response"] = greedy.tools.calls / len(examples)
         res["tool_errors"] = greedy.tools.errors
+        res["tool_malformed"] = greedy.tools.malformed
     if pass_k:
         sampled = sample_and_score(model, tok, task, examples[:pass_k_prompts], G=pass_k, limits=limits,
                                    weights=reward_weights, temperature=temperature, top_p=top_p, top_k=top_k,

@@ -68,12 +68,15 @@ class ToolStats:
     """Continuation rounds sampled."""
     rounds_on_cache: int = 0
     """Of those, the rounds that went on from the first round's KV cache (`_reuse_pays`)."""
+    malformed: int = 0
+    """Calls the task's tool found malformed (a tool with a ``malformed(response)`` check, such as
+    rlvr.tool_calls.JsonTools: not JSON, an unknown tool, bad arguments); answered, not ended."""
 
     def add(self, other: "ToolStats") -> "ToolStats":
         return ToolStats(self.calls + other.calls, self.errors + other.errors,
                          self.inserted_tokens + other.inserted_tokens, self.forward_tokens + other.forward_tokens,
                          self.first_error or other.first_error, self.rounds + other.rounds,
-                         self.rounds_on_cache + other.rounds_on_cache)
+                         self.rounds_on_cache + other.rounds_on_cache, self.malformed + other.malformed)
 
 
 @dataclass
@@ -137,6 +140,8 @@ def _call_tools(tool: Callable, pool, prompts: list[str], texts: list[str], answ
     ended at its end token, which already closed the assistant's turn), else as it is."""
     got = (pool.tool_calls(prompts, texts, answers) if pool is not None else
            [call_tool(tool, p, t, a) for p, t, a in zip(prompts, texts, answers)])
+    check = getattr(tool, "malformed", None)        # rlvr.tool_calls.JsonTools: counted here, answered there
+    stats.malformed += sum(bool(check(t)) for t in texts) if callable(check) else 0
     out = []
     for k, s in enumerate(got):
         stats.calls += 1

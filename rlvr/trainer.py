@@ -272,6 +272,7 @@ def step_row(step: int, batch: Batch, stats: dict, state: RunState, t0: float) -
         responses = sum(len(p.responses) for p in batch.parts)
         row["train/tool_calls_per_response"] = sum(t.calls for t in used) / responses
         row["train/tool_errors"] = sum(t.errors for t in used)
+        row["train/tool_malformed"] = sum(t.malformed for t in used)
         row["train/tool_inserted_tokens"] = sum(t.inserted_tokens for t in used)
         rounds = sum(t.rounds for t in used)   # continuation rounds, and how many went on from the KV cache
         row["train/tool_rounds_on_cache_frac"] = sum(t.rounds_on_cache for t in used) / rounds if rounds else 0.0
