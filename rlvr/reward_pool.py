@@ -230,13 +230,13 @@ def _contain() -> None:
             raise OSError(ctypes.get_errno(), "cannot drop CAP_SYS_RESOURCE")
 
 
-def _user_tasks(uid: int) -> int:
-    """Processes and threads of user ``uid`` now (what RLIMIT_NPROC counts); 0 when /proc is unreadable."""
+def _user_tasks(uid: int) -> int | None:
+    """Processes and threads of user ``uid`` now (what RLIMIT_NPROC counts); None without /proc."""
     n = 0
     try:
         pids = [p for p in os.listdir("/proc") if p.isdigit()]
     except OSError:  # pragma: no cover - not Linux
-        return 0
+        return None
     for p in pids:
         try:
             with open(f"/proc/{p}/status") as f:
@@ -278,8 +278,9 @@ def _apply_limits(limits: Limits) -> None:
     import resource
 
     _limit_memory(limits.memory_mb)
-    if limits.processes > 0:
-        _set_limit(resource.RLIMIT_NPROC, _user_tasks(os.getuid()) + limits.processes)
+    running = _user_tasks(os.getuid())
+    if limits.processes > 0 and running is not None:  # without the count, a limit could stop every fork
+        _set_limit(resource.RLIMIT_NPROC, running + limits.processes)
     if limits.file_mb > 0:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         _set_limit(resource.RLIMIT_FSIZE, limits.file_mb * 2**20)
