@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import inspect
 import math
+import re
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -37,6 +38,14 @@ MAX_BUILTIN_CONTEXT = 8192
 """Longest prompt + max_new_tokens the built-in model is built for: its position table and attention grow
 with the context, so a huge prompt or bound would build (and price) a model of hundreds of millions of
 parameters instead of refusing."""
+MAX_REWARD_PROCESSES = 2**22
+"""Largest task.reward_processes (the kernel's largest pid_max): more is no limit in effect."""
+MAX_REWARD_FILE_MB = 2**24
+"""Largest task.reward_file_mb (16 TiB): more is no limit in effect."""
+MAX_REWARD_CPU_S = 10**9
+"""Largest task.reward_cpu_s (about 31 years): more is no limit in effect."""
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\*?")
+"""An environment variable name in task.reward_env, a trailing * matching a prefix."""
 GROUP_SCHEMES = ("centered", "normalized", "loo", "batch_normalized")
 """Δ schemes whose baseline is the group's own rewards: with one sample per prompt every Δ is 0."""
 
@@ -152,6 +161,23 @@ class TaskConfig:
     reward_memory_mb: int = 4096
     """Address space (MB) a reward worker may use beyond what loading the task took (RLIMIT_AS); a
     reward that allocates more gets a MemoryError (status `error`). 0 = no limit."""
+    reward_processes: int = 1024
+    """Processes and threads a reward worker's user may start beyond those the user runs when the
+    worker starts (RLIMIT_NPROC); a fork past it fails (status `error`). The kernel counts this limit
+    per user, over all of that user's processes, and does not enforce it for root. 0 = no limit."""
+    reward_file_mb: int = 1024
+    """Largest file (MB) a reward worker, or a process it starts, may write (RLIMIT_FSIZE); a write past
+    it fails with an OSError (status `error`). It bounds each file, not the total written. 0 = no limit."""
+    reward_cpu_s: int = 3600
+    """CPU seconds a reward worker, and each process it starts, may use beyond what loading the task
+    took (RLIMIT_CPU, counted over a process's life); the kernel kills a process past it. A worker is
+    replaced between calls once it has used half, so only a runaway call (status `crashed`) or a
+    process a reward left running meets it. 0 = no limit."""
+    reward_env: list = field(default_factory=list)
+    """Names of further environment variables reward workers receive (a trailing `*` matches a prefix,
+    e.g. ["MYTASK_*"]). Workers get only an allow-list of the trainer's environment (PATH, HOME,
+    LANG, LC_*, TMPDIR, the thread counts, the Hugging Face cache locations; rlvr.reward_pool
+    WORKER_ENV_NAMES), so tokens and keys set for the trainer do not reach a reward."""
     chat: Literal["messages", "user", "off"] = "messages"
     """How prompts reach a tokenizer that has a chat template (a Hugging Face chat model's). `messages`:
     the task's own chat messages through the template when it gives them (the arith task does),
@@ -982,6 +1008,14 @@ def _check_task_settings(tc: TaskConfig, bad) -> None:
         bad("task.reward_timeout_s", f"must be > 0, got {tc.reward_timeout_s}")
     if tc.reward_memory_mb < 0:
         bad("task.reward_memory_mb", f"must be >= 0 (0 = no limit), got {tc.reward_memory_mb}")
+    for key, v, top, what in [("reward_processes", tc.reward_processes, MAX_REWARD_PROCESSES, "processes"),
+                              ("reward_file_mb", tc.reward_file_mb, MAX_REWARD_FILE_MB, "MB"),
+                              ("reward_cpu_s", tc.reward_cpu_s, MAX_REWARD_CPU_S, "CPU seconds")]:
+        if not 0 <= v <= top:
+            bad(f"task.{key}", f"must be from 0 (no limit) to {top} {what}, got {v}")
+    if not all(isinstance(x, str) and ENV_NAME.fullmatch(x) for x in tc.reward_env):
+        bad("task.reward_env", f"must be a list of environment variable names (letters, digits and _, "
+            f"a trailing * for a prefix), got {tc.reward_env!r}")
     if tc.system and tc.chat == "off":
         bad("task.system", "is set, but task.chat = 'off' sends the prompt text without a chat template")
 
