@@ -77,14 +77,16 @@ def missing_symbols(answers: list[str], responses: list[str], G: int, min_frac: 
     policy that stopped writing something (the sort task's digit it replaces by a neighbour). Once no
     sample draws it, every group that needs it agrees at a partial reward and nothing teaches it back.
 
-    `answers` has one entry per group (P), `responses` G per group, row b in group b // G. A character
+    `answers` has one entry per group (P; a number counts as its digits, an answer that is neither
+    string nor number, such as a mixture's, needs nothing), `responses` G per group, row b in group b // G. A character
     counts when at least `min_frac` of the groups (and at least one) need it and none of their
     responses holds it. Returns `train/missing_symbols` (those characters, sorted, as one string) and
     `train/missing_need_frac` (the fraction of groups needing at least one of them); {} when none."""
     P = len(answers)
     need: dict[str, list[int]] = {}
     for g, answer in enumerate(answers):
-        for c in set(answer) - set(" \t\n"):
+        text = str(answer) if isinstance(answer, (str, int, float)) else ""
+        for c in set(text) - set(" \t\n"):
             need.setdefault(c, []).append(g)
     missing = sorted(c for c, groups in need.items() if len(groups) >= max(1, min_frac * P)
                      and not any(c in responses[g * G + j] for g in groups for j in range(G)))

@@ -252,6 +252,8 @@ def test_missing_symbols_by_hand():
     # written anywhere in the groups that need it: not missing
     assert missing_symbols(["13"], ["31", "1"], G=2) == {}
     assert missing_symbols(["1 3"], ["1", "13"], G=2) == {}        # whitespace is never counted
+    assert missing_symbols([{"a": "3"}, "3"], ["", "", "3", "3"], G=2) == {}   # a non-string answer needs nothing
+    assert missing_symbols([13], ["1", "11"], G=2) == {"train/missing_symbols": "3", "train/missing_need_frac": 1.0}
 
 
 def missing_row(step, goal, missing="3"):
