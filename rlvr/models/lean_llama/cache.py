@@ -1,0 +1,148 @@
+"""The lean forward's KV cache (``LeanCache``) and the row bookkeeping every rlvr KV cache shares."""
+
+from __future__ import annotations
+
+import torch
+
+from .limits import GROUP_ATTENTION_FLOPS
+
+
+def init_rows(cache, batch_size: int, max_len: int, device) -> None:
+    """The bookkeeping every rlvr KV cache shares: column budget ``max_len``, the running attention
+    mask ``mask`` (B, S) long of every column seen so far, each row's next position ``next_pos`` (B,)."""
+    cache.max_len = max_len
+    cache.mask = torch.zeros(batch_size, 0, dtype=torch.long, device=device)
+    cache.next_pos = torch.zeros(batch_size, dtype=torch.long, device=device)
+
+
+def repeat_rows(cache, repeats: int) -> None:
+    """Row b of ``mask`` / ``next_pos`` becomes rows b*repeats ... b*repeats+repeats-1."""
+    cache.mask = cache.mask.repeat_interleave(repeats, dim=0)
+    cache.next_pos = cache.next_pos.repeat_interleave(repeats, dim=0)
+
+
+class LeanCache:
+    """The lean path's KV cache: per-layer key/value tensors (B, Hkv, S, D), rotary already applied,
+    plus the running attention mask and each row's next position (see ``init_rows``).
+
+    Two ways to grow, chosen per append: with gradient enabled the tensors are grown with
+    ``torch.cat`` (so gradients flow through the cache: the training forward's shared prompt);
+    without gradient (sampling) the first append allocates (B, Hkv, max_len, D) buffers and every
+    later one writes its columns in place, so a decode step copies one column, not the whole cache.
+    ``k[li]`` / ``v[li]`` are then views of the first S columns of those buffers.
+
+    Grouped layout (``group`` = G > 1, see ``repeat_interleave``): the P prompts' keys / values are
+    kept once, not G times, and the G rows of a prompt append theirs after them, step by step:
+    ``v[li]`` is (P, Hkv, prefix + G * n, D) with column ``prefix + s * G + g`` = row g's step s,
+    and ``k[li]`` holds the keys transposed, (P, Hkv, D, prefix + G * n), as the scores' product
+    reads them (a transposed view of a buffer's first columns would be copied by that product at
+    every layer of every step). ``lean_forward`` then lets the G * rep query heads of a prompt's kv
+    head attend to its columns as one product, each query masked to the prompt's columns and its
+    own row's."""
+
+    def __init__(self, n_layers: int, batch_size: int, max_len: int, device):
+        init_rows(self, batch_size, max_len, device)
+        self.k: list[torch.Tensor | None] = [None] * n_layers
+        self.v: list[torch.Tensor | None] = [None] * n_layers
+        self._kbuf: list[torch.Tensor | None] = [None] * n_layers
+        self._vbuf: list[torch.Tensor | None] = [None] * n_layers
+        self.group = 1
+        """G > 1 in the grouped layout: rows b*G ... b*G+G-1 share the first ``prefix`` columns."""
+        self.prefix = 0
+        """Columns stored once per group (the prompt's) in the grouped layout."""
+
+    length = property(lambda self: self.mask.size(1))
+    batch_size = property(lambda self: self.mask.size(0))
+
+    def append(self, li: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``li``'s keys / values (B, Hkv, L, D) appended after its S0 cached columns; returns the
+        (B, Hkv, S0 + L, D) keys and values to attend to; in the grouped layout (P, Hkv, prefix +
+        G * (n + L), D) values and the keys transposed, (P, Hkv, D, prefix + G * (n + L)), after n
+        steps (no gradient)."""
+        if self.group > 1:
+            return self._append_grouped(li, k, v)
+        past = 0 if self.k[li] is None else self.k[li].size(2)
+        if torch.is_grad_enabled():     # an in-place write could change a tensor backward has saved
+            if self.k[li] is not None:
+                k = torch.cat([self.k[li], k], dim=2)
+                v = torch.cat([self.v[li], v], dim=2)
+            self._kbuf[li] = self._vbuf[li] = None
+        else:
+            kb, vb = self._kbuf[li], self._vbuf[li]
+            if kb is None:              # the first append without gradient (the forward checks max_len)
+                B, Hkv, _, D = k.shape
+                kb = k.new_empty(B, Hkv, self.max_len, D)
+                vb = v.new_empty(kb.shape)
+                if past:
+                    kb[:, :, :past] = self.k[li]
+                    vb[:, :, :past] = self.v[li]
+                self._kbuf[li], self._vbuf[li] = kb, vb
+            S = past + k.size(2)
+            kb[:, :, past:S] = k
+            vb[:, :, past:S] = v
+            k, v = kb[:, :, :S], vb[:, :, :S]
+        self.k[li], self.v[li] = k, v
+        return k, v
+
+    def _append_grouped(self, li: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Grouped layout: the G rows' L new columns of each prompt written after its n steps."""
+        if torch.is_grad_enabled():
+            raise RuntimeError("a LeanCache in the grouped layout is written without gradient only")
+        G = self.group
+        B, Hkv, L, D = k.shape
+        P = B // G
+        kb, vb = self._kbuf[li], self._vbuf[li]                   # (P, Hkv, D, cols), (P, Hkv, cols, D)
+        past = self.v[li].size(2)
+        S = past + G * L
+        kb[..., past:S].view(P, Hkv, D, L, G).copy_(k.reshape(P, G, Hkv, L, D).permute(0, 2, 4, 3, 1))
+        vb[:, :, past:S].view(P, Hkv, L, G, D).copy_(v.reshape(P, G, Hkv, L, D).permute(0, 2, 3, 1, 4))
+        self.k[li], self.v[li] = kb[..., :S], vb[:, :, :S]
+        return self.k[li], self.v[li]
+
+    def _groupable(self, repeats: int) -> bool:
+        """Whether ``repeat_interleave(repeats)`` takes the grouped layout: no gradient, CPU, every
+        layer filled in place, and attending to a prompt's G rows' columns at once costs at most
+        ``GROUP_ATTENTION_FLOPS`` times the score FLOPs of each row attending to its own."""
+        if repeats < 2 or self.group > 1 or torch.is_grad_enabled() or self.mask.device.type != "cpu":
+            return False
+        if any(t is None for t in self.k) or any(b is None for b in self._kbuf):
+            return False
+        S0, new = self.length, self.max_len - self.length
+        return (S0 + repeats * new) <= GROUP_ATTENTION_FLOPS * (S0 + new)
+
+    def repeat_interleave(self, repeats: int) -> "LeanCache":
+        """Row b becomes rows b*repeats ... b*repeats+repeats-1 (out of place per tensor, so the
+        autograd graph is kept); returns ``self`` like ``HFCache.repeat_interleave``.
+
+        Without gradient on CPU, where ``_groupable`` says so, the rows are repeated in the
+        bookkeeping only and the keys / values take the grouped layout (class docstring): the
+        prompt's columns are not copied G times and a decode step reads them once per prompt."""
+        if self._groupable(repeats):
+            S0 = self.length
+            cols = S0 + repeats * (self.max_len - S0)
+            for li, t in enumerate(self.k):
+                P, Hkv, _, D = t.shape
+                self._kbuf[li] = t.new_empty(P, Hkv, D, cols)                 # keys transposed
+                self._vbuf[li] = t.new_empty(P, Hkv, cols, D)
+                self._kbuf[li][..., :S0] = t.transpose(2, 3)
+                self._vbuf[li][:, :, :S0] = self.v[li]
+                self.k[li], self.v[li] = self._kbuf[li][..., :S0], self._vbuf[li][:, :, :S0]
+            self.group, self.prefix = repeats, S0
+            repeat_rows(self, repeats)
+            return self
+        if self.group > 1:
+            raise RuntimeError("a LeanCache in the grouped layout cannot be repeated again")
+        for li, t in enumerate(self.k):
+            if t is None:
+                continue
+            if self._kbuf[li] is not None:                              # keep the preallocated columns
+                self._kbuf[li] = self._kbuf[li].repeat_interleave(repeats, dim=0)
+                self._vbuf[li] = self._vbuf[li].repeat_interleave(repeats, dim=0)
+                S = t.size(2)
+                self.k[li], self.v[li] = self._kbuf[li][:, :, :S], self._vbuf[li][:, :, :S]
+            else:
+                self.k[li] = t.repeat_interleave(repeats, dim=0)
+                self.v[li] = self.v[li].repeat_interleave(repeats, dim=0)
+                self._kbuf[li] = self._vbuf[li] = None
+        repeat_rows(self, repeats)
+        return self

@@ -1,0 +1,139 @@
+"""Row-major products under CPU bf16 autocast: ``linear`` computes ``m(x)`` from the ``bf16_weights()``
+copies (autocast's numbers, without casting the weights at every call), and a no-gradient decode
+step on few rows reads frozen weights from their oneDNN packs (``decode_reads_packs``; q/k/v and
+gate/up each from one stacked pack, ``_stacked_linear``); the head from its pack (``_packed_head``).
+Outside a region, or off the CPU, the module runs itself."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .bf16_copies import _SCOPE, _Bf16Weights, _cpu_bf16_autocast
+from .limits import HEAD_ROWS, PACK_ROWS
+from .modules import _hooked, _plain_lora
+from .packs import _pack_ok, _packed_linear, _packed_linear_ok
+from .weight_major import _weight_major_bf16_ok
+
+
+def decode_reads_packs() -> bool:
+    """Whether bf16 decode steps on this CPU read every frozen weight from a prepacked copy kept
+    with its bf16 copy (``linear``): where decode's products run row-major (``_weight_major_bf16_ok``
+    fails) and oneDNN's packed linear serves (``_packed_linear_ok``). Elsewhere only the head is packed."""
+    return _packed_linear_ok() and not _weight_major_bf16_ok()
+
+
+def _stacked_plan(scope: "_Bf16Weights", mods: tuple[nn.Module, ...], rows: int) -> tuple | None:
+    """(the stacked pack, its stacked bias or None, each module's output width, [(base weight, base
+    bias, [(A, B, scaling), ...]) per module]) that ``_stacked_linear`` reads for ``mods`` at
+    ``rows`` rows, or None where it does not serve (see there)."""
+    plans = []
+    for m in mods:
+        plan = (m.weight, m.bias, []) if type(m) is nn.Linear and not _hooked(m) else _plain_lora(m, torch.float32)
+        if plan is None or plan[0].requires_grad or (plan[1] is not None and plan[1].requires_grad):
+            return None
+        plans.append(plan)
+    ws, bs = tuple(W for W, _, _ in plans), tuple(b for _, b, _ in plans)
+    sizes = tuple(W.size(0) for W in ws)
+    Wp = scope.packed_stack(ws, PACK_ROWS)
+    bb = scope.stacked_bias(bs, sizes) if any(b is not None for b in bs) else None
+    if Wp is None or (bb is None and any(b is not None for b in bs)):
+        return None
+    if not _pack_ok(Wp, tuple(map(scope.get, ws)), tuple(None if b is None else scope.get(b) for b in bs), rows):
+        return None
+    return Wp, bb, sizes, plans
+
+
+def _stacked_linear(mods: tuple[nn.Module, ...], x: torch.Tensor) -> list[torch.Tensor] | None:
+    """``[linear(m, x) for m in mods]`` for modules that read the same ``x`` (..., K) (q/k/v; gate/up)
+    in a row-major bf16 decode step (``decode_reads_packs``: no gradient, at most ``HEAD_ROWS`` rows,
+    CPU bf16 autocast in a ``bf16_weights()`` region), from ONE product with the prepacked stack of
+    their frozen base weights (``_Bf16Weights.packed_stack``, kept across regions), each output a
+    column block of it; LoRA terms then added per module as ``linear`` adds them (the factors under
+    autocast, as peft calls them). The same bits as ``linear``'s products where ``_pack_ok`` says
+    the stacked product gives them; None elsewhere (a module not a plain Linear or plain LoRA
+    Linear, a base weight that trains, no pack): the caller runs ``linear``. One stacked product
+    saves a little of a decode step over one per module (see docs/performance.md)."""
+    scope = getattr(_SCOPE, "weights", None)
+    rows = x.numel() // x.size(-1)
+    if (scope is None or torch.is_grad_enabled() or rows > HEAD_ROWS or not _cpu_bf16_autocast(x.device)
+            or not decode_reads_packs()):
+        return None
+    plan = scope.decode_plan(mods, rows, _stacked_plan)
+    if plan is None:
+        return None
+    Wp, bb, sizes, plans = plan
+    out = _packed_linear(x.reshape(rows, x.size(-1)).to(torch.bfloat16), Wp, bb)   # (rows, sum N)
+    outs = []
+    for block, (_, _, adapters) in zip(out.split(sizes, dim=1), plans):
+        block = block.view(*x.shape[:-1], block.size(1))
+        for A, B, scaling in adapters:   # as linear adds them: x cast by autocast, as peft calls them
+            block = block + F.linear(F.linear(x, A), B) * scaling
+        outs.append(block)
+    return outs
+
+
+def _packed_head(head: nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
+    """``head(x)`` (rows, V) for x (rows, d) under CPU bf16 autocast inside ``bf16_weights()``
+    without gradient, from the head's prepacked bf16 copy (``_Bf16Weights.packed``): the bf16
+    product autocast computes, equal to the last bit (probed, and tested), faster than ``F.linear``
+    on the plain copy, which reorders the weight at every call (see docs/performance.md). None
+    elsewhere."""
+    scope = getattr(_SCOPE, "weights", None)
+    if scope is None or not _cpu_bf16_autocast(x.device) or torch.is_grad_enabled() or _hooked(head):
+        return None
+    Wp = scope.packed(head.weight, PACK_ROWS)
+    if Wp is None or not _pack_ok(Wp, (scope.get(head.weight),), (None,), x.size(0)):
+        return None
+    return _packed_linear(x.to(torch.bfloat16), Wp, None)
+
+
+def _linear_plan(scope: "_Bf16Weights", mods: tuple[nn.Module], rows: int) -> tuple | None:
+    """(W's bf16 copy, its bias's or None, W's prepacked copy where a no-gradient call on ``rows`` rows
+    reads it, else None; the LoRA adapters [(A, B, scaling), ...]) that ``linear`` computes
+    ``mods[0]`` from, or None where the module runs itself (hooks, not a plain Linear or plain LoRA
+    Linear, a weight that needs a gradient here)."""
+    m = mods[0]
+    if _hooked(m):
+        return None
+    lora = (m.weight, m.bias, []) if type(m) is nn.Linear else _plain_lora(m, torch.float32)
+    if lora is None:
+        return None
+    W, b, adapters = lora
+    Wb, bb = scope.get(W), None if b is None else scope.get(b)
+    if Wb is None or (b is not None and bb is None):
+        return None
+    Wp = (scope.packed(W, PACK_ROWS) if not W.requires_grad and not torch.is_grad_enabled() and rows <= HEAD_ROWS
+          else None)
+    return Wb, bb, Wp if Wp is not None and _pack_ok(Wp, (Wb,), (bb,), rows) else None, adapters
+
+
+def linear(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``m(x)``; inside ``bf16_weights()`` under bf16 autocast on the CPU, an ``nn.Linear`` (or a
+    plain peft LoRA ``Linear``'s base layer, see ``_plain_lora``) takes its weight and bias from the
+    region's bf16 copies when they need no gradient: what autocast computes (the input cast to bf16,
+    a bf16 product with the bf16 bias; LoRA factors under autocast as peft calls them), equal to the
+    last bit (tested). Without gradient on at most ``HEAD_ROWS`` rows (row-major decode steps) a
+    frozen weight (``_KEPT``: packed once, kept across regions) is read from its prepacked copy
+    (``_packed_linear``, where ``_packed_linear_ok`` and ``_pack_ok`` at these rows say it gives the
+    same bits; ``_stacked_linear`` reads q/k/v and gate/up from stacked packs): faster products,
+    and only frozen weights are packed, since a pack made again in every region costs what it saves
+    (see docs/performance.md)."""
+    scope = getattr(_SCOPE, "weights", None)
+    if (scope is None or x.device.type != "cpu" or not torch.is_autocast_enabled("cpu")
+            or torch.get_autocast_dtype("cpu") != torch.bfloat16):
+        return m(x)
+    rows = x.numel() // x.size(-1)
+    plan = (scope.decode_plan((m,), rows, _linear_plan) if rows <= HEAD_ROWS and not torch.is_grad_enabled()
+            else _linear_plan(scope, (m,), rows))
+    if plan is None:
+        return m(x)
+    Wb, bb, Wp, adapters = plan
+    if Wp is not None:
+        out = _packed_linear(x.reshape(rows, x.size(-1)).to(torch.bfloat16), Wp, bb).view(*x.shape[:-1], -1)
+    else:
+        out = F.linear(x.to(torch.bfloat16), Wb, bb)
+    for A, B, scaling in adapters:     # x cast again by autocast, as peft calls it: the same gradient sums
+        out = out + F.linear(F.linear(x, A), B) * scaling
+    return out
