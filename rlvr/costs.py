@@ -80,7 +80,10 @@ Memory (`memory(...)`, the peak resident set a run reaches, in bytes; `b` = byte
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+
+from rlvr import price_lines
+from rlvr.procmem import available_bytes, resident_bytes  # noqa: F401  (the callers' names: rlvr.run, tasks)
 
 
 @dataclass(frozen=True)
@@ -186,29 +189,6 @@ def memory(shape: ModelShape, *, prompts: int, group: int, prompt_len: int, resp
         eval_kv_cache=kv_cache_bytes(shape, eval_rows, Lp, T + cache_reserve, b) if eval_rows else 0,
         export_copy=policy if export_copy else 0, weight_copies=weight_copy_bytes, kept_copies=kept_copy_bytes,
     )
-
-
-def _proc_kib(path: str, key: str) -> int | None:
-    """Bytes of the `key:` line (in kB) of a /proc file; None where the file or line is missing."""
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def resident_bytes() -> int:
-    """This process's resident set now (VmRSS of /proc/self/status; 0 where there is none)."""
-    return _proc_kib("/proc/self/status", "VmRSS") or 0
-
-
-def available_bytes() -> int | None:
-    """Memory the machine can give a new run without swapping: MemAvailable of /proc/meminfo
-    (None where it cannot be read)."""
-    return _proc_kib("/proc/meminfo", "MemAvailable")
 
 
 @dataclass
@@ -331,97 +311,16 @@ class Price:
                           self.memory_export_bytes)
 
     def memory_line(self) -> str:
-        """The predicted peak and its parts, in MiB."""
-        mib = 1 / 2**20
-        return (f"price: memory peak ~{self.memory_peak_bytes * mib:,.0f} MiB (during {self.memory_peak_phase}) = "
-                f"process {self.memory_baseline_bytes * mib:,.0f} + policy {self.policy_bytes * mib:,.0f} + "
-                f"reference {self.reference_bytes * mib:,.0f} + AdamW {self.optimizer_bytes * mib:,.1f} + "
-                f"gradients {self.memory_gradient_bytes * mib:,.1f} + "
-                + (f"bf16 copies of the frozen weights {self.memory_kept_copy_bytes * mib:,.0f} + "
-                   if self.memory_kept_copy_bytes else "")
-                + f"the largest of: training activations "
-                f"{self.memory_activation_bytes * mib:,.0f} + logits {self.memory_logits_bytes * mib:,.0f}, "
-                f"sampling KV cache {self.memory_kv_cache_bytes * mib:,.0f}, evaluation KV cache "
-                f"{self.memory_eval_kv_cache_bytes * mib:,.0f}, export copy {self.memory_export_bytes * mib:,.0f}"
-                + (f"; each but export with bf16 weight copies {self.memory_weight_copy_bytes * mib:,.0f}"
-                   if self.memory_weight_copy_bytes else ""))
+        """The predicted peak and its parts, in MiB (rlvr.price_lines)."""
+        return price_lines.memory_line(self)
 
     def lines(self) -> list[str]:
-        """The price as printed by `rlvr price` and before the first step of `rlvr train`."""
-        mib = 1 / 2**20
-        worst = ""
-        if self.sampling_rounds > 1:
-            worst = (f"; worst case with dynamic sampling ({self.sampling_rounds} rounds) "
-                     f"{self.sampled_tokens_per_run_worst:,}")
-        copies = [f"policy {self.policy_bytes * mib:.2f} MiB", f"AdamW state {self.optimizer_bytes * mib:.2f} MiB"]
-        if not self.has_reference:
-            copies.append("no reference (kl_coef = 0)")
-        elif self.reference_is_adapter_off:
-            copies.append("reference = the policy with its LoRA adapter disabled (no copy)")
-        else:
-            copies.append(f"reference {self.reference_bytes * mib:.2f} MiB")
-        copies.append(
-            f"stored logp_old {self.logp_old_bytes * mib:.3f} MiB instead of a π_old copy "
-            f"({self.policy_bytes * mib:.2f} MiB, saving {(self.policy_bytes - self.logp_old_bytes) * mib:.2f} MiB)"
-        )
-        what = ("its entropies for top_entropy_quantile, logp_old stored from the sampler"
-                if self.entropy_forward and not self.logp_old_recomputed else "recomputed under the training numerics"
-                + (", with the entropies for top_entropy_quantile" if self.entropy_forward else ""))
-        logp_old = (f"{self.flops_logp_old_per_batch:.3g} FLOP, the learner's forwards at π_old, detached: the "
-                    "first minibatch's own, the others' over their own parts before the first update"
-                    if self.forward_tokens_logp_old_per_batch and self.logp_old_from_learner else
-                    f"{self.flops_logp_old_per_batch:.3g} FLOP, {what}"
-                    if self.forward_tokens_logp_old_per_batch else
-                    "the learner's first forward, detached" if self.logp_old_from_learner else
-                    "stored from the sampler")
-        if self.logp_old_note:
-            logp_old += f"; {self.logp_old_note}"
-        return [
-            f"price: sampled tokens per gradient step = {self.sampled_tokens_per_grad_step:,.0f} "
-            f"(P={self.prompts_per_step} x G={self.samples_per_prompt} x T<={self.max_new_tokens} "
-            f"/ {self.grad_steps_per_batch} gradient steps per batch)",
-            f"price: sampled tokens per batch = {self.sampled_tokens_per_batch:,}; "
-            f"per run ({self.steps} steps) = {self.sampled_tokens_per_run:,}{worst}",
-            f"price: forward tokens per batch: sampling {self.forward_tokens_sampling_per_batch:,} "
-            f"({self.flops_sampling_per_batch:.3g} FLOP), logp_old {self.forward_tokens_logp_old_per_batch:,} "
-            f"({logp_old}), logp_ref {self.forward_tokens_logp_ref_per_batch:,} "
-            f"({self.flops_logp_ref_per_batch:.3g} FLOP); trained tokens {self.trained_tokens_per_batch:,} "
-            f"({self.flops_train_per_batch:.3g} FLOP)",
-            f"price: per run: {self.forward_tokens_per_run:,} forward + {self.trained_tokens_per_run:,} trained tokens, "
-            f"{self.flops_per_run:.3g} FLOP",
-            f"price: model copies held: {'; '.join(copies)}; parameters {self.n_params:,}",
-        ] + ([f"price: tool calls: sampling forwards priced with {self.tool_calls} continuation(s) per response, "
-              f"each over its whole context (the most they can take: a continuation appends to the first round's "
-              f"KV cache where that computes less; sampled tokens stay within T)"]
-             if self.tool_calls else []) + ([f"price: numerics: {self.numerics}"] if self.numerics else []) + ([self.wall_line()] if self.matmul_flops_per_s else []) + ([self.memory_line()] if self.memory_peak_bytes else [])
+        """The price as printed by `rlvr price` and before the first step of `rlvr train` (rlvr.price_lines)."""
+        return price_lines.lines(self)
 
     def wall_line(self) -> str:
-        worst = (f" ({self.wall_seconds_estimate * self.sampling_rounds:,.1f} s in the worst case of dynamic sampling)"
-                 if self.sampling_rounds > 1 else "")
-        line = (f"price: wall time >= {self.wall_seconds_estimate:,.1f} s{worst} on this machine "
-                f"({self.flops_per_run:.3g} FLOP at a measured {self.matmul_kind} matmul rate of "
-                f"{self.matmul_flops_per_s / 1e9:.1f} GFLOP/s with {self.threads} threads); a lower bound: "
-                f"sampling is bound by memory bandwidth and per-token overhead, not by matmul speed")
-        if not self.wall_seconds_expected:
-            return line
-        rounds = 1 + self.tool_calls
-        return (f"{line}; expected ~{self.wall_seconds_expected:,.1f} s with each of the "
-                f"{rounds * (self.max_new_tokens - 1)} decode steps per batch"
-                + (f" ({rounds} sampling rounds: the first and {self.tool_calls} tool continuation(s))"
-                   if self.tool_calls else "")
-                + f" at the measured {self.decode_step_s * 1e3:,.3g} ms "
-                + (f"({self.prompts_per_step * self.samples_per_prompt} rows)" if not self.rollout_workers else
-                   f"(a rollout worker's largest share, {self.decode_prompts} prompts x {self.samples_per_prompt} = "
-                   f"{self.decode_prompts * self.samples_per_prompt} rows at {self.decode_threads} torch thread(s); "
-                   f"the {self.rollout_workers} workers decode side by side; Ray's calls and the weight syncs, "
-                   f"{self.sync_bytes / 2**20:,.2f} MiB after every update, not counted)")
-                + (f" and each of the {self.steps * self.grad_steps_per_batch} gradient steps at the measured "
-                   f"{self.learn_parts_per_step} x {self.learn_part_s * 1e3:,.4g} ms (forward and backward"
-                   f"{' of each part' if self.learn_parts_per_step > 1 else ''}"
-                   + (f" of one learner rank's share at {self.learn_threads} torch thread(s); the {self.learner_ranks} "
-                      f"ranks side by side; their gradient all-reduce not counted" if self.learner_ranks > 1 else "")
-                   + f") + {self.optimizer_step_s * 1e3:,.3g} ms (optimizer)" if self.learn_part_s else "")
-                + ", before evaluation and rewards")
+        """The wall-time line (rlvr.price_lines)."""
+        return price_lines.wall_line(self)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -539,125 +438,185 @@ class ScaleOut:
     (rlvr.run.learn_probe_share)."""
 
 
-def price(
-    *,
-    prompts_per_step: int,
-    samples_per_prompt: int,
-    max_new_tokens: int,
-    prompt_tokens: int,
-    steps: int,
-    epochs_per_batch: int,
-    minibatches: int,
-    n_params: int,
-    micro_batches: int = 1,
-    has_reference: bool,
-    flops_fwd_per_token: float = 0.0,
-    flops_train_per_token: float = 0.0,
-    sampling_rounds: int = 1,
-    bytes_per_param: int = 4,
-    trainable_params: int | None = None,
-    reference_is_adapter_off: bool = False,
-    shared_prompt: bool = False,
-    matmul_flops_per_s: float = 0.0,
-    threads: int = 0,
-    shape: ModelShape | None = None,
-    baseline_bytes: int = 0,
-    logprob_chunk_rows: int = 0,
-    logit_bytes: int = 4,
-    eval_rows: int = 0,
-    export_copy: bool = False,
-    recompute_logp_old: bool = False,
-    logp_old_note: str = "",
-    logp_old_from_learner: bool = False,
-    entropy_forward: bool = False,
-    numerics: str = "",
-    matmul_kind: str = "fp32",
-    decode_step_s: float = 0.0,
-    learn_part_s: float = 0.0,
-    optimizer_step_s: float = 0.0,
-    weight_copy_bytes: int = 0,
-    kept_copy_bytes: int = 0,
-    tool_calls: int = 0,
-    scale_out: ScaleOut = ScaleOut(),
-) -> Price:
-    """Price a run from its shape; refuses, naming the number, when one it needs is missing.
 
-    `flops_*_per_token` default to the 2N / 6N rule when not given (no attention term).
-    `micro_batches` (train.micro_batches): the parts a minibatch's forward and backward run in (memory
-    only). `trainable_params` (LoRA: the adapter) sizes the AdamW state; `reference_is_adapter_off` means
-    the reference is the policy with its adapter disabled, so it holds no copy. `shared_prompt`:
-    the reference and training forwards run each prompt once per group (P * Lp + P * G * (T - 1) tokens).
-    `matmul_flops_per_s` (measured with `threads` torch threads) gives the wall-time lower bound.
-    `shape` (with `baseline_bytes`, `logprob_chunk_rows` and `logit_bytes` (logits_bytes), `eval_rows` rows decoded together in evaluation,
-    `export_copy` when export merges LoRA into a copy, `weight_copy_bytes` the bf16 weight copies of a
-    forward, `kept_copy_bytes` those kept for the whole run) adds the predicted memory peak (`memory`; else 0). `recompute_logp_old` (algorithm.logp_old
-    = recompute, or auto with bf16 forwards; `logp_old_note` says why auto chose;
-    `logp_old_from_learner`: the learner's first forward gives it, none is added with one minibatch,
-    and (minibatches - 1) / minibatches of one with more, rlvr.learn.prepass_logp_old) adds one log-prob
-    forward per batch, as does `entropy_forward` (the entropies of
-    algorithm.top_entropy_quantile; one forward serves both); `numerics` is the model.autocast line and
-    `matmul_kind` what `matmul_flops_per_s` measures ("fp32", or "bf16 autocast"). `decode_step_s`
-    (one decode step of the P x G rows, measured) gives the expected wall time (`expected_wall_seconds`);
-    `learn_part_s` (one micro part's training forward and backward, measured) and `optimizer_step_s`
-    price the learn stage in it instead of its FLOPs.
-    `tool_calls`: continuations per row in sampling, each at most Lp + T prefilled and T decoded (rlvr.tools).
-    `scale_out` says whose decode and learn steps `decode_step_s` and `learn_part_s` are with rollout
-    workers or a learner group.
+@dataclass(frozen=True)
+class RunShape:
+    """What the config and the model say about a run, as its price needs it."""
+
+    prompts_per_step: int
+    samples_per_prompt: int
+    max_new_tokens: int  # T, the response-length bound.
+    prompt_tokens: int  # Lp, the longest prompt.
+    steps: int
+    epochs_per_batch: int
+    minibatches: int
+    n_params: int
+    has_reference: bool  # The KL term is on (a reference forward per batch).
+    micro_batches: int = 1
+    """train.micro_batches: the parts a minibatch's forward and backward run in (memory, learn time)."""
+    flops_fwd_per_token: float = 0.0  # Forward FLOPs per token (`model_flops_per_token`); 0: the 2N rule.
+    flops_train_per_token: float = 0.0  # Training FLOPs per token; 0: the 6N rule.
+    sampling_rounds: int = 1  # Dynamic sampling's rounds at most (the worst case's factor).
+    bytes_per_param: int = 4
+    trainable_params: int | None = None  # The parameters AdamW holds state for (LoRA: the adapter); None: all.
+    reference_is_adapter_off: bool = False  # The reference is the policy with its adapter disabled: no copy held.
+    shared_prompt: bool = False
+    """The reference and training forwards run each prompt once per group (P * Lp + P * G * (T - 1) tokens)."""
+    recompute_logp_old: bool = False
+    """algorithm.logp_old = recompute (or auto with bf16 forwards): one log-prob forward more per batch."""
+    logp_old_from_learner: bool = False
+    """logp_old is the learner's first forward, detached: no forward with one minibatch, (M - 1) / M of
+    one with M (rlvr.learn.prepass_logp_old)."""
+    logp_old_note: str = ""  # Why algorithm.logp_old = auto took its source.
+    entropy_forward: bool = False
+    """algorithm.top_entropy_quantile < 1 needs a forward's entropies (one forward serves both)."""
+    tool_calls: int = 0  # Continuations per row in sampling, each at most Lp + T prefilled and T decoded (rlvr.tools).
+
+    @property
+    def trainable(self) -> int:
+        return self.n_params if self.trainable_params is None else self.trainable_params
+
+    @property
+    def reference_copy(self) -> bool:
+        """A reference policy is held as a copy (KL on, and not the adapter disabled)."""
+        return self.has_reference and not self.reference_is_adapter_off
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What was measured at start-up on this machine; 0 = not measured."""
+
+    matmul_flops_per_s: float = 0.0  # The matmul rate under the run's numerics (gives the wall-time lower bound).
+    matmul_kind: str = "fp32"  # What the rate measures: "fp32", or "bf16 autocast".
+    threads: int = 0  # torch threads the rate was measured with.
+    numerics: str = ""  # The model.autocast line, with its measured times.
+    decode_step_s: float = 0.0
+    """One decode step of the P x G rows (gives the expected wall time, `expected_wall_seconds`)."""
+    learn_part_s: float = 0.0
+    """One micro part's training forward and backward: prices the learn stage instead of its FLOPs."""
+    optimizer_step_s: float = 0.0  # One optimizer step.
+
+    def with_learn(self, learn_part_s: float, optimizer_step_s: float) -> Measured:
+        """These figures with the learn stage's measured times."""
+        return replace(self, learn_part_s=learn_part_s, optimizer_step_s=optimizer_step_s)
+
+
+@dataclass(frozen=True)
+class MemoryInputs:
+    """What the memory prediction (`memory`) needs beyond the run's shape."""
+
+    shape: ModelShape
+    baseline_bytes: int = 0  # The process before the run (measured).
+    logprob_chunk_rows: int = 0
+    logit_bytes: int = 4  # Bytes of a logit in the forwards (`logits_bytes`).
+    eval_rows: int = 0  # Rows decoded together in evaluation.
+    export_copy: bool = False  # Export merges LoRA into a copy.
+    weight_copy_bytes: int = 0  # The bf16 weight copies of a forward phase (CPU bf16 autocast).
+    kept_copy_bytes: int = 0  # The bf16 copies kept for the whole run.
+
+
+@dataclass(frozen=True)
+class _Tokens:
+    """A batch's token positions by forward (the module docstring's counts)."""
+
+    sampling: int
+    logp_ref: int
+    logp_old: int
+    trained: int
+
+
+def _tokens(run: RunShape) -> _Tokens:
+    """The token positions a batch of `run` computes in each forward."""
+    P, G, T, Lp = run.prompts_per_step, run.samples_per_prompt, run.max_new_tokens, run.prompt_tokens
+    rows = P * G
+    per_forward = logp_forward_tokens(rows, G, Lp, T, shared_prompt=run.shared_prompt)
+    return _Tokens(
+        sampling=sampling_forward_tokens(P, Lp, rows, T) + run.tool_calls * rows * (Lp + 2 * T),
+        logp_ref=per_forward * run.has_reference,
+        logp_old=logp_old_forward_tokens(per_forward, P, run.minibatches, run.recompute_logp_old or run.entropy_forward,
+                                         run.logp_old_from_learner),
+        trained=run.epochs_per_batch * per_forward)
+
+
+def _learn_parts(run: RunShape, so: ScaleOut) -> int:
+    """The parts each gradient step runs its forwards and backwards in: whole groups, at least one a
+    part; with a learner group, parts of one rank's share."""
+    share = run.prompts_per_step // run.minibatches if so.learn_share is None else so.learn_share[0]
+    return min(run.micro_batches, max(1, share))
+
+
+def _memory_prediction(run: RunShape, mem: MemoryInputs) -> Memory:
+    """`memory` for `run` with the inputs `mem`."""
+    T = run.max_new_tokens
+    return memory(
+        mem.shape, prompts=run.prompts_per_step, group=run.samples_per_prompt, prompt_len=run.prompt_tokens,
+        response_len=T, minibatches=run.minibatches * run.micro_batches, n_params=run.n_params,
+        trainable_params=run.trainable, has_reference_copy=run.reference_copy, baseline=mem.baseline_bytes,
+        bytes_per_param=run.bytes_per_param, shared_prompt=run.shared_prompt,
+        logprob_chunk_rows=mem.logprob_chunk_rows, logit_bytes=mem.logit_bytes, eval_rows=mem.eval_rows,
+        export_copy=mem.export_copy, weight_copy_bytes=mem.weight_copy_bytes, kept_copy_bytes=mem.kept_copy_bytes,
+        cache_reserve=2 * T * run.tool_calls)
+
+
+def _check_run(run: RunShape) -> None:
+    """ValueError naming the first count of `run` that is missing (`_check_counts`)."""
+    _check_counts(run.prompt_tokens, max_new_tokens=run.max_new_tokens, n_params=run.n_params,
+                  prompts_per_step=run.prompts_per_step, samples_per_prompt=run.samples_per_prompt, steps=run.steps,
+                  epochs_per_batch=run.epochs_per_batch, minibatches=run.minibatches,
+                  sampling_rounds=run.sampling_rounds, micro_batches=run.micro_batches)
+
+
+def price(run: RunShape, measured: Measured = Measured(), mem: MemoryInputs | None = None,
+          scale_out: ScaleOut = ScaleOut()) -> Price:
+    """Price `run`; refuses, naming the number, when one it needs is missing.
+
+    `measured` gives the wall times: the FLOP lower bound at its matmul rate, the expected time at its
+    decode step (`expected_wall_seconds`), and the learn stage at its measured part and optimizer
+    step instead of its FLOPs. `mem` adds the predicted memory peak (`memory`; else 0). `scale_out`
+    says whose decode and learn steps were measured with rollout workers or a learner group.
     """
-    _check_counts(prompt_tokens, max_new_tokens=max_new_tokens, n_params=n_params, prompts_per_step=prompts_per_step,
-                  samples_per_prompt=samples_per_prompt, steps=steps, epochs_per_batch=epochs_per_batch,
-                  minibatches=minibatches, sampling_rounds=sampling_rounds, micro_batches=micro_batches)
-    fwd, trn = flops_fwd_per_token or 2 * n_params, flops_train_per_token or 6 * n_params
-    P, G, T, Lp = prompts_per_step, samples_per_prompt, max_new_tokens, prompt_tokens
+    _check_run(run)
+    fwd, trn = run.flops_fwd_per_token or 2 * run.n_params, run.flops_train_per_token or 6 * run.n_params
+    P, G, T, steps = run.prompts_per_step, run.samples_per_prompt, run.max_new_tokens, run.steps
     rows, per_batch = P * G, P * G * T
-    grad_steps = epochs_per_batch * minibatches
-    sampling_fwd = sampling_forward_tokens(P, Lp, rows, T) + tool_calls * rows * (Lp + 2 * T)
-    per_forward = logp_forward_tokens(rows, G, Lp, T, shared_prompt=shared_prompt)
-    ref_fwd = per_forward * has_reference
-    old_fwd = logp_old_forward_tokens(per_forward, P, minibatches, recompute_logp_old or entropy_forward,
-                                      logp_old_from_learner)
-    trained, policy = epochs_per_batch * per_forward, n_params * bytes_per_param
-    flops_per_run = float(((sampling_fwd + ref_fwd + old_fwd) * fwd + trained * trn) * steps)
-    rounds = 1 + tool_calls    # sampling rounds a batch: the first, then each continuation's (at most T decoded)
-    # whole groups: a part holds at least one; with a learner group a part of one rank's share
-    so = scale_out
-    parts = min(micro_batches, max(1, P // minibatches if so.learn_share is None else so.learn_share[0]))
+    grad_steps = run.epochs_per_batch * run.minibatches
+    tok = _tokens(run)
+    forward = tok.sampling + tok.logp_ref + tok.logp_old
+    flops_per_run = float((forward * fwd + tok.trained * trn) * steps)
+    rounds = 1 + run.tool_calls    # sampling rounds a batch: the first, then each continuation's (at most T decoded)
+    m, so = measured, scale_out
+    parts = _learn_parts(run, so)
     # decode positions a batch, as counted above: T - 1 per row in the first round, T per continuation
-    decode_positions = rows * (T - 1) + tool_calls * rows * T
+    decode_positions = rows * (T - 1) + run.tool_calls * rows * T
     expected = expected_wall_seconds(flops_per_run, steps * decode_positions * fwd, steps * rounds * (T - 1),
-                                     matmul_flops_per_s, decode_step_s, float(trained * trn * steps),
-                                     steps * grad_steps, parts, learn_part_s, optimizer_step_s)
-    measured_learn = expected > 0 and learn_part_s > 0
-    extra = {} if shape is None else _memory_fields(memory(
-        shape, prompts=P, group=G, prompt_len=Lp, response_len=T, minibatches=minibatches * micro_batches,
-        n_params=n_params, trainable_params=n_params if trainable_params is None else trainable_params,
-        has_reference_copy=has_reference and not reference_is_adapter_off, baseline=baseline_bytes,
-        bytes_per_param=bytes_per_param, shared_prompt=shared_prompt, logprob_chunk_rows=logprob_chunk_rows,
-        logit_bytes=logit_bytes, eval_rows=eval_rows, export_copy=export_copy, weight_copy_bytes=weight_copy_bytes,
-        kept_copy_bytes=kept_copy_bytes, cache_reserve=2 * T * tool_calls))
+                                     m.matmul_flops_per_s, m.decode_step_s, float(tok.trained * trn * steps),
+                                     steps * grad_steps, parts, m.learn_part_s, m.optimizer_step_s)
+    measured_learn = expected > 0 and m.learn_part_s > 0
+    policy = run.n_params * run.bytes_per_param
     return Price(
-        prompts_per_step=P, samples_per_prompt=G, max_new_tokens=T, prompt_tokens=Lp, steps=steps,
-        grad_steps_per_batch=grad_steps, sampling_rounds=sampling_rounds, n_params=n_params,
-        has_reference=has_reference, reference_is_adapter_off=reference_is_adapter_off,
+        prompts_per_step=P, samples_per_prompt=G, max_new_tokens=T, prompt_tokens=run.prompt_tokens, steps=steps,
+        grad_steps_per_batch=grad_steps, sampling_rounds=run.sampling_rounds, n_params=run.n_params,
+        has_reference=run.has_reference, reference_is_adapter_off=run.reference_is_adapter_off,
         sampled_tokens_per_batch=per_batch, sampled_tokens_per_grad_step=per_batch / grad_steps,
-        sampled_tokens_per_run=per_batch * steps, sampled_tokens_per_run_worst=per_batch * steps * sampling_rounds,
-        forward_tokens_sampling_per_batch=sampling_fwd, forward_tokens_logp_old_per_batch=old_fwd,
-        forward_tokens_logp_ref_per_batch=ref_fwd, trained_tokens_per_batch=trained,
-        forward_tokens_per_run=(sampling_fwd + ref_fwd + old_fwd) * steps, trained_tokens_per_run=trained * steps,
-        flops_sampling_per_batch=float(sampling_fwd * fwd), flops_logp_ref_per_batch=float(ref_fwd * fwd),
-        flops_train_per_batch=float(trained * trn), flops_per_run=flops_per_run,
-        policy_bytes=policy, optimizer_bytes=2 * (n_params if trainable_params is None else trainable_params) * 4,
-        reference_bytes=policy if has_reference and not reference_is_adapter_off else 0,
-        logp_old_bytes=per_batch * 4, matmul_flops_per_s=float(matmul_flops_per_s), threads=threads,
-        wall_seconds_estimate=flops_per_run / matmul_flops_per_s if matmul_flops_per_s > 0 else 0.0,
-        decode_step_s=float(decode_step_s) if expected else 0.0, wall_seconds_expected=expected,
-        learn_part_s=float(learn_part_s) if measured_learn else 0.0, learn_parts_per_step=parts if measured_learn else 0,
-        optimizer_step_s=float(optimizer_step_s) if measured_learn else 0.0,
-        flops_logp_old_per_batch=float(old_fwd * fwd), entropy_forward=entropy_forward,
-        logp_old_recomputed=recompute_logp_old, logp_old_note=logp_old_note,
-        logp_old_from_learner=logp_old_from_learner, numerics=numerics, matmul_kind=matmul_kind, tool_calls=tool_calls,
+        sampled_tokens_per_run=per_batch * steps, sampled_tokens_per_run_worst=per_batch * steps * run.sampling_rounds,
+        forward_tokens_sampling_per_batch=tok.sampling, forward_tokens_logp_old_per_batch=tok.logp_old,
+        forward_tokens_logp_ref_per_batch=tok.logp_ref, trained_tokens_per_batch=tok.trained,
+        forward_tokens_per_run=forward * steps, trained_tokens_per_run=tok.trained * steps,
+        flops_sampling_per_batch=float(tok.sampling * fwd), flops_logp_ref_per_batch=float(tok.logp_ref * fwd),
+        flops_train_per_batch=float(tok.trained * trn), flops_per_run=flops_per_run,
+        policy_bytes=policy, optimizer_bytes=2 * run.trainable * 4, reference_bytes=policy if run.reference_copy else 0,
+        logp_old_bytes=per_batch * 4, matmul_flops_per_s=float(m.matmul_flops_per_s), threads=m.threads,
+        wall_seconds_estimate=flops_per_run / m.matmul_flops_per_s if m.matmul_flops_per_s > 0 else 0.0,
+        decode_step_s=float(m.decode_step_s) if expected else 0.0, wall_seconds_expected=expected,
+        learn_part_s=float(m.learn_part_s) if measured_learn else 0.0,
+        learn_parts_per_step=parts if measured_learn else 0,
+        optimizer_step_s=float(m.optimizer_step_s) if measured_learn else 0.0,
+        flops_logp_old_per_batch=float(tok.logp_old * fwd), entropy_forward=run.entropy_forward,
+        logp_old_recomputed=run.recompute_logp_old, logp_old_note=run.logp_old_note,
+        logp_old_from_learner=run.logp_old_from_learner, numerics=m.numerics, matmul_kind=m.matmul_kind,
+        tool_calls=run.tool_calls,
         decode_prompts=so.decode_share[0] if so.decode_share and expected else 0,
         decode_threads=so.decode_share[1] if so.decode_share and expected else 0,
         rollout_workers=so.rollout_workers, sync_bytes=so.sync_bytes, learner_ranks=so.learner_ranks,
         learn_threads=so.learn_share[1] if so.learn_share and so.learner_ranks > 1 and measured_learn else 0,
-        **extra)
+        **({} if mem is None else _memory_fields(_memory_prediction(run, mem))))

@@ -765,7 +765,7 @@ def price_of(setup: Setup, rate: float | None = None, decode_s: float | None = N
     baseline = max(setup.baseline_bytes,
                    costs.resident_bytes() - (model.num_params() * bytes_per_param if on_cpu else 0))
     shape = model_shape(model) if on_cpu else None
-    kw = dict(
+    run_shape = costs.RunShape(
         prompts_per_step=cfg.train.prompts_per_step, samples_per_prompt=cfg.train.samples_per_prompt,
         max_new_tokens=setup.limits.max_new_tokens,
         prompt_tokens=setup.limits.prompt_tokens,
@@ -777,20 +777,23 @@ def price_of(setup: Setup, rate: float | None = None, decode_s: float | None = N
         bytes_per_param=bytes_per_param,
         flops_fwd_per_token=fwd, flops_train_per_token=trn,
         sampling_rounds=cfg.algorithm.dynamic_sampling_rounds if cfg.algorithm.dynamic_sampling else 1,
+        recompute_logp_old=setup.recompute_logp_old and not setup.logp_old_from_learner,
+        logp_old_from_learner=setup.logp_old_from_learner, logp_old_note=logp_old_note(cfg, setup.numerics),
+        entropy_forward=cfg.algorithm.top_entropy_quantile < 1, tool_calls=setup.limits.tool_calls,
+    )
+    measured = costs.Measured(
         matmul_flops_per_s=(matmul_rate(setup.device) if rate is None else rate) * speedup,
         matmul_kind="bf16 autocast" if speedup != 1.0 else "fp32", threads=torch.get_num_threads(),
         decode_step_s=(decode_step_seconds(setup) if cfg.train.price_probes else 0.0) if decode_s is None else decode_s,
-        scale_out=scale_out(setup),
-        shape=shape, baseline_bytes=baseline,
-        logprob_chunk_rows=priced_chunk_rows(cfg.model.logprob_chunk_rows, shape),
-        logit_bytes=2 if bf16_forwards(cfg, setup.numerics) else 4, eval_rows=eval_rows(setup),
-        export_copy=model.has_adapter, recompute_logp_old=setup.recompute_logp_old and not setup.logp_old_from_learner,
-        logp_old_from_learner=setup.logp_old_from_learner, logp_old_note=logp_old_note(cfg, setup.numerics),
-        entropy_forward=cfg.algorithm.top_entropy_quantile < 1,
-        numerics=setup.numerics.describe(), tool_calls=setup.limits.tool_calls,
-        kept_copy_bytes=kept_copies, weight_copy_bytes=phase_copies,
+        numerics=setup.numerics.describe(),
     )
-    first = costs.price(**kw)
+    so = scale_out(setup)
+    mem = None if shape is None else costs.MemoryInputs(
+        shape, baseline_bytes=baseline, logprob_chunk_rows=priced_chunk_rows(cfg.model.logprob_chunk_rows, shape),
+        logit_bytes=2 if bf16_forwards(cfg, setup.numerics) else 4, eval_rows=eval_rows(setup),
+        export_copy=model.has_adapter, kept_copy_bytes=kept_copies, weight_copy_bytes=phase_copies,
+    )
+    first = costs.price(run_shape, measured, mem, so)
     if learn_s is None and learn_probe is not None and cfg.train.price_probes:
         try:
             check_memory(cfg, first)
@@ -800,7 +803,7 @@ def price_of(setup: Setup, rate: float | None = None, decode_s: float | None = N
         learn_s = learn_probe(setup) if first.wall_seconds_expected else (0.0, 0.0)
     if learn_s is None or not learn_s[0]:
         return first
-    return costs.price(**kw, learn_part_s=learn_s[0], optimizer_step_s=learn_s[1])
+    return costs.price(run_shape, measured.with_learn(*learn_s), mem, so)
 
 
 def scale_out(setup: Setup) -> costs.ScaleOut:

@@ -29,6 +29,8 @@ from rlvr.distributed import resolved_numerics, staleness
 from rlvr.learn import Learner, learn, make_optimizer, make_scheduler
 from rlvr.rollout import Batch, Groups, recompute_logp_old, rollout, sample_and_score
 from rlvr.run import autocast_timings as real_autocast_timings  # before tests/conftest.py patches it
+
+import pricing
 from test_distributed import EXAMPLE, TINY
 
 torch.set_num_threads(1)
@@ -702,7 +704,7 @@ def test_the_price_counts_the_recompute_forward():
     base = dict(prompts_per_step=4, samples_per_prompt=4, max_new_tokens=3, prompt_tokens=4, steps=10,
                 epochs_per_batch=2, minibatches=2, n_params=1000, has_reference=True,
                 flops_fwd_per_token=10.0, flops_train_per_token=30.0)
-    plain, again = costs.price(**base), costs.price(**base, recompute_logp_old=True)
+    plain, again = pricing.price(**base), pricing.price(**base, recompute_logp_old=True)
     assert plain.forward_tokens_logp_old_per_batch == 0
     assert again.forward_tokens_logp_old_per_batch == 16 * (4 + 3 - 1)    # every row, prompt + response, like logp_ref
     assert again.flops_logp_old_per_batch == 96 * 10.0

@@ -8,12 +8,14 @@ from hypothesis import strategies as st
 
 from rlvr import costs
 
+import pricing
+
 BASE = dict(prompts_per_step=4, samples_per_prompt=4, max_new_tokens=3, prompt_tokens=4, steps=10,
             epochs_per_batch=2, minibatches=2, n_params=1000, has_reference=False)
 
 
 def test_price_by_hand():
-    p = costs.price(**BASE)
+    p = pricing.price(**BASE)
     assert p.sampled_tokens_per_batch == 48            # P*G*T = 4*4*3
     assert p.grad_steps_per_batch == 4                 # μ * minibatches = 2*2
     assert p.sampled_tokens_per_grad_step == 12        # 48 / 4
@@ -27,24 +29,24 @@ def test_price_by_hand():
 
 
 def test_price_by_hand_uneven_numbers():
-    p = costs.price(**{**BASE, "prompts_per_step": 3, "samples_per_prompt": 5, "max_new_tokens": 7,
+    p = pricing.price(**{**BASE, "prompts_per_step": 3, "samples_per_prompt": 5, "max_new_tokens": 7,
                        "epochs_per_batch": 3, "minibatches": 1, "steps": 2})
     assert p.sampled_tokens_per_batch == 105
     assert p.sampled_tokens_per_grad_step == pytest.approx(35.0)
     assert p.sampled_tokens_per_run == 210
-    p = costs.price(**{**BASE, "epochs_per_batch": 1, "minibatches": 5, "max_new_tokens": 2})
+    p = pricing.price(**{**BASE, "epochs_per_batch": 1, "minibatches": 5, "max_new_tokens": 2})
     assert p.sampled_tokens_per_grad_step == pytest.approx(32 / 5)  # not rounded
 
 
 def test_reference_costs_one_policy_copy():
-    p = costs.price(**{**BASE, "has_reference": True})
+    p = pricing.price(**{**BASE, "has_reference": True})
     assert p.has_reference and p.reference_bytes == p.policy_bytes == 4000
-    half = costs.price(**{**BASE, "has_reference": True, "bytes_per_param": 2})
+    half = pricing.price(**{**BASE, "has_reference": True, "bytes_per_param": 2})
     assert half.policy_bytes == half.reference_bytes == 2000
 
 
 def test_price_lines():
-    p = costs.price(**{**BASE, "n_params": 2**18, "has_reference": True})  # 1 MiB of fp32 weights
+    p = pricing.price(**{**BASE, "n_params": 2**18, "has_reference": True})  # 1 MiB of fp32 weights
     text = "\n".join(p.lines())
     assert len(p.lines()) == 5
     assert "forward tokens per batch: sampling 48 " in text       # P*Lp + P*G*(T-1) = 16 + 32
@@ -55,18 +57,18 @@ def test_price_lines():
     assert "policy 1.00 MiB" in text and "AdamW state 2.00 MiB" in text and "reference 1.00 MiB" in text
     assert "parameters 262,144" in text
     assert "no reference" not in text
-    assert "no reference (kl_coef = 0)" in "\n".join(costs.price(**BASE).lines())
+    assert "no reference (kl_coef = 0)" in "\n".join(pricing.price(**BASE).lines())
 
 
 def test_thousands_separators():
-    p = costs.price(**{**BASE, "prompts_per_step": 64, "samples_per_prompt": 8, "max_new_tokens": 5,
+    p = pricing.price(**{**BASE, "prompts_per_step": 64, "samples_per_prompt": 8, "max_new_tokens": 5,
                        "epochs_per_batch": 1, "minibatches": 1, "steps": 800})
     assert "= 2,560 (P=64 x G=8 x T<=5 / 1 gradient steps per batch)" in p.lines()[0]
     assert "per run (800 steps) = 2,048,000" in p.lines()[1]
 
 
 def test_to_dict_is_json_ready():
-    d = costs.price(**BASE).to_dict()
+    d = pricing.price(**BASE).to_dict()
     assert d["sampled_tokens_per_grad_step"] == 12 and d["reference_bytes"] == 0
     assert all(isinstance(v, (int, float, bool, str)) for v in d.values())
 
@@ -74,27 +76,27 @@ def test_to_dict_is_json_ready():
 @pytest.mark.parametrize("value", [0, None, -3, 2.5])
 def test_refuses_an_unknown_response_bound(value):
     with pytest.raises(ValueError, match="max_new_tokens"):
-        costs.price(**{**BASE, "max_new_tokens": value})
+        pricing.price(**{**BASE, "max_new_tokens": value})
 
 
 @pytest.mark.parametrize("name", ["n_params", "prompts_per_step", "samples_per_prompt"])
 @pytest.mark.parametrize("value", [0, None])
 def test_refuses_other_missing_numbers(name, value):
     with pytest.raises(ValueError, match=name):
-        costs.price(**{**BASE, name: value})
+        pricing.price(**{**BASE, name: value})
 
 
 @pytest.mark.parametrize("name,value", [("epochs_per_batch", 0), ("minibatches", 0), ("steps", None)])
 def test_refuses_missing_loop_counts(name, value):
     with pytest.raises(ValueError, match=name):
-        costs.price(**{**BASE, name: value})
+        pricing.price(**{**BASE, name: value})
 
 
 @settings(max_examples=60, deadline=None)
 @given(P=st.integers(1, 64), G=st.integers(1, 16), T=st.integers(1, 256), steps=st.integers(1, 1000),
        mu=st.integers(1, 4), mb=st.integers(1, 8), n=st.integers(1, 10**8), ref=st.booleans())
 def test_price_identities(P, G, T, steps, mu, mb, n, ref):
-    p = costs.price(prompts_per_step=P, samples_per_prompt=G, max_new_tokens=T, prompt_tokens=1, steps=steps,
+    p = pricing.price(prompts_per_step=P, samples_per_prompt=G, max_new_tokens=T, prompt_tokens=1, steps=steps,
                     epochs_per_batch=mu, minibatches=mb, n_params=n, has_reference=ref)
     # a naive count: every row of every prompt samples at most T tokens
     naive = 0
@@ -109,7 +111,7 @@ def test_price_identities(P, G, T, steps, mu, mb, n, ref):
 
 
 def test_forward_trained_tokens_and_flops_by_hand():
-    p = costs.price(**{**BASE, "has_reference": True}, flops_fwd_per_token=10.0, flops_train_per_token=30.0)
+    p = pricing.price(**{**BASE, "has_reference": True}, flops_fwd_per_token=10.0, flops_train_per_token=30.0)
     # the last response token is never fed to a forward: sampling never feeds back the token it drew
     # last, and a log-prob forward runs without it (it predicts nothing scored)
     assert p.forward_tokens_sampling_per_batch == 4 * 4 + 4 * 4 * (3 - 1)  # prefill once per prompt + decode
@@ -121,21 +123,21 @@ def test_forward_trained_tokens_and_flops_by_hand():
     assert p.flops_sampling_per_batch == 48 * 10.0 and p.flops_logp_ref_per_batch == 96 * 10.0
     assert p.flops_train_per_batch == 192 * 30.0
     assert p.flops_per_run == 10 * (48 * 10.0 + 96 * 10.0 + 192 * 30.0)
-    no_ref = costs.price(**BASE)
+    no_ref = pricing.price(**BASE)
     assert no_ref.forward_tokens_logp_ref_per_batch == 0
     assert no_ref.flops_train_per_batch == 192 * 6 * 1000                # the 6N rule when no figure is given
 
 
 def test_dynamic_sampling_worst_case():
-    p = costs.price(**BASE, sampling_rounds=3)
+    p = pricing.price(**BASE, sampling_rounds=3)
     assert p.sampled_tokens_per_run == 480 and p.sampled_tokens_per_run_worst == 3 * 480
     assert "worst case with dynamic sampling (3 rounds) 1,440" in "\n".join(p.lines())
     with pytest.raises(ValueError, match="sampling_rounds"):
-        costs.price(**BASE, sampling_rounds=0)
+        pricing.price(**BASE, sampling_rounds=0)
 
 
 def test_shared_prompt_forward_counts_each_prompt_once():
-    p = costs.price(**{**BASE, "has_reference": True}, shared_prompt=True)
+    p = pricing.price(**{**BASE, "has_reference": True}, shared_prompt=True)
     assert p.forward_tokens_logp_ref_per_batch == 4 * 4 + 16 * 2          # P*Lp + P*G*(T-1)
     assert p.trained_tokens_per_batch == 2 * (4 * 4 + 16 * 2)             # μ passes
 
@@ -161,7 +163,7 @@ def test_attention_flops_use_the_keys_a_token_really_attends_to():
     assert m.flops_per_token(training=False) == 2 * n + 4 * layers * C * 8192
     half = costs.model_flops_per_token(m, 4, 4)                          # 4.5 keys: rounded to a whole FLOP count
     assert half == (2 * n + 4 * layers * C * 4.5, 6 * n + 12 * layers * C * 4.5) and isinstance(half[0], int)
-    p = costs.price(**{**BASE, "has_reference": True}, flops_fwd_per_token=fwd, flops_train_per_token=train)
+    p = pricing.price(**{**BASE, "has_reference": True}, flops_fwd_per_token=fwd, flops_train_per_token=train)
     assert p.flops_sampling_per_batch == 48 * (2 * n + 4 * layers * C * 4)
 
 

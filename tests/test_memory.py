@@ -10,6 +10,8 @@ import torch
 
 from rlvr import config as config_mod, costs, run
 
+import pricing
+
 SHAPE = costs.ModelShape(layers=2, hidden=8, mlp=32, heads=2, kv_heads=1, head_dim=4, vocab=10)
 BASE = dict(prompts=2, group=3, prompt_len=4, response_len=2, minibatches=1, n_params=1000, trainable_params=100,
             has_reference_copy=False, baseline=1000)
@@ -65,25 +67,25 @@ def test_memory_options_by_hand():
     # tool continuations append to the first round's cache: 2 c T more columns (here c = 1: 6 -> 10)
     reserved = costs.memory(SHAPE, **BASE, eval_rows=5, cache_reserve=4)
     assert reserved.kv_cache == 6 * 10 * 2 * 4 * 4 * 3 + 960 and reserved.eval_kv_cache == 5 * 10 * 32 * 3 + 800
-    p = costs.price(prompts_per_step=2, samples_per_prompt=3, max_new_tokens=2, prompt_tokens=4, steps=1,
+    p = pricing.price(prompts_per_step=2, samples_per_prompt=3, max_new_tokens=2, prompt_tokens=4, steps=1,
                     epochs_per_batch=1, minibatches=1, n_params=1000, has_reference=False, shape=SHAPE, tool_calls=1)
     assert p.memory_kv_cache_bytes == reserved.kv_cache
 
 
 def test_price_carries_the_memory_line():
-    p = costs.price(prompts_per_step=2, samples_per_prompt=3, max_new_tokens=2, prompt_tokens=4, steps=1,
+    p = pricing.price(prompts_per_step=2, samples_per_prompt=3, max_new_tokens=2, prompt_tokens=4, steps=1,
                     epochs_per_batch=1, minibatches=1, n_params=1000, trainable_params=100, has_reference=False,
                     shape=SHAPE, baseline_bytes=1000, eval_rows=5)
     assert p.memory_peak_bytes == 64568 and p.memory_peak_phase == "training"
     assert p.lines()[-1].startswith("price: memory peak ~0 MiB (during training)")
     json.dumps(p.to_dict())
-    plain = costs.price(prompts_per_step=2, samples_per_prompt=3, max_new_tokens=2, prompt_tokens=4, steps=1,
+    plain = pricing.price(prompts_per_step=2, samples_per_prompt=3, max_new_tokens=2, prompt_tokens=4, steps=1,
                         epochs_per_batch=1, minibatches=1, n_params=1000, has_reference=False)
     assert plain.memory_peak_bytes == 0 and not any("memory peak" in line for line in plain.lines())
 
 
 def _price(peak_gib: float) -> costs.Price:
-    p = costs.price(prompts_per_step=2, samples_per_prompt=3, max_new_tokens=2, prompt_tokens=4, steps=1,
+    p = pricing.price(prompts_per_step=2, samples_per_prompt=3, max_new_tokens=2, prompt_tokens=4, steps=1,
                     epochs_per_batch=1, minibatches=1, n_params=1000, has_reference=False, shape=SHAPE)
     p.memory_peak_bytes = int(peak_gib * 2**30)
     p.memory_baseline_bytes = 2**30 // 2
@@ -130,7 +132,7 @@ def test_a_gpu_run_whose_first_update_does_not_fit_is_refused():
     the reference) against the device's free memory; CPU runs and memory_check = false skip it."""
     cfg = config_mod.load(None, [])
     cuda = torch.device("cuda")
-    p = costs.price(prompts_per_step=2, samples_per_prompt=3, max_new_tokens=2, prompt_tokens=4, steps=1,
+    p = pricing.price(prompts_per_step=2, samples_per_prompt=3, max_new_tokens=2, prompt_tokens=4, steps=1,
                     epochs_per_batch=1, minibatches=1, n_params=2**28, has_reference=True)   # full FT, KL on
     # 2**28 parameters: reference 1 GiB + AdamW 2 GiB + gradients 1 GiB = 4 GiB by the first update
     assert (p.reference_bytes, p.optimizer_bytes) == (2**30, 2 * 2**30)

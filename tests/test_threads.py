@@ -20,6 +20,8 @@ import torch
 from rlvr import config as config_mod, costs, learn as learn_mod, report, run, trainer
 from rlvr.cli import main
 
+import pricing
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sort.toml"
 TINY = ["--model.init=", "--model.n_embd=16", "--model.n_layer=1", "--model.n_head=2", "--train.steps=2",
         "--train.prompts_per_step=2", "--train.samples_per_prompt=2", "--eval.every=0", "--eval.at_start=false",
@@ -136,15 +138,15 @@ def test_matmul_rate_is_measured_once(monkeypatch):
 def test_wall_estimate_by_hand():
     base = dict(prompts_per_step=4, samples_per_prompt=4, max_new_tokens=3, prompt_tokens=4, steps=10,
                 epochs_per_batch=2, minibatches=2, n_params=1000, has_reference=False)
-    assert costs.price(**base).wall_seconds_estimate == 0.0 and len(costs.price(**base).lines()) == 5
-    p = costs.price(**base, matmul_flops_per_s=1e6, threads=2)
+    assert pricing.price(**base).wall_seconds_estimate == 0.0 and len(pricing.price(**base).lines()) == 5
+    p = pricing.price(**base, matmul_flops_per_s=1e6, threads=2)
     # sampling forward P*Lp + P*G*(T-1) = 16 + 32 = 48 tokens x 2N (the last token drawn is never fed back);
     # trained μ*P*G*(Lp+T-1) = 2*16*6 = 192 x 6N (a row's last token predicts nothing scored)
     assert p.flops_per_run == (48 * 2000 + 192 * 6000) * 10 == 12_480_000
     assert p.wall_seconds_estimate == pytest.approx(12.48)            # 1.248e7 FLOP / 1e6 FLOP/s
     assert p.lines()[-1].startswith("price: wall time >= 12.5 s on this machine (1.25e+07 FLOP at a measured "
                                     "fp32 matmul rate of 0.0 GFLOP/s with 2 threads); a lower bound")
-    worst = costs.price(**base, matmul_flops_per_s=1e6, threads=2, sampling_rounds=3)
+    worst = pricing.price(**base, matmul_flops_per_s=1e6, threads=2, sampling_rounds=3)
     assert "(37.4 s in the worst case of dynamic sampling)" in worst.lines()[-1]
 
 
@@ -153,9 +155,9 @@ def test_expected_wall_time_by_hand():
     steps a batch take their place."""
     base = dict(prompts_per_step=4, samples_per_prompt=4, max_new_tokens=3, prompt_tokens=4, steps=10,
                 epochs_per_batch=2, minibatches=2, n_params=1000, has_reference=False, threads=2)
-    assert costs.price(**base, decode_step_s=0.5).wall_seconds_expected == 0.0       # no rate: nothing expected
-    assert costs.price(**base, matmul_flops_per_s=1e6).wall_seconds_expected == 0.0  # no decode time measured
-    p = costs.price(**base, matmul_flops_per_s=1e6, decode_step_s=0.5)
+    assert pricing.price(**base, decode_step_s=0.5).wall_seconds_expected == 0.0       # no rate: nothing expected
+    assert pricing.price(**base, matmul_flops_per_s=1e6).wall_seconds_expected == 0.0  # no decode time measured
+    p = pricing.price(**base, matmul_flops_per_s=1e6, decode_step_s=0.5)
     # 12,480,000 FLOP in all; decode positions 10 steps x 16 rows x 2 x 2N = 640,000 FLOP leave the rate term
     # (11.84 s); 10 steps x 2 decode steps x 0.5 s = 10 s join it
     assert p.wall_seconds_expected == pytest.approx(11.84 + 10.0)
@@ -163,7 +165,7 @@ def test_expected_wall_time_by_hand():
     assert p.decode_step_s == 0.5 and p.to_dict()["wall_seconds_expected"] == p.wall_seconds_expected
     assert p.lines()[-1].endswith("; expected ~21.8 s with each of the 2 decode steps per batch at the measured "
                                   "500 ms (16 rows), before evaluation and rewards")
-    tools = costs.price(**base, matmul_flops_per_s=1e6, decode_step_s=0.5, tool_calls=2)
+    tools = pricing.price(**base, matmul_flops_per_s=1e6, decode_step_s=0.5, tool_calls=2)
     # sampling forwards 4*4 + 16*2 + 2 continuations x 16 rows x (4 + 2*3) = 368 a batch: 18,880,000 FLOP in all;
     # the decode positions (10 x (16 x 2 + 2 x 16 x 3) x 2N = 2,560,000 FLOP) leave the rate term (16.32 s),
     # 10 steps x 3 rounds x 2 decode steps x 0.5 s = 30 s join it
@@ -179,7 +181,7 @@ def test_expected_wall_time_with_a_measured_learn_stage_by_hand():
     base = dict(prompts_per_step=4, samples_per_prompt=4, max_new_tokens=3, prompt_tokens=4, steps=10,
                 epochs_per_batch=2, minibatches=2, n_params=1000, has_reference=False, threads=2,
                 matmul_flops_per_s=1e6, decode_step_s=0.5)
-    p = costs.price(**base, learn_part_s=0.2, optimizer_step_s=0.05)
+    p = pricing.price(**base, learn_part_s=0.2, optimizer_step_s=0.05)
     # 12,480,000 FLOP: decode positions 640,000 and training 10 x 2 epochs x 16 rows x (4 + 3 - 1) x 6N = 11,520,000
     # leave the rate term (0.32 s: the prefill); 10 x 2 decode steps x 0.5 s = 10 s and
     # 10 steps x 2 epochs x 2 minibatches = 40 gradient steps x (1 part x 0.2 + 0.05 s) = 10 s join it
@@ -191,14 +193,14 @@ def test_expected_wall_time_with_a_measured_learn_stage_by_hand():
         "the 40 gradient steps at the measured 1 x 200 ms (forward and backward) + 50 ms (optimizer), before "
         "evaluation and rewards")
     # two micro parts a minibatch (2 groups: one each): 40 x (2 x 0.2 + 0.05) = 18 s
-    two = costs.price(**base, micro_batches=2, learn_part_s=0.2, optimizer_step_s=0.05)
+    two = pricing.price(**base, micro_batches=2, learn_part_s=0.2, optimizer_step_s=0.05)
     assert two.learn_parts_per_step == 2 and two.wall_seconds_expected == pytest.approx(0.32 + 10.0 + 18.0)
     assert "40 gradient steps at the measured 2 x 200 ms (forward and backward of each part)" in two.lines()[-1]
     # four micro parts asked of 2 groups: still 2 parts (whole groups)
-    assert costs.price(**base, micro_batches=4, learn_part_s=0.2).learn_parts_per_step == 2
+    assert pricing.price(**base, micro_batches=4, learn_part_s=0.2).learn_parts_per_step == 2
     # not measured: the training FLOPs at the rate, as before
-    assert costs.price(**base).wall_seconds_expected == pytest.approx(11.84 + 10.0)
-    assert costs.price(**base).learn_part_s == 0.0
+    assert pricing.price(**base).wall_seconds_expected == pytest.approx(11.84 + 10.0)
+    assert pricing.price(**base).learn_part_s == 0.0
 
 
 def _spy_accumulate(monkeypatch) -> list:
