@@ -133,16 +133,8 @@ def token_logprobs(
     a chunk_rows that covers all B*T rows is the plain path. ``chunk_rows = AUTO_CHUNK`` takes
     ``auto_chunk_rows`` for this vocabulary and device.
     """
-    if logits.dim() != 3:
-        raise ValueError(f"logits must be 3-D (B, T, V), got shape {tuple(logits.shape)}")
-    if tuple(ids.shape) != tuple(logits.shape[:2]):
-        raise ValueError(f"ids must have shape (B, T) = {tuple(logits.shape[:2])}, got {tuple(ids.shape)}")
-    if not temperature > 0 or not math.isfinite(temperature):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    dtype, chunk_rows = _checked(logits, temperature, chunk_rows, ids)
     ids = ids.long()
-    dtype = torch.promote_types(logits.dtype, torch.float32)
-    chunk_rows = resolve_chunk_rows(chunk_rows, logits)
-    _check_chunk_rows(chunk_rows)
     B, T, V = logits.shape
     if chunk_rows is None or chunk_rows >= B * T:
         logp_all = torch.log_softmax(logits.to(dtype) / temperature, dim=-1)  # (B, T, V)
@@ -151,6 +143,21 @@ def token_logprobs(
         return _CompiledLogprob.apply(logits.reshape(B * T, V), ids.reshape(B * T), temperature).view(B, T)
     flat = _ChunkedLogprob.apply(logits.reshape(B * T, V), ids.reshape(B * T), temperature, chunk_rows)
     return flat.view(B, T)
+
+
+def _checked(logits: torch.Tensor, temperature: float, chunk_rows, ids: torch.Tensor | None = None
+             ) -> tuple[torch.dtype, int | None]:
+    """(the float dtype the log-softmax runs in, the resolved chunk rows) for (B, T, V) ``logits``
+    (and ``ids`` (B, T) where given); ValueError naming what is wrong with an argument."""
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be 3-D (B, T, V), got shape {tuple(logits.shape)}")
+    if ids is not None and tuple(ids.shape) != tuple(logits.shape[:2]):
+        raise ValueError(f"ids must have shape (B, T) = {tuple(logits.shape[:2])}, got {tuple(ids.shape)}")
+    if not temperature > 0 or not math.isfinite(temperature):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    chunk_rows = resolve_chunk_rows(chunk_rows, logits)
+    _check_chunk_rows(chunk_rows)
+    return torch.promote_types(logits.dtype, torch.float32), chunk_rows
 
 
 def _check_chunk_rows(chunk_rows) -> None:
@@ -522,13 +529,7 @@ def entropy_from_logits(logits: Tensor, *, temperature: float = 1.0, chunk_rows:
     less than V x 1.65e-38 x (1 + |log p|) (about 1e-30 at V = 49,152), nothing where no log-prob is
     below the floor.
     """
-    if logits.dim() != 3:
-        raise ValueError(f"logits must be 3-D (B, T, V), got shape {tuple(logits.shape)}")
-    if not temperature > 0 or not math.isfinite(temperature):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-    dtype = torch.promote_types(logits.dtype, torch.float32)
-    chunk_rows = resolve_chunk_rows(chunk_rows, logits)
-    _check_chunk_rows(chunk_rows)
+    dtype, chunk_rows = _checked(logits, temperature, chunk_rows)
     B, T, V = logits.shape
     if chunk_rows is None or chunk_rows >= B * T:
         logp_all = torch.log_softmax(logits.to(dtype) / temperature, dim=-1)  # (B, T, V)

@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, NamedTuple, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Sequence, Union
 
-from rlvr.example import Example
+if TYPE_CHECKING:   # rlvr.tasks imports this module
+    from rlvr.tasks import Example
 
 RewardFn = Callable[[str, str, Any], float]
 """``fn(prompt, response, answer) -> float``: deterministic, and total on any string."""

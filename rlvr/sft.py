@@ -41,8 +41,8 @@ from pathlib import Path
 import torch
 
 from rlvr import config as config_mod, sampling
-from rlvr.example import Example
 from rlvr.learn import make_optimizer
+from rlvr.tasks import Example
 from rlvr.tokenizer import encode_example
 
 ROLES = ("system", "user", "assistant", "tool")

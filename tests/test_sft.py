@@ -14,7 +14,7 @@ import torch
 
 from rlvr import config as config_mod
 from rlvr.cli import main
-from rlvr.example import Example
+from rlvr.tasks import Example
 from rlvr.models.tiny import TinyConfig, TinyTransformer
 from rlvr.sft import (Demo, SftError, collate, encode_turns, load_demos, masked_nll, read_jsonl, sft_loss)
 from rlvr.tasks import load_task

@@ -74,16 +74,26 @@ import os
 import re
 import sys
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from rlvr.example import Example
 from rlvr.rewards import Reward, RewardCard
 
 __all__ = ["Example", "Task", "TaskError", "load_task", "validate_task", "import_file", "is_file"]
 
 DEFAULT_NAME = "TASK"
 """The name :func:`load_task` looks up when the path has no ``:NAME``."""
+
+
+@dataclass
+class Example:
+    """One prompt with the answer the rewards and the goal compare against: the unit of every task's
+    train and held-out splits."""
+
+    prompt: str
+    answer: Any
+    meta: dict = field(default_factory=dict)
+    """Anything else a task wants to keep beside the example (difficulty, source id...)."""
 
 
 @dataclass
