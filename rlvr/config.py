@@ -9,6 +9,7 @@ when the value came from a file, before any model is built or any file is writte
 from __future__ import annotations
 
 import ast
+import codecs
 import dataclasses
 import difflib
 import inspect
@@ -38,6 +39,15 @@ MAX_BUILTIN_CONTEXT = 8192
 """Longest prompt + max_new_tokens the built-in model is built for: its position table and attention grow
 with the context, so a huge prompt or bound would build (and price) a model of hundreds of millions of
 parameters instead of refusing."""
+MAX_SEED = 2**62
+"""Largest train.seed: the generators seeded from it (torch's take at most 2**64 - 1) add small
+offsets to it, so the seed stays well below that."""
+MAX_REWARD_TIMEOUT_S = 7 * 24 * 3600.0
+"""Largest task.reward_timeout_s (a week): beyond it the deadline arithmetic of the pool's waits
+overflows, and a timeout that long is none in effect."""
+MAX_REWARD_MEMORY_MB = 2**24
+"""Largest task.reward_memory_mb (16 TiB of address space): a larger limit is no limit in effect
+(set 0 to say so), and past 2**44 MB the byte count no longer fits RLIMIT_AS."""
 MAX_REWARD_PROCESSES = 2**22
 """Largest task.reward_processes (the kernel's largest pid_max): more is no limit in effect."""
 MAX_REWARD_FILE_MB = 2**24
@@ -74,11 +84,12 @@ class ModelConfig:
     autocast: Literal["auto", "bf16", "off"] = "auto"
     """bf16 matrix products under torch.autocast in the policy's forwards (sampling, the training
     forward, the reference, evaluation during training); the weights, the optimizer and every
-    log-softmax stay float32. `auto`: at start-up time one product of the model's own shape (256
-    token rows x hidden size x MLP width; 4096 rows on a GPU) in fp32 and under bf16 autocast on the
-    run's device, and use bf16 only when it is at least 1.2x faster (CPUs differ: 4x faster on one
-    with AVX512-BF16, many times slower on others); the decision and both times are a price line and
-    `numerics` in price.json. `bf16`: always (a fresh run still times it, so the price's wall time is at
+    log-softmax stay float32. `auto`: fp32 for a model of hidden size below 256 (its step is not
+    bound by products, and fp32 keeps its trajectory the same on every machine); otherwise time one
+    warm product of the model's own shape (256 token rows x hidden size x MLP width; 4096 rows on a
+    GPU) in fp32 and under bf16 autocast on the run's device, and use bf16 only when it is at least 2x
+    faster (CPUs differ: several times faster with native bf16 units, slower without); the decision
+    and its reason are a price line and `numerics` in price.json. `bf16`: always (a fresh run still times it, so the price's wall time is at
     the rate bf16 runs at here and says when it is the slower one); `off`: never. Under bf16 the sampler's log-probs and
     the trainer's may differ by more than rounding: algorithm.logp_old = auto then recomputes them.
     Set bf16 or off when runs on different machines must compute the same."""
@@ -380,7 +391,7 @@ class TrainConfig:
     host_memory: Literal["auto", "keep", "system"] = "auto"
     """How the process takes memory from the C library (rlvr.hostmem). auto: keep, except with
     model.gradient_checkpointing (system: a run that recomputes to save memory does not keep a heap at
-    its peak; SmolLM2 with checkpointing peaked at 8,315 MiB under keep, 6,015 MiB under system).
+    its peak, and a kept heap eats most of what checkpointing saves; docs/benchmarks.md, "Memory").
     keep: glibc serves every block
     from its heap and never trims it, so the step's large temporaries (logits, activations) reuse freed
     memory instead of faulting in fresh zeroed pages each step (from hundreds of thousands of page
@@ -509,43 +520,6 @@ class DistributedConfig:
 
 
 @dataclass
-class Config:
-    """A whole run."""
-
-    model: ModelConfig = field(default_factory=ModelConfig)
-    task: TaskConfig = field(default_factory=TaskConfig)
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    log: LogConfig = field(default_factory=LogConfig)
-    distributed: DistributedConfig = field(default_factory=DistributedConfig)
-
-
-SECTIONS: dict[str, type] = {
-    "model": ModelConfig,
-    "task": TaskConfig,
-    "sampling": SamplingConfig,
-    "algorithm": AlgorithmConfig,
-    "train": TrainConfig,
-    "eval": EvalConfig,
-    "log": LogConfig,
-    "distributed": DistributedConfig,
-}
-
-
-# ---------------------------------------------------------------------------------------------
-# field docs (for --help) and types
-
-
-def field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each field of a dataclass, read from its source with `ast`."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-@dataclass
 class SftConfig:
     """`rlvr sft`: a supervised warm start on demonstrations (rlvr.sft), before `rlvr train`."""
 
@@ -569,6 +543,45 @@ class SftConfig:
     eval.at_start, and at the end only); eval.prompts held-out prompts, greedy."""
 
 
+@dataclass
+class Config:
+    """A whole run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    sft: SftConfig = field(default_factory=SftConfig)
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "task": TaskConfig,
+    "sampling": SamplingConfig,
+    "algorithm": AlgorithmConfig,
+    "train": TrainConfig,
+    "eval": EvalConfig,
+    "log": LogConfig,
+    "distributed": DistributedConfig,
+    "sft": SftConfig,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# field docs (for --help) and types
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass, read from its source with `ast`."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
                 docs[node.target.id] = " ".join(nxt.value.value.split())
     return docs
@@ -581,7 +594,6 @@ def _field_types(cls: type) -> dict[str, Any]:
 def help_text() -> str:
     """Every key, its type, default and docstring: the body of `rlvr train --help`."""
     lines = []
-    sft: SftConfig = field(default_factory=SftConfig)
     for section, cls in SECTIONS.items():
         lines.append(f"[{section}]  {cls.__doc__}")
         docs = field_docs(cls)
@@ -593,7 +605,6 @@ def help_text() -> str:
             lines.append(f"  --{section}.{f.name}={getattr(default, f.name)!r}  ({tname})")
             lines.append(f"      {docs.get(f.name, '')}")
     return "\n".join(lines)
-    "sft": SftConfig,
 
 
 # ---------------------------------------------------------------------------------------------
@@ -783,8 +794,9 @@ def load(path: str | Path | None = None, overrides: list[str] | None = None) -> 
 
 
 def read_text(path: str | Path, what: str) -> str:
-    """The UTF-8 text of a file; ConfigError naming the file (and the line of a non-UTF-8 byte) when it is
-    missing, a directory, unreadable or not UTF-8."""
+    """The UTF-8 text of a file, a leading UTF-8 byte-order mark (as some editors save) dropped;
+    ConfigError naming the file (and the line of a non-UTF-8 byte) when it is missing, a directory,
+    unreadable or not UTF-8."""
     path = Path(path)
     if path.is_dir():
         raise ConfigError(f"{what} {path} is a directory, not a file")
@@ -794,6 +806,7 @@ def read_text(path: str | Path, what: str) -> str:
         raw = path.read_bytes()
     except OSError as e:
         raise ConfigError(f"{what} {path}: cannot read it: {e.strerror or e}") from None
+    raw = raw.removeprefix(codecs.BOM_UTF8)
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -914,6 +927,8 @@ def validate(cfg: Config, source: str | None = None) -> None:
                    ("log.rollouts_per_step", cfg.log.rollouts_per_step), ("log.print_every", cfg.log.print_every)]:
         if v < 0:
             bad(key, f"must be >= 0, got {v}")
+    if t.seed > MAX_SEED:
+        bad("train.seed", f"{t.seed} exceeds the largest seed, 2**62 = {MAX_SEED}")
     if s.temperature <= 0:
         bad("sampling.temperature", f"must be > 0 for training (greedy decoding has no usable logp), got {s.temperature}")
     _check_learnable(cfg, bad)
@@ -935,6 +950,15 @@ def validate(cfg: Config, source: str | None = None) -> None:
     if s.tool_on_end and not s.max_tool_calls:
         bad("sampling.tool_on_end", "calls the tool at a response's end, so it needs sampling.max_tool_calls >= 1")
     _check_algorithm(cfg, bad)
+    for key, v in [("sft.epochs", cfg.sft.epochs), ("sft.batch_size", cfg.sft.batch_size)]:
+        if v < 1:
+            bad(key, f"must be >= 1, got {v}")
+    for key, v in [("sft.steps", cfg.sft.steps), ("sft.examples", cfg.sft.examples),
+                   ("sft.eval_every", cfg.sft.eval_every)]:
+        if v < 0:
+            bad(key, f"must be >= 0 (0 = off), got {v}")
+    if cfg.sft.lr <= 0:
+        bad("sft.lr", f"must be > 0, got {cfg.sft.lr}")
     for name, w in cfg.task.reward_weights.items():
         if not isinstance(w, (int, float)) or isinstance(w, bool) or not math.isfinite(w):
             bad(f"task.reward_weights.{name}", f"must be a finite number, got {w!r}")
@@ -976,15 +1000,6 @@ def _check_learnable(cfg: Config, bad) -> None:
     """Values the types accept but a run cannot learn with (or cannot even build)."""
     t, a, s = cfg.train, cfg.algorithm, cfg.sampling
     if s.temperature < MIN_TEMPERATURE:
-    for key, v in [("sft.epochs", cfg.sft.epochs), ("sft.batch_size", cfg.sft.batch_size)]:
-        if v < 1:
-            bad(key, f"must be >= 1, got {v}")
-    for key, v in [("sft.steps", cfg.sft.steps), ("sft.examples", cfg.sft.examples),
-                   ("sft.eval_every", cfg.sft.eval_every)]:
-        if v < 0:
-            bad(key, f"must be >= 0 (0 = off), got {v}")
-    if cfg.sft.lr <= 0:
-        bad("sft.lr", f"must be > 0, got {cfg.sft.lr}")
         bad("sampling.temperature", f"{s.temperature:g} is too small to sample from: below {MIN_TEMPERATURE:g} "
             "sampling is greedy in effect, the responses of a group agree and every Δ is 0")
     if not cfg.model.path and s.max_new_tokens > MAX_BUILTIN_CONTEXT:
@@ -1006,8 +1021,14 @@ def _check_task_settings(tc: TaskConfig, bad) -> None:
             f"got {tc.reward_workers}")
     if tc.reward_timeout_s <= 0:
         bad("task.reward_timeout_s", f"must be > 0, got {tc.reward_timeout_s}")
+    if tc.reward_timeout_s > MAX_REWARD_TIMEOUT_S:
+        bad("task.reward_timeout_s", f"{tc.reward_timeout_s:g} s exceeds the limit of {MAX_REWARD_TIMEOUT_S:g} s "
+            "(a week)")
     if tc.reward_memory_mb < 0:
         bad("task.reward_memory_mb", f"must be >= 0 (0 = no limit), got {tc.reward_memory_mb}")
+    if tc.reward_memory_mb > MAX_REWARD_MEMORY_MB:
+        bad("task.reward_memory_mb", f"{tc.reward_memory_mb} MB exceeds the limit of {MAX_REWARD_MEMORY_MB} MB "
+            "(16 TiB, no limit in effect); set 0 for no limit")
     for key, v, top, what in [("reward_processes", tc.reward_processes, MAX_REWARD_PROCESSES, "processes"),
                               ("reward_file_mb", tc.reward_file_mb, MAX_REWARD_FILE_MB, "MB"),
                               ("reward_cpu_s", tc.reward_cpu_s, MAX_REWARD_CPU_S, "CPU seconds")]:

@@ -40,6 +40,9 @@ RewardFn = Callable[[str, str, Any], float]
 STATUSES = ("ok", "error", "none", "nan", "bad_type", "exit", "timeout", "crashed")
 """Every status :func:`score` can return, in the order logs print them."""
 
+FLOAT32_MAX = 3.4028234663852886e38
+"""Largest finite float32: rewards are held in float32 (rlvr.rollout), so a larger value is scored as
+one that is not finite (status ``nan``)."""
 MAX_ERRORS_KEPT = 5
 """How many distinct failure messages one :func:`score_batch` call keeps for the log."""
 
@@ -88,7 +91,7 @@ def score(fn: RewardFn | Reward, prompt: str, response: str, answer: Any, *, int
 
     ``value, status, detail = score(...)``. A reward that raises gives status ``error`` with
     ``"ExceptionType: message"`` in ``detail``; None gives ``none``; NaN or ±inf gives
-    ``nan``; anything that is not a real number (a string, a dict, a complex) gives
+    ``nan`` (as does a value beyond the float32 range, FLOAT32_MAX); anything that is not a real number (a string, a dict, a complex) gives
     ``bad_type``; a list of real numbers is a process reward (`check_value`). bools and ints count
     as numbers. SystemExit (``sys.exit`` in the reward) gives ``exit``. KeyboardInterrupt still
     stops the run (it is the user's Ctrl-C) unless ``interrupts=True``: a reward worker, which
@@ -173,6 +176,9 @@ def check_value(v: Any) -> Score:
             return Score(0.0, "bad_type", f"returned {type(v).__name__} {v!r:.80}")
     if not math.isfinite(v):
         return Score(0.0, "nan", f"returned {v}")
+    if abs(v) > FLOAT32_MAX:
+        return Score(0.0, "nan", f"returned {v:g}, beyond the float32 range (±{FLOAT32_MAX:.3g}) rewards are "
+                                 "trained in, where it is inf")
     return Score(v, "ok")
 
 

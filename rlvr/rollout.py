@@ -82,6 +82,16 @@ def merge(parts: list[Groups], pad_id: int) -> Groups:
     )
 
 
+def total_overflow(weights: dict[str, float], per_reward: dict[str, list[float]], totals: list[float]) -> str:
+    """Why a weighted reward total is not finite in float32 (each reward's own value is checked when it
+    is received, rlvr.rewards.check_value): the largest total, and each reward's weight and largest value."""
+    worst = max(totals, key=lambda t: abs(t) if t == t else float("inf"))
+    parts = ", ".join(f"{name} (weight {weights.get(name, 1.0):g}, largest value {max(map(abs, vals), default=0):g})"
+                      for name, vals in per_reward.items())
+    return (f"a response's weighted reward is {worst:g}, beyond the float32 range (±3.4e38) rewards are trained "
+            f"in: {parts}; lower task.reward_weights or the rewards' scale")
+
+
 def score_groups(task: Task, weights: dict[str, float], examples: list, responses: list[str], G: int,
                  pool=None) -> tuple[torch.Tensor, torch.Tensor, dict, int, dict, list, list]:
     """Rewards (P, G), goal hits (P, G) and the bookkeeping of scoring `responses` (G per example),
@@ -90,7 +100,10 @@ def score_groups(task: Task, weights: dict[str, float], examples: list, response
     answers = [ex.answer for ex in examples for _ in range(G)]
     scored = score_batch(weighted_rewards(task, weights), prompts, responses, answers, pool=pool)
     hits, goal_failures, goal_errors = goal_hits(task.goal, prompts, responses, answers, pool=pool)
-    return (torch.tensor(scored.total, dtype=torch.float32).view(-1, G), torch.tensor(hits).view(-1, G),
+    rewards = torch.tensor(scored.total, dtype=torch.float32)
+    if not bool(torch.isfinite(rewards).all()):
+        raise RunError(total_overflow(weights, scored.per_reward, scored.total))
+    return (rewards.view(-1, G), torch.tensor(hits).view(-1, G),
             scored.per_reward, scored.failed + goal_failures, {**scored.status_counts, "goal_error": goal_failures},
             list(scored.errors) + goal_errors, scored.total)
 

@@ -88,6 +88,9 @@ class CharTokenizer:
 
     @classmethod
     def from_dict(cls, d: dict) -> "CharTokenizer":
+        """The tokenizer `to_dict` describes; ValueError on anything else (not a dict, another type)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"not a CharTokenizer dict: a JSON {type(d).__name__}")
         if d.get("type") != "CharTokenizer":
             raise ValueError(f"not a CharTokenizer dict: type={d.get('type')!r}")
         if list(d.get("specials", SPECIALS)) != list(SPECIALS):

@@ -84,14 +84,14 @@ class StartupInterrupted(KeyboardInterrupt):
 
 
 class Interrupts:
-    """SIGINT / SIGTERM during a run: while `starting` (until the first step begins) it stops the run at
-    once (StartupInterrupted); then the first asks the loop to stop after the current step (state
+    """SIGINT / SIGTERM during a run: while `starting` (`train` sets it until the first step begins) it
+    stops the run at once (StartupInterrupted); otherwise the first asks the loop to stop after the current step (state
     saved, summary marked interrupted, exit 128 + the signal's number); a second one exits at once,
     keeping the last saved state. Installed only in the main thread (signals go nowhere else)."""
 
-    def __init__(self):
+    def __init__(self, *, starting: bool = False):
         self.signum: int | None = None
-        self.starting = True
+        self.starting = starting
         self._old: dict = {}
 
     def __enter__(self) -> "Interrupts":
@@ -392,7 +392,7 @@ def train(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, resume:
     host_memory = set_host_memory(cfg.train.host_memory, cfg.model.gradient_checkpointing)
     run_dir = RunDir(out, log=log)
     state = None
-    with Interrupts() as stop:
+    with Interrupts(starting=True) as stop:
         try:
             state = start(cfg, run_dir, overwrite=overwrite, resume=resume, log=log)
             log(host_memory)

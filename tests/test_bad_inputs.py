@@ -7,9 +7,14 @@ in-process through `rlvr.cli.main`; a refusal of `rlvr train` must leave `--out`
 
 from __future__ import annotations
 
+import errno
 import io
+import json
+import os
 import shutil
+import signal
 import sys
+import time
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
@@ -176,6 +181,25 @@ ROWS = [
     ("probe_config_is_a_directory", {"c.toml/keep": "x"}, ["probe", "{tmp}/c.toml"], 2, ["is a directory"]),
     ("audit_range", {"c.toml": "[sampling]\ntemperature = 1e-9\n"}, ["audit", "{tmp}/c.toml"], 2,
      ["sampling.temperature", "{tmp}/c.toml:2"]),
+    # --- sizes and ranges that overflowed, ran for minutes or turned a limit off
+    ("seed_overflow", {}, train_cli("--train.seed=99999999999999999999999"), 2,
+     ["train.seed", "exceeds the largest seed", "(command line)"]),
+    ("reward_timeout_1e300", {}, train_cli("--task.reward_timeout_s=1e300"), 2,
+     ["task.reward_timeout_s", "exceeds the limit", "(command line)"]),
+    ("reward_memory_off_by_size", {}, train_cli("--task.reward_memory_mb=10000000000000"), 2,
+     ["task.reward_memory_mb", "set 0 for no limit", "(command line)"]),
+    ("sort_n_1e9", {}, train_cli("--task.options.n=1000000000"), 2,
+     ["sort_task", "option n = 1,000,000,000", "8,192"]),
+    ("sort_heldout_1e9", {}, train_cli("--task.options.heldout=1000000000"), 2,
+     ["sort_task", "option heldout = 1,000,000,000", "exceeds the limit"]),
+    ("eval_prompts_negative", {"notes.txt": "hello"}, ["eval", "{tmp}", "--prompts", "-3"], 2,
+     ["--prompts -3", "must be >= 1"]),
+    ("lab_bandit_no_seeds", {}, ["lab", "bandit", "--seeds", "0"], 2, ["lab bandit", "seeds", ">= 1"]),
+    # --- a UTF-8 byte-order mark is read past (the error below is on line 2, not "at line 1, column 1")
+    ("toml_bom", {"c.toml": b"\xef\xbb\xbf[train]\nsteps = 0\n"}, train_file(), 2,
+     ["train.steps: must be >= 1, got 0", "{tmp}/c.toml:2"]),
+    ("jsonl_bom", {"d.jsonl": b"\xef\xbb\xbf" + DATA.encode() + b'{"prompt": "gh", "answer": }\n'},
+     jsonl('--task.options={train = "{tmp}/d.jsonl"}'), 2, ["{tmp}/d.jsonl:4", "not valid JSON"]),
 ]
 
 
@@ -249,6 +273,141 @@ def test_resume_from_a_damaged_state_names_the_file(tmp_path, finished_run, name
     assert rc == 2 and "Traceback" not in err, err
     for needle in needles:
         assert needle in err, (needle, err)
+
+
+def same_size(path: Path, text: str) -> None:
+    """Replace `path` by `text` padded to the old size (so only the content, not the byte count, is wrong)."""
+    path.write_text(text.ljust(len(path.read_bytes())))
+
+
+DAMAGED_RUN_FILES = [
+    ("tokenizer_json_a_list", lambda run: same_size(run / "checkpoint" / "tokenizer.json", "[]"),
+     ["eval", "{run}"], ["{run}/checkpoint/tokenizer.json", "not a CharTokenizer dict"]),
+    ("tokenizer_json_a_list_as_init", lambda run: (run / "checkpoint" / "tokenizer.json").write_text("[]"),
+     ["train", EXAMPLE, *TINY, "--model.init={run}/checkpoint", "--out", "{run}/../again"],
+     ["model.init", "{run}/checkpoint/tokenizer.json", "not a CharTokenizer dict"]),
+    ("price_json_numerics_a_number", lambda run: (run / "price.json").write_text('{"numerics": 5}'),
+     ["eval", "{run}"], ["{run}/price.json", "damaged", '"numerics"']),
+]
+
+
+@pytest.mark.parametrize("name, damage, argv, needles", DAMAGED_RUN_FILES, ids=[d[0] for d in DAMAGED_RUN_FILES])
+def test_a_damaged_run_file_is_named(tmp_path, finished_run, name, damage, argv, needles):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    damage(run)
+    rc, _, err = run_cli([a.replace("{run}", str(run)) for a in argv])
+    assert rc == 2 and "Traceback" not in err and err.startswith("rlvr: error: "), err
+    for needle in needles:
+        assert needle.replace("{run}", str(run)) in err, (needle, err)
+
+
+def metrics_rows(run: Path) -> list[dict]:
+    """Every line of metrics.jsonl parsed (a torn or foreign line fails the test)."""
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_resume_drops_a_metrics_line_that_is_not_an_object(tmp_path, finished_run):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write("123\n[1, 2]\n")
+    rc, _, err = run_cli(["train", EXAMPLE, *TINY, "--train.steps=2", "--out", str(run), "--resume"])
+    assert rc == 0, err
+    rows = metrics_rows(run)
+    assert all(isinstance(r, dict) for r in rows) and {r.get("step") for r in rows} >= {1, 2}
+    assert not list(run.glob(".metrics.jsonl.*")), "the rewrite's temporary file is renamed into place"
+
+
+def test_a_reward_beyond_float32_is_a_named_failure_not_a_crash(tmp_path):
+    (tmp_path / "t.py").write_text(
+        "from rlvr.rewards import Reward\nfrom rlvr.tasks.sort import sort_task\n\n\ndef make(**kw):\n"
+        "    task = sort_task(**kw)\n"
+        "    task.rewards['big'] = Reward('big', lambda p, r, a: 1e308, task.rewards['exact'].card)\n"
+        "    return task\n")
+    out = tmp_path / "run"
+    rc, stdout, err = run_cli(train_cli(f"--task.path={tmp_path}/t.py:make", "--task.reward=big")
+                              [:-1] + [str(out)])
+    assert rc == 0 and "Traceback" not in err, err
+    assert "big: returned 1e+308, beyond the float32 range" in stdout, stdout
+
+
+def test_weighted_rewards_beyond_float32_stop_with_the_weights_named():
+    from rlvr.rollout import score_groups
+    from rlvr.run import RunError
+    from rlvr.tasks.sort import sort_task
+
+    task = sort_task(n=3, heldout=5)
+    ex = task.heldout[:1]
+    with pytest.raises(RunError, match=r"beyond the float32 range .*position \(weight 1e\+39"):
+        score_groups(task, {"position": 1e39}, ex, [ex[0].answer] * 2, 2)
+
+
+def test_a_chat_template_that_raises_is_a_clear_error(tmp_path):
+    pytest.importorskip("transformers")
+    from transformers import AutoTokenizer
+
+    from tests.hf_models import make_model_dir
+
+    model = make_model_dir(tmp_path / "m", chat=True)
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.chat_template = "{{ raise_exception('this template takes no prompts') }}"
+    tok.save_pretrained(model)
+    rc, _, err = run_cli(["train", EXAMPLE, *TINY, f"--model.path={model}", "--task.chat=user",
+                          "--sampling.max_new_tokens=4", "--out", str(tmp_path / "run")])
+    assert rc == 2 and "Traceback" not in err, err
+    assert "chat template" in err and "TemplateError" in err and "this template takes no prompts" in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_signal_during_start_up_stops_the_run_at_once(tmp_path, monkeypatch, capfd):
+    """SIGTERM while the run starts (here: while it is priced) exits 143 at once, not after the start-up."""
+    import rlvr.trainer
+
+    def slow_price(*a, **k):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(60)
+        raise AssertionError("the signal did not stop the start-up")
+
+    monkeypatch.setattr(rlvr.trainer, "price_of", slow_price)
+    t0 = time.monotonic()
+    rc, out, err = run_cli(train_cli()[:-1] + [str(tmp_path / "run")])
+    assert rc == 143 and time.monotonic() - t0 < 30, (rc, err)
+    assert "interrupted during start-up" in out, out
+    assert "SIGTERM during start-up" in capfd.readouterr().err    # the handler writes to fd 2 itself
+
+
+def test_a_full_disk_stops_the_run_with_its_state_saved_and_it_resumes(tmp_path, monkeypatch):
+    """A metrics write that hits ENOSPC (half a row written, then the error): a clear error naming the
+    disk and its free space, no torn row left, the state after that step saved; --resume then finishes."""
+    import rlvr.rundir
+
+    real = rlvr.rundir._write
+    calls = {"torn": False}
+
+    def full_disk(fd, data):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("metrics.jsonl"):
+            if calls["torn"]:                       # the disk is full from here on
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            if bytes(data[:10]) == b'{"step": 2':   # half of step 2's row fits
+                calls["torn"] = True
+                return real(fd, data[:len(data) // 2])
+        return real(fd, data)
+
+    monkeypatch.setattr(rlvr.rundir, "_write", full_disk)
+    run = tmp_path / "run"
+    argv = ["train", EXAMPLE, *TINY, "--train.steps=3", "--out", str(run)]
+    rc, _, err = run_cli(argv)
+    assert rc == 2 and "Traceback" not in err, err
+    for needle in (f"cannot write {run}/metrics.jsonl", "No space left on device", "MiB free", "mounted at",
+                   "the state after step 2 was saved", "--resume"):
+        assert needle in err, (needle, err)
+    assert [r["step"] for r in metrics_rows(run) if "train/reward" in r] == [1]   # no torn row
+    monkeypatch.setattr(rlvr.rundir, "_write", real)
+    rc, _, err = run_cli(argv + ["--resume"])
+    assert rc == 0, err
+    assert [r["step"] for r in metrics_rows(run) if "train/reward" in r] == [1, 3]
+    assert json.loads((run / "summary.json").read_text())["steps"] == 3
 
 
 # --- rows the run's build checks up front against the loaded task (rlvr.config.check_against_task) --

@@ -95,10 +95,23 @@ class HFTokenizer:
                              f"got {type(prompt).__name__}")
         if not self.has_chat_template:
             raise ValueError("encode_prompt: the task gives chat messages but the tokenizer has no chat_template")
-        ids = self.tok.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True, return_dict=False)
+        ids = self._chat_ids(list(prompt))
         if hasattr(ids, "keys"):  # a BatchEncoding on some versions
             ids = ids["input_ids"]
         return list(ids)
+
+    def _chat_ids(self, conversations: list) -> list:
+        """``apply_chat_template`` with the generation prompt, tokenized; a template that raises (jinja's
+        TemplateError, ``raise_exception`` in the template) is a ValueError naming the tokenizer."""
+        from jinja2 import TemplateError
+
+        try:
+            return self.tok.apply_chat_template(conversations, add_generation_prompt=True, tokenize=True,
+                                                return_dict=False)
+        except TemplateError as e:
+            where = getattr(self.tok, "name_or_path", "") or "the tokenizer"
+            raise ValueError(f"the chat template of {where} (tokenizer_config.json, chat_template) raised "
+                             f"{type(e).__name__}: {e}") from None
 
     ENCODE_BATCH = 2048
     """Prompts per batched call of ``encode_prompts``."""
@@ -132,8 +145,7 @@ class HFTokenizer:
                 raise ValueError("encode_prompt: the task gives chat messages but the tokenizer has no chat_template")
             for k in range(0, len(chats), self.ENCODE_BATCH):
                 part = chats[k:k + self.ENCODE_BATCH]
-                ids = self.tok.apply_chat_template([list(prompts[i]) for i in part], add_generation_prompt=True,
-                                                   tokenize=True, return_dict=False)
+                ids = self._chat_ids([list(prompts[i]) for i in part])
                 if hasattr(ids, "keys"):  # a BatchEncoding on some versions
                     ids = ids["input_ids"]
                 for i, row in zip(part, ids):

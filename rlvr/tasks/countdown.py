@@ -56,7 +56,7 @@ from fractions import Fraction
 from typing import Any
 
 from rlvr.rewards import Reward, RewardCard
-from rlvr.tasks import Example, Task, TaskError
+from rlvr.tasks import Example, Task, TaskError, limits
 from rlvr.tasks.answers import Answer, unwrap
 
 __all__ = ["countdown_task", "check", "verify", "extract_expression", "correct", "format_reward",
@@ -254,6 +254,14 @@ def _check_options(n: int, low: int, high: int, max_target: int, train: int, hel
         raise TaskError("countdown: train, heldout and max_target must be positive")
     if style not in ("compact", "instruct"):
         raise TaskError(f"countdown: style must be 'compact' or 'instruct', got {style!r}")
+    try:  # sizes (rlvr.tasks.limits), before anything is drawn: n numbers of high's width and a separator each
+        width = len(str(high)) if high < 10**4096 else limits.MAX_PROMPT_CHARS
+        limits.check_length("countdown", "n", n, n * (width + 1) + len(str(max_target)) if max_target < 10**4096
+                            else limits.MAX_PROMPT_CHARS + 1)
+        limits.check_count("countdown", "train", train)
+        limits.check_count("countdown", "heldout", heldout)
+    except ValueError as e:
+        raise TaskError(str(e)) from None
 
 
 def _draw_examples(rng: random.Random, want: int, n: int, low: int, high: int, max_target: int,

@@ -35,7 +35,7 @@ from collections import Counter
 from math import comb
 
 from rlvr.rewards import Reward, RewardCard
-from rlvr.tasks import Example, Task
+from rlvr.tasks import Example, Task, limits
 
 ENUMERATE_LIMIT = 200_000
 """Spaces of at most this many lists are enumerated: train is every list not held out."""
@@ -43,6 +43,10 @@ DEFAULT_TRAIN = 100_000
 """Training examples drawn when the space is larger than ENUMERATE_LIMIT and train=None."""
 SEP = ","
 """Separator between numbers when ``high >= 10``."""
+MAX_CARD_WORK = 2_000_000
+"""Largest ``n**2 * (high - low + 1)``: the reward cards' figures are exact order-statistic sums over
+that many binomial tails (``_order_statistic_pmfs``), a few seconds at this bound; larger lists or
+ranges are refused before anything is built."""
 
 
 def _items(s: str, answer: str) -> list[str]:
@@ -339,6 +343,27 @@ def demonstrate(example: Example) -> str:
     return example.answer
 
 
+def _check_sizes(n: int, low: int, high: int, heldout: int, train: int | None) -> None:
+    """ValueError naming the option when the task would be too large to build (rlvr.tasks.limits): a
+    prompt longer than MAX_PROMPT_CHARS, card figures past MAX_CARD_WORK, more examples than
+    MAX_EXAMPLES or than the machine's memory holds. Checked before anything is allocated."""
+    width = len(str(high)) if high < 10**4096 else limits.MAX_PROMPT_CHARS + 1   # two such numbers: too long
+    option = "high" if width > n else "n"
+    chars = n * width + (n - 1) * (width > 1) + 1                      # the prompt: the list and "="
+    limits.check_length("sort_task", option, n if option == "n" else high, chars)
+    work = n * n * (high - low + 1)
+    if work > MAX_CARD_WORK:
+        raise ValueError(f"sort_task: options n = {n:,}, low = {low:,}, high = {high:,} need n**2 * (high - low + 1) "
+                         f"= {work:,} binomial tails for the reward cards, above the limit of {MAX_CARD_WORK:,}; "
+                         "choose a smaller n or range")
+    limits.check_count("sort_task", "heldout", heldout)
+    if train is not None:
+        limits.check_count("sort_task", "train", train)
+    space = (high - low + 1) ** n
+    count = heldout + (train if train is not None else space - heldout if space <= ENUMERATE_LIMIT else DEFAULT_TRAIN)
+    limits.check_memory("sort_task", count, 2 * chars)
+
+
 def sort_task(
     n: int = 5,
     low: int = 0,
@@ -366,6 +391,7 @@ def sort_task(
         raise ValueError(f"sort_task: need 0 <= low < high, got low={low}, high={high}")
     if heldout < 1:
         raise ValueError(f"sort_task: heldout must be at least 1, got {heldout}")
+    _check_sizes(n, low, high, heldout, train)
 
     width = len(str(high))
     sep = "" if width == 1 else SEP
