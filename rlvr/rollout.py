@@ -334,6 +334,9 @@ def rollout(setup, policy: Policy, reference: Policy | None, examples_fn, *, ver
         cost["flops"] += n_tok * fwd_flops
     delta, delta_tokens, stats = batch_delta(setup, groups, logp_ref, value,
                                              logp_full=train_fwd.logp_full if recompute else None)
+    # the share of the decode forwards' rows spent on rows that had already ended (rlvr.sampling.COMPACT_FINISHED)
+    decode_rows = sum(p.rollout.decode_rows for p in parts)
+    stats["decode_finished_row_frac"] = sum(p.rollout.decode_finished_rows for p in parts) / max(1, decode_rows)
     batch = Batch(groups, parts, delta, logp_old, logp_ref, version, sample_s, cost, delta_tokens, stats,
                   logp_old_pending=in_learn)
     if recompute:

@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from rlvr.losses import AUTO_CHUNK, entropy_from_logits, resolve_chunk_rows, token_logprobs
+from rlvr.models import cache_rows
 
 OUTSIDE_NUCLEUS_LOGP = -30.0
 """Finite stand-in for log(0): the recomputed logp of a token outside the current nucleus."""
@@ -82,6 +83,15 @@ class Rollout:
     """Top-k used to sample (0 = off); ``sequence_token_logprobs`` defaults to it."""
     min_p: float = 0.0
     """Min-p used to sample (0 = off); ``sequence_token_logprobs`` defaults to it."""
+    decode_rows: int = 0
+    """Rows the decode steps' forwards computed, summed over the steps (0 where not recorded: ``select``)."""
+    decode_finished_rows: int = 0
+    """Of ``decode_rows``, the rows that had already ended: computed for nothing (``COMPACT_FINISHED``)."""
+
+    @property
+    def finished_row_frac(self) -> float:
+        """The share of the decode forwards' rows spent on rows that had already ended (0 when none ran)."""
+        return self.decode_finished_rows / self.decode_rows if self.decode_rows else 0.0
 
     @property
     def tempered_logp(self) -> torch.Tensor:
@@ -142,7 +152,8 @@ def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:
     return Rollout(**{k: torch.cat(v) for k, v in parts.items()}, prompt_len=Lp,
                    truncated=torch.cat([r.truncated for r in rollouts]),
                    temperature=rollouts[0].temperature, top_p=rollouts[0].top_p, top_k=rollouts[0].top_k,
-                   min_p=rollouts[0].min_p)
+                   min_p=rollouts[0].min_p, decode_rows=sum(r.decode_rows for r in rollouts),
+                   decode_finished_rows=sum(r.decode_finished_rows for r in rollouts))
 
 
 # ---------------------------------------------------------------------- the sampling distribution
@@ -278,13 +289,25 @@ def _prompt_noise(generators: list[torch.Generator] | None, P: int, G: int, T: i
     return torch.cat([torch.rand((G, T), generator=g, device=g.device).to(device) for g in generators])
 
 
-def _next_tokens(logprobs: torch.Tensor, temperature: float, generator, noise_t: torch.Tensor | None) -> torch.Tensor:
-    """(B, V) log-probs -> (B,) tokens: argmax (greedy), inverse CDF of the per-prompt uniforms, or multinomial."""
+def _next_tokens(logprobs: torch.Tensor, temperature: float, generator, noise_t: torch.Tensor | None,
+                 rows: torch.Tensor | None = None, batch: int = 0) -> torch.Tensor:
+    """(n, V) log-probs -> (n,) tokens: argmax (greedy), inverse CDF of the per-prompt uniforms, or multinomial.
+
+    ``rows`` (n,) (the decode loop's rows still computed, of ``batch`` rows in all) or None (all):
+    the multinomial draw is then taken over all ``batch`` rows, the others given a one-token
+    distribution, so it consumes ``generator`` as a draw over every row does and each row gets the
+    token it would get with every row computed (torch's draw for one sample per row does not depend
+    on the other rows' probabilities, only on how many rows there are)."""
     if temperature == 0:
         return logprobs.argmax(-1)
     if noise_t is not None:
         return inverse_cdf_sample(logprobs.exp(), noise_t)
-    return torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(1)
+    if rows is None or rows.numel() == batch:
+        return torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(1)
+    probs = logprobs.new_zeros(batch, logprobs.size(1))                       # (batch, V)
+    probs[:, 0] = 1.0                                                         # the rows not computed draw token 0
+    probs[rows] = logprobs.exp()
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)[rows]  # (n,)
 
 
 # ---------------------------------------------------------------------- generation
@@ -422,7 +445,7 @@ def generate(model, prompts: list[list[int]], *, samples_per_prompt: int, max_ne
         temperature=float(temperature),
         top_p=float(top_p),
         logp_full=d.logp_full[:, :d.steps].contiguous() if d.logp_full is not None else None, top_k=int(top_k),
-        min_p=float(min_p),
+        min_p=float(min_p), decode_rows=d.row_steps, decode_finished_rows=d.finished_row_steps,
     )
 
 
@@ -451,6 +474,17 @@ class _Decoded:
     ended: torch.Tensor
     steps: int
     decoding: Decoding | None
+    row_steps: int = 0
+    """Rows computed, summed over the decode forwards (the prefill not counted)."""
+    finished_row_steps: int = 0
+    """Of those, rows that had already finished (their forward's logits are never sampled from)."""
+
+
+COMPACT_FINISHED: float | None = 0.25
+"""The decode loop drops the finished rows from the batch (the KV cache narrowed to the rows still
+sampling, ``rlvr.models.cache_rows``) once at least this fraction of the rows it computes has
+finished; None: never (every row computed until the last one ends). A drop copies the kept rows'
+cache, so it waits until enough rows have finished to be worth it."""
 
 
 def _decode(model, logits, cache, *, T: int, noise, temperature, top_p, top_k, min_p, generator, eos_id, pad_id,
@@ -459,7 +493,13 @@ def _decode(model, logits, cache, *, T: int, noise, temperature, top_p, top_k, m
     ``cache`` (or, without one, the whole sequence again from ``prompt_ids`` / ``prompt_am``). Rows
     already ``finished`` (B,) sample nothing; ``cap`` (B,) or None bounds each row's tokens.
     ``track``: also keep the ``Decoding`` to continue from (each forward's logits kept per row whose
-    fed token was real)."""
+    fed token was real).
+
+    Finished rows leave the batch (``COMPACT_FINISHED``; with a cache that can drop rows, not with a
+    static decoder nor with ``track``, whose continuation needs every row's cache): the loop then
+    computes the n rows ``rows`` (n,) only, and writes their tokens into the (B, T) results. A row's
+    tokens are the same either way: its uniforms are its own row of ``noise``, and a multinomial draw
+    is taken over all B rows (``_next_tokens``); its logits differ by float rounding at most."""
     B, device = logits.size(0), logits.device
     out = torch.full((B, T), pad_id, dtype=torch.long, device=device)
     alive_cols = torch.zeros((B, T), dtype=torch.bool, device=device)
@@ -472,31 +512,41 @@ def _decode(model, logits, cache, *, T: int, noise, temperature, top_p, top_k, m
     # not where the decode is continued later (track): that needs the eager cache after every step
     make_static = getattr(model, "static_decoder", None) if cache is not None and not track and T > 1 else None
     static = make_static(cache) if make_static is not None else None
-    steps = 0
+    compact = COMPACT_FINISHED is not None and cache is not None and static is None and not track
+    rows = torch.arange(B, device=device)                          # (n,) the rows computed, ascending
+    row_steps = finished_row_steps = steps = 0
     for t in range(T):
+        at = slice(None) if rows.numel() == B else rows             # the rows computed, as an index
+        u = None if noise is None else noise[at, t]                                           # (n,)
         if noise is not None and temperature > 0 and not nucleus:  # per-prompt uniforms, no nucleus
-            tok, tok_logp = sample_tempered(logits, temperature, noise[:, t])             # (B,), (B,)
+            tok, tok_logp = sample_tempered(logits, temperature, u)                           # (n,), (n,)
         else:
-            logprobs = sampling_logprobs(logits, temperature, top_p, top_k, min_p)   # (B, V)
-            tok = _next_tokens(logprobs, temperature, generator, None if noise is None else noise[:, t])  # (B,)
+            logprobs = sampling_logprobs(logits, temperature, top_p, top_k, min_p)   # (n, V)
+            tok = _next_tokens(logprobs, temperature, generator, u, rows, B)          # (n,)
             tok_logp = logprobs.gather(1, tok.unsqueeze(1)).squeeze(1)
-        alive = ~finished                                           # this token is real
-        tok = tok.masked_fill(finished, pad_id)
-        out[:, t] = tok
-        alive_cols[:, t] = alive
-        logp[:, t] = tok_logp.masked_fill(finished, 0.0)
+        done = finished[at]                                         # (n,)
+        tok = tok.masked_fill(done, pad_id)
+        out[at, t] = tok
+        alive_cols[at, t] = ~done                                    # this token is real
+        logp[at, t] = tok_logp.masked_fill(done, 0.0)
         if nucleus:  # the same token under the tempered distribution without the nucleus (the KL's)
-            full = F.log_softmax(logits.float() / temperature, dim=-1)                      # (B, V)
-            logp_full[:, t] = full.gather(1, tok.unsqueeze(1)).squeeze(1).masked_fill(finished, 0.0)
+            full = F.log_softmax(logits.float() / temperature, dim=-1)                      # (n, V)
+            logp_full[at, t] = full.gather(1, tok.unsqueeze(1)).squeeze(1).masked_fill(done, 0.0)
+        alive = alive_cols[:, t]                                    # (B,)
         steps = t + 1
-        ended = _ended(ended, alive, tok, out[:, :t + 1], eos_id, stop)
+        ended = _ended(ended, alive, out[:, t], out[:, :t + 1], eos_id, stop)
         finished = ended if cap is None else ended | (cap <= t + 1)
         if bool(finished.all()) or t == T - 1:
             break
+        if compact:
+            rows, tok = _drop_finished(cache, rows, tok, finished)                          # (n',), (n',)
+        fed_real = alive[rows]                                      # (n,) the fed token is real
+        row_steps += rows.numel()
+        finished_row_steps += int(finished[rows].sum())
         if static is not None:
             logits = static.step(tok, alive)                                              # (B, V)
         elif cache is not None:
-            logits = model(tok.unsqueeze(1), attention_mask=alive.long().unsqueeze(1), cache=cache)[:, -1]
+            logits = model(tok.unsqueeze(1), attention_mask=fed_real.long().unsqueeze(1), cache=cache)[:, -1]
             if track:
                 last_logits = torch.where(alive.unsqueeze(1), logits, last_logits)
         else:
@@ -508,7 +558,23 @@ def _decode(model, logits, cache, *, T: int, noise, temperature, top_p, top_k, m
     decoding = None
     if track:
         decoding = Decoding(cache, out[:, steps - 1].clone(), alive.clone(), last_logits)  # T >= 1: the loop ran
-    return _Decoded(out, alive_cols, logp, logp_full, ended, steps, decoding)
+    return _Decoded(out, alive_cols, logp, logp_full, ended, steps, decoding, row_steps, finished_row_steps)
+
+
+def _drop_finished(cache, rows: torch.Tensor, tok: torch.Tensor,
+                   finished: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows (n',), tok (n',)): the computed ``rows`` (n,) and their sampled ``tok`` (n,) narrowed to
+    the rows not ``finished`` (B,), with the cache, when at least ``COMPACT_FINISHED`` of the n rows
+    have finished; unchanged otherwise or where the cache cannot drop rows. The cache may keep more
+    rows than asked (``rlvr.models.cache_rows``: whole groups); those are kept here too."""
+    live = ~finished[rows]                                                       # (n,)
+    n_done = rows.numel() - int(live.sum())
+    if n_done == 0 or n_done < COMPACT_FINISHED * rows.numel():
+        return rows, tok
+    kept = cache_rows.keep_rows(cache, live.nonzero().squeeze(1))                # (n',) positions in rows
+    if kept is None or kept.numel() == rows.numel():
+        return rows, tok
+    return rows[kept], tok[kept]
 
 
 @torch.no_grad()
@@ -550,7 +616,8 @@ def continue_decoding(model, dec: Decoding, inserted: list[list[int] | None], bu
     r = Rollout(ids=d.out[:, :d.steps], attention_mask=mask.long(), prompt_len=0, mask=mask.float(),
                 logp=d.logp[:, :d.steps].contiguous(), truncated=~d.ended, temperature=float(temperature),
                 top_p=float(top_p), top_k=int(top_k), min_p=float(min_p),
-                logp_full=None if d.logp_full is None else d.logp_full[:, :d.steps].contiguous())
+                logp_full=None if d.logp_full is None else d.logp_full[:, :d.steps].contiguous(),
+                decode_rows=d.row_steps, decode_finished_rows=d.finished_row_steps)
     return r, B * (L + d.steps)
 
 

@@ -134,3 +134,93 @@ def test_chat_tokenizers_get_the_messages_and_char_tokenizers_the_prompt():
     ex = arith_task(digits=1, heldout=1).heldout[0]
     assert encode_example(ChatTok(), ex) == ["chat", [{"role": "user", "content": ex.prompt}]]
     assert encode_example(CharTok(), ex) == list(ex.prompt)
+
+
+# ---------------------------------------------------------------------- chain of thought (reasoning=True)
+from rlvr.tasks.arith import answer_correct, answer_format, answer_goal, chain_value, final_answer  # noqa: E402
+
+Q = "What is 412 + 37 * 5? Think step by step, then write the final answer after 'Answer:'."
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("37 * 5 = 185\n412 + 185 = 597\nAnswer: 597", 597),
+    ("Answer: 597.", 597),
+    ("answer:597", 597),                                  # any case, no space
+    ("**Answer:** 1,234", 1234),                          # markdown bold; thousands commas
+    ("Answer: -47", -47),
+    ("Answer: 5\nwait, no.\nAnswer: 6", 6),               # the last marker counts
+    ("Answer: 412 + 185 = 597", 412),                     # the first number after it
+    ("The answer: it is 597 I think", 597),
+    ("412 + 185 = 597", None),                            # no marker: no final answer
+    ("Answer: none", None),                               # a marker with no number after it
+    ("Answer: 5 ... final answer: 2.5", Decimal("2.5")),
+])
+def test_final_answer_by_hand(text, expected):
+    assert final_answer(text) == expected
+
+
+def test_reasoning_correct_and_goal_read_the_final_answer_only():
+    assert answer_correct(Q, "37 * 5 = 185\n412 + 185 = 597\nAnswer: 597", 597) == 1.0
+    assert answer_correct(Q, "37 * 5 = 999 (wrong working)\nAnswer: 597", 597) == 1.0   # working ignored
+    assert answer_correct(Q, "412 + 185 = 597", 597) == 0.0                            # no Answer:
+    assert answer_correct(Q, "Answer: 597\nthen 412 + 37 = 449", 597) == 1.0           # text after is ignored
+    assert answer_correct(Q, "Answer: 597 ... Answer: 598", 597) == 0.0
+    for r in ("Answer: 597", "Answer: 598", "597", ""):
+        assert answer_goal(Q, r, 597) == (answer_correct(Q, r, 597) == 1.0)
+
+
+@pytest.mark.parametrize("text,pays", [
+    ("37 * 5 = 185\n412 + 185 = 597\nAnswer: 597", 1.0),
+    ("work\nAnswer: 598.\n", 1.0),                        # right or wrong; final period and newline allowed
+    ("Answer: 597 because 412 + 185", 0.0),               # something after the number
+    ("Answer: 5\nAnswer: 597", 0.0),                      # the marker twice
+    ("597", 0.0),                                         # no marker
+    ("Answer: 412 + 185 = 597", 0.0),
+])
+def test_reasoning_format_by_hand(text, pays):
+    assert answer_format(Q, text, 597) == pays
+
+
+def test_chain_value_follows_precedence():
+    assert chain_value([412, 37, 5], ["+", "*"]) == 597
+    assert chain_value([2, 3, 4, 5], ["*", "-", "*"]) == 6 - 20
+    assert chain_value([10, 4, 3], ["-", "-"]) == 3                # left to right
+    assert chain_value([7, 8], ["-"]) == -1
+
+
+def test_reasoning_task_prompts_answers_cards_and_demonstrations():
+    task = load_task("rlvr.tasks.arith", ops="+-*", digits=3, operands=3, reasoning=True, heldout=20, n_train=50,
+                     seed=1)
+    assert task.name == "arith-add-sub-mul-3d-x3-cot" and task.max_new_tokens == 256
+    assert len(task.train) == 50 and len(task.heldout) == 20
+    keys = {ex.meta["expr"] for ex in task.train}
+    assert len(keys) == 50 and not keys & {ex.meta["expr"] for ex in task.heldout}
+    for ex in task.train + task.heldout:
+        xs, ops = ex.meta["operands"], ex.meta["ops"]
+        assert len(xs) == 3 and all(100 <= x <= 999 for x in xs) and set(ops) <= set("+-*")
+        assert ex.prompt == f"What is {ex.meta['expr']}? Think step by step, then write the final answer after 'Answer:'."
+        assert ex.answer == eval(ex.meta["expr"])                # the usual precedence  # noqa: S307
+        demo = task.demonstrate(ex)
+        assert answer_correct(ex.prompt, demo, ex.answer) == 1.0 and answer_format(ex.prompt, demo, ex.answer) == 1.0
+        assert demo.count("\n") == 2                               # one line per operation, then the answer
+    ex = task.heldout[0]
+    assert task.rewards["correct"].card.exploit_example is None
+    hack = task.rewards["format"].card.exploit_example(ex)
+    assert answer_format(ex.prompt, hack, ex.answer) == 1.0 and not task.goal(ex.prompt, hack, ex.answer)
+    two = load_task("rlvr.tasks.arith", digits=3, reasoning=True, heldout=5, n_train=5)
+    assert two.name == "arith-add-3d-cot" and two.heldout[0].meta["op"] == "+"
+    assert two.heldout[0].prompt.startswith(f"What is {two.heldout[0].meta['expr']}? Think step by step")
+    assert load_task("rlvr.tasks.arith").max_new_tokens == 16                 # the plain form is unchanged
+
+
+def test_reasoning_arguments_are_checked():
+    with pytest.raises(ValueError, match="operands"):
+        load_task("rlvr.tasks.arith", operands=7)
+    with pytest.raises(ValueError, match="expr"):
+        load_task("rlvr.tasks.arith", operands=3)                             # the default template has no {expr}
+    with pytest.raises(ValueError, match="expr"):
+        load_task("rlvr.tasks.arith", reasoning=True, prompt_template="{expr} = {a}?")
+    with pytest.raises(ValueError, match="reasoning"):
+        load_task("rlvr.tasks.arith", reasoning="yes")
+    custom = load_task("rlvr.tasks.arith", operands=4, prompt_template="Compute {expr}.", heldout=3, n_train=3)
+    assert custom.heldout[0].prompt == f"Compute {custom.heldout[0].meta['expr']}."

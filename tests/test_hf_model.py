@@ -1471,3 +1471,35 @@ def test_positions_past_the_context_are_refused_in_both_shared_prompt_paths(tmp_
     with pytest.raises(ValueError, match=r"position 8 >= block_size 8 \(max_position_embeddings\)"):
         policy(ids[:, 4:-1], attention_mask=am[:, 4:-1], cache=cache)
     assert policy.shared_prompt_logits(ids[:, :8], am[:, :8], 4, 2)[1].shape[:2] == (2, 3)  # within: scored
+
+
+@pytest.mark.parametrize("layout", ["lean_grouped", "lean_repeated", "transformers"])
+def test_finished_rows_leave_the_batch_on_every_cache(llama, layout, monkeypatch):
+    """Rows dropped from the batch as they end (rlvr.sampling.COMPACT_FINISHED) on the lean cache in
+    its grouped layout (whole groups leave) and its repeated one, and on transformers' DynamicCache:
+    every row is sampled as with every row computed (tokens, masks; log-probs to float rounding),
+    and fewer rows are computed."""
+    import rlvr.models.lean_llama as lean
+
+    policy, tok = llama
+    if layout == "lean_repeated":
+        monkeypatch.setattr(lean, "GROUP_ATTENTION_FLOPS", 0.0)
+    prompts = [tok.encode(s) for s in PROMPTS]
+    kinds = []
+    real = sampling.cache_rows.keep_rows
+    monkeypatch.setattr(sampling.cache_rows, "keep_rows",
+                        lambda c, r: kinds.append((type(c).__name__, getattr(c, "group", 1))) or real(c, r))
+
+    def roll(compact):
+        monkeypatch.setattr(sampling, "COMPACT_FINISHED", compact)
+        return sampling.generate(policy, prompts, samples_per_prompt=3, max_new_tokens=14, temperature=1.0,
+                                 eos_id=tok.eos_id, pad_id=tok.pad_id, budgets=[14, 2, 7, 4],
+                                 generators=sampling.prompt_generators(5, 0, len(prompts)))
+
+    with (transformers_path(policy) if layout == "transformers" else contextlib.nullcontext()):
+        every, dropped = roll(None), roll(0.25)
+    want = {"lean_grouped": ("LeanCache", 3), "lean_repeated": ("LeanCache", 1), "transformers": ("HFCache", 1)}
+    assert kinds and set(kinds) == {want[layout]}
+    assert torch.equal(every.ids, dropped.ids) and torch.equal(every.mask, dropped.mask)
+    torch.testing.assert_close(dropped.logp, every.logp, atol=1e-5, rtol=0)
+    assert dropped.decode_rows < every.decode_rows and dropped.finished_row_frac < every.finished_row_frac

@@ -421,3 +421,96 @@ def test_generate_draws_through_sample_tempered_without_a_nucleus(monkeypatch):
     monkeypatch.setattr(sampling, "sample_tempered", lambda *a, **k: calls.append(1) or real(*a, **k))
     roll(top_p=0.9)
     assert not calls
+
+
+# ---------------------------------------------------------------------- finished rows leave the batch
+SHORT_PROMPTS = [[BOS, 5, 7, 3], [BOS, 6], [BOS, 4, 4, 3, 6], [BOS, 7, 3]]
+LETTERS = sampling.StopStrings(("f", "dd"), lambda ids: "".join(chr(ord("a") + i) for i in ids))
+DRAWS = {   # how each row's tokens are drawn: the generate() keywords
+    "per_prompt": lambda: dict(generators=sampling.prompt_generators(7, 0, 4)),
+    "per_prompt_nucleus": lambda: dict(generators=sampling.prompt_generators(7, 0, 4), top_p=0.8, top_k=5),
+    "multinomial": lambda: dict(generator=torch.Generator().manual_seed(7)),
+    "multinomial_min_p": lambda: dict(generator=torch.Generator().manual_seed(7), min_p=0.1, temperature=1.3),
+    "greedy": lambda: dict(temperature=0.0, budgets=[24, 3, 11, 6]),
+    "stop_strings": lambda: dict(generators=sampling.prompt_generators(7, 0, 4), stop=LETTERS),
+}
+
+
+@pytest.mark.parametrize("draw", sorted(DRAWS))
+def test_finished_rows_leave_the_batch_and_every_row_is_drawn_as_before(draw, monkeypatch):
+    """With rows dropped from the batch (and the KV cache) as they end, every row gets the same
+    tokens, masks and log-probs (to float rounding) as with every row computed to the end, for each
+    way of drawing: per-prompt uniforms with and without a nucleus, one generator's multinomial
+    draw, greedy with per-prompt budgets, stop strings; and fewer rows are computed."""
+    model = tiny_model(seed=1, V=8)
+    drops = []
+    real = sampling.cache_rows.keep_rows
+    monkeypatch.setattr(sampling.cache_rows, "keep_rows", lambda c, r: drops.append(r.numel()) or real(c, r))
+
+    def roll(compact):
+        monkeypatch.setattr(sampling, "COMPACT_FINISHED", compact)
+        kw = dict(samples_per_prompt=4, max_new_tokens=24, temperature=1.0, eos_id=EOS, pad_id=PAD)
+        return generate(model, SHORT_PROMPTS, **{**kw, **DRAWS[draw]()})
+
+    every, dropped = roll(None), roll(0.25)
+    assert drops, "no row left the batch"
+    assert torch.equal(every.ids, dropped.ids) and torch.equal(every.attention_mask, dropped.attention_mask)
+    assert torch.equal(every.mask, dropped.mask) and torch.equal(every.truncated, dropped.truncated)
+    torch.testing.assert_close(dropped.logp, every.logp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(dropped.tempered_logp, every.tempered_logp, atol=1e-5, rtol=0)
+    lengths = every.response_lengths
+    assert lengths.max() - lengths.min() >= 5                               # the lengths do spread
+    B, steps = every.mask.shape
+    assert every.decode_rows == B * (steps - 1)                             # every row, every decode forward
+    assert dropped.decode_rows < every.decode_rows
+    assert dropped.finished_row_frac < every.finished_row_frac
+    # without drops a row of n tokens is computed for nothing at the steps - n forwards from its last token on
+    assert every.decode_finished_rows == sum(steps - int(n) for n in lengths)
+
+
+def test_a_drop_waits_for_a_quarter_of_the_rows(monkeypatch):
+    """Rows leave only once COMPACT_FINISHED of the computed rows have finished: each drop keeps at
+    most 3/4 of the rows it was computing."""
+    model = tiny_model(seed=1, V=8)
+    kept = []
+    real = sampling.cache_rows.keep_rows
+    monkeypatch.setattr(sampling.cache_rows, "keep_rows",
+                        lambda c, r: kept.append((c.batch_size, r.numel())) or real(c, r))
+    generate(model, SHORT_PROMPTS, samples_per_prompt=4, max_new_tokens=24, eos_id=EOS, pad_id=PAD,
+             generators=sampling.prompt_generators(3, 0, 4))
+    assert kept and all(n <= 0.75 * before for before, n in kept)
+    assert [b for b, _ in kept[1:]] == [n for _, n in kept[:-1]]          # each drop starts from the last
+
+
+def test_tiny_cache_keep_rows_gives_the_kept_rows_logits():
+    """KVCache.keep_rows: the next step over the kept rows gives those rows' logits of the full batch."""
+    model = tiny_model(seed=2, V=8)
+    ids = torch.randint(1, 8, (5, 6), generator=torch.Generator().manual_seed(0))
+    am = torch.ones_like(ids)
+    am[1, :2] = 0                                                          # a left-padded row
+    with torch.no_grad():
+        full_cache, cache = model.new_cache(5, 8), model.new_cache(5, 8)
+        model(ids, attention_mask=am, cache=full_cache)
+        model(ids, attention_mask=am, cache=cache)
+        rows = torch.tensor([1, 3, 4])
+        assert cache.keep_rows(rows) is rows and cache.batch_size == 3 and cache.length == 6
+        nxt = torch.tensor([[3], [5], [6], [7], [2]])
+        want = model(nxt, attention_mask=torch.ones_like(nxt), cache=full_cache)[rows]
+        got = model(nxt[rows], attention_mask=torch.ones(3, 1, dtype=torch.long), cache=cache)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert cache.next_pos.tolist() == [5, 7, 7]
+
+
+def test_group_rows_by_hand():
+    groups, rows = sampling.cache_rows.group_rows(torch.tensor([1, 2, 7]), 4)
+    assert groups.tolist() == [0, 1] and rows.tolist() == list(range(8))
+    groups, rows = sampling.cache_rows.group_rows(torch.tensor([5]), 2)
+    assert groups.tolist() == [2] and rows.tolist() == [4, 5]
+
+
+def test_concat_sums_the_decode_rows():
+    a = gen(seed=1)
+    b = gen(seed=2)
+    c = concat([a, b], PAD)
+    assert c.decode_rows == a.decode_rows + b.decode_rows > 0
+    assert c.decode_finished_rows == a.decode_finished_rows + b.decode_finished_rows

@@ -116,7 +116,9 @@ def test_stop_strings_against_a_full_decode_of_every_prefix(stops, seed):
     for b, (n, ended) in enumerate(ends):
         assert r.response_ids[b, :n].tolist() == free.response_ids[b, :n].tolist()
         assert r.mask[b].sum().item() == n and r.mask[b, :n].all()
-        assert torch.equal(r.logp[b, :n], free.logp[b, :n])
+        # to rounding: rows leave the batch as they end (rlvr.sampling.COMPACT_FINISHED), and a
+        # product over fewer rows may round differently
+        torch.testing.assert_close(r.logp[b, :n], free.logp[b, :n], rtol=0, atol=1e-5)
         assert (r.response_ids[b, n:] == PAD).all() and (r.logp[b, n:] == 0).all()
         assert bool(r.truncated[b]) == (not ended)
     assert any(n < free.response_lengths[b] for b, (n, _) in enumerate(ends))   # the stop strings acted

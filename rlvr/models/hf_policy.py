@@ -52,6 +52,13 @@ class HFCache:
         repeat_rows(self, repeats)
         return self
 
+    def keep_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Keep only ``rows`` (n,) long, ascending, as rows 0 ... n-1 (in place; DynamicCache
+        selects its rows in place); returns ``rows`` (``rlvr.models.cache_rows``)."""
+        self.dc.batch_select_indices(rows)
+        self.mask, self.next_pos = self.mask[rows], self.next_pos[rows]
+        return rows
+
 
 class _BlockConfig:
     """The bit of config ``rlvr.sampling`` reads (``block_size``), plus the HF config."""

@@ -98,6 +98,20 @@ class KVCache:
         new.length = self.length
         return new
 
+    def keep_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Keep only ``rows`` (n,) long, ascending, as rows 0 ... n-1, in place; returns ``rows``.
+
+        The kept rows' filled columns are moved to the front of the same buffers (no new
+        allocation of ``max_len`` columns) and ``k`` / ``v`` become views of the first n rows, so a
+        later step computes and attends over n rows only (``rlvr.sampling``: finished rows leave)."""
+        n, S = rows.numel(), self.length
+        self.k[:, :n, :, :S] = self.k[:, rows, :, :S]             # (n_layer, n, H, S, D); the gather copies first
+        self.v[:, :n, :, :S] = self.v[:, rows, :, :S]
+        self.k, self.v = self.k[:, :n], self.v[:, :n]
+        self.key_mask = self.key_mask[rows]                       # (n, max_len)
+        self.next_pos = self.next_pos[rows]                       # (n,)
+        return rows
+
 
 def attend(q, k, v, bias):
     """softmax(q k^T / sqrt(D) + bias) v: (B, H, L, D), (B, H, S, D) -> (B, H, L, D).

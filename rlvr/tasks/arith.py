@@ -33,6 +33,22 @@ Rewards
 The goal is exact correctness: the last number in the reply equals the answer exactly (the check
 of ``correct``).
 
+Chain of thought
+----------------
+``reasoning=True`` asks for working before the answer (``REASONING_TEMPLATE``: "What is {expr}?
+Think step by step, then write the final answer after 'Answer:'.") and ``operands`` (2 to
+``MAX_OPERANDS``) makes each problem a chain such as ``412 + 37 * 5 - 208`` (the usual precedence:
+``*`` before ``+`` and ``-``, then left to right; answers may be negative). ``{expr}`` in a
+template is the whole expression; a chain needs it. The rewards then read the final answer, not the
+last number (``final_answer``: the first number after the reply's last ``Answer:``, any case):
+
+* ``correct``: 1.0 when the final answer equals the answer, else 0.0 (no ``Answer:``: 0.0).
+* ``format``: 1.0 when the reply holds ``Answer:`` once and ends with it and one bare number
+  (``Answer: 68``, an optional final period), right or wrong; a small term beside ``correct``.
+
+The goal is the final answer's exact correctness (the check of ``correct``). Default
+``max_new_tokens`` 256: the working needs room, and a reply cut before ``Answer:`` scores 0.
+
 A calculator tool
 -----------------
 ``calculator=True`` gives the task a tool (rlvr.tools) and a prompt that offers it
@@ -55,7 +71,7 @@ import string
 from decimal import Decimal
 
 from rlvr.rewards import Reward, RewardCard
-from rlvr.tasks import Example, Task, limits
+from rlvr.tasks import Example, Task
 
 DEFAULT_TEMPLATE = "What is {a} {op} {b}? Reply with the number only."
 """The prompt; ``{a}``, ``{op}`` and ``{b}`` are filled in."""
@@ -66,6 +82,12 @@ COMMUTATIVE = frozenset("+*")
 CALCULATOR_TEMPLATE = ("What is {a} {op} {b}? You may compute with <calc>expression</calc>; its result follows as "
                        "<result>value</result>. End with the number only.")
 """The prompt with ``calculator=True``."""
+REASONING_TEMPLATE = "What is {expr}? Think step by step, then write the final answer after 'Answer:'."
+"""The prompt with ``reasoning=True``; ``{expr}`` is the whole expression."""
+MAX_OPERANDS = 6
+"""Most operands in one problem (``operands``)."""
+ANSWER = re.compile(r"answer\s*:", re.I)
+"""The marker the final answer follows (any case; ``**Answer:**`` contains it)."""
 MAX_CALC_CHARS = 64
 """Longest expression the calculator evaluates (bounds the size of any product)."""
 CALC = re.compile(r"<calc>((?:(?!<calc>).)*?)</calc>", re.S)
@@ -95,6 +117,36 @@ def correct(prompt: str, response: str, answer: int) -> float:
 def goal(prompt: str, response: str, answer: int) -> bool:
     """Exact correctness: the last number in the reply is the answer."""
     return last_number(response) == answer
+
+
+def final_answer(text: str) -> Decimal | None:
+    """The first number after the last ``Answer:`` (any case) in ``text``; None without a marker or a
+    number after it (what counts as a number: ``numbers``)."""
+    marks = list(ANSWER.finditer(text))
+    if not marks:
+        return None
+    m = NUMBER.search(text, marks[-1].end())
+    return Decimal(m.group().replace(",", "")) if m else None
+
+
+def answer_correct(prompt: str, response: str, answer: int) -> float:
+    """1.0 when the reply's final answer (``final_answer``) equals ``answer``, else 0.0."""
+    return 1.0 if final_answer(response) == answer else 0.0
+
+
+def answer_goal(prompt: str, response: str, answer: int) -> bool:
+    """Exact correctness of the final answer: the first number after the reply's last ``Answer:``."""
+    return final_answer(response) == answer
+
+
+ANSWER_LINE = re.compile(r"answer\s*:\s*" + NUMBER.pattern + r"\.?\s*\Z", re.I)
+"""A reply's ending that ``answer_format`` pays for: ``Answer:``, one bare number, an optional period."""
+
+
+def answer_format(prompt: str, response: str, answer: int) -> float:
+    """1.0 when the reply holds ``Answer:`` once and ends with it and one bare number (an optional
+    final period, whitespace around), right or wrong; else 0.0."""
+    return 1.0 if len(ANSWER.findall(response)) == 1 and ANSWER_LINE.search(response) else 0.0
 
 
 def format_reward(prompt: str, response: str, answer: int) -> float:
@@ -149,6 +201,59 @@ def demonstrate_calculator(example: Example) -> list[dict]:
             {"role": "assistant", "content": str(example.answer)}]
 
 
+def demonstrate_reasoning(example: Example) -> str:
+    """The worked reply to a chain-of-thought prompt, for ``rlvr sft``: each product, then each sum or
+    difference left to right, one line each, then ``Answer: N``."""
+    vals, ops = list(example.meta["operands"]), list(example.meta["ops"])
+    lines = []
+    for want in ("*", "+-"):
+        i = 0
+        while i < len(ops):
+            if ops[i] in want:
+                v = OPS[ops[i]](vals[i], vals[i + 1])
+                lines.append(f"{vals[i]} {ops[i]} {vals[i + 1]} = {v}")
+                vals[i:i + 2], ops[i:i + 1] = [v], []
+            else:
+                i += 1
+    return "\n".join(lines + [f"Answer: {example.answer}"])
+
+
+def chain_value(operands: list[int], ops: list[str]) -> int:
+    """``operands[0] ops[0] operands[1] ...`` with ``*`` before ``+`` and ``-``, then left to right."""
+    terms, signs = [operands[0]], [1]                         # the sum's terms, products folded in
+    for op, x in zip(ops, operands[1:]):
+        if op == "*":
+            terms[-1] *= x
+        else:
+            terms.append(x)
+            signs.append(1 if op == "+" else -1)
+    return sum(s * t for s, t in zip(signs, terms))
+
+
+def _chains(ops: str, digits: int, n: int, need: int, rng: random.Random) -> list[tuple]:
+    """``need`` distinct chains of ``n`` operands, ``(op_1, ..., op_{n-1}, x_1, ..., x_n)``, drawn with ``rng``."""
+    nums = _operand_range(digits)
+    space = len(nums) ** n * len(ops) ** (n - 1)
+    if need > space // 2:
+        raise ValueError(f"arith_task: {need} problems is more than half of the {space} chains of {n} "
+                         f"{digits}-digit operands with ops={ops!r}; ask for fewer")
+    chosen: dict[tuple, None] = {}                            # an insertion-ordered set
+    while len(chosen) < need:
+        chosen.setdefault(tuple(rng.choice(ops) for _ in range(n - 1)) + tuple(rng.choice(nums) for _ in range(n)))
+    return list(chosen)
+
+
+def _check_reasoning_args(operands: int, reasoning: bool, prompt_template: str) -> None:
+    if not isinstance(reasoning, bool):
+        raise ValueError(f"arith_task: reasoning must be true or false, got {reasoning!r}")
+    if isinstance(operands, bool) or not isinstance(operands, int) or not 2 <= operands <= MAX_OPERANDS:
+        raise ValueError(f"arith_task: operands must be an int from 2 to {MAX_OPERANDS}, got {operands!r}")
+    fields = {f for _, f, _, _ in string.Formatter().parse(prompt_template) if f is not None}
+    if fields != {"expr"} and (operands > 2 or "expr" in fields):
+        raise ValueError(f"arith_task: a template with {{expr}} uses no other field, and {operands} operands "
+                         f"need {{expr}}, got {prompt_template!r}")
+
+
 def _operand_range(digits: int) -> range:
     return range(0, 10) if digits == 1 else range(10 ** (digits - 1), 10 ** digits)
 
@@ -195,43 +300,60 @@ def _check_args(ops: str, digits: int, heldout: int, n_train: int | None, prompt
                          f"field, got {prompt_template!r}")
     if len(ops) > 1 and "op" not in fields:
         raise ValueError(f"arith_task: with several ops the prompt_template must show {{op}}, got {prompt_template!r}")
-    limits.check_count("arith_task", "heldout", heldout)
-    if n_train is not None:
-        limits.check_count("arith_task", "n_train", n_train)
 
 
 def arith_task(ops: str = "+", digits: int = 2, n_train: int | None = None, heldout: int = 200, seed: int = 0,
-               prompt_template: str | None = None, max_new_tokens: int = 16, calculator: bool = False) -> Task:
+               prompt_template: str | None = None, max_new_tokens: int | None = None, calculator: bool = False,
+               operands: int = 2, reasoning: bool = False) -> Task:
     """The arithmetic task: ``a op b`` for ``op`` in ``ops`` and ``digits``-digit operands.
 
     ``prompt_template`` None: ``DEFAULT_TEMPLATE``, or ``CALCULATOR_TEMPLATE`` with ``calculator``
-    (the calculator tool, module docstring).
+    (the calculator tool, module docstring), or ``REASONING_TEMPLATE`` with ``reasoning`` (chain of
+    thought: the rewards read the final answer after ``Answer:``). ``operands`` > 2: chains of that
+    many operands, each op drawn from ``ops`` (the template must use ``{expr}``). ``max_new_tokens``
+    None: 256 with ``reasoning``, else 16.
 
     ``heldout`` problems are drawn first with ``random.Random(seed)``, then ``n_train`` more for
     train (None = every remaining problem when the space is enumerated, else 100,000 or half the
     space, whichever is smaller). The same arguments always give the same task.
     """
     if prompt_template is None:
-        prompt_template = CALCULATOR_TEMPLATE if calculator else DEFAULT_TEMPLATE
+        prompt_template = (CALCULATOR_TEMPLATE if calculator else REASONING_TEMPLATE if reasoning
+                           else DEFAULT_TEMPLATE)
+    if max_new_tokens is None:
+        max_new_tokens = 256 if reasoning else 16
     if not isinstance(calculator, bool):
         raise ValueError(f"arith_task: calculator must be true or false, got {calculator!r}")
-    _check_args(ops, digits, heldout, n_train, prompt_template)
+    _check_reasoning_args(operands, reasoning, prompt_template)
+    expr = "{expr}" in prompt_template                       # checked just above; the rest as for {a} {op} {b}
+    _check_args(ops, digits, heldout, n_train, DEFAULT_TEMPLATE if expr else prompt_template)
     rng = random.Random(seed)
     nums = _operand_range(digits)
-    space = len(nums) * (len(nums) + 1) // 2 * len(ops)
+    space = (len(nums) * (len(nums) + 1) // 2 * len(ops) if operands == 2
+             else len(nums) ** operands * len(ops) ** (operands - 1))
     if n_train is None:
-        n_train = space - heldout if space <= ENUMERATE_LIMIT else min(100_000, space // 2 - heldout)
+        n_train = (space - heldout if space <= ENUMERATE_LIMIT and operands == 2
+                   else min(100_000, space // 2 - heldout))
         if n_train < 1:
             raise ValueError(f"arith_task: heldout={heldout} leaves no training problems out of {space}")
-    keys = _problems(ops, digits, heldout + n_train, rng)
+    keys = (_problems(ops, digits, heldout + n_train, rng) if operands == 2
+            else _chains(ops, digits, operands, heldout + n_train, rng))
 
-    def example(key: tuple[str, int, int]) -> Example:
-        op, a, b = key
-        if op in COMMUTATIVE and rng.random() < 0.5:         # show one of the two orders
-            a, b = b, a
-        prompt = prompt_template.format(a=a, op=op, b=b)
-        return Example(prompt=prompt, answer=OPS[op](a, b),
-                       meta={"messages": [{"role": "user", "content": prompt}], "a": a, "op": op, "b": b})
+    def example(key: tuple) -> Example:
+        if operands == 2:
+            op, a, b = key
+            if op in COMMUTATIVE and rng.random() < 0.5:     # show one of the two orders
+                a, b = b, a
+            chain_ops, xs = [op], [a, b]
+        else:
+            chain_ops, xs = list(key[:operands - 1]), list(key[operands - 1:])
+        text = " ".join(f"{x} {o}" for x, o in zip(xs, chain_ops)) + f" {xs[-1]}"
+        prompt = prompt_template.format(expr=text) if expr else prompt_template.format(a=xs[0], op=chain_ops[0],
+                                                                                      b=xs[1])
+        meta = {"messages": [{"role": "user", "content": prompt}], "operands": xs, "ops": chain_ops, "expr": text}
+        if operands == 2:
+            meta.update(a=xs[0], op=chain_ops[0], b=xs[1])
+        return Example(prompt=prompt, answer=chain_value(xs, chain_ops), meta=meta)
 
     def format_exploit(ex: Example) -> str:
         """A bare number that is wrong: the answer plus one."""
@@ -255,12 +377,44 @@ def arith_task(ops: str = "+", digits: int = 2, n_train: int | None = None, held
             exploit_example=format_exploit,
         )),
     }
+    if reasoning:
+        rewards = reasoning_rewards()
     held = [example(k) for k in keys[:heldout]]
     train = [example(k) for k in keys[heldout:]]
-    return Task(name=f"arith-{'-'.join(OP_NAMES[o] for o in ops)}-{digits}d", train=train, heldout=held,
-                rewards=rewards, goal=goal, max_new_tokens=max_new_tokens,
-                tool=calculator_tool if calculator else None,
-                demonstrate=demonstrate_calculator if calculator else demonstrate)
+    name = (f"arith-{'-'.join(OP_NAMES[o] for o in ops)}-{digits}d" + (f"-x{operands}" if operands > 2 else "")
+            + ("-cot" if reasoning else ""))
+    return Task(name=name, train=train, heldout=held, rewards=rewards, goal=answer_goal if reasoning else goal,
+                max_new_tokens=max_new_tokens, tool=calculator_tool if calculator else None,
+                demonstrate=(demonstrate_calculator if calculator else demonstrate_reasoning if reasoning
+                             else demonstrate))
+
+
+def reasoning_rewards() -> dict[str, Reward]:
+    """The chain-of-thought form's rewards (``reasoning=True``), each with its card."""
+    def format_exploit(ex: Example) -> str:
+        """A bare final answer that is wrong, with no working: the answer plus one."""
+        return f"Answer: {ex.answer + 1}"
+
+    return {
+        "correct": Reward("correct", answer_correct, RewardCard(
+            pays_for="a reply whose final answer, the first number after its last 'Answer:' (any case), equals "
+                     "the answer exactly",
+            ignores="the working before 'Answer:', right or wrong, and its length; every 'Answer:' but the "
+                    "last; anything after the final answer's number",
+            exploit="none that fails the goal: it is the goal's own check. The working is not checked, so a "
+                    "reply of 'Answer: N' alone with the right N scores 1.0; hedging with several 'Answer:' "
+                    "lines is scored on the last; 'Answer: 412 + 37 = 449' reads 412 (write the number alone)",
+            exploit_example=None,
+        )),
+        "format": Reward("format", answer_format, RewardCard(
+            pays_for="a reply that holds 'Answer:' once and ends with it and one bare number (an optional "
+                     "final period)",
+            ignores="whether the number is right, and whether there is any working before it",
+            exploit="'Answer: N' alone with any N scores the full 1.0 with the goal failed, e.g. the answer "
+                    "plus one; keep its weight small beside correct",
+            exploit_example=format_exploit,
+        )),
+    }
 
 
 TASK = arith_task
