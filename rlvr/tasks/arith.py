@@ -71,7 +71,7 @@ import string
 from decimal import Decimal
 
 from rlvr.rewards import Reward, RewardCard
-from rlvr.tasks import Example, Task
+from rlvr.tasks import Example, Task, limits
 
 DEFAULT_TEMPLATE = "What is {a} {op} {b}? Reply with the number only."
 """The prompt; ``{a}``, ``{op}`` and ``{b}`` are filled in."""
@@ -300,6 +300,9 @@ def _check_args(ops: str, digits: int, heldout: int, n_train: int | None, prompt
                          f"field, got {prompt_template!r}")
     if len(ops) > 1 and "op" not in fields:
         raise ValueError(f"arith_task: with several ops the prompt_template must show {{op}}, got {prompt_template!r}")
+    limits.check_count("arith_task", "heldout", heldout)
+    if n_train is not None:
+        limits.check_count("arith_task", "n_train", n_train)
 
 
 def arith_task(ops: str = "+", digits: int = 2, n_train: int | None = None, heldout: int = 200, seed: int = 0,
