@@ -368,6 +368,13 @@ class TrainConfig:
     before the minibatch's one optimizer step: the same update (each part's loss weighed by its share
     of the aggregation's tokens or rows, rlvr.learn.accumulate) with about 1/micro_batches of the
     training activations and logits in memory, for a little more time per step."""
+    length_buckets: bool = False
+    """With train.micro_batches > 1: sort each minibatch's groups by their longest response before
+    splitting it into its parts (rlvr.rollout.micro_rows), so a part holds groups of similar lengths
+    and its forward and backward, which stop at the part's own longest row, compute less padding.
+    Rows never move to another minibatch (another optimizer step): the update is the same sum of
+    the parts' weighted gradients, to float rounding. The logp_old forwards (rlvr.rollout.training_logprobs,
+    rlvr.learn.prepass_logp_old) take the same parts."""
     lr: float = 1e-3
     """Peak learning rate of AdamW."""
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"

@@ -20,6 +20,7 @@ import torch
 from rlvr import config as config_mod, losses, optim, sampling
 from rlvr.policy import Policy
 from rlvr.rollout import Batch, forward_tokens, micro_rows
+from rlvr.sampling import response_extent
 from rlvr.run import Setup, learn_probe_share
 
 
@@ -85,6 +86,30 @@ def minibatch_rows(learner: Learner, n_groups: int, G: int) -> list[torch.Tensor
     order = (torch.randperm(n_groups, generator=gen, device=gen.device) if tc.minibatches > 1
              else torch.arange(n_groups, device=gen.device))
     return [(g[:, None] * G + torch.arange(G, device=gen.device)).reshape(-1) for g in order.chunk(tc.minibatches)]
+
+
+def part_rows(learner: Learner, batch: Batch, rows: torch.Tensor) -> list[torch.Tensor]:
+    """The `train.micro_batches` parts of whole groups that `rows` (one minibatch, or a rank's share
+    of it) are forwarded and back-propagated in (rlvr.rollout.micro_rows): in order, or with
+    `train.length_buckets` sorted by their longest response first, so a part's forward, which stops at
+    its own longest row (rlvr.sampling.sequence_token_logprobs), computes less padding. Every pass
+    over the rows takes these parts (`accumulate`, `prepass_logp_old`)."""
+    tc = learner.cfg.train
+    return micro_rows(rows, tc.samples_per_prompt, tc.micro_batches,
+                      batch.rollout.mask if tc.length_buckets else None)
+
+
+def padding_positions(mask: torch.Tensor, parts: list[torch.Tensor]) -> tuple[int, int]:
+    """(response positions the forwards over `parts` compute, of them padding) for the response mask
+    `mask` (B, T): a part's forward runs every one of its rows to the part's longest row (at least
+    one column), so a row computes the part's width, of which the columns past its own end are padding."""
+    total = pad = 0
+    for p in parts:
+        ext = response_extent(mask[p.to(mask.device)])                                 # (b,)
+        width = max(1, int(ext.max())) if ext.numel() else 0
+        total += width * ext.numel()
+        pad += int((width - ext).sum())
+    return total, pad
 
 
 def minibatch_loss(learner: Learner, batch: Batch, idx: torch.Tensor, delta_rows: torch.Tensor,
@@ -193,7 +218,7 @@ def prepass_logp_old(learner: Learner, batch: Batch, minibatches: list[torch.Ten
     tokens = 0
     for idx in minibatches:
         mine = idx if shard is None else shard.mine(idx, G)
-        parts = micro_rows(mine, G, n) if mine.numel() else []
+        parts = part_rows(learner, batch, mine) if mine.numel() else []
         counted = len(parts)
         if shard is not None:
             parts = parts + [(mine if counted else idx)[:G]] * (n - counted)
@@ -228,7 +253,7 @@ def accumulate(learner: Learner, batch: Batch, rows: torch.Tensor, delta_rows: t
     *_min / *_max over the parts. `keep`: minibatch_loss's, filled by the parts that count (weight > 0)."""
     agg, mask, G = learner.cfg.algorithm.agg, batch.train_mask, learner.cfg.train.samples_per_prompt
     n = learner.cfg.train.micro_batches
-    parts = micro_rows(rows, G, n)
+    parts = part_rows(learner, batch, rows)
     total = losses.denominator(mask[rows], agg).clamp(min=1)
     weights = [1.0] if len(parts) == 1 else [float(losses.denominator(mask[p], agg) / total) for p in parts]
     if group and len(parts) < n:
@@ -252,7 +277,9 @@ def accumulate(learner: Learner, batch: Batch, rows: torch.Tensor, delta_rows: t
 def learn(learner: Learner, batch: Batch, *, delta_rows: torch.Tensor | None = None, shard=None) -> dict:
     """μ passes over the batch, each split into minibatches of whole groups; one clipped AdamW step
     per minibatch. Returns the mean of each statistic over the minibatches, the first minibatch's
-    ratio (π = π_old there: 1 up to rounding), the last learning rate and the tokens and FLOPs computed.
+    ratio (π = π_old there: 1 up to rounding), the last learning rate and the tokens and FLOPs computed,
+    and learn_padding_frac: the share of the response positions the training forwards computed that
+    lay past their row's end (`padding_positions`; lower with train.length_buckets).
     When logp_old is the sampler's own (`batch.logp_old_version` None), also sampler_logp_absdiff:
     the first minibatch's mean |logp_sampler - logp_train| over generated tokens, the two passes'
     disagreement at equal weights (with logp_old recomputed, the rollout stage reports it). With
@@ -284,6 +311,7 @@ def learn(learner: Learner, batch: Batch, *, delta_rows: torch.Tensor | None = N
     first_ratio, first_absdiff, lr_used, n_mb, trained, skipped = 1.0, 0.0, 0.0, 0, 0, 0
     sampler_logp_old, first_sampler = batch.logp_old_version is None, {}
     keep, own, prepass_tokens = None, None, 0
+    positions, padding = 0, 0            # response positions the training forwards computed, and their padding
     if batch.logp_old_pending:   # the first pass fills these; later passes read them
         keep = {"logp_old": batch.logp_old.clone(), "delta": torch.zeros_like(batch.logp_old)}
     for _epoch in range(tc.epochs_per_batch):
@@ -297,6 +325,8 @@ def learn(learner: Learner, batch: Batch, *, delta_rows: torch.Tensor | None = N
         for idx in split:
             mine, scale = (idx, None) if shard is None else shard.rows(idx, G, batch.train_mask, cfg.algorithm.agg)
             learner.opt.zero_grad(set_to_none=True)
+            computed, pad = padding_positions(batch.rollout.mask, part_rows(view, batch, mine))
+            positions, padding = positions + computed, padding + pad
             stats = accumulate(view, batch, mine, delta_rows, 1.0 if scale is None else scale, group=shard is not None,
                                keep=keep)
             gnorm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip if tc.grad_clip > 0 else float("inf"))
@@ -329,7 +359,7 @@ def learn(learner: Learner, batch: Batch, *, delta_rows: torch.Tensor | None = N
     sampler = {"sampler_logp_absdiff": first_absdiff, **first_sampler} if sampler_logp_old else {}
     return {**{k: v / n_mb for k, v in acc.items()}, "first_step_ratio_mean": first_ratio, "lr": lr_used,
             "optimizer_steps": n_mb, "skipped_updates": skipped, "trained_tokens": trained,
-            "logp_old_forward_tokens": prepass_tokens,
+            "logp_old_forward_tokens": prepass_tokens, "learn_padding_frac": padding / max(1, positions),
             "flops": trained * train_flops + prepass_tokens * fwd_flops, **sampler}
 
 

@@ -385,10 +385,24 @@ def mask_truncated(batch: Batch) -> Batch:
                                stats={**batch.stats, "masked_truncated_frac": float(cut.float().mean())})
 
 
-def micro_rows(rows: torch.Tensor, G: int, parts: int) -> list[torch.Tensor]:
-    """`rows` (whole groups of G, in order) as at most `parts` runs of whole groups, in order."""
+def micro_rows(rows: torch.Tensor, G: int, parts: int, mask: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """`rows` (whole groups of G, in order) as at most `parts` runs of whole groups, in order; with
+    `mask` (the batch's (B, T) response mask: train.length_buckets) the groups first sorted by their
+    longest response, longest first (`length_sorted`), so each run holds groups of similar lengths."""
+    if mask is not None and parts > 1:
+        rows = length_sorted(rows, G, mask)
     groups = rows.view(-1, G)
     return [g.reshape(-1) for g in groups.chunk(min(parts, groups.size(0)))]
+
+
+def length_sorted(rows: torch.Tensor, G: int, mask: torch.Tensor) -> torch.Tensor:
+    """`rows` (whole groups of G) reordered group by group by the group's longest response (the
+    columns a forward over it reaches, rlvr.sampling.response_extent of `mask` (B, T)), longest
+    first; a stable sort (equal lengths keep their order), a group's rows in their own order."""
+    groups = rows.view(-1, G)                                                           # (n, G)
+    extent = sampling.response_extent(mask[rows.to(mask.device)]).view(-1, G).amax(1)  # (n,)
+    order = torch.sort(extent.cpu(), descending=True, stable=True).indices.to(rows.device)
+    return groups[order].reshape(-1)
 
 
 def training_logprobs(policy: Policy, rollout: sampling.Rollout, cfg, autocast=contextlib.nullcontext,
@@ -403,7 +417,8 @@ def training_logprobs(policy: Policy, rollout: sampling.Rollout, cfg, autocast=c
     enabled (its graph is dropped at once; nothing is kept for a backward) and the policy in training
     mode (no dropout but a LoRA's own; `train.gradient_checkpointing` applies), over the same parts
     of rows the learner's first pass takes with train.minibatches = 1 (`micro_rows`: the
-    train.micro_batches runs of whole groups, in order), so at most one part's activations are alive.
+    train.micro_batches runs of whole groups, in order or, with train.length_buckets, sorted by length),
+    so at most one part's activations are alive.
     A no-gradient forward takes other products (the bf16 weight copies stacked for decoding, the
     head in blocks): on SmolLM2-135M under CPU bf16 autocast it gave the sampler's log-probs, 0.0105
     mean (0.30 largest) away from the learner's, and a forward over half the rows was 0.028 away, so
@@ -418,7 +433,8 @@ def training_logprobs(policy: Policy, rollout: sampling.Rollout, cfg, autocast=c
     full = full and sampling.truncates(sc.top_p, sc.top_k, sc.min_p)
     was_training = policy.training
     policy.train(cfg.model.lora_dropout == 0)          # as the learner's forward, but never a LoRA dropout
-    parts = micro_rows(torch.arange(rollout.ids.size(0)), G, tc.minibatches * tc.micro_batches)
+    parts = micro_rows(torch.arange(rollout.ids.size(0)), G, tc.minibatches * tc.micro_batches,
+                       rollout.mask if tc.length_buckets else None)
     got: list[sampling.TokenLogprobs] = []
     try:
         for rows in parts:
@@ -430,7 +446,10 @@ def training_logprobs(policy: Policy, rollout: sampling.Rollout, cfg, autocast=c
             got.append(sampling.TokenLogprobs(*(None if x is None else x.detach() for x in out)))
     finally:
         policy.train(was_training)
-    cat = (lambda xs: None if xs[0] is None else xs[0] if len(xs) == 1 else torch.cat(xs))
+    order = torch.cat(parts).to(rollout.ids.device)        # the rows in the parts' order (length_buckets)
+    back = torch.empty_like(order)
+    back[order] = torch.arange(order.numel(), device=order.device)
+    cat = (lambda xs: None if xs[0] is None else xs[0] if len(xs) == 1 else torch.cat(xs)[back])
     logp = cat([g.logp for g in got])
     return sampling.TokenLogprobs(logp, cat([g.logp_full for g in got]) if full else logp,
                                   cat([g.entropy for g in got]))
