@@ -14,6 +14,7 @@ import torch
 from rlvr import build as build_mod, config as config_mod, sampling
 from rlvr.learn import Learner, learn, make_optimizer, make_scheduler, padding_positions, part_rows
 from rlvr.rollout import Batch, length_sorted, micro_rows, training_logprobs
+from test_stage_options import sort_setup
 
 G = 2
 LP, T = 3, 24
@@ -22,13 +23,10 @@ LENGTHS = [(24, 20), (1, 2), (23, 5), (3, 1), (22, 21), (1, 1), (20, 2), (2, 3)]
 
 
 def tiny_setup(**overrides):
-    """The built-in model (1 layer, d = 16) under fp32 on the sort task's tokenizer, G = 2."""
-    cfg = config_mod.load(None, ["--task.options={n = 3, heldout = 20}", "--model.n_layer=1", "--model.n_embd=16",
-                                 "--model.n_head=2", "--model.autocast=off", f"--sampling.max_new_tokens={LP + T}",
-                                 f"--train.prompts_per_step={len(LENGTHS)}",
-                                 f"--train.samples_per_prompt={G}", "--train.grad_clip=0"]
-                          + [f"--{k.replace('__', '.')}={v}" for k, v in overrides.items()])
-    return build_mod.build(cfg, log=lambda *_: None)
+    """The built-in model (1 layer, d = 16, tests/test_stage_options.sort_setup) in fp32, P = 8, G = 2."""
+    keys = dict(model__autocast="off", sampling__max_new_tokens=LP + T, train__prompts_per_step=len(LENGTHS),
+                train__samples_per_prompt=G, train__grad_clip=0)
+    return sort_setup(**{**keys, **overrides})
 
 
 def long_batch(setup, kl: bool = False) -> Batch:
