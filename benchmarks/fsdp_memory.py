@@ -3,7 +3,7 @@
     python benchmarks/fsdp_memory.py examples/sort.toml [--learners 2] [--model.n_layer=4 ...]
 
 Starts N gloo processes on this machine (torch.multiprocessing, no Ray), builds the run's policy in
-each (rlvr.run.build), shards it as the learner group does (rlvr.distributed.fsdp.shard), gives every
+each (rlvr.build.build), shards it as the learner group does (rlvr.distributed.fsdp.shard), gives every
 trainable parameter a zero gradient and takes one AdamW step (so the moments exist), then sums what
 each rank holds: weights, gradients and AdamW state (a DTensor counts its local shard). DDP's row is
 the same sum over the unsharded model, which every DDP rank holds whole. Rank 0 also keeps the
@@ -53,12 +53,12 @@ def one_step(model, cfg) -> dict[str, int]:
 
 def rank_main(rank: int, world: int, port: int, cfg_path: str, overrides: list[str], out) -> None:
     torch.set_num_threads(1)
-    from rlvr import config as config_mod, run
+    from rlvr import build as build_mod, config as config_mod
     from rlvr.distributed import fsdp
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     cfg = config_mod.load(cfg_path, overrides)
-    model = run.build(cfg, log=lambda *_: None).model
+    model = build_mod.build(cfg, log=lambda *_: None).model
     full = one_step(model, cfg) if rank == 0 else None          # what a DDP rank (or one process) holds
     fsdp.shard(model)
     out.put((rank, full, one_step(model, cfg)))

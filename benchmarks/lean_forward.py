@@ -82,7 +82,7 @@ def main() -> None:
     from rlvr.config import ModelConfig
     from rlvr.hostmem import set_host_memory
     from rlvr.models.hf import LoraSpec, load_policy
-    from rlvr.run import autocast_context
+    from rlvr.numerics import autocast_context
 
     set_host_memory("keep")
     with tempfile.TemporaryDirectory() as d:

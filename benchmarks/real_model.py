@@ -92,7 +92,7 @@ from pathlib import Path
 import torch
 
 from rlvr.hostmem import set_host_memory
-from rlvr.run import matmul_rate
+from rlvr.machine import matmul_rate
 
 P, G, MAX_NEW, LR, TEMPERATURE, LORA_R, LORA_ALPHA = 8, 8, 16, 3e-4, 0.7, 16, 32.0
 AUTOCAST = {"fp32": "off", "bf16": "bf16"}
@@ -208,7 +208,7 @@ class RlvrRun:
 
     def __init__(self, mdir: Path, steps: int, eval_prompts: int, threads: int, numerics: str = "fp32",
                  compile_layers: bool = False):
-        from rlvr.run import build
+        from rlvr.build import build
         from rlvr.trainer import new_state
 
         self.cfg = rlvr_config(mdir, steps, eval_prompts, threads, numerics, compile_layers)
@@ -352,7 +352,7 @@ def decode_products_seconds(policy, rows: int, steps: int, bf16: bool = False) -
     No attention, norms, rotary, residuals or sampling: what decode would take if nothing but its
     products ran."""
     from rlvr.models import lean_llama
-    from rlvr.run import autocast_context
+    from rlvr.numerics import autocast_context
 
     hf = policy._hf_model()
     head = hf.lm_head

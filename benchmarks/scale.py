@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "configs"))  # make_tiny_hf_model
 
-from rlvr import config as config_mod, run  # noqa: E402
+from rlvr import build as build_mod, config as config_mod  # noqa: E402
 from rlvr.distributed import Distributed  # noqa: E402
 from rlvr.learn import Learner, learn, make_optimizer, make_scheduler  # noqa: E402
 from rlvr.rollout import rollout  # noqa: E402
@@ -35,7 +35,7 @@ from make_tiny_hf_model import build  # noqa: E402  (tests/configs: the random L
 
 def measure(overrides: list[str], workers: int, steps: int) -> dict:
     cfg = config_mod.load(ROOT / "examples" / "sort.toml", overrides + [f"--distributed.rollout_workers={workers}"])
-    setup = run.build(cfg, log=lambda *_: None)
+    setup = build_mod.build(cfg, log=lambda *_: None)
     opt = make_optimizer(setup.model.trainable_params(), cfg.train)
     learner = Learner(setup.model, opt, make_scheduler(opt, cfg.train), cfg, torch.Generator().manual_seed(1),
                       setup.limits.max_new_tokens)

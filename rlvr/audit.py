@@ -481,7 +481,8 @@ def command(args, overrides: list[str]) -> int:
     """`rlvr audit`: 0 clean, 1 flagged, 2 bad input (message on stderr)."""
     from pathlib import Path
 
-    from rlvr.run import RunError, is_run_config, refuse_run_task, run_config_guard
+    from rlvr.setup_types import RunError
+    from rlvr.trust import is_run_config, refuse_run_task, run_config_guard
 
     def fail(msg: str) -> int:
         print(f"rlvr: error: {msg}", file=sys.stderr)

@@ -52,7 +52,7 @@ def _fail(msg: str) -> int:
 def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     from rlvr import tracking, trainer
     from rlvr.reward_pool import RewardPoolError
-    from rlvr.run import RunError
+    from rlvr.setup_types import RunError
     from rlvr.state import StateError
     from rlvr.tasks import TaskError
 
@@ -79,7 +79,7 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
 def cmd_sft(args: argparse.Namespace, extra: list[str]) -> int:
     from rlvr import tracking
     from rlvr.reward_pool import RewardPoolError
-    from rlvr.run import RunError
+    from rlvr.setup_types import RunError
     from rlvr.sft import SftError, train_sft
     from rlvr.tasks import TaskError
 
@@ -96,33 +96,38 @@ def cmd_sft(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
-    from rlvr import hostmem, run
+    from rlvr import hostmem
+    from rlvr.build import limits as run_limits, load_run, reward_weights
     from rlvr.evaluate import evaluate
+    from rlvr.machine import set_threads
+    from rlvr.numerics import eval_numerics
     from rlvr.reward_pool import RewardPoolError, open_pool
     from rlvr.rundir import RunDir
+    from rlvr.setup_types import RunError
     from rlvr.state import StateError
     from rlvr.tasks import TaskError, load_task
+    from rlvr.trust import refuse_run_task, run_config_guard
 
     try:
         overrides = _split_overrides(extra)
         if args.prompts is not None and args.prompts < 1:
-            raise run.RunError(f"--prompts {args.prompts}: must be >= 1 (the number of held-out prompts to score)")
+            raise RunError(f"--prompts {args.prompts}: must be >= 1 (the number of held-out prompts to score)")
         run_dir = Path(args.run_dir)
         if not run_dir.is_dir():
-            raise run.RunError(f"{run_dir} is not a finished run: no such directory")
+            raise RunError(f"{run_dir} is not a finished run: no such directory")
         cfg_file = run_dir / "config.toml"
         if cfg_file.is_file():  # the task is imported below: never code the run directory names
-            run.refuse_run_task(config.load(cfg_file, overrides), cfg_file,
-                                overrides=overrides, trusted=args.trust_run_config)
-        cfg, model, tok = run.load_run(run_dir, overrides, trusted=args.trust_run_config,
-                                       note=lambda msg: print(f"rlvr: note: {msg}", file=sys.stderr))
-        run.set_threads(cfg)                    # as the run trained: its threads, its host allocator
+            refuse_run_task(config.load(cfg_file, overrides), cfg_file,
+                            overrides=overrides, trusted=args.trust_run_config)
+        cfg, model, tok = load_run(run_dir, overrides, trusted=args.trust_run_config,
+                                   note=lambda msg: print(f"rlvr: note: {msg}", file=sys.stderr))
+        set_threads(cfg)                        # as the run trained: its threads, its host allocator
         hostmem.set_host_memory(cfg.train.host_memory, cfg.model.gradient_checkpointing)
-        with run.run_config_guard(cfg, cfg_file, overrides=overrides, trusted=args.trust_run_config):
+        with run_config_guard(cfg, cfg_file, overrides=overrides, trusted=args.trust_run_config):
             task = load_task(cfg.task.path, **cfg.task.options)
-        weights = run.reward_weights(cfg, task)
-        limits = run.limits(cfg, task, tok, model)
-        numerics = run.eval_numerics(cfg, model, RunDir(run_dir).recorded_autocast())
+        weights = reward_weights(cfg, task)
+        limits = run_limits(cfg, task, tok, model)
+        numerics = eval_numerics(cfg, model, RunDir(run_dir).recorded_autocast())
         with open_pool(cfg.task, task) as pool:
             res = evaluate(model, tok, task, reward_weights=weights, limits=limits,
                            prompts=args.prompts if args.prompts is not None else cfg.eval.prompts,
@@ -131,23 +136,24 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
                            top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k, min_p=cfg.sampling.min_p,
                            seed=cfg.train.seed, pool=pool, autocast=numerics.context, group_by=cfg.eval.group_by)
         res["numerics"] = numerics.describe()
-    except (config.ConfigError, run.RunError, TaskError, RewardPoolError, StateError) as e:
+    except (config.ConfigError, RunError, TaskError, RewardPoolError, StateError) as e:
         return _fail(str(e))
     print(json.dumps({f"eval/{k}": v for k, v in res.items()}, indent=2))
     return 0
 
 
 def cmd_price(args: argparse.Namespace, extra: list[str]) -> int:
-    from rlvr import run
+    from rlvr.build import build
+    from rlvr.machine import set_threads
+    from rlvr.run_price import price_of
+    from rlvr.setup_types import RunError
     from rlvr.tasks import TaskError
 
     try:
         cfg = config.load(args.config, _split_overrides(extra))
-        _, busy = run.set_threads(cfg)  # the wall-time estimate is measured with the run's threads
-        from rlvr.learn import learn_part_seconds
-
-        price = run.price_of(run.build(cfg, time_bf16=True), learn_probe=learn_part_seconds)
-    except (config.ConfigError, run.RunError, TaskError, ValueError) as e:
+        _, busy = set_threads(cfg)  # the wall-time estimate is measured with the run's threads
+        price = price_of(build(cfg, time_bf16=True), probe_learn=True)
+    except (config.ConfigError, RunError, TaskError, ValueError) as e:
         return _fail(str(e))
     if args.json:
         print(json.dumps(price.to_dict(), indent=2))

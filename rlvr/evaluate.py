@@ -19,7 +19,7 @@ import torch
 
 from rlvr.policy import Policy, Tokenizer
 from rlvr.rollout import sample_and_score
-from rlvr.run import Limits
+from rlvr.setup_types import Limits
 from rlvr.tasks import Task
 
 MAX_GROUPS = 50
@@ -36,7 +36,7 @@ def evaluate(model: Policy, tok: Tokenizer, task: Task, *, reward_weights: dict[
 
     ``pool``: a :class:`rlvr.reward_pool.RewardPool` holding this task scores the responses in its
     workers (time- and memory-limited, in parallel); None scores in this process. ``autocast()``: the
-    context the sampling forwards run in (a training run's numerics, rlvr.run.Numerics.context).
+    context the sampling forwards run in (a training run's numerics, rlvr.numerics.Numerics.context).
     ``group_by``: also the goal per value of that meta key (`goal_by_groups`)."""
     was_training = model.training
     model.eval()

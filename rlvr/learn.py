@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import time
 import types
 from dataclasses import dataclass
 from typing import Callable
@@ -21,7 +20,9 @@ from rlvr import config as config_mod, losses, optim, sampling
 from rlvr.policy import Policy
 from rlvr.rollout import Batch, forward_tokens, micro_rows
 from rlvr.sampling import response_extent
-from rlvr.run import Setup, learn_probe_share
+from rlvr.machine import ordered_pair, time_calls
+from rlvr.probes import learn_probe_share
+from rlvr.setup_types import Setup
 
 
 def lr_at(cfg: config_mod.TrainConfig, opt_step: int, total: int) -> float:
@@ -76,7 +77,7 @@ class Learner:
     """(forward, training) FLOPs per token at the run's lengths (rlvr.costs.model_flops_per_token)."""
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     """The training numerics: a new context per call that the training forward runs in
-    (rlvr.run.Numerics.context: bf16 autocast, or nothing); the backward runs outside it."""
+    (rlvr.numerics.Numerics.context: bf16 autocast, or nothing); the backward runs outside it."""
 
 
 def minibatch_rows(learner: Learner, n_groups: int, G: int) -> list[torch.Tensor]:
@@ -126,7 +127,7 @@ def minibatch_loss(learner: Learner, batch: Batch, idx: torch.Tensor, delta_rows
     and only logged here.
     `delta_rows` is (B,) or (B, T).
 
-    With `batch.logp_old_pending` (the first pass, at π_old; rlvr.run.logp_old_in_learn) this
+    With `batch.logp_old_pending` (the first pass, at π_old; rlvr.setup_types.logp_old_in_learn) this
     forward's own log-probs, detached, are logp_old (ratio exactly 1) and Δ is weighed per token by
     min(π_train / π_sampler, algorithm.is_cap) against the sampler's (`batch.logp_old`), as
     algorithm.logp_old = recompute weighs it in the rollout stage; `keep` {"logp_old", "delta"}, two
@@ -283,7 +284,7 @@ def learn(learner: Learner, batch: Batch, *, delta_rows: torch.Tensor | None = N
     When logp_old is the sampler's own (`batch.logp_old_version` None), also sampler_logp_absdiff:
     the first minibatch's mean |logp_sampler - logp_train| over generated tokens, the two passes'
     disagreement at equal weights (with logp_old recomputed, the rollout stage reports it). With
-    `batch.logp_old_pending` (rlvr.run.logp_old_in_learn) the first minibatch's forwards give its
+    `batch.logp_old_pending` (rlvr.setup_types.logp_old_in_learn) the first minibatch's forwards give its
     rows' logp_old and the IS-weighted Δ (`minibatch_loss`), and with more minibatches the others'
     come from forwards over their own parts before the first update (`prepass_logp_old`; their
     tokens returned as logp_old_forward_tokens and counted in the FLOPs); the later minibatches and
@@ -388,7 +389,7 @@ def learn_part_seconds(setup: Setup) -> tuple[float, float]:
     min(trainable parameters, OPTIMIZER_PROBE_ELEMENTS) elements, its state allocated by a first
     step, the best of three steps, scaled to the trainable parameter count.
     With a learner group (distributed.learners > 1) on this machine: one rank's share of a
-    minibatch at a learner actor's threads (rlvr.run.learn_probe_share; this process's threads
+    minibatch at a learner actor's threads (rlvr.probes.learn_probe_share; this process's threads
     restored after); the ranks' gradient all-reduce is not timed.
     (0.0, 0.0) where the learners cannot be timed here (a cluster, another kind of device) or there
     is nothing to train."""
@@ -398,40 +399,9 @@ def learn_part_seconds(setup: Setup) -> tuple[float, float]:
     share = learn_probe_share(setup)
     if share is None or not params:
         return 0.0, 0.0
-    G, T = tc.samples_per_prompt, setup.limits.max_new_tokens
-    Lp, pad = max(1, setup.limits.prompt_tokens), setup.tokenizer.pad_id
     per_mb, threads = share                                            # groups in a (rank's) minibatch
     per_part = -(-per_mb // min(tc.micro_batches, per_mb))             # groups in one of its parts
-    one_part = dataclasses.replace(cfg, train=dataclasses.replace(tc, micro_batches=1))
-    learner = Learner(model, None, None, one_part, torch.Generator(device=device), T, (0, 0),
-                      autocast=setup.numerics.context)
-    kl = cfg.algorithm.kl_coef > 0
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-    def batch(groups: int) -> Batch:
-        B = groups * G
-        ro = sampling.Rollout(
-            ids=torch.full((B, Lp + T), pad, dtype=torch.long, device=device),
-            attention_mask=torch.ones((B, Lp + T), dtype=torch.long, device=device), prompt_len=Lp,
-            mask=torch.ones((B, T), device=device), logp=torch.zeros((B, T), device=device),
-            truncated=torch.zeros(B, dtype=torch.bool, device=device), temperature=cfg.sampling.temperature,
-            top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k, min_p=cfg.sampling.min_p)
-        delta = (torch.arange(B, device=device) % 2 * 2 - 1).float().view(groups, G)  # Δ = ±1
-        return Batch(groups=types.SimpleNamespace(rollout=ro), parts=[], delta=delta, logp_old=ro.logp.clone(),
-                     logp_ref=ro.logp.clone() if kl else None, version=0)
-
-    made = {}
-
-    def timed(groups: int) -> float:
-        b = made.setdefault(groups, batch(groups))
-        t = time.perf_counter()
-        accumulate(learner, b, torch.arange(groups * G, device=device), b.delta_rows)
-        sync()
-        dt = time.perf_counter() - t
-        for p in params:
-            p.grad = None
-        return dt
-
+    timed = _part_timer(setup, params)
     was, was_threads = model.training, torch.get_num_threads()
     model.train()
     torch.set_num_threads(threads)
@@ -440,27 +410,64 @@ def learn_part_seconds(setup: Setup) -> tuple[float, float]:
             if per_part <= 2:
                 timed(per_part)                                        # warm-up: allocation, kernel choice
                 part = min(timed(per_part), timed(per_part))
-            else:   # each size's best of two (the first call of each is its warm-up)
-                one, two = timed(1), timed(2)
-                one, two = min(one, timed(1)), min(two, timed(2))
-                for _ in range(LEARN_PROBE_RETRIES):   # a busy core can make the larger part the shorter
-                    if two > one:
-                        break
-                    one, two = min(one, timed(1)), min(two, timed(2))
+            else:   # each size's best of two (the first call of each is its warm-up); a busy core can
+                # make the larger part the shorter: the pair again
+                one, two = ordered_pair(lambda: timed(1), lambda: timed(2), LEARN_PROBE_RETRIES, rounds=2)
                 part = one + max(two - one, 0.0) * (per_part - 1)
-        n = sum(p.numel() for p in params)
-        scratch = torch.zeros(min(n, OPTIMIZER_PROBE_ELEMENTS), dtype=params[0].dtype, device=device,
-                              requires_grad=True)
-        scratch.grad = torch.zeros_like(scratch)
-        opt = make_optimizer([scratch], tc)
-        opt.step()                                                      # its state, allocated once
-        best = float("inf")
-        for _ in range(3):
-            t = time.perf_counter()
-            opt.step()
-            sync()
-            best = min(best, time.perf_counter() - t)
+        step = _optimizer_step_seconds(params, tc, device)
     finally:
         model.train(was)
         torch.set_num_threads(was_threads)
-    return part, best * n / scratch.numel()
+    return part, step
+
+
+def _probe_batch(setup: Setup, groups: int) -> Batch:
+    """`groups` groups of G synthetic rows for `learn_part_seconds`: pad prompts of the longest
+    prompt's length, every one of the T response tokens in the loss, Δ = ±1."""
+    cfg, device = setup.cfg, setup.device
+    G, T = cfg.train.samples_per_prompt, setup.limits.max_new_tokens
+    Lp, pad = max(1, setup.limits.prompt_tokens), setup.tokenizer.pad_id
+    B = groups * G
+    ro = sampling.Rollout(
+        ids=torch.full((B, Lp + T), pad, dtype=torch.long, device=device),
+        attention_mask=torch.ones((B, Lp + T), dtype=torch.long, device=device), prompt_len=Lp,
+        mask=torch.ones((B, T), device=device), logp=torch.zeros((B, T), device=device),
+        truncated=torch.zeros(B, dtype=torch.bool, device=device), temperature=cfg.sampling.temperature,
+        top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k, min_p=cfg.sampling.min_p)
+    delta = (torch.arange(B, device=device) % 2 * 2 - 1).float().view(groups, G)  # Δ = ±1
+    return Batch(groups=types.SimpleNamespace(rollout=ro), parts=[], delta=delta, logp_old=ro.logp.clone(),
+                 logp_ref=ro.logp.clone() if cfg.algorithm.kl_coef > 0 else None, version=0)
+
+
+def _part_timer(setup: Setup, params: list) -> Callable[[int], float]:
+    """groups -> seconds of one `accumulate` (forward, loss, backward) over a synthetic batch of that
+    many groups (`_probe_batch`, built once per size), the gradients dropped after."""
+    cfg, device = setup.cfg, setup.device
+    G, T = cfg.train.samples_per_prompt, setup.limits.max_new_tokens
+    one_part = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batches=1))
+    learner = Learner(setup.model, None, None, one_part, torch.Generator(device=device), T, (0, 0),
+                      autocast=setup.numerics.context)
+    made = {}
+
+    def timed(groups: int) -> float:
+        b = made.setdefault(groups, _probe_batch(setup, groups))
+        dt = time_calls(lambda: accumulate(learner, b, torch.arange(groups * G, device=device), b.delta_rows),
+                        device)
+        for p in params:
+            p.grad = None
+        return dt
+    return timed
+
+
+def _optimizer_step_seconds(params: list, tc: config_mod.TrainConfig, device: torch.device) -> float:
+    """Seconds of one step of the run's optimizer over `params`: the best of three steps over a
+    scratch parameter of min(their elements, OPTIMIZER_PROBE_ELEMENTS), its state allocated by a
+    first step, scaled to their element count (the step is bound by memory bandwidth)."""
+    n = sum(p.numel() for p in params)
+    scratch = torch.zeros(min(n, OPTIMIZER_PROBE_ELEMENTS), dtype=params[0].dtype, device=device,
+                          requires_grad=True)
+    scratch.grad = torch.zeros_like(scratch)
+    opt = make_optimizer([scratch], tc)
+    opt.step()                                                      # its state, allocated once
+    best = min(time_calls(opt.step, device) for _ in range(3))
+    return best * n / scratch.numel()

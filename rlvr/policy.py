@@ -65,7 +65,7 @@ class Policy(Protocol):
 
 @runtime_checkable
 class Tokenizer(Protocol):
-    """Text <-> ids for one policy. rlvr.run.build also sets ``prompt_format`` on the run's tokenizer
+    """Text <-> ids for one policy. rlvr.build.build also sets ``prompt_format`` on the run's tokenizer
     (rlvr.tokenizer.PromptFormat: whether task prompts go through the chat template)."""
 
     pad_id: int

@@ -277,11 +277,14 @@ def initial_model_source(cfg) -> str:
 def run_probe(cfg: config.Config, *, prompts: int, samples: int, schemes: Sequence[str] = (),
               split: str = "train", checkpoint: str | Path | None = None, trusted: bool = False) -> ProbeResult:
     """Sample K responses for N prompts of `split` and count usable Δ. Raises ProbeError,
-    config.ConfigError, rlvr.run.RunError or TaskError on bad input, all before sampling."""
-    from rlvr import run
+    config.ConfigError, rlvr.setup_types.RunError or TaskError on bad input, all before sampling."""
+    from rlvr.build import build, limits as run_limits, load_run, reward_weights
+    from rlvr.machine import set_threads
+    from rlvr.numerics import eval_numerics
     from rlvr.reward_pool import open_pool
     from rlvr.rollout import sample_and_score
     from rlvr.rundir import RunDir
+    from rlvr.setup_types import RunError
     from rlvr.tasks import load_task
 
     check_sizes(prompts, samples)
@@ -290,17 +293,17 @@ def run_probe(cfg: config.Config, *, prompts: int, samples: int, schemes: Sequen
         raise ProbeError(f"--split must be train or heldout, got {split!r}")
     notes: list[str] = []
     if checkpoint is not None:
-        run_cfg, model, tok = run.load_run(Path(checkpoint), trusted=trusted, note=notes.append)
+        run_cfg, model, tok = load_run(Path(checkpoint), trusted=trusted, note=notes.append)
         task = load_task(cfg.task.path, **cfg.task.options)
-        weights = run.reward_weights(cfg, task)
+        weights = reward_weights(cfg, task)
         if run_cfg.task != cfg.task:
             notes.append(f"the run was trained with task {run_cfg.task.path} options {run_cfg.task.options} "
                          f"reward {run_cfg.task.reward_weights or run_cfg.task.reward}; probing with the config's "
                          f"{cfg.task.path} options {cfg.task.options} reward {cfg.task.reward_weights or cfg.task.reward}")
         source = f"checkpoint {checkpoint}"
-        numerics = run.eval_numerics(cfg, model, RunDir(Path(checkpoint)).recorded_autocast())
+        numerics = eval_numerics(cfg, model, RunDir(Path(checkpoint)).recorded_autocast())
     else:
-        setup = run.build(cfg)
+        setup = build(cfg)
         task, model, tok, weights = setup.task, setup.model, setup.tokenizer, setup.reward_weights
         source = "initial model (" + initial_model_source(cfg) + ")"
         numerics = setup.numerics
@@ -310,11 +313,11 @@ def run_probe(cfg: config.Config, *, prompts: int, samples: int, schemes: Sequen
     examples = _pick(task.train if split == "train" else task.heldout, prompts, split, seed)
     why = f" ({notes[0]})" if notes else ""
     try:
-        limits = run.limits(cfg, task, tok, model, examples)
-    except run.RunError as e:
+        limits = run_limits(cfg, task, tok, model, examples)
+    except RunError as e:
         raise ProbeError(f"{split} prompts: {e}{why}") from e
 
-    run.set_threads(cfg)
+    set_threads(cfg)
     hostmem.set_host_memory(cfg.train.host_memory, cfg.model.gradient_checkpointing)  # the trainer's (rlvr.hostmem)
     model.eval()
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
@@ -413,10 +416,10 @@ def format_lines(res: ProbeResult) -> list[str]:
 
 def command(args: argparse.Namespace, overrides: list[str]) -> int:
     """`rlvr probe`: 0 on success; 2 with `rlvr: error: ...` on stderr for bad input."""
-    from rlvr import run
     from rlvr.reward_pool import RewardPoolError
-    from rlvr.run import RunError
+    from rlvr.setup_types import RunError
     from rlvr.tasks import TaskError
+    from rlvr.trust import is_run_config, refuse_run_task, run_config_guard
 
     try:
         check_sizes(args.prompts, args.samples)
@@ -425,10 +428,10 @@ def command(args: argparse.Namespace, overrides: list[str]) -> int:
             raise ProbeError(f"--checkpoint {args.checkpoint} is not a run directory")
         cfg = config.load(args.config, overrides)
         trusted = getattr(args, "trust_run_config", False)
-        untrusted = run.is_run_config(Path(args.config))  # a run directory's config is data: its code is not run unasked
+        untrusted = is_run_config(Path(args.config))  # a run directory's config is data: its code is not run unasked
         if untrusted:
-            run.refuse_run_task(cfg, Path(args.config), overrides=overrides, trusted=trusted)
-        with run.run_config_guard(cfg, Path(args.config), overrides=overrides, trusted=trusted or not untrusted):
+            refuse_run_task(cfg, Path(args.config), overrides=overrides, trusted=trusted)
+        with run_config_guard(cfg, Path(args.config), overrides=overrides, trusted=trusted or not untrusted):
             res = run_probe(cfg, prompts=args.prompts, samples=args.samples, schemes=schemes[len(DEFAULT_SCHEMES):],
                             split=args.split, checkpoint=args.checkpoint, trusted=trusted)
     except (ProbeError, config.ConfigError, RunError, TaskError, RewardPoolError) as e:

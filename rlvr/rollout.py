@@ -19,7 +19,7 @@ import torch
 from rlvr import advantages, costs, losses, sampling, tools
 from rlvr.policy import Policy, Tokenizer
 from rlvr.rewards import goal_hits, score_batch, steps_of
-from rlvr.run import Limits, RunError, logp_old_in_learn
+from rlvr.setup_types import Limits, RunError, logp_old_in_learn
 from rlvr.tasks import Task, weighted_rewards
 from rlvr.tokenizer import encode_examples
 from rlvr.value import LearnedBaseline
@@ -125,7 +125,7 @@ def sample_and_score(policy: Policy, tok: Tokenizer, task: Task, examples: list,
     Sampling is seeded per prompt (rlvr.sampling.prompt_generators): one base seed is drawn from
     `generator` per call, or given as `base_seed` with this call's `first_prompt` index (a rollout
     worker's shard), so a prompt's rows do not depend on how the call's prompts are split.
-    `autocast()`: the context the sampling forwards run in (rlvr.run.Numerics.context; the
+    `autocast()`: the context the sampling forwards run in (rlvr.numerics.Numerics.context; the
     log-softmax of the sampling distribution is taken in float32 either way)."""
     if base_seed is None and generator is not None:
         base_seed = sampling.draw_base_seed(generator)
@@ -202,7 +202,7 @@ class Batch:
     0 on rows cut at the length bound); None: `rollout.mask`."""
     logp_old_pending: bool = False
     """`logp_old` is still the sampler's, and the learn stage's forwards at π_old give the learner's
-    (rlvr.run.logp_old_in_learn) with Δ times min(π_train / π_sampler, is_cap) (rlvr.learn.minibatch_loss,
+    (rlvr.setup_types.logp_old_in_learn) with Δ times min(π_train / π_sampler, is_cap) (rlvr.learn.minibatch_loss,
     and rlvr.learn.prepass_logp_old for the minibatches after the first)."""
 
     @property
@@ -268,8 +268,8 @@ def rollout(setup, policy: Policy, reference: Policy | None, examples_fn, *, ver
     5. Δ (`batch_delta`): the scheme on the (P, G) rewards (`learned`: R - V(S) with `value`, read
        before its own update), per-token Δ from a process reward's per-step scores, and with
        kl_in = "reward" the KL folded into a per-token Δ;
-    6. algorithm.logp_old = "recompute" (or `auto` with bf16 forwards, rlvr.run.logp_old_source):
-       where rlvr.run.logp_old_in_learn says so the learn stage's forwards give it (`logp_old_pending`);
+    6. algorithm.logp_old = "recompute" (or `auto` with bf16 forwards, rlvr.setup_types.logp_old_source):
+       where rlvr.setup_types.logp_old_in_learn says so the learn stage's forwards give it (`logp_old_pending`);
        else logp_old from the learner's forward of `policy`
        (`training_logprobs`; run before step 5, whose KL in the reward then reads it), and Δ per
        token times the truncated IS weight min(π_train / π_sampler, is_cap) (`recompute_logp_old`).
@@ -423,7 +423,7 @@ def training_logprobs(policy: Policy, rollout: sampling.Rollout, cfg, autocast=c
     head in blocks): on SmolLM2-135M under CPU bf16 autocast it gave the sampler's log-probs, 0.0105
     mean (0.30 largest) away from the learner's, and a forward over half the rows was 0.028 away, so
     logp_old from anything else leaves the first minibatch's ratio off 1 by bf16 noise. Where it
-    serves (rlvr.run.logp_old_in_learn says no) the learner's parts may still differ, so the ratio
+    serves (rlvr.setup_types.logp_old_in_learn says no) the learner's parts may still differ, so the ratio
     starts at 1 to bf16 rounding only there; otherwise the learn stage computes logp_old itself
     (rlvr.learn.prepass_logp_old)."""
     sc, tc, G = cfg.sampling, cfg.train, cfg.train.samples_per_prompt

@@ -28,7 +28,8 @@ from pathlib import Path
 
 from rlvr import config as config_mod
 from rlvr.overwrite import clear_run, overwrite_refusal
-from rlvr.run import RunError, save_checkpoint
+from rlvr.checkpoint import save_checkpoint
+from rlvr.setup_types import RunError
 from rlvr.state import STATE_DIR, atomic_dir, find_complete, find_state
 
 RESUMABLE_KEYS = {"train.steps", "train.threads", "train.save_every", "train.save_every_minutes",

@@ -285,7 +285,9 @@ def train_sft(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, log
     from rlvr import losses
     from rlvr.reward_pool import open_pool
     from rlvr.rundir import RunDir, replace_file
-    from rlvr.run import build, save_checkpoint, set_threads
+    from rlvr.build import build
+    from rlvr.checkpoint import save_checkpoint
+    from rlvr.machine import set_threads
 
     t0 = time.perf_counter()
     _, busy = set_threads(cfg)

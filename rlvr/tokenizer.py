@@ -118,7 +118,7 @@ class CharTokenizer:
 @dataclass(frozen=True)
 class PromptFormat:
     """How ``encode_example`` turns a task example into prompt ids for one run (``task.chat`` and
-    ``task.system``; rlvr.run.build sets it on the run's tokenizer as ``prompt_format``)."""
+    ``task.system``; rlvr.build.build sets it on the run's tokenizer as ``prompt_format``)."""
 
     chat: str = "messages"
     """``messages``, ``user`` or ``off`` (see rlvr.config.TaskConfig.chat)."""

@@ -54,18 +54,20 @@ from pathlib import Path
 import torch
 
 from rlvr import advantages, config as config_mod, costs
+from rlvr.build import build
 from rlvr.diagnostics import (Watch, agreement_breakdown, exploration_levers, length_by_outcome, missing_symbols,
                               pass_rate_histogram, response_concentration)
 from rlvr.distributed import Distributed, open_distributed
 from rlvr.evaluate import evaluate
 from rlvr.hostmem import set_host_memory
-from rlvr.learn import Learner, learn, learn_part_seconds, make_optimizer, make_scheduler
+from rlvr.learn import Learner, learn, make_optimizer, make_scheduler
+from rlvr.machine import set_threads
 from rlvr.policy import Policy
+from rlvr.run_price import check_device_memory, check_memory, price_of
 from rlvr.reward_pool import RewardPool, open_pool
 from rlvr.rollout import Batch, rollout
-from rlvr.run import (RunError, Setup, build, check_device_memory, check_memory, price_of,  # noqa: F401  (RunError:
-                      set_threads)                                                         # raised to the CLI)
 from rlvr.rundir import LogWriteError, RunDir, schedule_change_note, snapshot_count
+from rlvr.setup_types import RunError, Setup
 from rlvr.state import StateError, load_state, save_state
 from rlvr.value import LearnedBaseline
 
@@ -357,9 +359,9 @@ def start(cfg: config_mod.Config, run_dir: RunDir, *, overwrite: bool, resume: b
     run_dir.check_writable()
     setup = build(cfg, autocast=run_dir.recorded_autocast() if resume and cfg.model.autocast == "auto" else None,
                   time_bf16=not resume)
-    price = price_of(setup, learn_probe=learn_part_seconds)
+    price = price_of(setup, probe_learn=True)
     run_dir.check_space(price, snapshot_count(cfg.train))
-    check_memory(cfg, price)  # refuses a run that would not fit the machine's memory (rlvr.run)
+    check_memory(cfg, price)  # refuses a run that would not fit the machine's memory (rlvr.run_price)
     check_device_memory(cfg, price, setup.device)  # on a GPU: the copies the first update allocates
     if not resume:
         run_dir.prepare(overwrite=overwrite)

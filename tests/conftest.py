@@ -20,13 +20,13 @@ torch.set_num_threads(1 if _PINNED else 2)
 
 @pytest.fixture(autouse=True, scope="session")
 def quiet_machine():
-    """A run warns when the machine is oversubscribed (rlvr.run.set_threads); tests see a quiet
+    """A run warns when the machine is oversubscribed (rlvr.machine.set_threads); tests see a quiet
     machine, so what a run writes does not depend on the load of the machine running the tests
     (tests/test_threads.py sets the load it needs). Session-wide, so module-scoped runs see it too."""
-    from rlvr import run
+    from rlvr import machine
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(run, "PROC_STAT", "/nonexistent/proc/stat")   # no direct measurement: the load average below
+        mp.setattr(machine, "PROC_STAT", "/nonexistent/proc/stat")   # no direct measurement: the load average below
         mp.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
         yield
 
@@ -34,15 +34,15 @@ def quiet_machine():
 @pytest.fixture(autouse=True, scope="session")
 def bf16_no_faster():
     """`model.autocast = auto` (the default) keeps fp32 for small models and times a bf16 product
-    against fp32 for the others (rlvr.run.choose_numerics); tests see a machine where bf16 is no
+    against fp32 for the others (rlvr.numerics.choose_numerics); tests see a machine where bf16 is no
     faster, so what a run computes does not depend on the CPU running the tests. The size floor is
     lifted, so that the tests' tiny models reach the timing rule: tests/test_autocast.py sets the
     timings it needs, checks the floor itself, and runs the real measurement once."""
-    from rlvr import run
+    from rlvr import numerics as numerics_mod
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(run, "autocast_timings", lambda device, rows, inner, outer, **kw: (1.0, 1.0))
-        mp.setattr(run, "AUTOCAST_MIN_HIDDEN", 0)
+        mp.setattr(numerics_mod, "autocast_timings", lambda device, rows, inner, outer, **kw: (1.0, 1.0))
+        mp.setattr(numerics_mod, "AUTOCAST_MIN_HIDDEN", 0)
         yield
 
 

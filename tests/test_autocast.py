@@ -24,11 +24,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlvr import config as config_mod, costs, losses, run, sampling
+from rlvr import (build as build_mod, config as config_mod, costs, losses, numerics as numerics_mod, run_price,
+                  sampling, setup_types)
 from rlvr.distributed import resolved_numerics, staleness
 from rlvr.learn import Learner, learn, make_optimizer, make_scheduler
 from rlvr.rollout import Batch, Groups, recompute_logp_old, rollout, sample_and_score
-from rlvr.run import autocast_timings as real_autocast_timings  # before tests/conftest.py patches it
+from rlvr.numerics import autocast_timings as real_autocast_timings  # before tests/conftest.py patches it
 
 import pricing
 from test_distributed import EXAMPLE, TINY
@@ -39,7 +40,7 @@ CPU = torch.device("cpu")
 
 def tiny_setup(*extra: str, time_bf16: bool = False):
     """The 3-digit sort task on a 1-layer built-in model (d = 32), P = G = 4, one thread."""
-    return run.build(config_mod.load(EXAMPLE, TINY + list(extra)), log=lambda *_: None, time_bf16=time_bf16)
+    return build_mod.build(config_mod.load(EXAMPLE, TINY + list(extra)), log=lambda *_: None, time_bf16=time_bf16)
 
 
 def new_learner(setup) -> Learner:
@@ -101,8 +102,8 @@ def llama_dir(tmp_path_factory):
 ])
 def test_auto_takes_bf16_only_when_it_is_at_least_2x_faster(monkeypatch, fp32_s, bf16_s, want):
     asked = []
-    monkeypatch.setattr(run, "autocast_timings", lambda device, *shape, **kw: asked.append(shape) or (fp32_s, bf16_s))
-    got = run.choose_numerics("auto", CPU, (256, 32, 128))
+    monkeypatch.setattr(numerics_mod, "autocast_timings", lambda device, *shape, **kw: asked.append(shape) or (fp32_s, bf16_s))
+    got = numerics_mod.choose_numerics("auto", CPU, (256, 32, 128))
     assert asked == [(256, 32, 128)]
     assert got.bf16 is want and (got.fp32_s, got.bf16_s) == (fp32_s, bf16_s)
     assert got.describe().startswith("bf16 autocast" if want else "fp32")
@@ -114,20 +115,20 @@ def test_auto_keeps_fp32_untimed_for_a_small_model(monkeypatch):
     without timing anything, so two starts on one machine, or on two machines, decide alike; a model
     at the floor is timed. `bf16` set on a small model is still timed for the price, whose line says
     that auto would have kept fp32."""
-    monkeypatch.setattr(run, "AUTOCAST_MIN_HIDDEN", 256)
+    monkeypatch.setattr(numerics_mod, "AUTOCAST_MIN_HIDDEN", 256)
 
     def never(*a, **kw):
         raise AssertionError("timed a model below the size floor")
 
-    monkeypatch.setattr(run, "autocast_timings", never)
-    small = run.choose_numerics("auto", CPU, (256, 64, 256))
+    monkeypatch.setattr(numerics_mod, "autocast_timings", never)
+    small = numerics_mod.choose_numerics("auto", CPU, (256, 64, 256))
     assert not small.bf16 and small.matmul_speedup() == 1.0
     assert small.describe() == ("fp32 (model.autocast = auto: hidden size 64 < 256, not timed: a model this "
                                 "small is not bound by its products)")
     asked = []
-    monkeypatch.setattr(run, "autocast_timings", lambda device, *shape, **kw: asked.append(shape) or (3e-3, 1e-3))
-    assert run.choose_numerics("auto", CPU, (256, 256, 1024)).bf16 and asked == [(256, 256, 1024)]
-    forced = run.choose_numerics("bf16", CPU, (256, 64, 256), time_bf16=True)
+    monkeypatch.setattr(numerics_mod, "autocast_timings", lambda device, *shape, **kw: asked.append(shape) or (3e-3, 1e-3))
+    assert numerics_mod.choose_numerics("auto", CPU, (256, 256, 1024)).bf16 and asked == [(256, 256, 1024)]
+    forced = numerics_mod.choose_numerics("bf16", CPU, (256, 64, 256), time_bf16=True)
     assert forced.bf16 and forced.describe().endswith("as set; model.autocast = auto would take fp32 here)")
 
 
@@ -137,8 +138,8 @@ def test_bf16_and_off_force_the_choice_without_measuring(monkeypatch, mode, want
     def never(*a, **kw):
         raise AssertionError("measured although model.autocast is forced")
 
-    monkeypatch.setattr(run, "autocast_timings", never)
-    got = run.choose_numerics(mode, CPU, (256, 32, 128))
+    monkeypatch.setattr(numerics_mod, "autocast_timings", never)
+    got = numerics_mod.choose_numerics(mode, CPU, (256, 32, 128))
     assert got.bf16 is want and got.describe() == f"{'bf16 autocast' if want else 'fp32'} (model.autocast = {mode})"
     with got.context():
         assert torch.is_autocast_enabled("cpu") is want
@@ -146,11 +147,11 @@ def test_bf16_and_off_force_the_choice_without_measuring(monkeypatch, mode, want
 
 def test_build_measures_the_models_own_shape_and_the_price_records_the_choice(monkeypatch):
     asked = []
-    monkeypatch.setattr(run, "autocast_timings", lambda device, *shape, **kw: asked.append(shape) or (3e-3, 1e-3))
+    monkeypatch.setattr(numerics_mod, "autocast_timings", lambda device, *shape, **kw: asked.append(shape) or (3e-3, 1e-3))
     setup = tiny_setup("--model.autocast=auto")
     assert asked == [(256, 32, 4 * 32)]                  # 256 token rows x hidden x MLP width of d = 32
     assert setup.numerics.bf16
-    price = run.price_of(setup, rate=1e9)
+    price = run_price.price_of(setup, rate=1e9)
     assert price.numerics.startswith("bf16 autocast (model.autocast = auto: bf16 3.00x fp32 here, 1 ms against 3 ms")
     assert f"price: numerics: {price.numerics}" in price.lines()
     assert price.to_dict()["numerics"] == price.numerics
@@ -158,7 +159,7 @@ def test_build_measures_the_models_own_shape_and_the_price_records_the_choice(mo
     assert price.matmul_flops_per_s == 3e9 and price.matmul_kind == "bf16 autocast"
     assert price.wall_seconds_estimate == price.flops_per_run / 3e9
     assert "at a measured bf16 autocast matmul rate of 3.0 GFLOP/s" in price.wall_line()
-    forced = run.price_of(tiny_setup("--model.autocast=bf16", time_bf16=True), rate=1e9)   # set, timed for the price
+    forced = run_price.price_of(tiny_setup("--model.autocast=bf16", time_bf16=True), rate=1e9)   # set, timed for the price
     assert forced.matmul_flops_per_s == 3e9 and forced.numerics.endswith("product; as set)")
 
 
@@ -166,10 +167,10 @@ def test_bf16_set_where_it_is_slower_is_kept_and_priced_at_its_rate(monkeypatch)
     """model.autocast = bf16 on a machine where bf16 products are 3x slower (a CPU without native
     bf16): the run computes in bf16 as set, its price says so and runs the wall estimate at a third of
     the fp32 rate; off is never timed."""
-    monkeypatch.setattr(run, "autocast_timings", lambda device, *shape, **kw: (1e-3, 3e-3))
+    monkeypatch.setattr(numerics_mod, "autocast_timings", lambda device, *shape, **kw: (1e-3, 3e-3))
     setup = tiny_setup("--model.autocast=bf16", time_bf16=True)
     assert setup.numerics.bf16 and setup.numerics.matmul_speedup() == pytest.approx(1 / 3)
-    price = run.price_of(setup, rate=3e9)
+    price = run_price.price_of(setup, rate=3e9)
     assert price.numerics == ("bf16 autocast (model.autocast = bf16: bf16 0.33x fp32 here, 3 ms against 1 ms for "
                               "a 256 x 32 x 128 product; as set; slower than fp32; model.autocast = auto "
                               "would take fp32 here)")
@@ -179,7 +180,7 @@ def test_bf16_set_where_it_is_slower_is_kept_and_priced_at_its_rate(monkeypatch)
     def never(*a, **kw):
         raise AssertionError("timed although model.autocast = off, or bf16 outside a fresh run's price")
 
-    monkeypatch.setattr(run, "autocast_timings", never)
+    monkeypatch.setattr(numerics_mod, "autocast_timings", never)
     assert not tiny_setup("--model.autocast=off", time_bf16=True).numerics.bf16
     kept = tiny_setup("--model.autocast=bf16")           # an actor, `rlvr eval`: the decision as given
     assert kept.numerics.bf16 and kept.numerics.matmul_speedup() == 1.0
@@ -189,7 +190,7 @@ def test_the_measurement_excludes_first_call_costs(monkeypatch):
     """A product whose first call in each numerics costs 30 ms (a kernel's choice, the first cast)
     and then nothing measurable: both timings are the warm cost, not the first call's, so the ratio
     does not depend on which numerics happened to be called first."""
-    monkeypatch.setattr(run, "_AUTOCAST_TIMINGS", {})
+    monkeypatch.setattr(numerics_mod, "_AUTOCAST_TIMINGS", {})
     real, first = torch.nn.functional.linear, set()
 
     def linear(x, w):
@@ -206,7 +207,7 @@ def test_the_measurement_excludes_first_call_costs(monkeypatch):
 
 
 def test_the_measurement_returns_both_times_once_per_process(monkeypatch):
-    monkeypatch.setattr(run, "_AUTOCAST_TIMINGS", {})
+    monkeypatch.setattr(numerics_mod, "_AUTOCAST_TIMINGS", {})
     fp32_s, bf16_s = real_autocast_timings(CPU, 16, 8, 8, budget_s=0.05)
     assert 0 < fp32_s < math.inf and 0 < bf16_s < math.inf
     assert real_autocast_timings(CPU, 16, 8, 8, budget_s=0.05) == (fp32_s, bf16_s)   # cached
@@ -235,7 +236,7 @@ def test_autocast_reaches_sampling_and_the_training_forward(request, family, mod
         llama = request.getfixturevalue("llama_dir")
         extra += [f"--model.path={llama}", "--model.share_prompt_forward=true"]
     cfg = config_mod.load(EXAMPLE, [x for x in TINY if family == "builtin" or not x.startswith("--model.n_")] + extra)
-    setup = run.build(cfg, log=lambda *_: None)
+    setup = build_mod.build(cfg, log=lambda *_: None)
     linear = next(m for m in setup.model.modules() if isinstance(m, torch.nn.Linear))
     seen: list[torch.dtype] = []
     linear.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
@@ -274,7 +275,7 @@ def test_recompute_gives_the_training_forwards_logp_old_and_a_first_ratio_of_exa
     if family == "llama":
         extra += [f"--model.path={request.getfixturevalue('llama_dir')}", "--model.share_prompt_forward=true"]
     cfg = config_mod.load(EXAMPLE, [x for x in TINY if family == "builtin" or not x.startswith("--model.n_")] + extra)
-    setup = run.build(cfg, log=lambda *_: None)
+    setup = build_mod.build(cfg, log=lambda *_: None)
     batch = sample(setup)
     assert torch.equal(batch.logp_old, training_forward_logp(setup, batch.rollout))    # bit for bit
     assert batch.logp_old_version == 0
@@ -361,7 +362,7 @@ def test_the_is_weight_folds_into_delta_by_hand(monkeypatch):
         return train_p.log() * mask
 
     monkeypatch.setattr(sampling, "sequence_token_logprobs", train_forward)
-    setup = SimpleNamespace(cfg=cfg, numerics=run.Numerics(True, "bf16", "cpu"))
+    setup = SimpleNamespace(cfg=cfg, numerics=numerics_mod.Numerics(True, "bf16", "cpu"))
     policy = SimpleNamespace(training=False)
     policy.train = lambda mode=True: setattr(policy, "training", mode)
     got = recompute_logp_old(setup, policy, batch, policy_version=0)
@@ -405,9 +406,9 @@ def test_the_option_reaches_the_update():
 def test_auto_recomputes_logp_old_where_the_forwards_run_in_bf16(asked, bf16, path, dtype, want):
     cfg = config_mod.load(EXAMPLE, TINY + [f"--algorithm.logp_old={asked}"])
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=path, dtype=dtype))
-    numerics = run.Numerics(bf16, "bf16" if bf16 else "off", "cpu")
-    assert run.logp_old_source(cfg, numerics) == want
-    note = run.logp_old_note(cfg, numerics)                   # the price's word on auto's choice
+    numerics = numerics_mod.Numerics(bf16, "bf16" if bf16 else "off", "cpu")
+    assert setup_types.logp_old_source(cfg, numerics) == want
+    note = setup_types.logp_old_note(cfg, numerics)                   # the price's word on auto's choice
     if asked == "auto":
         assert note.startswith("algorithm.logp_old = auto: ") and ("bf16" in note) is (want == "recompute")
     else:
@@ -425,7 +426,7 @@ def test_the_default_logp_old_reaches_the_update_and_the_price(autocast):
     assert setup.cfg.algorithm.logp_old == "auto"
     batch = sample(setup)
     sampled = batch.cost["forward_tokens"]
-    price = run.price_of(setup, rate=1e9, decode_s=1e-3)
+    price = run_price.price_of(setup, rate=1e9, decode_s=1e-3)
     assert torch.equal(batch.logp_old, batch.rollout.logp) and batch.logp_old_version is None
     assert batch.logp_old_pending is (autocast == "bf16") and price.forward_tokens_logp_old_per_batch == 0
     stats = learn(new_learner(setup), batch)
@@ -436,10 +437,10 @@ def test_the_default_logp_old_reaches_the_update_and_the_price(autocast):
         assert ("logp_old 0 (the learner's first forward, detached; algorithm.logp_old = auto: the forwards run "
                 "in bf16") in price.lines()[2]
         two = tiny_setup("--model.autocast=bf16", "--train.minibatches=2")
-        again, price2 = sample(two), run.price_of(two, rate=1e9, decode_s=1e-3)
+        again, price2 = sample(two), run_price.price_of(two, rate=1e9, decode_s=1e-3)
         assert again.logp_old_pending and again.cost["forward_tokens"] == sampled    # none in the rollout stage
         full = costs.logp_forward_tokens(16, 4, price.prompt_tokens, price.max_new_tokens,
-                                         shared_prompt=run.shares_prompt(two.cfg, two.model))
+                                         shared_prompt=run_price.shares_prompt(two.cfg, two.model))
         assert price2.forward_tokens_logp_old_per_batch == full // 2 and not price2.logp_old_recomputed
         assert price2.logp_old_from_learner
         assert ("the learner's forwards at π_old, detached: the first minibatch's own, the others' over their "
@@ -642,7 +643,7 @@ def test_a_rank_short_of_groups_runs_as_many_forwards_and_keeps_none_of_the_repe
     (["--train.epochs_per_batch=3", "--train.micro_batches=2"], True),
 ])
 def test_where_the_learners_first_forward_gives_logp_old(extra, want):
-    assert run.logp_old_in_learn(config_mod.load(EXAMPLE, TINY + extra)) is want
+    assert setup_types.logp_old_in_learn(config_mod.load(EXAMPLE, TINY + extra)) is want
 
 
 def test_a_recomputed_stale_batch_is_not_corrected_twice():
@@ -764,11 +765,11 @@ def test_train_with_bf16_and_recompute_from_the_command_line(tmp_path, monkeypat
 def test_the_actors_get_the_choice_not_the_question(monkeypatch):
     """Rollout workers and learner actors build their own copy of the run: under `auto` they get the
     trainer's decision, so none of them measures again and samples or learns in other numerics."""
-    monkeypatch.setattr(run, "autocast_timings", lambda device, *shape, **kw: (2.0, 1.0))
+    monkeypatch.setattr(numerics_mod, "autocast_timings", lambda device, *shape, **kw: (2.0, 1.0))
     setup = tiny_setup("--model.autocast=auto")
     assert resolved_numerics(setup.cfg, setup).model.autocast == "bf16"
     assert setup.cfg.model.autocast == "auto"                   # the run's own config is unchanged
-    monkeypatch.setattr(run, "autocast_timings", lambda device, *shape, **kw: (1.0, 2.0))
+    monkeypatch.setattr(numerics_mod, "autocast_timings", lambda device, *shape, **kw: (1.0, 2.0))
     setup = tiny_setup("--model.autocast=auto")
     assert resolved_numerics(setup.cfg, setup).model.autocast == "off"
 
@@ -795,7 +796,7 @@ def test_a_resumed_auto_run_keeps_the_numerics_it_started_with(tmp_path, monkeyp
     # slower, yet the resumed run keeps bf16 (its price.json's decision), not a new measurement
     from rlvr import cli
 
-    monkeypatch.setattr(run, "autocast_timings", lambda device, *shape, **kw: (3e-3, 1e-3))
+    monkeypatch.setattr(numerics_mod, "autocast_timings", lambda device, *shape, **kw: (3e-3, 1e-3))
     out = tmp_path / "run"
     assert cli.main(["train", str(EXAMPLE), "--out", str(out), *TINY, "--train.steps=2", "--model.autocast=auto"]) == 0
     assert json.loads((out / "price.json").read_text())["numerics"].startswith("bf16 autocast")
@@ -803,7 +804,7 @@ def test_a_resumed_auto_run_keeps_the_numerics_it_started_with(tmp_path, monkeyp
     def never(*a, **kw):
         raise AssertionError("a resumed run measured again")
 
-    monkeypatch.setattr(run, "autocast_timings", never)
+    monkeypatch.setattr(numerics_mod, "autocast_timings", never)
     assert cli.main(["train", str(EXAMPLE), "--out", str(out), *TINY, "--train.steps=3", "--model.autocast=auto",
                      "--resume"]) == 0
     assert json.loads((out / "price.json").read_text())["numerics"] == "bf16 autocast (model.autocast = bf16)"
@@ -822,10 +823,10 @@ def test_rlvr_eval_samples_under_the_runs_recorded_numerics(tmp_path, monkeypatc
     seen = record_eval_autocast(monkeypatch)
     for mode, want in (("auto", True), ("off", False)):
         out = tmp_path / mode
-        monkeypatch.setattr(run, "autocast_timings", lambda device, *shape, **kw: (3e-3, 1e-3))
+        monkeypatch.setattr(numerics_mod, "autocast_timings", lambda device, *shape, **kw: (3e-3, 1e-3))
         assert cli.main(["train", str(EXAMPLE), "--out", str(out), *TINY, "--train.steps=1",
                          f"--model.autocast={mode}"]) == 0
-        monkeypatch.setattr(run, "autocast_timings", never)
+        monkeypatch.setattr(numerics_mod, "autocast_timings", never)
         seen.clear()
         capsys.readouterr()
         assert cli.main(["eval", str(out), "--prompts", "4"]) == 0
@@ -845,7 +846,7 @@ def test_rlvr_probe_samples_under_the_training_numerics(tmp_path, monkeypatch):
         seen.clear()
         res = probe.run_probe(config_mod.load(EXAMPLE, TINY + [f"--model.autocast={mode}"]), prompts=2, samples=2)
         assert seen == [want] and any("sampled under bf16 autocast" in n for n in res.notes) is want
-    monkeypatch.setattr(run, "autocast_timings", lambda device, *shape, **kw: (3e-3, 1e-3))   # auto chooses bf16
+    monkeypatch.setattr(numerics_mod, "autocast_timings", lambda device, *shape, **kw: (3e-3, 1e-3))   # auto chooses bf16
     from rlvr import cli
 
     out = tmp_path / "run"
@@ -855,7 +856,7 @@ def test_rlvr_probe_samples_under_the_training_numerics(tmp_path, monkeypatch):
     def never(*a, **kw):
         raise AssertionError("the probe measured again instead of reading the run's decision")
 
-    monkeypatch.setattr(run, "autocast_timings", never)
+    monkeypatch.setattr(numerics_mod, "autocast_timings", never)
     seen.clear()
     probe.run_probe(config_mod.load(EXAMPLE, TINY + ["--model.autocast=auto"]), prompts=2, samples=2, checkpoint=out)
     assert seen == [True]

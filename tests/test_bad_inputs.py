@@ -334,7 +334,7 @@ def test_a_reward_beyond_float32_is_a_named_failure_not_a_crash(tmp_path):
 
 def test_weighted_rewards_beyond_float32_stop_with_the_weights_named():
     from rlvr.rollout import score_groups
-    from rlvr.run import RunError
+    from rlvr.setup_types import RunError
     from rlvr.tasks.sort import sort_task
 
     task = sort_task(n=3, heldout=5)

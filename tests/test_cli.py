@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from rlvr import config as config_mod, run
+from rlvr import build as build_mod, config as config_mod, probes
 from rlvr.cli import main
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "sort.toml"
@@ -52,7 +52,7 @@ def cli(*argv) -> tuple[int, str, str]:
 
 
 def n_params(*overrides: str) -> int:
-    return run.build(config_mod.load(EXAMPLE, list(overrides))).model.num_params()
+    return build_mod.build(config_mod.load(EXAMPLE, list(overrides))).model.num_params()
 
 
 # --------------------------------------------------------------------------- price
@@ -99,8 +99,8 @@ def test_price_probes_false_times_neither_probe(monkeypatch):
     import rlvr.learn
 
     calls = []
-    real_decode, real_learn = run.decode_step_seconds, rlvr.learn.learn_part_seconds
-    monkeypatch.setattr(run, "decode_step_seconds", lambda setup: calls.append("decode") or real_decode(setup))
+    real_decode, real_learn = probes.decode_step_seconds, rlvr.learn.learn_part_seconds
+    monkeypatch.setattr(probes, "decode_step_seconds", lambda setup: calls.append("decode") or real_decode(setup))
     monkeypatch.setattr(rlvr.learn, "learn_part_seconds", lambda setup: calls.append("learn") or real_learn(setup))
     rc, out, err = cli("price", EXAMPLE, *PRICED, "--json")
     assert rc == 0, err

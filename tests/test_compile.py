@@ -11,7 +11,7 @@ from rlvr import compiled as rlvr_compiled
 from rlvr import sampling
 from rlvr.models import lean_llama as lean
 from rlvr.models.hf import LoraSpec, load_policy
-from rlvr.run import autocast_context
+from rlvr.numerics import autocast_context
 
 from hf_models import make_model_dir
 

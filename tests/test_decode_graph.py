@@ -253,7 +253,7 @@ def test_unsupported_models_and_caches_take_the_eager_step(tmp_path, monkeypatch
 
 def test_cuda_graphs_config_reaches_the_policy(tmp_path):
     from rlvr import config as config_mod
-    from rlvr.run import _hf_policy
+    from rlvr.build import _hf_policy
 
     d = make_model_dir(tmp_path / "m")
     for flag in (True, False):

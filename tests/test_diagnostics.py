@@ -323,9 +323,9 @@ SORT = Path(__file__).resolve().parents[1] / "examples" / "sort.toml"
 
 
 def tiny_token_id(char: str) -> int:
-    from rlvr import config as config_mod, run
+    from rlvr import build as build_mod, config as config_mod
 
-    setup = run.build(config_mod.load(SORT, ["--model.n_embd=32", "--model.n_layer=1", "--model.n_head=2",
+    setup = build_mod.build(config_mod.load(SORT, ["--model.n_embd=32", "--model.n_layer=1", "--model.n_head=2",
                                              "--task.options={n = 5, heldout = 50}"]), log=lambda *_: None)
     (tid,) = setup.tokenizer.encode(char)
     return tid

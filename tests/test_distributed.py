@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlvr import config as config_mod, losses, run, sampling
+from rlvr import build as build_mod, config as config_mod, losses, numerics as numerics_mod, sampling, setup_types
 from rlvr.distributed import Distributed, learners as learners_mod, resolved_numerics, staleness
 from rlvr.distributed.rollout_workers import shards
 from rlvr.learn import Learner, learn, make_optimizer, make_scheduler
@@ -97,7 +97,7 @@ def test_inverse_cdf_sample_past_the_last_token_takes_the_most_likely():
 
 
 def test_a_prompts_rows_do_not_depend_on_the_other_prompts_of_the_call():
-    setup = run.build(tiny_cfg())
+    setup = build_mod.build(tiny_cfg())
     prompts = [encode_example(setup.tokenizer, ex) for ex in setup.task.train[:6]]
     kw = dict(samples_per_prompt=3, max_new_tokens=setup.limits.max_new_tokens, eos_id=setup.limits.eos_id,
               pad_id=setup.tokenizer.pad_id)
@@ -132,7 +132,7 @@ def test_denominator_recombines_per_rank_losses_into_the_whole_batch_loss():
 
 
 def test_a_shard_of_one_rank_is_the_one_process_update():
-    a, b = run.build(tiny_cfg()), run.build(tiny_cfg())
+    a, b = build_mod.build(tiny_cfg()), build_mod.build(tiny_cfg())
     la, lb = new_learner(a), new_learner(b)
     batch = rollout(a, a.model, None, lambda: a.task.train[:4], version=0, generator=torch.Generator().manual_seed(0))
     sa = learn(la, batch)
@@ -160,7 +160,7 @@ def test_truncated_is_weight_by_hand():
 
 
 def test_a_fresh_batch_is_not_corrected_and_a_stale_one_is():
-    setup = run.build(tiny_cfg("--distributed.rollout_workers=1", "--distributed.max_staleness=1"))
+    setup = build_mod.build(tiny_cfg("--distributed.rollout_workers=1", "--distributed.max_staleness=1"))
     batch = rollout(setup, setup.model, None, lambda: setup.task.train[:4], version=3,
                     generator=torch.Generator().manual_seed(0))
     same, delta_rows, stats = staleness.correct(setup.model, batch, setup.cfg, learner_version=3)
@@ -185,7 +185,7 @@ def test_a_fresh_batch_is_not_corrected_and_a_stale_one_is():
 
 def _two_steps(cfg) -> list:
     """(rewards, Δ, logp_old, version) of the first two steps, a plain learn between them."""
-    setup = run.build(cfg)
+    setup = build_mod.build(cfg)
     learner = new_learner(setup)
     gen, rng = torch.Generator().manual_seed(cfg.train.seed), iter(range(0, 40, 4))
     draw = lambda: setup.task.train[next(rng):][:4]  # noqa: E731
@@ -228,7 +228,7 @@ def test_tool_calls_draw_the_same_rows_with_and_without_rollout_workers(ray_loca
 
 def test_a_killed_rollout_worker_is_replaced_and_its_share_sampled_again(ray_local):
     cfg = tiny_cfg("--distributed.rollout_workers=2")
-    setup = run.build(cfg)
+    setup = build_mod.build(cfg)
     messages = []
     d = Distributed(cfg, setup, new_learner(setup), 0, 0, log=messages.append)
     try:
@@ -294,7 +294,7 @@ def group_as_one(one, two, l1, l2, batch, label: str = "", rtol: float = 0.0) ->
 @pytest.mark.parametrize("agg", list(losses.AGGREGATIONS))
 def test_two_learners_make_the_one_learner_update(ray_local, agg):
     cfg = tiny_cfg("--distributed.learners=2", f"--algorithm.agg={agg}", "--train.minibatches=2")
-    one, two = run.build(cfg), run.build(cfg)
+    one, two = build_mod.build(cfg), build_mod.build(cfg)
     l1, l2 = new_learner(one), new_learner(two)
     _, s2 = group_as_one(one, two, l1, l2, _uneven_batch(one), f"{agg}: ")
     assert s2["optimizer_steps"] == 2
@@ -306,7 +306,7 @@ def test_two_learners_leave_truncated_rows_out_as_one_learner_does(ray_local):
     from rlvr.rollout import mask_truncated
 
     cfg = tiny_cfg("--distributed.learners=2", "--train.minibatches=2")
-    one, two, plain = run.build(cfg), run.build(cfg), run.build(cfg)
+    one, two, plain = build_mod.build(cfg), build_mod.build(cfg), build_mod.build(cfg)
     l1, l2 = new_learner(one), new_learner(two)
     unmasked = _uneven_batch(one)
     unmasked.rollout.truncated[::3] = True
@@ -321,8 +321,8 @@ def micro_batches_in_a_group(extra: tuple, groups: int, rtol: float = 0.0) -> No
     """A learner group (`extra`: its distributed keys) with train.micro_batches = 2 on a batch of `groups`
     of _uneven_batch's groups (fewer than 4: as dynamic sampling may keep) makes the one-process update
     at one part."""
-    one = run.build(tiny_cfg(*extra))
-    two = run.build(tiny_cfg(*extra, "--train.micro_batches=2", "--distributed.timeout_s=60"))
+    one = build_mod.build(tiny_cfg(*extra))
+    two = build_mod.build(tiny_cfg(*extra, "--train.micro_batches=2", "--distributed.timeout_s=60"))
     l1, l2 = new_learner(one), new_learner(two)
     batch, G = _uneven_batch(one), one.cfg.train.samples_per_prompt
     if groups < 4:
@@ -346,7 +346,7 @@ def logp_old_from_the_group(*extra: str, rtol: float = 0.0) -> None:
     of a minibatch, or 1 and none): a learner group of `extra` makes the one-process update and
     reports its logp_old tokens and IS-weight figures."""
     cfg = tiny_cfg(*extra, "--train.minibatches=2", "--train.epochs_per_batch=2", "--train.micro_batches=2")
-    one, two = run.build(cfg), run.build(cfg)
+    one, two = build_mod.build(cfg), build_mod.build(cfg)
     l1, l2 = new_learner(one), new_learner(two)
     full, G = _uneven_batch(one), cfg.train.samples_per_prompt
     kept = full.groups.select(torch.arange(3), G)
@@ -368,10 +368,10 @@ def test_a_learner_group_that_fails_to_start_leaves_no_process_group(ray_local, 
     with this process's process group destroyed and the actors gone, so a later group can start."""
     import torch.distributed as dist
 
-    from rlvr.run import RunError
+    from rlvr.setup_types import RunError
 
     cfg = tiny_cfg("--distributed.learners=2")
-    setup = run.build(cfg)
+    setup = build_mod.build(cfg)
     started = []
 
     def lost(self, refs, what):
@@ -384,7 +384,7 @@ def test_a_learner_group_that_fails_to_start_leaves_no_process_group(ray_local, 
     assert started == [(True, 1)]                        # it had joined rank 0 and started one actor
     assert not dist.is_initialized()
     monkeypatch.undo()
-    group = learners_mod.LearnerGroup(cfg, new_learner(run.build(cfg)))
+    group = learners_mod.LearnerGroup(cfg, new_learner(build_mod.build(cfg)))
     try:
         assert group.learn(_uneven_batch(setup))["optimizer_steps"] == 1
     finally:
@@ -424,7 +424,7 @@ def test_bounded_staleness_overlaps_and_logs_its_correction(ray_local, tmp_path)
 def one_group_for_two_ranks(cfg) -> None:
     """One group for a two-rank learner group (dynamic sampling may keep so few): the group's update
     equals one process's, rank 1 taking part at weight 0."""
-    one, two = run.build(cfg), run.build(cfg)
+    one, two = build_mod.build(cfg), build_mod.build(cfg)
     l1, l2 = new_learner(one), new_learner(two)
     full, G = _uneven_batch(one), cfg.train.samples_per_prompt
     kept = full.groups.select(torch.tensor([0]), G)
@@ -472,19 +472,19 @@ def test_bf16_autocast_reaches_the_rollout_workers_and_the_learners(ray_local):
 
 def test_the_actors_get_the_numerics_this_process_chose(monkeypatch):
     # model.autocast = auto measures once, in the trainer; the actors are told the outcome, not `auto`
-    monkeypatch.setattr(run, "autocast_timings", lambda device, *shape, **kw: (3e-3, 1e-3))
+    monkeypatch.setattr(numerics_mod, "autocast_timings", lambda device, *shape, **kw: (3e-3, 1e-3))
     cfg = tiny_cfg("--model.autocast=auto", "--distributed.rollout_workers=1")
-    setup = run.build(cfg, log=lambda *_: None)
+    setup = build_mod.build(cfg, log=lambda *_: None)
     assert setup.numerics.bf16 and resolved_numerics(cfg, setup).model.autocast == "bf16"
-    monkeypatch.setattr(run, "autocast_timings", lambda device, *shape, **kw: (1e-3, 1e-3))
-    setup = run.build(cfg, log=lambda *_: None)
+    monkeypatch.setattr(numerics_mod, "autocast_timings", lambda device, *shape, **kw: (1e-3, 1e-3))
+    setup = build_mod.build(cfg, log=lambda *_: None)
     assert not setup.numerics.bf16 and resolved_numerics(cfg, setup).model.autocast == "off"
 
 
 def test_more_cpus_than_the_cluster_has_is_refused_before_any_actor(ray_local):
     cfg = tiny_cfg("--distributed.rollout_workers=2", "--distributed.cpus_per_worker=3")
-    setup = run.build(cfg)
-    with pytest.raises(run.RunError, match="has 4 CPUs; the actors ask for 6"):
+    setup = build_mod.build(cfg)
+    with pytest.raises(setup_types.RunError, match="has 4 CPUs; the actors ask for 6"):
         Distributed(cfg, setup, new_learner(setup), 0, 0, log=lambda *_: None)
     assert ray_local.is_initialized()  # a Ray this run did not start is left running
 
@@ -505,7 +505,7 @@ def test_two_learners_on_a_hugging_face_model(ray_local, tmp_path, lora, compile
              "--model.share_prompt_forward=true", f"--model.compile={str(compile_layers).lower()}"]
              + ([f"--model.lora_r={lora}"] if lora else []))
     cfg = config_mod.load(EXAMPLE, [x for x in TINY if not x.startswith("--model.n_")] + extra)
-    one, two = run.build(cfg), run.build(cfg)
+    one, two = build_mod.build(cfg), build_mod.build(cfg)
     two.model.load_state_dict(one.model.state_dict())  # peft's LoRA init is not seeded by train.seed
     assert one.model.differentiable_cache
     l1, l2 = new_learner(one), new_learner(two)

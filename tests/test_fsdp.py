@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlvr import config as config_mod, losses, run
+from rlvr import build as build_mod, config as config_mod, losses, setup_types
 from rlvr.distributed import fsdp, learners as learners_mod
 from rlvr.learn import learn
 
@@ -49,12 +49,12 @@ def test_sharding_is_in_help_and_fsdp2_needs_two_learners():
 
 
 def test_the_blocks_are_the_built_in_blocks_and_the_llama_layers(tmp_path):
-    tiny = run.build(tiny_cfg("--model.n_layer=2")).model
+    tiny = build_mod.build(tiny_cfg("--model.n_layer=2")).model
     assert fsdp.blocks(tiny) == list(tiny.blocks) and len(tiny.blocks) == 2
-    llama = run.build(tiny_llama(tmp_path)).model
+    llama = build_mod.build(tiny_llama(tmp_path)).model
     layers = list(llama.model.model.layers)
     assert fsdp.blocks(llama) == layers and len(layers) == 2
-    lora = run.build(tiny_llama(tmp_path, "--model.lora_r=4")).model
+    lora = build_mod.build(tiny_llama(tmp_path, "--model.lora_r=4")).model
     assert fsdp.blocks(lora) == list(lora.model.get_base_model().model.layers)
 
 
@@ -78,7 +78,7 @@ def test_two_fsdp2_learners_make_the_one_learner_update(ray_local, agg):
     # active (grad_clip well below the norm): the trainer's policy gets the one-process weights, and the
     # optimizer state saving reads (gathered from both ranks' shards) is the one-process state dict
     cfg = tiny_cfg(*FSDP, f"--algorithm.agg={agg}", "--train.minibatches=2", "--model.n_layer=2", "--train.grad_clip=0.05")
-    one, two = run.build(cfg), run.build(cfg)
+    one, two = build_mod.build(cfg), build_mod.build(cfg)
     l1, l2 = new_learner(one), new_learner(two)
     batch = _uneven_batch(one)
     s1 = learn(l1, copy.deepcopy(batch))
@@ -99,7 +99,7 @@ def test_two_fsdp2_learners_make_the_one_learner_update(ray_local, agg):
     assert math.isclose(s1["loss"], s2["loss"], rel_tol=1e-5, abs_tol=1e-6)
     assert math.isclose(s1["grad_norm"], s2["grad_norm"], rel_tol=1e-5)
     assert s2["optimizer_steps"] == 2 and l2.sched.last_epoch == l1.sched.last_epoch == 2
-    with pytest.raises(run.RunError, match="closed"):
+    with pytest.raises(setup_types.RunError, match="closed"):
         l2.opt.state_dict()
 
 
@@ -123,7 +123,7 @@ def test_fsdp2_ranks_compute_logp_old_of_their_rows_as_one_learner_does(ray_loca
 
 def _fp32_moments(tmp_path: Path, args: tuple, init: dict, batch) -> dict:
     """The one-process optimizer state after learning `batch` from the weights `init` in fp32."""
-    fp32 = run.build(tiny_llama(tmp_path, *args, "--model.autocast=off"))
+    fp32 = build_mod.build(tiny_llama(tmp_path, *args, "--model.autocast=off"))
     fp32.model.load_state_dict(init)
     learner = new_learner(fp32)
     learn(learner, copy.deepcopy(batch))
@@ -156,7 +156,7 @@ def test_two_fsdp2_learners_on_a_hugging_face_model(ray_local, tmp_path, lora, a
     # Under LoRA the frozen weights are sharded too and only the adapter is gathered back
     args = (*FSDP, "--model.share_prompt_forward=true", f"--model.lora_r={lora}")
     cfg = tiny_llama(tmp_path, *args, f"--model.autocast={autocast}")
-    one, two = run.build(cfg), run.build(cfg)
+    one, two = build_mod.build(cfg), build_mod.build(cfg)
     init = copy.deepcopy(one.model.state_dict())
     two.model.load_state_dict(init)  # peft's LoRA init is not seeded by train.seed
     assert one.model.differentiable_cache and one.model.uses_fast_path

@@ -799,7 +799,7 @@ def test_decode_steps_take_the_weight_major_products(monkeypatch, fast_variant):
     weight-major (linear_t), with the logits of the row-major forward; with gradient or more rows it does not;
     under bf16 autocast only in rlvr's context, whose bf16 weight copies it reads."""
     import rlvr.models.lean_llama as lean
-    from rlvr.run import autocast_context
+    from rlvr.numerics import autocast_context
 
     _, policy, tok = fast_variant
     ids, am = left_pad([tok.encode(s) for s in PROMPTS], tok.pad_id)
@@ -969,7 +969,7 @@ def test_frozen_weights_bf16_copies_are_kept_across_regions_until_they_change():
     import gc
 
     from rlvr.models import lean_llama
-    from rlvr.run import autocast_context
+    from rlvr.numerics import autocast_context
 
     torch.manual_seed(0)
     frozen, trained = torch.nn.Linear(64, 96).requires_grad_(False), torch.nn.Linear(64, 96)
@@ -1021,7 +1021,7 @@ def test_bf16_weight_copies_give_autocasts_numbers_bit_for_bit(fast_variant, mon
     to the last bit; a weight changed in place inside the region is copied again; the copies are
     made once per region."""
     from rlvr.models import lean_llama
-    from rlvr.run import autocast_context
+    from rlvr.numerics import autocast_context
 
     _, policy, tok = fast_variant
     if not policy.uses_fast_path:
@@ -1105,7 +1105,7 @@ def test_the_weight_major_bf16_probe_sees_one_output_rounded_otherwise(monkeypat
     import torch.nn.functional as F
 
     from rlvr.models import lean_llama
-    from rlvr.run import autocast_context
+    from rlvr.numerics import autocast_context
 
     real = lean_llama._mm_bias
     for biased in (False, True):
@@ -1158,7 +1158,7 @@ def test_bf16_decode_stacks_and_packed_head_keep_autocasts_numbers(fast_variant,
     LoRA one; sampled tokens and log-probs equal plain torch.autocast's. A stacked weight changed in
     place inside the region is stacked again from its new values."""
     from rlvr.models import lean_llama
-    from rlvr.run import autocast_context
+    from rlvr.numerics import autocast_context
 
     name, policy, tok = fast_variant
     if not policy.uses_fast_path:
@@ -1228,7 +1228,7 @@ def test_row_major_bf16_decode_reads_stacked_packs_with_autocasts_numbers(fast_v
     last bit (the oracle, LoRA terms included), and the sampled tokens and log-probs equal plain
     torch.autocast's."""
     from rlvr.models import lean_llama
-    from rlvr.run import autocast_context
+    from rlvr.numerics import autocast_context
 
     _, policy, tok = fast_variant
     if not policy.uses_fast_path or not lean_llama._packed_linear_ok():
@@ -1273,7 +1273,7 @@ def test_decode_plans_are_made_once_a_region_and_again_when_what_they_rest_on_ch
     change of a weight, the adapter disabled, a forward hook or train mode inside the
     region makes it again, and every call gives what plain torch.autocast's module call gives."""
     from rlvr.models import lean_llama
-    from rlvr.run import autocast_context
+    from rlvr.numerics import autocast_context
 
     llama_kw, lora = FAST_VARIANTS["lora"]
     policy, _ = load_policy(make_model_dir(tmp_path, "llama", seed=3, **llama_kw), lora=lora)
@@ -1371,7 +1371,7 @@ def test_decode_step_on_live_rows_only(fast_variant, monkeypatch):
     the finished ones, and the same later steps; in rlvr's bf16 context too. Sampling with eos takes
     it and draws the same rows."""
     import rlvr.models.lean_llama as lean
-    from rlvr.run import autocast_context
+    from rlvr.numerics import autocast_context
 
     _, policy, tok = fast_variant
     taken = []
@@ -1429,7 +1429,7 @@ def test_float_logits_false_keeps_the_heads_dtype_and_its_values(llama, fast, mo
     """``float_logits=False`` returns the logits in the head's dtype (bf16 under rlvr's CPU bf16
     context), the same numbers the default float32 logits round from, on the lean forward and on
     transformers' own; the training scorer takes them so, and scores them as the float32 copy."""
-    from rlvr.run import autocast_context
+    from rlvr.numerics import autocast_context
 
     policy, tok = llama
     ids, am = left_pad([tok.encode(s) for s in PROMPTS], tok.pad_id)

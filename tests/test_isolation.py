@@ -266,11 +266,11 @@ def test_a_learner_group_listens_on_loopback_only(ray_local):
     from test_distributed import new_learner, tiny_cfg
 
     import rlvr.distributed.learners as learners_mod
-    from rlvr import run
+    from rlvr import build as build_mod
 
     cfg = tiny_cfg("--distributed.learners=2")
     before = listening_addresses(_tree(os.getpid()))
-    group = learners_mod.LearnerGroup(cfg, new_learner(run.build(cfg)))
+    group = learners_mod.LearnerGroup(cfg, new_learner(build_mod.build(cfg)))
     try:
         new = listening_addresses(_tree(os.getpid())) - before
     finally:

@@ -1,5 +1,5 @@
 """The memory in the price (rlvr.costs.memory) by hand on a tiny shape, and the refusal of a run
-that would not fit (rlvr.run.check_memory)."""
+that would not fit (rlvr.run_price.check_memory)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from rlvr import config as config_mod, costs, run
+from rlvr import build as build_mod, config as config_mod, costs, numerics as numerics_mod, run_price, setup_types
 
 import pricing
 
@@ -44,8 +44,8 @@ def test_memory_options_by_hand():
         assert costs.memory(SHAPE, **BASE, logprob_chunk_rows=c, logit_bytes=2).logits == 1920
     # model.logprob_chunk_rows = -1 (auto) is priced at the rows rlvr.losses.auto_chunk_rows gives
     big = costs.ModelShape(layers=2, hidden=8, mlp=32, heads=2, kv_heads=1, head_dim=4, vocab=49152)
-    assert run.priced_chunk_rows(-1, big) == 10 and run.priced_chunk_rows(-1, SHAPE) == 2 * 2**20 // 40
-    assert run.priced_chunk_rows(0, big) == 0 and run.priced_chunk_rows(7, big) == 7 and run.priced_chunk_rows(-1, None) == 0
+    assert run_price.priced_chunk_rows(-1, big) == 10 and run_price.priced_chunk_rows(-1, SHAPE) == 2 * 2**20 // 40
+    assert run_price.priced_chunk_rows(0, big) == 0 and run_price.priced_chunk_rows(7, big) == 7 and run_price.priced_chunk_rows(-1, None) == 0
     ref = costs.memory(SHAPE, **{**BASE, "has_reference_copy": True})
     assert ref.reference == 4000 and ref.peak == costs.memory(SHAPE, **BASE).peak + 4000
     half = costs.memory(SHAPE, **BASE, bytes_per_param=2)
@@ -95,12 +95,12 @@ def _price(peak_gib: float) -> costs.Price:
 def test_a_run_that_does_not_fit_is_refused_naming_the_numbers(monkeypatch):
     cfg = config_mod.load(None, [])
     monkeypatch.setattr(costs, "available_bytes", lambda: 2 * 2**30)
-    with pytest.raises(run.RunError) as e:
-        run.check_memory(cfg, _price(8.0))
+    with pytest.raises(setup_types.RunError) as e:
+        run_price.check_memory(cfg, _price(8.0))
     msg = str(e.value)
     assert "8.00 GiB at its peak" in msg and "2.00 GiB available" in msg and "train.memory_check = false" in msg
-    run.check_memory(cfg, _price(2.4))          # 0.5 GiB already held: 1.9 GiB more fits in 2
-    run.check_memory(config_mod.load(None, ["--train.memory_check=false"]), _price(8.0))
+    run_price.check_memory(cfg, _price(2.4))          # 0.5 GiB already held: 1.9 GiB more fits in 2
+    run_price.check_memory(config_mod.load(None, ["--train.memory_check=false"]), _price(8.0))
 
 
 def test_the_refusal_names_the_micro_batches_that_fit(monkeypatch):
@@ -114,16 +114,16 @@ def test_the_refusal_names_the_micro_batches_that_fit(monkeypatch):
     p.memory_eval_kv_cache_bytes = p.memory_export_bytes = 0
     p.memory_peak_phase = "training"
     assert p.peak_in_parts(1) == p.memory_peak_bytes and p.peak_in_parts(4) == int(2.5 * 2**30)
-    with pytest.raises(run.RunError) as e:
-        run.check_memory(cfg, p)
+    with pytest.raises(setup_types.RunError) as e:
+        run_price.check_memory(cfg, p)
     assert ("With train.micro_batches = 3 (the same update, 3 forward/backward parts a minibatch) the predicted "
             "peak is 3.17 GiB, which fits." in str(e.value))
     assert "model.gradient_checkpointing" not in str(e.value)                # the built-in model has none
-    with pytest.raises(run.RunError, match="model.gradient_checkpointing = true, or set train.memory_check"):
-        run.check_memory(config_mod.load(None, ["--train.prompts_per_step=8", "--model.path=some/hf-model"]), p)
+    with pytest.raises(setup_types.RunError, match="model.gradient_checkpointing = true, or set train.memory_check"):
+        run_price.check_memory(config_mod.load(None, ["--train.prompts_per_step=8", "--model.path=some/hf-model"]), p)
     p.memory_kv_cache_bytes = 5 * 2**30                                     # sampling would not fit either
-    with pytest.raises(run.RunError) as e:
-        run.check_memory(cfg, p)
+    with pytest.raises(setup_types.RunError) as e:
+        run_price.check_memory(cfg, p)
     assert "With train.micro_batches" not in str(e.value)
 
 
@@ -136,18 +136,18 @@ def test_a_gpu_run_whose_first_update_does_not_fit_is_refused():
                     epochs_per_batch=1, minibatches=1, n_params=2**28, has_reference=True)   # full FT, KL on
     # 2**28 parameters: reference 1 GiB + AdamW 2 GiB + gradients 1 GiB = 4 GiB by the first update
     assert (p.reference_bytes, p.optimizer_bytes) == (2**30, 2 * 2**30)
-    with pytest.raises(run.RunError) as e:
-        run.check_device_memory(cfg, p, cuda, free=3 * 2**30)
+    with pytest.raises(setup_types.RunError) as e:
+        run_price.check_device_memory(cfg, p, cuda, free=3 * 2**30)
     msg = str(e.value)
     assert ("allocates 4.00 GiB more on the GPU by its first update (reference copy 1.00 + AdamW moments 2.00 + "
             "gradients 1.00 GiB" in msg and "only 3.00 GiB are free" in msg and "train.memory_check = false" in msg)
-    run.check_device_memory(cfg, p, cuda, free=4 * 2**30)                          # fits exactly
-    run.check_device_memory(config_mod.load(None, ["--train.memory_check=false"]), p, cuda, free=0)
-    run.check_device_memory(cfg, p, torch.device("cpu"), free=0)                   # the CPU has check_memory
+    run_price.check_device_memory(cfg, p, cuda, free=4 * 2**30)                          # fits exactly
+    run_price.check_device_memory(config_mod.load(None, ["--train.memory_check=false"]), p, cuda, free=0)
+    run_price.check_device_memory(cfg, p, torch.device("cpu"), free=0)                   # the CPU has check_memory
     sharded = config_mod.load(None, ["--distributed.learners=2", "--distributed.sharding=fsdp2"])
-    run.check_device_memory(sharded, p, cuda, free=2 * 2**30)                      # each of 2 GPUs holds half
-    with pytest.raises(run.RunError):
-        run.check_device_memory(config_mod.load(None, ["--distributed.learners=2"]), p, cuda, free=2 * 2**30)
+    run_price.check_device_memory(sharded, p, cuda, free=2 * 2**30)                      # each of 2 GPUs holds half
+    with pytest.raises(setup_types.RunError):
+        run_price.check_device_memory(config_mod.load(None, ["--distributed.learners=2"]), p, cuda, free=2 * 2**30)
 
 
 def test_training_refuses_before_writing_anything(monkeypatch, tmp_path):
@@ -158,7 +158,7 @@ def test_training_refuses_before_writing_anything(monkeypatch, tmp_path):
                                  "--train.prompts_per_step=2", "--train.samples_per_prompt=2",
                                  "--task.reward_workers=0"])
     monkeypatch.setattr(costs, "available_bytes", lambda: 1)
-    with pytest.raises(run.RunError, match="MemAvailable"):
+    with pytest.raises(setup_types.RunError, match="MemAvailable"):
         train(cfg, tmp_path / "run", log=lambda *a: None)
     assert not (tmp_path / "run").exists()
     # the GPU check is asked too, with the run's device and price, before anything is written
@@ -169,9 +169,9 @@ def test_training_refuses_before_writing_anything(monkeypatch, tmp_path):
 
     def gpu_check(cfg_, price, device):
         asked.append((device.type, price.optimizer_bytes))
-        raise run.RunError("no room on the GPU")
+        raise setup_types.RunError("no room on the GPU")
     monkeypatch.setattr(trainer_mod, "check_device_memory", gpu_check)
-    with pytest.raises(run.RunError, match="no room on the GPU"):
+    with pytest.raises(setup_types.RunError, match="no room on the GPU"):
         train(cfg, tmp_path / "run", log=lambda *a: None)
     assert asked and asked[0][0] == "cpu" and asked[0][1] > 0 and not (tmp_path / "run").exists()
 
@@ -180,23 +180,23 @@ def test_price_of_a_real_setup_predicts_memory():
     cfg_args = ["--task.path=rlvr.tasks.sort:sort_task", "--task.options={n = 3, heldout = 20}",
                 "--model.n_embd=16", "--model.n_layer=1", "--model.n_head=2",
                 "--train.prompts_per_step=2", "--train.samples_per_prompt=2", "--eval.pass_k=0"]
-    setup = run.build(config_mod.load(None, cfg_args), log=lambda *a: None)
-    shape = run.model_shape(setup.model)
+    setup = build_mod.build(config_mod.load(None, cfg_args), log=lambda *a: None)
+    shape = numerics_mod.model_shape(setup.model)
     assert shape == costs.ModelShape(layers=1, hidden=16, mlp=64, heads=2, kv_heads=2, head_dim=8,
                                      vocab=setup.model.config.vocab_size)
-    assert run.eval_rows(setup) == 20
-    p = run.price_of(setup)
+    assert run_price.eval_rows(setup) == 20
+    p = run_price.price_of(setup)
     assert p.memory_baseline_bytes >= setup.baseline_bytes > 0
     assert p.memory_peak_bytes > p.memory_baseline_bytes + p.policy_bytes
     assert p.memory_weight_copy_bytes == 0 and "bf16 weight copies" not in p.memory_line()
-    bf16 = run.build(config_mod.load(None, cfg_args + ["--model.autocast=bf16"]), log=lambda *a: None)
-    pb = run.price_of(bf16)            # each forward region holds 2-byte copies of the trainable weights
+    bf16 = build_mod.build(config_mod.load(None, cfg_args + ["--model.autocast=bf16"]), log=lambda *a: None)
+    pb = run_price.price_of(bf16)            # each forward region holds 2-byte copies of the trainable weights
     n = bf16.model.num_params()
     assert sum(p.numel() for p in bf16.model.trainable_params()) == n   # all of them here
     assert pb.memory_weight_copy_bytes == 2 * n > 0
     assert f"bf16 weight copies {pb.memory_weight_copy_bytes / 2**20:,.0f}" in pb.memory_line()
     # and the frozen ones' copies are kept: here a KL reference's (2 a parameter)
-    ref = run.price_of(run.build(config_mod.load(None, cfg_args + ["--model.autocast=bf16", "--algorithm.kl_coef=0.1"]),
+    ref = run_price.price_of(build_mod.build(config_mod.load(None, cfg_args + ["--model.autocast=bf16", "--algorithm.kl_coef=0.1"]),
                                  log=lambda *a: None))
     assert pb.memory_kept_copy_bytes == 0 and ref.memory_kept_copy_bytes == 2 * n
     assert (ref.memory_peak_bytes - ref.memory_baseline_bytes

@@ -1,10 +1,11 @@
 """task.chat / task.system: how a task's prompts reach the tokenizer (rlvr.tokenizer.encode_example,
-rlvr.run.prompt_format)."""
+rlvr.build.prompt_format)."""
 
 import pytest
 
 from rlvr import config as config_mod
-from rlvr.run import RunError, prompt_format
+from rlvr.build import prompt_format
+from rlvr.setup_types import RunError
 from rlvr.tasks import Example, Task
 from rlvr.tokenizer import CharTokenizer, PromptFormat, encode_example
 

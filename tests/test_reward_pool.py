@@ -254,7 +254,7 @@ def test_evaluation_through_a_pool_gives_the_same_figures():
 
     from rlvr.evaluate import evaluate
     from rlvr.models.tiny import TinyConfig, TinyTransformer
-    from rlvr.run import Limits
+    from rlvr.setup_types import Limits
     from rlvr.tokenizer import CharTokenizer
 
     task = load_task("rlvr.tasks.sort:sort_task", n=3, heldout=20)

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from rlvr import cli, config as config_mod, rundir
-from rlvr.run import RunError
+from rlvr.setup_types import RunError
 
 TINY = ["examples/sort.toml", "--model.n_embd=32", "--model.n_layer=1", "--model.n_head=2",
         "--train.prompts_per_step=4", "--train.samples_per_prompt=4", "--task.options={n = 3, heldout = 20}",

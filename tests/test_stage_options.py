@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from rlvr import config as config_mod, losses, run, sampling
+from rlvr import build as build_mod, config as config_mod, losses, run_price, sampling, setup_types
 from rlvr.learn import learn
 from rlvr.rollout import rollout
 from rlvr.value import LearnedBaseline
@@ -24,7 +24,7 @@ def sort_setup(**overrides):
     cfg = config_mod.load(None, ["--task.options={n = 3, heldout = 20}", "--model.n_layer=1", "--model.n_embd=16",
                                  "--model.n_head=2", "--train.prompts_per_step=4", "--train.samples_per_prompt=4"]
                           + [f"--{k.replace('__', '.')}={v}" for k, v in overrides.items()])
-    return run.build(cfg, log=lambda *_: None)
+    return build_mod.build(cfg, log=lambda *_: None)
 
 
 # ----------------------------------------------------------------------------------- learn stage
@@ -172,7 +172,7 @@ def test_kl_is_zero_at_the_reference_with_top_p_below_one(nucleus):
 def test_overlong_penalty_is_added_to_the_rewards():
     setup = sort_setup(sampling__max_new_tokens=4, algorithm__scheme="centered")
     # the same model on an eos-terminated bound: responses end early or run to 4 tokens
-    setup.limits = run.Limits(4, setup.tokenizer.eos_id, setup.limits.prompt_tokens)
+    setup.limits = setup_types.Limits(4, setup.tokenizer.eos_id, setup.limits.prompt_tokens)
     setup.cfg.algorithm.overlong_buffer, setup.cfg.algorithm.overlong_penalty = 2, 0.5
     gen = torch.Generator().manual_seed(0)
     batch = rollout(setup, setup.model, None, lambda: list(setup.task.train[:4]), version=0, generator=gen)
@@ -191,7 +191,7 @@ def test_overlong_penalty_is_added_to_the_rewards():
 def test_overlong_penalty_is_refused_on_a_fixed_length_task():
     cfg = config_mod.load(None, ["--algorithm.overlong_buffer=2", "--task.options={n = 3, heldout = 20}"])
     with pytest.raises(config_mod.ConfigError, match="algorithm.overlong_buffer.*fixed-length"):
-        run.build(cfg, log=lambda *_: None)
+        build_mod.build(cfg, log=lambda *_: None)
 
 
 def test_learned_baseline_is_read_before_its_update():
@@ -378,7 +378,7 @@ def test_micro_batches_accumulate_the_whole_minibatch_gradient(agg, monkeypatch)
 
     setup = sort_setup(sampling__max_new_tokens=4, algorithm__scheme="centered", algorithm__agg=agg,
                        algorithm__kl_coef=0.1, algorithm__entropy_coef=0.01, train__grad_clip=0)
-    setup.limits = run.Limits(4, setup.tokenizer.eos_id, setup.limits.prompt_tokens)
+    setup.limits = setup_types.Limits(4, setup.tokenizer.eos_id, setup.limits.prompt_tokens)
     model = setup.model
     gen = torch.Generator().manual_seed(0)
     batch = rollout(setup, model, copy.deepcopy(model), lambda: list(setup.task.train[:4]), version=0, generator=gen)
@@ -412,7 +412,7 @@ def test_micro_batches_shrink_the_predicted_training_memory_and_are_checked():
     prices = {}
     for k in (1, 2):
         setup.cfg.train.micro_batches = k
-        prices[k] = run.price_of(setup, rate=1e11, decode_s=0.01)
+        prices[k] = run_price.price_of(setup, rate=1e11, decode_s=0.01)
     one, two = prices[1], prices[2]
     assert two.memory_activation_bytes * 2 == one.memory_activation_bytes > 0     # half the rows at once
     assert two.memory_logits_bytes * 2 == one.memory_logits_bytes > 0

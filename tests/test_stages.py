@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from rlvr import advantages, config as config_mod, run, sampling
+from rlvr import advantages, build as build_mod, config as config_mod, sampling
 from rlvr.learn import Learner, learn, lr_at, make_optimizer, make_scheduler
 from rlvr.rollout import Batch, Groups, rollout
 from rlvr.tasks import Example
@@ -215,7 +215,7 @@ def sort_setup(**overrides):
     cfg = config_mod.load(None, [f"--{k.replace('__', '.')}={v}" for k, v in overrides.items()] + [
         "--task.options={n = 3, heldout = 20}", "--model.n_layer=1", "--model.n_embd=16", "--model.n_head=2",
         "--train.prompts_per_step=4", "--train.samples_per_prompt=4"])
-    return run.build(cfg, log=lambda *_: None)
+    return build_mod.build(cfg, log=lambda *_: None)
 
 
 @pytest.mark.parametrize("scheme", ["raw", "centered", "normalized", "loo", "batch_normalized"])

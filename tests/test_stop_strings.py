@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlvr import config as config_mod, run
+from rlvr import build as build_mod, config as config_mod, setup_types
 from rlvr.sampling import StopStrings, generate, prompt_generators
 from test_sampling import BOS, EOS, PAD, MarkovMock, tiny_model
 
@@ -135,10 +135,10 @@ def test_the_config_and_the_run_limits_carry_stop_strings(tmp_path):
         config_mod.load(str(bad), [])
     # the sort task's responses have a fixed length: nothing to stop
     cfg = config_mod.load(None, ['--sampling.stop=["1"]'])
-    with pytest.raises(run.RunError, match="sampling.stop.*fixed length"):
-        run.build(cfg, log=lambda *a: None)
+    with pytest.raises(setup_types.RunError, match="sampling.stop.*fixed length"):
+        build_mod.build(cfg, log=lambda *a: None)
     cfg = config_mod.load(str(COUNTDOWN), ['--sampling.stop=["="]'])
-    setup = run.build(cfg, log=lambda *a: None)
+    setup = build_mod.build(cfg, log=lambda *a: None)
     assert setup.limits.stop == ("=",) and setup.limits.eos_id is not None
 
 

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlvr import config as config_mod, costs, learn as learn_mod, report, run, trainer
+from rlvr import (config as config_mod, costs, learn as learn_mod, machine as machine_mod, probes, report, run_price,
+                  sampling, setup_types, trainer)
 from rlvr.cli import main
 
 import pricing
@@ -37,8 +38,8 @@ def keep_threads():
 
 def machine(monkeypatch, cores: int, load: float) -> None:
     """Pretend this process may use `cores` cores on a machine with 1-minute load `load`."""
-    monkeypatch.setattr(run.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
-    monkeypatch.setattr(run.os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(machine_mod.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    monkeypatch.setattr(machine_mod.os, "getloadavg", lambda: (load, load, load))
 
 
 def cfg_with(threads: int) -> config_mod.Config:
@@ -47,29 +48,29 @@ def cfg_with(threads: int) -> config_mod.Config:
 
 def test_oversubscribed_by_hand():
     # 1.5 busy + 2 threads = 3.5 > 2 cores: warned, with the numbers and the fix
-    msg = run.oversubscribed(2, 1.5, 2)
+    msg = machine_mod.oversubscribed(2, 1.5, 2)
     assert msg is not None
     assert "load average 1.5" in msg and "2 threads" in msg and "> 2 cores" in msg
     assert "--train.threads=1" in msg and "stop the other job" in msg
-    assert run.oversubscribed(2, 0.0, 2) is None        # 0 + 2 = 2 cores: fits
-    assert run.oversubscribed(1, 0.9, 2) is None        # 0.9 + 1 < 2
-    assert run.oversubscribed(4, 1.5, 4) is not None    # 5.5 > 4 + 1
-    assert run.oversubscribed(2, 0.8, 2) is None        # this process's own start-up shows in the load
+    assert machine_mod.oversubscribed(2, 0.0, 2) is None        # 0 + 2 = 2 cores: fits
+    assert machine_mod.oversubscribed(1, 0.9, 2) is None        # 0.9 + 1 < 2
+    assert machine_mod.oversubscribed(4, 1.5, 4) is not None    # 5.5 > 4 + 1
+    assert machine_mod.oversubscribed(2, 0.8, 2) is None        # this process's own start-up shows in the load
 
 
 def test_threads_default_to_the_usable_cores(monkeypatch):
     machine(monkeypatch, cores=3, load=0.0)
-    threads, busy = run.set_threads(cfg_with(0))
+    threads, busy = machine_mod.set_threads(cfg_with(0))
     assert (threads, busy, torch.get_num_threads()) == (3, None, 3)
 
 
 def test_explicit_threads_win_and_warn_on_a_busy_machine(monkeypatch):
     machine(monkeypatch, cores=2, load=2.5)
-    threads, busy = run.set_threads(cfg_with(1))
+    threads, busy = machine_mod.set_threads(cfg_with(1))
     assert (threads, torch.get_num_threads()) == (1, 1)
     assert "1-minute load average 2.5 + this run's 1 threads > 2 cores" in busy
     assert "stop the other job (this run already uses one thread)" in busy and "--train.threads" not in busy
-    threads, busy = run.set_threads(cfg_with(0))     # default: both cores, on a machine already 2.5 busy
+    threads, busy = machine_mod.set_threads(cfg_with(0))     # default: both cores, on a machine already 2.5 busy
     assert threads == 2 and "+ this run's 2 threads > 2 cores" in busy
 
 
@@ -79,26 +80,26 @@ def test_busy_cores_by_hand():
     # (fields 4 and 5) do not count
     s0 = "cpu  1000 10 200 5000 50 5 5 0 0 0"
     s1 = "cpu  1100 10 240 5900 90 10 10 0 0 0"
-    assert run.busy_cores(s0, s1, own_s=0.5, wall_s=0.5, hz=100) == 2.0
-    assert run.busy_cores(s0, s0, own_s=0.1, wall_s=0.5, hz=100) == 0.0      # never below 0
+    assert machine_mod.busy_cores(s0, s1, own_s=0.5, wall_s=0.5, hz=100) == 2.0
+    assert machine_mod.busy_cores(s0, s0, own_s=0.1, wall_s=0.5, hz=100) == 0.0      # never below 0
 
 
 def test_the_direct_measurement_is_used_when_there_is_one(monkeypatch):
     machine(monkeypatch, cores=2, load=5.0)          # a load average still counting a job that just ended
-    monkeypatch.setattr(run, "_proc_stat_busy", lambda interval=0.25: 0.1)
-    assert run.set_threads(cfg_with(0)) == (2, None)
-    monkeypatch.setattr(run, "_proc_stat_busy", lambda interval=0.25: 1.0)   # a job running now
-    threads, busy = run.set_threads(cfg_with(0))
+    monkeypatch.setattr(machine_mod, "_proc_stat_busy", lambda interval=0.25: 0.1)
+    assert machine_mod.set_threads(cfg_with(0)) == (2, None)
+    monkeypatch.setattr(machine_mod, "_proc_stat_busy", lambda interval=0.25: 1.0)   # a job running now
+    threads, busy = machine_mod.set_threads(cfg_with(0))
     assert threads == 2 and "other processes kept 1.0 cores busy over the last 0.25 s + this run's 2 threads" in busy
     # 0.6 other cores + 2 threads > 2 cores + half a core (this process is left out of the measurement)
-    assert run.oversubscribed(2, 0.6, 2, "x", 0.5) is not None and run.oversubscribed(2, 0.4, 2, "x", 0.5) is None
+    assert machine_mod.oversubscribed(2, 0.6, 2, "x", 0.5) is not None and machine_mod.oversubscribed(2, 0.4, 2, "x", 0.5) is None
 
 
 def test_the_measurement_leaves_this_process_out(monkeypatch):
     # this process spins for the whole interval in another thread: other processes are not charged for it
     import threading
 
-    monkeypatch.setattr(run, "PROC_STAT", "/proc/stat")
+    monkeypatch.setattr(machine_mod, "PROC_STAT", "/proc/stat")
     if not Path("/proc/stat").is_file():
         pytest.skip("no /proc/stat on this platform")
     stop = threading.Event()
@@ -108,10 +109,10 @@ def test_the_measurement_leaves_this_process_out(monkeypatch):
             pass
 
     t = threading.Thread(target=spin)
-    base = run._proc_stat_busy(0.3)
+    base = machine_mod._proc_stat_busy(0.3)
     t.start()
     try:
-        spinning = run._proc_stat_busy(0.3)
+        spinning = machine_mod._proc_stat_busy(0.3)
     finally:
         stop.set()
         t.join()
@@ -124,15 +125,15 @@ def test_no_load_average_no_warning(monkeypatch):
 
     def missing():
         raise OSError("no load average here")
-    monkeypatch.setattr(run.os, "getloadavg", missing)
-    assert run.set_threads(cfg_with(0)) == (2, None)
+    monkeypatch.setattr(machine_mod.os, "getloadavg", missing)
+    assert machine_mod.set_threads(cfg_with(0)) == (2, None)
 
 
 def test_matmul_rate_is_measured_once(monkeypatch):
-    monkeypatch.setattr(run, "_MATMUL_RATES", {})
-    rate = run.matmul_rate(torch.device("cpu"), seconds=0.05)
+    monkeypatch.setattr(machine_mod, "_MATMUL_RATES", {})
+    rate = machine_mod.matmul_rate(torch.device("cpu"), seconds=0.05)
     assert rate > 1e6                                                   # any CPU does a MFLOP/s
-    assert run.matmul_rate(torch.device("cpu"), seconds=60.0) == rate   # cached: not measured again
+    assert machine_mod.matmul_rate(torch.device("cpu"), seconds=60.0) == rate   # cached: not measured again
 
 
 def test_wall_estimate_by_hand():
@@ -255,21 +256,21 @@ def test_the_learn_probe_runs_the_learn_stage_on_full_length_parts_and_leaves_th
     real_spy = learn_mod.accumulate
     monkeypatch.setattr(learn_mod, "accumulate", lambda *a, **kw: threads.append(torch.get_num_threads())
                         or real_spy(*a, **kw))
-    assert run.learn_probe_share(group) == (2, 1)
+    assert probes.learn_probe_share(group) == (2, 1)
     assert learn_mod.learn_part_seconds(group)[0] > 0 and torch.get_num_threads() == 2
     assert [rows for rows, *_ in calls] == [2 * G] * 3 and set(threads) == {1}
-    price = run.price_of(group, rate=1e9, decode_s=0.25, learn_s=(0.5, 0.01))
+    price = run_price.price_of(group, rate=1e9, decode_s=0.25, learn_s=(0.5, 0.01))
     assert (price.learner_ranks, price.learn_threads, price.learn_parts_per_step) == (2, 1, 1)
     assert ("(forward and backward of one learner rank's share at 1 torch thread(s); the 2 ranks side by side; "
             "their gradient all-reduce not counted)") in price.wall_line()
     d.learners = 3                                                      # 4 groups over 3 ranks: 2 at most
-    assert run.learn_probe_share(group) == (2, 1)
+    assert probes.learn_probe_share(group) == (2, 1)
     # learners elsewhere (a cluster) or on another kind of device: nothing measured here
     calls.clear()
     for key, value in (("address", "auto"), ("gpus_per_worker", 1.0)):
         was = getattr(d, key)
         setattr(d, key, value)
-        assert run.learn_probe_share(group) is None
+        assert probes.learn_probe_share(group) is None
         assert learn_mod.learn_part_seconds(group) == (0.0, 0.0) and calls == []
         setattr(d, key, was)
 
@@ -284,7 +285,7 @@ def test_a_larger_part_is_extrapolated_from_one_and_two_groups(monkeypatch):
     setup = tiny_setup()
     monkeypatch.setattr(rlvr.learn, "accumulate", lambda *a, **kw: {})
     ticks = iter([t for d in (0.3, 0.5, 0.2, 0.35, 0.03, 0.01, 0.02) for t in (0.0, d)])
-    monkeypatch.setattr(learn_mod.time, "perf_counter", lambda: next(ticks))
+    monkeypatch.setattr(machine_mod.time, "perf_counter", lambda: next(ticks))
     part, opt = learn_mod.learn_part_seconds(setup)
     assert part == pytest.approx(0.65) and opt == pytest.approx(0.01)
 
@@ -294,44 +295,44 @@ def test_a_run_its_memory_refuses_is_not_probed_and_a_given_learn_time_reaches_t
 
     calls = _spy_accumulate(monkeypatch)
     setup = tiny_setup()
-    monkeypatch.setattr(run.costs, "available_bytes", lambda: 1)     # nothing fits
-    refused = run.price_of(setup, rate=1e9, decode_s=0.25, learn_probe=learn_mod.learn_part_seconds)
+    monkeypatch.setattr(costs, "available_bytes", lambda: 1)     # nothing fits
+    refused = run_price.price_of(setup, rate=1e9, decode_s=0.25, probe_learn=True)
     assert calls == [] and refused.learn_part_s == 0.0 and refused.wall_seconds_expected > 0
-    with pytest.raises(run.RunError, match="needs about"):
-        run.check_memory(setup.cfg, refused)                         # which the run's own check then refuses
+    with pytest.raises(setup_types.RunError, match="needs about"):
+        run_price.check_memory(setup.cfg, refused)                         # which the run's own check then refuses
     monkeypatch.undo()
-    given = run.price_of(setup, rate=1e9, decode_s=0.25, learn_s=(0.5, 0.01))
+    given = run_price.price_of(setup, rate=1e9, decode_s=0.25, learn_s=(0.5, 0.01))
     steps = setup.cfg.train.steps * setup.cfg.train.epochs_per_batch * setup.cfg.train.minibatches
     assert given.learn_part_s == 0.5 and given.optimizer_step_s == 0.01
     assert given.wall_seconds_expected == pytest.approx(refused.wall_seconds_expected
                                                         - given.flops_train_per_batch * setup.cfg.train.steps / 1e9
                                                         + steps * (0.5 + 0.01))
-    measured = run.price_of(setup, rate=1e9, decode_s=0.25, learn_probe=learn_mod.learn_part_seconds)
+    measured = run_price.price_of(setup, rate=1e9, decode_s=0.25, probe_learn=True)
     assert measured.learn_part_s > 0 and measured.optimizer_step_s > 0
-    assert run.price_of(setup, rate=1e9, decode_s=0.25).learn_part_s == 0.0   # no probe: the FLOPs at the rate
+    assert run_price.price_of(setup, rate=1e9, decode_s=0.25).learn_part_s == 0.0   # no probe: the FLOPs at the rate
 
 
 def test_decode_step_is_measured_on_the_runs_policy_or_a_rollout_workers_share(monkeypatch):
     from test_autocast import tiny_setup
 
     calls = []
-    real = run.sampling.generate
-    monkeypatch.setattr(run.sampling, "generate", lambda model, prompts, **kw: calls.append((prompts, kw)) or real(
+    real = sampling.generate
+    monkeypatch.setattr(sampling, "generate", lambda model, prompts, **kw: calls.append((prompts, kw)) or real(
         model, prompts, **kw))
     setup = tiny_setup()
     setup.model.train()
-    got = run.decode_step_seconds(setup)
+    got = probes.decode_step_seconds(setup)
     assert got > 0 and setup.model.training                       # measured; the model's mode restored
     P, G = setup.cfg.train.prompts_per_step, setup.cfg.train.samples_per_prompt
     assert P > 1 and G > 1
     assert setup.limits.max_new_tokens >= 3                       # b = 2: both timed calls decode
-    n = min(run.DECODE_PROBE_STEPS, setup.limits.max_new_tokens - 2)
+    n = min(probes.DECODE_PROBE_STEPS, setup.limits.max_new_tokens - 2)
     tokens = [kw["max_new_tokens"] for _, kw in calls]
     assert tokens[:3] == [2, 2, 2 + n] and tokens[3:] in ([], [2, 2 + n], [2, 2 + n] * 2)  # warm-up, 2, 2 + n; retries
     # a real step's shape: P prompts of G samples each (the grouped cache layout), not one prompt x P*G
     assert all(kw["samples_per_prompt"] == G and len(p) == P
                and all(len(x) == setup.limits.prompt_tokens for x in p) and kw["eos_id"] is None for p, kw in calls)
-    price = run.price_of(setup, rate=1e9, decode_s=0.25)
+    price = run_price.price_of(setup, rate=1e9, decode_s=0.25)
     assert price.decode_step_s == 0.25 and price.wall_seconds_expected > price.wall_seconds_estimate
     assert f"at the measured 250 ms ({P * G} rows)" in price.wall_line()
 
@@ -341,12 +342,12 @@ def test_decode_step_is_measured_on_the_runs_policy_or_a_rollout_workers_share(m
     d.rollout_workers, d.cpus_per_worker = 2, 1.0
     torch.set_num_threads(2)
     seen = []
-    monkeypatch.setattr(run.sampling, "generate", lambda model, prompts, **kw: seen.append(
+    monkeypatch.setattr(sampling, "generate", lambda model, prompts, **kw: seen.append(
         (len(prompts), torch.get_num_threads())) or real(model, prompts, **kw))
-    assert run.decode_probe_share(setup) == (-(-P // 2), 1)
-    assert run.decode_step_seconds(setup) > 0 and torch.get_num_threads() == 2
+    assert probes.decode_probe_share(setup) == (-(-P // 2), 1)
+    assert probes.decode_step_seconds(setup) > 0 and torch.get_num_threads() == 2
     assert seen and set(seen) == {(-(-P // 2), 1)}
-    price = run.price_of(setup, rate=1e9, decode_s=0.25)
+    price = run_price.price_of(setup, rate=1e9, decode_s=0.25)
     assert (price.decode_prompts, price.decode_threads, price.rollout_workers) == (-(-P // 2), 1, 2)
     assert (f"(a rollout worker's largest share, {-(-P // 2)} prompts x {G} = {-(-P // 2) * G} rows at 1 torch "
             "thread(s); the 2 workers decode side by side") in price.wall_line()
@@ -354,13 +355,13 @@ def test_decode_step_is_measured_on_the_runs_policy_or_a_rollout_workers_share(m
     assert price.sync_bytes == state_bytes(trainable_state(setup.model)) > 0     # what each sync sends
     assert f"{price.sync_bytes / 2**20:,.2f} MiB after every update" in price.wall_line()
     d.rollout_workers, d.cpus_per_worker = 3, 2.0
-    assert run.decode_probe_share(setup) == (-(-P // 3), 2)
+    assert probes.decode_probe_share(setup) == (-(-P // 3), 2)
     seen.clear()
     for key, value in (("address", "auto"), ("gpus_per_worker", 1.0)):  # elsewhere, or another device: not here
         was = getattr(d, key)
         setattr(d, key, value)
-        assert run.decode_probe_share(setup) is None and run.decode_step_seconds(setup) == 0.0
-        price = run.price_of(setup, rate=1e9)
+        assert probes.decode_probe_share(setup) is None and probes.decode_step_seconds(setup) == 0.0
+        price = run_price.price_of(setup, rate=1e9)
         assert price.wall_seconds_expected == 0.0 and "expected" not in price.wall_line()
         setattr(d, key, was)
     assert not seen
@@ -374,22 +375,22 @@ def test_a_decode_probe_whose_longer_call_ran_shorter_times_the_pair_again(monke
     from test_autocast import tiny_setup
 
     setup = tiny_setup("--sampling.max_new_tokens=8")
-    monkeypatch.setattr(run.sampling, "generate", lambda *a, **kw: None)
-    monkeypatch.setattr(run, "DECODE_PROBE_STEPS", 3)
+    monkeypatch.setattr(sampling, "generate", lambda *a, **kw: None)
+    monkeypatch.setattr(probes, "DECODE_PROBE_STEPS", 3)
 
     def clock(durations):
         ticks = iter([t for d in durations for t in (0.0, d)])
-        monkeypatch.setattr(run.time, "perf_counter", lambda: next(ticks))
+        monkeypatch.setattr(machine_mod.time, "perf_counter", lambda: next(ticks))
 
     clock([0.1, 0.5, 0.4, 0.1, 0.9])
-    assert run.decode_step_seconds(setup) == pytest.approx(0.1)
+    assert probes.decode_step_seconds(setup) == pytest.approx(0.1)
     clock([0.1, 0.5, 0.4, 0.6, 0.45, 0.7, 0.42])          # inverted every time: best 2 + 3 tokens 0.4 s
-    assert run.decode_step_seconds(setup) == pytest.approx(0.4 / 5)
+    assert probes.decode_step_seconds(setup) == pytest.approx(0.4 / 5)
     short = tiny_setup("--sampling.max_new_tokens=2")
     calls = []
-    monkeypatch.setattr(run.sampling, "generate", lambda *a, **kw: calls.append(kw["max_new_tokens"]))
+    monkeypatch.setattr(sampling, "generate", lambda *a, **kw: calls.append(kw["max_new_tokens"]))
     clock([0.1, 0.2, 0.5])
-    assert run.decode_step_seconds(short) == pytest.approx(0.3) and calls == [2, 1, 2]
+    assert probes.decode_step_seconds(short) == pytest.approx(0.3) and calls == [2, 1, 2]
 
 
 def cli(*argv) -> tuple[int, str]:
@@ -401,7 +402,7 @@ def cli(*argv) -> tuple[int, str]:
 
 def test_run_warns_before_step_1_and_sets_wall_against_the_estimate(tmp_path, monkeypatch):
     machine(monkeypatch, cores=2, load=3.0)
-    monkeypatch.setattr(run, "matmul_rate", lambda device: 1e9)
+    monkeypatch.setattr(machine_mod, "matmul_rate", lambda device: 1e9)
     rc, out = cli("train", EXAMPLE, "--out", tmp_path / "r", *TINY, "--algorithm.dynamic_sampling=true",
                   "--algorithm.dynamic_sampling_rounds=3")
     assert rc == 0, out
@@ -428,8 +429,8 @@ def test_the_cost_line_splits_the_wall_time_and_sets_the_steps_against_the_expec
     sum of the rows' time/step_s) is set against it, the evaluations inside the wall time are
     counted apart (the step-0 one and eval.every's), and the cost line names all three parts."""
     machine(monkeypatch, cores=2, load=0.0)
-    monkeypatch.setattr(run, "matmul_rate", lambda device: 1e9)
-    monkeypatch.setattr(run, "decode_step_seconds", lambda setup: 0.01)
+    monkeypatch.setattr(machine_mod, "matmul_rate", lambda device: 1e9)
+    monkeypatch.setattr(probes, "decode_step_seconds", lambda setup: 0.01)
     evals = []
     real_eval = trainer.run_eval
     monkeypatch.setattr(trainer, "run_eval", lambda *a: evals.append(time.sleep(0.2)) or real_eval(*a))
@@ -469,7 +470,7 @@ def test_the_eta_leaves_out_the_step_0_evaluation():
 
 def test_price_command_prints_the_estimate(monkeypatch):
     machine(monkeypatch, cores=2, load=0.0)
-    monkeypatch.setattr(run, "matmul_rate", lambda device: 2e9)
+    monkeypatch.setattr(machine_mod, "matmul_rate", lambda device: 2e9)
     rc, out = cli("price", EXAMPLE, "--train.threads=1")
     assert rc == 0 and "GFLOP/s with 1 threads" in out and "warning" not in out
     rc, out = cli("price", EXAMPLE, "--json")

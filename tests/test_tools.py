@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlvr import config as config_mod, run, tools
+from rlvr import build as build_mod, config as config_mod, setup_types, tools
 from rlvr.rollout import sample_and_score
 from rlvr.sampling import StopStrings, generate, sequence_token_logprobs
 from rlvr.tasks.arith import arith_task, calculate, calculator_tool
@@ -160,7 +160,7 @@ def calc_setup(stop='["</calc>"]'):
     cfg = config_mod.load(None, ["--task.path=rlvr.tasks.arith:arith_task", f"--task.options={options}",
                                  "--task.reward=correct", f"--sampling.stop={stop}", "--sampling.max_tool_calls=2",
                                  "--model.n_layer=1", "--model.n_embd=32", "--model.n_head=2"])
-    return run.build(cfg, log=lambda *a: None)
+    return build_mod.build(cfg, log=lambda *a: None)
 
 
 def test_the_learner_scores_sampled_tokens_as_the_sampler_did_with_results_in_context():
@@ -192,8 +192,8 @@ def test_tool_calls_need_stop_strings_and_a_task_tool():
         config_mod.load(None, ["--sampling.max_tool_calls=-1", '--sampling.stop=["x"]'])
     cfg = config_mod.load(None, ["--task.path=rlvr.tasks.arith:arith_task", "--task.options={digits = 1, heldout = 5}",
                                  "--task.reward=correct", '--sampling.stop=["</calc>"]', "--sampling.max_tool_calls=1"])
-    with pytest.raises(run.RunError, match="no tool"):
-        run.build(cfg, log=lambda *a: None)
+    with pytest.raises(setup_types.RunError, match="no tool"):
+        build_mod.build(cfg, log=lambda *a: None)
 
 
 def test_a_training_run_with_the_calculator(tmp_path):
@@ -325,7 +325,7 @@ def chat_tool_rollout(tmp_path, tool, reward, *, max_new_tokens: int, seed: int,
     from hf_models import make_model_dir
     from rlvr.models.hf import load_policy
     from rlvr.rewards import Reward, RewardCard
-    from rlvr.run import Limits
+    from rlvr.setup_types import Limits
     from rlvr.tasks import Example, Task
 
     policy, tok = load_policy(make_model_dir(tmp_path, chat=True))
@@ -368,8 +368,8 @@ def test_a_tool_role_needs_a_chat_template_that_renders_it():
                                  "--task.options={digits = 1, heldout = 5, calculator = true}", "--task.reward=correct",
                                  '--sampling.stop=["</calc>"]', "--sampling.max_tool_calls=1",
                                  "--sampling.tool_role=tool"])
-    with pytest.raises(run.RunError, match="sampling.tool_role = 'tool' needs a chat template.*has no chat template"):
-        run.build(cfg, log=lambda *a: None)
+    with pytest.raises(setup_types.RunError, match="sampling.tool_role = 'tool' needs a chat template.*has no chat template"):
+        build_mod.build(cfg, log=lambda *a: None)
 
 
 def test_the_probe_says_how_often_the_tool_was_called(tmp_path):
@@ -439,8 +439,8 @@ def test_tool_on_end_needs_tool_calls_and_an_end_token():
     with pytest.raises(config_mod.ConfigError, match="sampling.tool_on_end.*max_tool_calls"):
         config_mod.load(None, ["--sampling.tool_on_end=true"])
     cfg = config_mod.load(None, ["--sampling.tool_on_end=true", "--sampling.max_tool_calls=1"])   # no stop needed
-    with pytest.raises(run.RunError, match="tool_on_end.*fixed length"):
-        run.build(cfg, log=lambda *a: None)                                    # the sort task has no end token
+    with pytest.raises(setup_types.RunError, match="tool_on_end.*fixed length"):
+        build_mod.build(cfg, log=lambda *a: None)                                    # the sort task has no end token
 
 
 # the chat templates of real model families, as their tokenizers ship them (SmolLM2's ChatML with its

@@ -27,7 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlvr import advantages, config as config_mod, losses, run as run_mod, sampling
+from rlvr import advantages, build as build_mod, config as config_mod, losses, sampling
 from rlvr.cli import main
 from rlvr.models.tiny import TinyConfig, TinyTransformer
 
@@ -177,8 +177,8 @@ def test_summary_and_final_eval(main_run):
 def test_parameters_moved_from_the_seeded_initial_model(main_run):
     run, _ = main_run
     cfg = config_mod.load(run / "config.toml")
-    initial = run_mod.build(cfg).model.state_dict()
-    initial_again = run_mod.build(cfg).model.state_dict()
+    initial = build_mod.build(cfg).model.state_dict()
+    initial_again = build_mod.build(cfg).model.state_dict()
     trained = checkpoint(run)
     assert set(trained) == set(initial)
     # build is seeded: the comparison below is against the run's real starting point

@@ -249,11 +249,11 @@ def test_lora_run_with_the_flat_optimizer_resumes_bit_for_bit(tmp_path, model_di
 def test_a_new_adapter_is_drawn_from_train_seed(model_dir):
     """The LoRA A matrices' random init comes from train.seed: the same whatever this process drew
     before, different for another seed (B starts at zero, so only A shows it)."""
-    from rlvr import config as config_mod, run
+    from rlvr import build as build_mod, config as config_mod
 
     def lora_a(seed):
         cfg = config_mod.load("examples/sort.toml", [f"--model.path={model_dir}", "--model.lora_r=4", f"--train.seed={seed}"])
-        model = run.build(cfg, log=lambda *_: None).model
+        model = build_mod.build(cfg, log=lambda *_: None).model
         return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_A" in n}
 
     first = lora_a(0)
@@ -275,15 +275,15 @@ def test_gradient_checkpointing_recomputes_the_layers_for_the_same_gradient(tmp_
     import dataclasses
 
     import rlvr.models.lean_llama as lean
-    from rlvr import config as config_mod, costs, run, sampling
+    from rlvr import build as build_mod, config as config_mod, costs, numerics as numerics_mod, run_price, sampling
 
     from rlvr.distributed.fsdp import blocks
 
     model_dir = make_model_dir(tmp_path / kind, kind, **({} if kind == "gpt2" else {"num_key_value_heads": 2}))
     args = ["--train.prompts_per_step=4", "--train.samples_per_prompt=4", "--task.options={n = 3, heldout = 30}",
             f"--model.path={model_dir}", f"--model.lora_r={lora}", f"--model.autocast={autocast}"]
-    plain = run.build(config_mod.load("examples/sort.toml", args), log=lambda *_: None)
-    ckpt = run.build(config_mod.load("examples/sort.toml", args + ["--model.gradient_checkpointing=true"]),
+    plain = build_mod.build(config_mod.load("examples/sort.toml", args), log=lambda *_: None)
+    ckpt = build_mod.build(config_mod.load("examples/sort.toml", args + ["--model.gradient_checkpointing=true"]),
                      log=lambda *_: None)
     assert ckpt.model.gradient_checkpointing and not plain.model.gradient_checkpointing
     lean_model = kind != "gpt2"
@@ -315,9 +315,9 @@ def test_gradient_checkpointing_recomputes_the_layers_for_the_same_gradient(tmp_
             assert "qkv" not in calls
     for a, b in zip(*grads):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
-    p_plain, p_ckpt = run.price_of(plain, rate=1e11, decode_s=0.01), run.price_of(ckpt, rate=1e11, decode_s=0.01)
-    shape = run.model_shape(ckpt.model)
-    assert shape.checkpointed and not run.model_shape(plain.model).checkpointed
+    p_plain, p_ckpt = run_price.price_of(plain, rate=1e11, decode_s=0.01), run_price.price_of(ckpt, rate=1e11, decode_s=0.01)
+    shape = numerics_mod.model_shape(ckpt.model)
+    assert shape.checkpointed and not numerics_mod.model_shape(plain.model).checkpointed
     assert p_ckpt.flops_train_per_batch > p_plain.flops_train_per_batch
     Lp, T = p_ckpt.prompt_tokens, p_ckpt.max_new_tokens
     tokens = 4 * Lp + 16 * T if lean_model else 16 * (Lp + T)    # the prompt once per group on the lean forward

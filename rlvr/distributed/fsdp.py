@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rlvr.learn import Learner, make_optimizer, make_scheduler
-from rlvr.run import RunError
+from rlvr.setup_types import RunError
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:

@@ -231,12 +231,12 @@ class LearnerActor:
 
     def __init__(self, cfg, threads: int):
         torch.set_num_threads(threads)
-        from rlvr import run
+        from rlvr.build import build
         from rlvr.hostmem import set_host_memory
 
         # as the trainer's process does (rlvr.hostmem)
         set_host_memory(cfg.train.host_memory, cfg.model.gradient_checkpointing)
-        self.cfg, self.setup = cfg, run.build(cfg, log=lambda *_: None)
+        self.cfg, self.setup = cfg, build(cfg, log=lambda *_: None)
         self.learner = self.model = None
         self.fsdp = cfg.distributed.sharding == "fsdp2"
 
@@ -298,7 +298,7 @@ class LearnerGroup:
         import ray
 
         import rlvr.distributed.fsdp as fsdp
-        from rlvr.run import actor_threads
+        from rlvr.machine import actor_threads
 
         d = cfg.distributed
         self.learner, self.world, self.timeout = learner, d.learners, d.timeout_s
@@ -335,7 +335,7 @@ class LearnerGroup:
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError
 
-        from rlvr.run import RunError
+        from rlvr.setup_types import RunError
 
         try:
             return ray.get(refs, timeout=self.timeout)
@@ -362,7 +362,7 @@ class LearnerGroup:
         """The whole optimizer state in the one-process format, gathered from the ranks' shards (FSDP2;
         what saving reads through the trainer's `learner.opt`)."""
         import rlvr.distributed.fsdp as fsdp
-        from rlvr.run import RunError
+        from rlvr.setup_types import RunError
 
         if not self.actors:
             raise RunError("the FSDP2 learner group is closed: its optimizer state is gone")

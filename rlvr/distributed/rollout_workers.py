@@ -28,7 +28,8 @@ import torch
 from rlvr import sampling
 from rlvr.distributed.sync import full_state, load_weights, state_bytes, trainable_state
 from rlvr.rollout import Groups, merge, sample_and_score
-from rlvr.run import RunError, actor_threads
+from rlvr.machine import actor_threads
+from rlvr.setup_types import RunError
 
 MAX_RETRIES = 2
 """Fresh workers tried for one shard before the run stops."""
@@ -39,14 +40,14 @@ class RolloutWorker:
 
     def __init__(self, cfg, weights: dict, version: int, threads: int):
         torch.set_num_threads(threads)
-        from rlvr import run
+        from rlvr.build import build
         from rlvr.hostmem import set_host_memory
         from rlvr.reward_pool import open_pool
 
         # as the trainer's process does (rlvr.hostmem)
         set_host_memory(cfg.train.host_memory, cfg.model.gradient_checkpointing)
 
-        self.setup = run.build(cfg, log=lambda *_: None)
+        self.setup = build(cfg, log=lambda *_: None)
         load_weights(self.setup.model, weights)
         self.version = version
         self._stack = contextlib.ExitStack()

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from rlvr.run import RunError
+from rlvr.setup_types import RunError
 
 LOOPBACK = "127.0.0.1"
 """The address a local Ray's processes listen on."""

@@ -1,0 +1,112 @@
+"""Speed probes of a built run, for its price: one decode step of the run's own sampling
+(`decode_step_seconds`) and the shares of a batch that the probes time where rollout workers or a
+learner group split it (the learn stage's probe is rlvr.learn.learn_part_seconds). Timed with
+rlvr.machine's harness.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlvr import config as config_mod, sampling
+from rlvr.machine import actor_threads, ordered_pair, time_calls
+from rlvr.setup_types import Setup
+
+
+DECODE_PROBE_STEPS = 3
+"""Decode steps `decode_step_seconds` times (after a warm-up call) to price a run's sampling."""
+DECODE_PROBE_RETRIES = 2
+"""Timed pairs `decode_step_seconds` adds while the longer call measured no longer than the shorter
+(noise on a tiny model's millisecond calls); if it still does, a step is priced at the longer
+call's time over its tokens (prefill included: never 0, an over-estimate)."""
+
+
+def decode_probe_share(setup: Setup) -> tuple[int, int] | None:
+    """(prompts, torch threads) of the sampling call that one decode step of the run is measured on
+    (``decode_step_seconds``): the step's P prompts at this process's threads; with rollout workers
+    (distributed.rollout_workers = N) the largest worker's share, ceil(P / N) prompts, at a worker's
+    threads (``actor_threads`` of distributed.cpus_per_worker): the workers decode
+    their shares side by side, so a batch's decode takes the largest share's steps. None where that
+    cannot be measured here: workers on a Ray cluster (distributed.address set: other machines), or
+    on another kind of device than this process's (a GPU share against a CPU process, or the
+    reverse): ``actors_here``."""
+    cfg = setup.cfg
+    d, P = cfg.distributed, cfg.train.prompts_per_step
+    if not d.rollout_workers:
+        return P, torch.get_num_threads()
+    if not actors_here(d, setup.device):
+        return None
+    return -(-P // d.rollout_workers), actor_threads(d.cpus_per_worker)
+
+
+def actors_here(d: config_mod.DistributedConfig, device: torch.device) -> bool:
+    """Whether the Ray actors of `d` (rollout workers, learner ranks) run on this machine on this
+    process's kind of device, so that a probe here times what they compute: a local Ray (no
+    distributed.address) and a GPU share exactly when this process is on a GPU."""
+    return not d.address and (d.gpus_per_worker > 0) == (device.type == "cuda")
+
+
+def learn_probe_share(setup: Setup) -> tuple[int, int] | None:
+    """(groups of a minibatch, torch threads) that one gradient step's learn stage is measured on
+    (rlvr.learn.learn_part_seconds): the minibatch's ceil(P / minibatches) groups at this process's
+    threads; with a learner group (distributed.learners = N) one rank's share, ceil of that / N
+    whole groups (rlvr.distributed.learners.shard_rows gives the first ranks one more), at a
+    learner actor's threads (``actor_threads``): the ranks compute their shares side by side. None
+    where the ranks cannot be timed here (``actors_here``)."""
+    cfg = setup.cfg
+    d, tc = cfg.distributed, cfg.train
+    per_mb = -(-tc.prompts_per_step // tc.minibatches)                  # groups in a minibatch
+    if d.learners <= 1:
+        return per_mb, torch.get_num_threads()
+    if not actors_here(d, setup.device):
+        return None
+    return -(-per_mb // d.learners), actor_threads(d.cpus_per_worker)
+
+
+def decode_step_seconds(setup: Setup) -> float:
+    """Seconds of one decode step of this run's sampling, measured on its own policy: the P x G rows
+    of a step after a prompt of the longest prompt's length, through `rlvr.sampling.generate` (the
+    forward, the tempered log-softmax and the draw) under the run's numerics. P copies of one
+    prompt, G samples each: the cache layout of a real step (on the CPU a prompt's G rows share its
+    columns, ``LeanCache.repeat_interleave``; one prompt with P x G samples would not take that
+    layout); a warm-up call (on a GPU with as many tokens as the timed one: it pays for its first
+    kernel choices per cache length, which cost far more than a step; on a CPU 2 tokens), then b and b +
+    DECODE_PROBE_STEPS tokens timed, the difference over DECODE_PROBE_STEPS (the pair timed again,
+    each call's best kept, while the difference is not positive: DECODE_PROBE_RETRIES). b = 2 where
+    responses may have 3 tokens or more, else 1: a call of 2 tokens decodes one step, so both calls
+    pay what a sampling call pays once for its decode steps (the capture of a graphed decode,
+    model.cuda_graphs) and the difference is the steps alone. No gradient; the run's generators
+    untouched. With rollout workers: a worker's largest share at a worker's threads
+    (``decode_probe_share``; this process's threads restored after). 0.0 when the workers' decode
+    cannot be measured here (``decode_probe_share`` None) or a response has a single token."""
+    cfg, model, device = setup.cfg, setup.model, setup.device
+    base = 2 if setup.limits.max_new_tokens >= 3 else 1
+    n = min(DECODE_PROBE_STEPS, setup.limits.max_new_tokens - base)
+    share = decode_probe_share(setup)
+    if share is None or n < 1:
+        return 0.0
+    prompt = [setup.tokenizer.pad_id] * max(1, setup.limits.prompt_tokens)
+    P, threads = share
+
+    def generate(tokens: int) -> None:
+        with torch.no_grad(), setup.numerics.context():
+            sampling.generate(model, [prompt] * P, samples_per_prompt=cfg.train.samples_per_prompt,
+                              max_new_tokens=tokens, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
+                              top_k=cfg.sampling.top_k, min_p=cfg.sampling.min_p,
+                              eos_id=None, pad_id=setup.tokenizer.pad_id,
+                              generators=sampling.prompt_generators(0, 0, P, device=device))
+
+    def timed(tokens: int) -> float:
+        return time_calls(lambda: generate(tokens), device)
+
+    was, was_threads = model.training, torch.get_num_threads()
+    model.eval()
+    torch.set_num_threads(threads)
+    try:
+        timed(base + n if device.type == "cuda" else 2)           # warm-up: allocation, kernel choice
+        # a busy core can make the longer call the shorter (tiny models): the pair again
+        one, more = ordered_pair(lambda: timed(base), lambda: timed(base + n), DECODE_PROBE_RETRIES)
+    finally:
+        model.train(was)
+        torch.set_num_threads(was_threads)
+    return (more - one) / n if more > one else more / (base + n)
