@@ -213,6 +213,13 @@ def build_parser() -> argparse.ArgumentParser:
                                 allow_abbrev=False)
     sub = p.add_subparsers(dest="cmd", required=True)
 
+    _add_run_commands(sub)
+    _add_inspect_commands(sub)
+    return p
+
+
+def _add_run_commands(sub) -> None:
+    """train, sft, eval and price."""
     from rlvr.config import help_text
 
     t = sub.add_parser("train", allow_abbrev=False, help="train a policy from a TOML config", epilog="config keys (override any as --section.key=value):\n" + help_text(),
@@ -247,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--json", action="store_true")
     pr.set_defaults(func=cmd_price)
 
+
+def _add_inspect_commands(sub) -> None:
+    """probe, audit, report and lab."""
     pb = sub.add_parser("probe", allow_abbrev=False, help="K samples per prompt: how many Δ are usable, which groups agree and teach nothing")
     pb.add_argument("config")
     pb.add_argument("--checkpoint", help="a run directory whose checkpoint is probed (default: the config's initial model)")
@@ -289,7 +299,6 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--rewards", type=float, nargs="+", default=[0.0, 0.0, 1.0],
                    help="reward of each action (default 0 0 1: only action 2 pays); e.g. 0.5 0.5 1 with --scheme raw shows lock-in")
     lab.set_defaults(func=cmd_lab)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:
