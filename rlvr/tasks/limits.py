@@ -37,7 +37,7 @@ def check_memory(factory: str, examples: int, chars: int, available: int | None 
     """ValueError when `examples` examples of about `chars` characters of text each (prompt and answer)
     would not fit in the memory the machine has available (MemAvailable; `available` overrides it)."""
     if available is None:
-        from rlvr.costs import available_bytes
+        from rlvr.procmem import available_bytes
 
         available = available_bytes()
     need = examples * (chars + EXAMPLE_BYTES)
