@@ -1,5 +1,7 @@
 """Config: TOML + overrides, strict errors that name the key, file and line; round trip."""
 
+import dataclasses
+
 import pytest
 
 from rlvr import config
@@ -81,7 +83,7 @@ def test_bad_override():
 def test_every_field_has_a_docstring():
     for section, cls in config.SECTIONS.items():
         docs = config.field_docs(cls)
-        for f in config.dataclasses.fields(cls):
+        for f in dataclasses.fields(cls):
             assert docs.get(f.name), f"{section}.{f.name} has no docstring"
     assert "--train.samples_per_prompt" in config.help_text()
 
