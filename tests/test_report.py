@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from rlvr import report
+from rlvr.report import plots as report_plots
 from rlvr.cli import main
 
 pytest.importorskip("matplotlib")
@@ -158,9 +159,9 @@ def test_running_run_half_written_last_line_no_summary(tmp_path):
 
 def test_eval_rows_placed_at_sampled_tokens_of_their_step(tmp_path):
     rec = report.load_run_records(make_run(tmp_path / "run"))
-    label, by_step = report._x_axis(rec)
+    label, by_step = report_plots._x_axis(rec)
     assert label == "sampled tokens"
-    assert report._series(rec.eval, "eval/goal", by_step, label) == ([96, 192], [0.4, 0.8])
+    assert report_plots._series(rec.eval, "eval/goal", by_step, label) == ([96, 192], [0.4, 0.8])
 
 
 def test_no_price_no_kl_ref_and_legacy_summary(tmp_path):
