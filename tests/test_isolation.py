@@ -224,7 +224,7 @@ def _listening() -> dict[int, tuple[str, int]]:
 
 
 def _tree(pid: int) -> set[int]:
-    from rlvr.reward_pool import _parents, descendants
+    from rlvr.process_tree import _parents, descendants
 
     return {pid} | descendants(pid, _parents())
 
