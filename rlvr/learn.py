@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from rlvr import config as config_mod, losses, optim, sampling
+from rlvr import config as config_mod, logprobs, losses, optim, sampling
 from rlvr.policy import Policy
 from rlvr.rollout import Batch, forward_tokens, micro_rows
 from rlvr.sampling import response_extent
@@ -174,7 +174,7 @@ def training_forward(learner: Learner, sub: sampling.Rollout, kl_on: bool, bonus
     with learner.autocast():
         return sampling.sequence_token_logprobs(learner.policy, sub, temperature=sc.temperature, top_p=sc.top_p,
                                                 top_k=sc.top_k, min_p=sc.min_p,
-                                                chunk_rows=losses.chunk_setting(cfg.model.logprob_chunk_rows),
+                                                chunk_rows=logprobs.chunk_setting(cfg.model.logprob_chunk_rows),
                                                 group_size=G if cfg.model.share_prompt_forward else None,
                                                 return_full=kl_on, return_entropy=bonus_on)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlvr import advantages, costs, losses, sampling, tools
+from rlvr import advantages, costs, logprobs, losses, sampling, tools
 from rlvr.policy import Policy, Tokenizer
 from rlvr.rewards import goal_hits, score_batch, steps_of
 from rlvr.setup_types import Limits, RunError, logp_old_in_learn
@@ -316,7 +316,7 @@ def rollout(setup, policy: Policy, reference: Policy | None, examples_fn, *, ver
     shared = cfg.model.share_prompt_forward and policy.differentiable_cache
     if ac.kl_coef > 0:
         logp_ref = reference_logprobs(policy, reference, groups.rollout, temperature=sc.temperature,
-                                      chunk_rows=losses.chunk_setting(cfg.model.logprob_chunk_rows),
+                                      chunk_rows=logprobs.chunk_setting(cfg.model.logprob_chunk_rows),
                                       group_size=G if cfg.model.share_prompt_forward else None,
                                       autocast=setup.numerics.context)
         n_tok = forward_tokens(groups.rollout, G, shared)
@@ -428,7 +428,7 @@ def training_logprobs(policy: Policy, rollout: sampling.Rollout, cfg, autocast=c
     (rlvr.learn.prepass_logp_old)."""
     sc, tc, G = cfg.sampling, cfg.train, cfg.train.samples_per_prompt
     kw = dict(temperature=sc.temperature, top_p=sc.top_p, top_k=sc.top_k, min_p=sc.min_p,
-              chunk_rows=losses.chunk_setting(cfg.model.logprob_chunk_rows),
+              chunk_rows=logprobs.chunk_setting(cfg.model.logprob_chunk_rows),
               group_size=G if cfg.model.share_prompt_forward else None)
     full = full and sampling.truncates(sc.top_p, sc.top_k, sc.min_p)
     was_training = policy.training

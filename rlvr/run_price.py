@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from rlvr import config as config_mod, costs, learn, losses, machine, probes
+from rlvr import config as config_mod, costs, learn, logprobs, machine, probes
 from rlvr.models.lean_llama import decode_reads_packs
 from rlvr.numerics import model_shape
 from rlvr.policy import Policy
@@ -17,10 +17,10 @@ from rlvr.setup_types import RunError, Setup, bf16_forwards, logp_old_note
 
 def priced_chunk_rows(setting: int, shape: costs.ModelShape | None) -> int:
     """``model.logprob_chunk_rows`` as the memory price counts it (CPU runs, where ``shape`` is
-    known): -1 (auto) -> rlvr.losses.auto_chunk_rows for the vocabulary, else the setting."""
+    known): -1 (auto) -> rlvr.logprobs.auto_chunk_rows for the vocabulary, else the setting."""
     if setting != -1:
         return setting
-    return losses.auto_chunk_rows(shape.vocab, "cpu") if shape is not None else 0
+    return logprobs.auto_chunk_rows(shape.vocab, "cpu") if shape is not None else 0
 
 
 def eval_rows(setup: Setup) -> int:

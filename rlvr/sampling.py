@@ -45,7 +45,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from rlvr.losses import AUTO_CHUNK, entropy_from_logits, resolve_chunk_rows, token_logprobs
+from rlvr.logprobs import AUTO_CHUNK, entropy_from_logits, resolve_chunk_rows, token_logprobs
 from rlvr.models import cache_rows
 
 OUTSIDE_NUCLEUS_LOGP = -30.0
@@ -631,7 +631,7 @@ class TokenLogprobs(NamedTuple):
     logp_full: torch.Tensor | None
     """Under the tempered distribution without the nucleus: the KL's side (``logp`` without truncation)."""
     entropy: torch.Tensor | None
-    """Entropy of the tempered distribution without the nucleus (rlvr.losses.entropy_from_logits)."""
+    """Entropy of the tempered distribution without the nucleus (rlvr.logprobs.entropy_from_logits)."""
 
 
 def _nucleus_token_logprobs(logits, ids, *, temperature, top_p, top_k=0, min_p=0.0, chunk_rows=None):
@@ -698,7 +698,7 @@ def _response_logits(model, ids, am, Lp, T, G):
 def _score(logits, targets, off, *, temperature, top_p, top_k, min_p, chunk_rows, entropy: bool,
            compiled: bool = False):
     """(logp, logp_full, entropy or None) of `targets` (b, w) under `logits` (b, w, V), 0 where `off`;
-    `compiled` (model.compile): the untruncated log-probs through compiled passes (rlvr.losses.token_logprobs)."""
+    `compiled` (model.compile): the untruncated log-probs through compiled passes (rlvr.logprobs.token_logprobs)."""
     if not truncates(top_p, top_k, min_p):
         lp = lp_full = token_logprobs(logits, targets, temperature=temperature, chunk_rows=chunk_rows,
                                       compiled=compiled)
@@ -724,7 +724,7 @@ def sequence_token_logprobs(model, rollout: Rollout | tuple, *, temperature: flo
     ``temperature == 0`` scores under the temperature-1 softmax as ``generate`` does. The result is 0
     where the response mask (``attention_mask[:, Lp:]``) is 0. ``chunk_rows`` bounds the rows whose
     (rows, T, V) log-softmax is materialized at once (large vocabularies); ``AUTO_CHUNK`` sizes
-    them to the vocabulary and device (``rlvr.losses.auto_chunk_rows``).
+    them to the vocabulary and device (``rlvr.logprobs.auto_chunk_rows``).
 
     ``group_size=G`` (rows grouped by prompt: row b = prompt b // G, the G rows of a group carry
     the same prompt) on a model whose KV cache is differentiable (``model.differentiable_cache``,
@@ -739,10 +739,10 @@ def sequence_token_logprobs(model, rollout: Rollout | tuple, *, temperature: flo
     forward, the log-probs under the tempered distribution without the nucleus (what the KL to the
     reference compares; with a nucleus (``truncates``) the nucleus log-prob is derived from it at the cost of one
     logsumexp, so both come from one log-softmax) and/or the per-token entropy of that distribution
-    (rlvr.losses.entropy_from_logits: one more softmax pass).
+    (rlvr.logprobs.entropy_from_logits: one more softmax pass).
 
     A model with ``compile_layers`` on (model.compile) scores the untruncated log-probs through
-    compiled passes (rlvr.losses.token_logprobs ``compiled``), the same numbers to float rounding.
+    compiled passes (rlvr.logprobs.token_logprobs ``compiled``), the same numbers to float rounding.
     """
     if isinstance(rollout, Rollout):
         ids, am, Lp = rollout.ids, rollout.attention_mask, rollout.prompt_len

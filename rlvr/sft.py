@@ -282,7 +282,7 @@ def _eval(setup, pool, step: int) -> dict:
 def train_sft(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, log=print) -> dict:
     """Train the run's model on its demonstrations and write the run directory `out` (module docstring).
     Every error about the config, the task or the demonstrations comes before anything is written."""
-    from rlvr import losses
+    from rlvr import logprobs
     from rlvr.reward_pool import open_pool
     from rlvr.rundir import RunDir, replace_file
     from rlvr.build import build
@@ -309,7 +309,7 @@ def train_sft(cfg: config_mod.Config, out: Path, *, overwrite: bool = False, log
     run_dir.open_logs(cfg, resume_after=None)
     params = model.trainable_params()
     opt = make_optimizer(params, dataclasses.replace(cfg.train, lr=cfg.sft.lr))
-    chunk = losses.chunk_setting(cfg.model.logprob_chunk_rows)
+    chunk = logprobs.chunk_setting(cfg.model.logprob_chunk_rows)
     first = last = None
     with open_pool(cfg.task, task) as pool:
         if cfg.eval.at_start:

@@ -1,5 +1,5 @@
 """model.compile: the lean forward's decoder layers (rlvr.models.lean_llama ``compiled_plan``) and the token
-log-probs (rlvr.losses ``token_logprobs(compiled=True)``) through torch.compile (rlvr.compiled), checked
+log-probs (rlvr.logprobs ``token_logprobs(compiled=True)``) through torch.compile (rlvr.compiled), checked
 against the eager code on tiny Hugging Face models, with the fallback where compiling fails and a real run."""
 
 import warnings
@@ -204,7 +204,7 @@ def test_compiled_token_logprobs_give_the_chunked_numbers(dtype):
     """``token_logprobs(compiled=True)``: the chunked path's log-probs and logit gradients to float
     rounding (bf16 gradients: one bf16 step), at a low temperature whose exponents reach the floor
     and with an id at every vocabulary edge."""
-    from rlvr.losses import token_logprobs
+    from rlvr.logprobs import token_logprobs
 
     gen = torch.Generator().manual_seed(0)
     V = 300

@@ -8,23 +8,25 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlvr import advantages
+from rlvr.logprobs import (
+    AUTO_CHUNK,
+    auto_chunk_rows,
+    chunk_setting,
+    entropy_from_logits,
+    exp_floor,
+    resolve_chunk_rows,
+    token_logprobs,
+)
 from rlvr.losses import (
     AGGREGATIONS,
-    AUTO_CHUNK,
     KL_ESTIMATORS,
     OBJECTIVES,
     aggregate,
-    auto_chunk_rows,
-    exp_floor,
-    chunk_setting,
     entropy_bonus,
-    entropy_from_logits,
     kl_estimate,
     kl_loss,
     policy_loss,
-    resolve_chunk_rows,
     sequence_logprob,
-    token_logprobs,
 )
 
 E = math.e

@@ -42,7 +42,7 @@ def test_memory_options_by_hand():
     # a chunk covering all 6 x 2 rows is the plain path: four float32 blocks
     for c in (12, 13):
         assert costs.memory(SHAPE, **BASE, logprob_chunk_rows=c, logit_bytes=2).logits == 1920
-    # model.logprob_chunk_rows = -1 (auto) is priced at the rows rlvr.losses.auto_chunk_rows gives
+    # model.logprob_chunk_rows = -1 (auto) is priced at the rows rlvr.logprobs.auto_chunk_rows gives
     big = costs.ModelShape(layers=2, hidden=8, mlp=32, heads=2, kv_heads=1, head_dim=4, vocab=49152)
     assert run_price.priced_chunk_rows(-1, big) == 10 and run_price.priced_chunk_rows(-1, SHAPE) == 2 * 2**20 // 40
     assert run_price.priced_chunk_rows(0, big) == 0 and run_price.priced_chunk_rows(7, big) == 7 and run_price.priced_chunk_rows(-1, None) == 0

@@ -341,12 +341,12 @@ def test_logprob_chunk_rows_reaches_the_reference_and_training_forwards(tmp_path
     """model.logprob_chunk_rows reaches the scoring forwards: -1 (the default) sizes the chunks to
     the vocabulary (here the CPU block shrunk to 3 rows of the 48-token vocabulary), n chunks n
     rows, 0 scores all at once; the chunked path gets the head's logits as they are (float32 here)."""
-    import rlvr.losses
+    import rlvr.logprobs
 
-    monkeypatch.setitem(rlvr.losses.LOGPROB_CHUNK_BYTES, "cpu", 3 * 48 * 4)
+    monkeypatch.setitem(rlvr.logprobs.LOGPROB_CHUNK_BYTES, "cpu", 3 * 48 * 4)
     seen = []
-    real = rlvr.losses._ChunkedLogprob.apply
-    monkeypatch.setattr(rlvr.losses._ChunkedLogprob, "apply",
+    real = rlvr.logprobs._ChunkedLogprob.apply
+    monkeypatch.setattr(rlvr.logprobs._ChunkedLogprob, "apply",
                         lambda logits, ids, t, c: seen.append((c, torch.is_grad_enabled())) or real(logits, ids, t, c))
     assert train(tmp_path / "run", f"--model.path={model_dir}", "--algorithm.kl_coef=0.05",
                  f"--model.logprob_chunk_rows={setting}") == 0

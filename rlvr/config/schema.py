@@ -95,7 +95,7 @@ class ModelConfig:
     """Compute the token log-probs' log-softmax (and its backward) over this many (row, position)
     pairs at a time; 0 = all at once; -1 = auto: as many as fill a 2 MiB float32 block on a CPU
     (10 for a 49,152-token vocabulary; 256 MiB on a GPU), so each chunk's passes run in cache
-    (rlvr.losses.auto_chunk_rows). A chunk that covers the whole batch is the plain path, so small
+    (rlvr.logprobs.auto_chunk_rows). A chunk that covers the whole batch is the plain path, so small
     vocabularies compute as with 0."""
     cuda_graphs: bool = False
     """Hugging Face models on a CUDA device: each sampling call's decode steps run at fixed shapes
