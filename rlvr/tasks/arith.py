@@ -358,11 +358,26 @@ def arith_task(ops: str = "+", digits: int = 2, n_train: int | None = None, held
             meta.update(a=xs[0], op=chain_ops[0], b=xs[1])
         return Example(prompt=prompt, answer=chain_value(xs, chain_ops), meta=meta)
 
-    def format_exploit(ex: Example) -> str:
-        """A bare number that is wrong: the answer plus one."""
-        return str(ex.answer + 1)
+    rewards = reasoning_rewards() if reasoning else answer_rewards()
+    held = [example(k) for k in keys[:heldout]]
+    train = [example(k) for k in keys[heldout:]]
+    name = (f"arith-{'-'.join(OP_NAMES[o] for o in ops)}-{digits}d" + (f"-x{operands}" if operands > 2 else "")
+            + ("-cot" if reasoning else ""))
+    return Task(name=name, train=train, heldout=held, rewards=rewards, goal=answer_goal if reasoning else goal,
+                max_new_tokens=max_new_tokens, tool=calculator_tool if calculator else None,
+                demonstrate=(demonstrate_calculator if calculator else demonstrate_reasoning if reasoning
+                             else demonstrate))
 
-    rewards = {
+
+def format_exploit(ex: Example) -> str:
+    """A bare number that is wrong: the answer plus one."""
+    return str(ex.answer + 1)
+
+
+def answer_rewards() -> dict[str, Reward]:
+    """The rewards of the plain (no chain of thought) task: `correct` (the last number equals the answer)
+    and `format` (the reply is one number)."""
+    return {
         "correct": Reward("correct", correct, RewardCard(
             pays_for="a reply whose last number (integer or decimal, optional minus and thousands commas) "
                      "equals the answer exactly",
@@ -380,16 +395,6 @@ def arith_task(ops: str = "+", digits: int = 2, n_train: int | None = None, held
             exploit_example=format_exploit,
         )),
     }
-    if reasoning:
-        rewards = reasoning_rewards()
-    held = [example(k) for k in keys[:heldout]]
-    train = [example(k) for k in keys[heldout:]]
-    name = (f"arith-{'-'.join(OP_NAMES[o] for o in ops)}-{digits}d" + (f"-x{operands}" if operands > 2 else "")
-            + ("-cot" if reasoning else ""))
-    return Task(name=name, train=train, heldout=held, rewards=rewards, goal=answer_goal if reasoning else goal,
-                max_new_tokens=max_new_tokens, tool=calculator_tool if calculator else None,
-                demonstrate=(demonstrate_calculator if calculator else demonstrate_reasoning if reasoning
-                             else demonstrate))
 
 
 def reasoning_rewards() -> dict[str, Reward]:
