@@ -2,6 +2,7 @@
 
     python benchmarks/seed_bands.py                               # every examples/*.toml, 3 seeds
     python benchmarks/seed_bands.py examples/sort.toml --seeds 10 --threads 2 1 --json runs/seed_bands.json
+    python benchmarks/seed_bands.py examples/sort.toml --seeds 3 --algorithm.entropy_coef=0.03   # overrides too
 
 One seed on one machine is one draw (float rounding differs with the CPU, the thread count and the
 library versions), so a claim about an example is a band: each config is trained over `--seeds`
@@ -77,10 +78,11 @@ def main() -> int:
     ap.add_argument("--target", type=float, default=None, help="held-out goal to reach (default: per example)")
     ap.add_argument("--out", default="runs/seed_bands", help="directory of the runs (default runs/seed_bands)")
     ap.add_argument("--json", default="", help="also write the figures here")
-    ap.add_argument("overrides", nargs=argparse.REMAINDER, help="after --: overrides passed to every run")
-    args = ap.parse_args()
+    args, extra = ap.parse_known_args()   # the rest: --section.key=value overrides passed to every run
+    bad = [o for o in extra if not (o.startswith("--") and "=" in o and "." in o.split("=", 1)[0])]
+    if bad:
+        ap.error(f"unrecognised arguments {bad}: overrides look like --train.steps=100")
     configs = args.configs or sorted(str(p.relative_to(ROOT)) for p in (ROOT / "examples").glob("*.toml"))
-    extra = [o for o in args.overrides if o != "--"]
     results, missed = {}, False
     for config in configs:
         target = args.target if args.target is not None else TARGETS.get(Path(config).name)
