@@ -72,24 +72,32 @@ def response_concentration(responses: list[str]) -> dict:
     return {"train/top_response": text, "train/top_response_frac": count / len(responses)}
 
 
-def missing_symbols(answers: list[str], responses: list[str], G: int, min_frac: float = 0.05) -> dict:
-    """Characters the answers need that no response of the groups needing them writes: the sign of a
-    policy that stopped writing something (the sort task's digit it replaces by a neighbour). Once no
-    sample draws it, every group that needs it agrees at a partial reward and nothing teaches it back.
+def missing_symbols(answers: list[str], responses: list[str], G: int, min_frac: float = 0.05,
+                    max_rate: float = 0.05) -> dict:
+    """Characters the answers need that the responses of the groups needing them (almost) never write:
+    the sign of a policy that stopped writing something (the sort task's digit it replaces by a
+    neighbour). Once samples no longer draw it, every group that needs it agrees at a partial reward
+    and nothing teaches it back; a stray sample that writes it now and then does not change that.
 
     `answers` has one entry per group (P; a number counts as its digits, an answer that is neither
-    string nor number, such as a mixture's, needs nothing), `responses` G per group, row b in group b // G. A character
-    counts when at least `min_frac` of the groups (and at least one) need it and none of their
-    responses holds it. Returns `train/missing_symbols` (those characters, sorted, as one string) and
-    `train/missing_need_frac` (the fraction of groups needing at least one of them); {} when none."""
+    string nor number, such as a mixture's, needs nothing), `responses` G per group, row b in group
+    b // G. A character counts when at least `min_frac` of the groups (and at least one) need it and
+    at most `max_rate` of their responses hold it (a healthy policy writes it in nearly all of them,
+    even a random one in a good share). Returns `train/missing_symbols` (those characters, sorted, as
+    one string) and `train/missing_need_frac` (the fraction of groups needing at least one of them);
+    {} when none."""
     P = len(answers)
     need: dict[str, list[int]] = {}
     for g, answer in enumerate(answers):
         text = str(answer) if isinstance(answer, (str, int, float)) else ""
         for c in set(text) - set(" \t\n"):
             need.setdefault(c, []).append(g)
+
+    def write_rate(c: str, groups: list[int]) -> float:
+        return sum(c in responses[g * G + j] for g in groups for j in range(G)) / (len(groups) * G)
+
     missing = sorted(c for c, groups in need.items() if len(groups) >= max(1, min_frac * P)
-                     and not any(c in responses[g * G + j] for g in groups for j in range(G)))
+                     and write_rate(c, groups) <= max_rate)
     if not missing:
         return {}
     needing = {g for c in missing for g in need[c]}
@@ -162,7 +170,9 @@ class Watch:
     levers: dict = field(default_factory=dict)
     """What the run already does to keep tokens in play (`exploration_levers`), so that no warning
     recommends a setting the run has; set from the run's configuration, not restored from a state."""
-    _missing_since: dict = field(default_factory=dict)
+    lost_min: float = 0.8
+    """A character counts as lost when `missing_symbols` names it in at least this fraction of the last
+    `window` steps."""
     _rows: list = field(default_factory=list)
     _start_goal: float | None = None
     _evals: list = field(default_factory=list)
@@ -188,13 +198,13 @@ class Watch:
             "zero": row.get("train/agree_zero_frac"), "agree_solved": row.get("train/agree_solved_frac"),
             "partial": row.get("train/agree_partial_frac"), "partial_reward": row.get("train/agree_partial_reward"),
             "top": row.get("train/top_response"), "top_frac": row.get("train/top_response_frac"),
+            "missing": row.get("train/missing_symbols", ""),
         })
-        missing = row.get("train/missing_symbols", "")
-        self._missing_since = {c: self._missing_since.get(c, step) for c in missing}
         if len(self._rows) < self.window:
             return []
         msgs = []
-        lost = sorted(c for c, since in self._missing_since.items() if step - since + 1 >= self.window)
+        recent = [r.get("missing", "") for r in self._rows[-self.window:]]
+        lost = sorted(c for c in set("".join(recent)) if sum(c in m for m in recent) >= self.lost_min * self.window)
         if lost and self._due("missing", step):
             msgs.append(self._missing_message(lost, row))
         agree = self._recent("agree")
@@ -209,13 +219,26 @@ class Watch:
                         f"train.lr or add a KL term (algorithm.kl_coef)")
         return msgs
 
+    def _missing_since(self, c: str) -> int:
+        """The first step of the stretch over which `c` has been missing: the earliest step naming it
+        that no full `window` of steps writing it separates from now."""
+        since, gap = self._rows[-1]["step"], 0
+        for r in reversed(self._rows):
+            if c in r.get("missing", ""):
+                since, gap = r["step"], 0
+            else:
+                gap += 1
+                if gap >= self.window:
+                    break
+        return since
+
     def _missing_message(self, lost: list[str], row: dict) -> str:
-        since = min(self._missing_since[c] for c in lost)
+        since = min(self._missing_since(c) for c in lost)
         what = " or ".join(repr(c) for c in lost)
         need = row.get("train/missing_need_frac")
         goal = self._plateau_since("goal")
         plateau = f"; the training goal has stayed near {goal[1]:.3g} since step {goal[0]}" if goal else ""
-        return (f"no sample has written {what} since step {since}"
+        return (f"(almost) no sample has written {what} since step {since}"
                 f"{f', though {need:.0%} of the prompts need it' if need is not None else ''}: the policy "
                 f"stopped writing it, so every group that needs it agrees and nothing teaches it back"
                 f"{plateau}; {next_exploration_lever(self.levers)}")
