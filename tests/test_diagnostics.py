@@ -283,10 +283,12 @@ def test_the_missing_token_warning_names_it_says_since_when_and_recommends_what_
         assert len(msgs) == 1
         assert msgs[0].startswith("(almost) no sample has written '3' since step 5, though 41% of the prompts need it")
         assert "the training goal has stayed near 0.59 since step 3" in msgs[0]
-    assert "the run has no entropy bonus: set algorithm.entropy_coef" in off[0]
-    assert "algorithm.entropy_coef is 0.01 already: raise it to 0.03" in on[0] and "set algorithm.entropy_coef" not in on[0]
+    assert "the run has no entropy bonus: set algorithm.entropy_coef = 0.03" in off[0] and "already" not in off[0]
+    assert "algorithm.entropy_coef is 0.01 already: raise it to 0.03" in on[0] and "no entropy bonus" not in on[0]
     assert "algorithm.entropy_coef is 0.03 already" in strong[0] and "train.samples_per_prompt = 16" in strong[0]
     assert "raise it" not in strong[0]
+    for msgs in (off, on, strong):                        # each lever named with the figure behind it
+        assert "docs/benchmarks.md" in msgs[0] and ("0.605" in msgs[0] or "1 of 3 seeds" in msgs[0])
 
 
 def test_a_token_missing_in_most_steps_is_lost_since_the_stretch_began():
