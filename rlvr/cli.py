@@ -152,7 +152,9 @@ def cmd_price(args: argparse.Namespace, extra: list[str]) -> int:
     try:
         cfg = config.load(args.config, _split_overrides(extra))
         _, busy = set_threads(cfg)  # the wall-time estimate is measured with the run's threads
-        price = price_of(build(cfg, time_bf16=True), probe_learn=True)
+        # under --json stdout holds the JSON alone: the build's notes go to stderr
+        log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+        price = price_of(build(cfg, log=log, time_bf16=True), probe_learn=True)
     except (config.ConfigError, RunError, TaskError, ValueError) as e:
         return _fail(str(e))
     if args.json:

@@ -127,6 +127,23 @@ def test_price_task_bound_follows_sampling_max_new_tokens():
     assert p["max_new_tokens"] == 5 and p["sampled_tokens_per_batch"] == 4 * 4 * 5
 
 
+def test_price_json_holds_the_json_alone_and_the_builds_notes_go_to_stderr(monkeypatch):
+    """A model source's note (a GGUF's cached copy, say) is printed while the run is built; under
+    --json it goes to stderr, so stdout parses as JSON; without --json it is printed as before."""
+    real = build_mod.build
+
+    def noting(cfg, log=print, **kw):
+        log("note: a model source's message")
+        return real(cfg, log=log, **kw)
+
+    monkeypatch.setattr(build_mod, "build", noting)
+    rc, out, err = cli("price", EXAMPLE, *PRICED, "--model.autocast=off", "--json")
+    assert rc == 0 and json.loads(out)["numerics"] == "fp32 (model.autocast = off)"
+    assert "note: a model source's message" in err and "note:" not in out
+    rc, out, _ = cli("price", EXAMPLE, *PRICED, "--model.autocast=off")
+    assert rc == 0 and "note: a model source's message" in out
+
+
 def test_installed_console_command_prices_a_run():
     exe = Path(sys.executable).with_name("rlvr")
     exe = str(exe) if exe.exists() else shutil.which("rlvr")
