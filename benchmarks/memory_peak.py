@@ -4,7 +4,7 @@
     python benchmarks/memory_peak.py examples/smollm2_add.toml --train.steps=1 --eval.prompts=8 --eval.at_start=false
 
 Runs `rlvr train CONFIG [OVERRIDES]` in a child process (into a temporary run directory), reads
-the predicted peak from the run's price.json (`memory_peak_bytes`, rlvr.costs.memory) and the
+the predicted peak from the run's price.json (`memory_peak_bytes`, rlvr.memory_model.memory) and the
 child's measured peak resident set (getrusage(RUSAGE_CHILDREN).ru_maxrss, the high-water mark of
 VmRSS), and prints both with their ratio.
 """

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlvr import config as config_mod, costs
+from rlvr import config as config_mod, memory_model
 from rlvr.machine import time_calls
 from rlvr.models.lean_llama import bf16_weights
 from rlvr.models.tiny import TinyConfig
@@ -170,18 +170,18 @@ def probe_shape(model: Policy, device: torch.device) -> tuple[int, int, int]:
     return (rows, shape.hidden, shape.mlp) if shape is not None else (rows, 1024, 1024)
 
 
-def model_shape(model: Policy) -> costs.ModelShape | None:
-    """The dimensions rlvr.costs.memory needs, from the built-in model's or a Hugging Face model's
+def model_shape(model: Policy) -> memory_model.ModelShape | None:
+    """The dimensions rlvr.memory_model.memory needs, from the built-in model's or a Hugging Face model's
     config (None when they cannot be read)."""
     c = model.config
     if isinstance(c, TinyConfig):
-        return costs.ModelShape(layers=c.n_layer, hidden=c.n_embd, mlp=c.mlp_ratio * c.n_embd, heads=c.n_head,
+        return memory_model.ModelShape(layers=c.n_layer, hidden=c.n_embd, mlp=c.mlp_ratio * c.n_embd, heads=c.n_head,
                                 kv_heads=c.n_head, head_dim=c.n_embd // c.n_head, vocab=c.vocab_size)
     hf = getattr(c, "hf", None)
     hf = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
     try:
         heads = hf.num_attention_heads
-        return costs.ModelShape(
+        return memory_model.ModelShape(
             layers=hf.num_hidden_layers, hidden=hf.hidden_size, mlp=getattr(hf, "intermediate_size", None)
             or 4 * hf.hidden_size, heads=heads, kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
             head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads, vocab=hf.vocab_size,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from rlvr import config as config_mod, costs, learn, logprobs, machine, probes
+from rlvr import config as config_mod, costs, learn, logprobs, machine, memory_model, probes
 from rlvr.models.lean_llama import decode_reads_packs
 from rlvr.numerics import model_shape
 from rlvr.policy import Policy
@@ -15,7 +15,7 @@ from rlvr.setup_types import RunError, Setup, bf16_forwards, logp_old_note
 
 
 
-def priced_chunk_rows(setting: int, shape: costs.ModelShape | None) -> int:
+def priced_chunk_rows(setting: int, shape: memory_model.ModelShape | None) -> int:
     """``model.logprob_chunk_rows`` as the memory price counts it (CPU runs, where ``shape`` is
     known): -1 (auto) -> rlvr.logprobs.auto_chunk_rows for the vocabulary, else the setting."""
     if setting != -1:

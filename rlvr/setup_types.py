@@ -54,7 +54,7 @@ class Setup:
     """Where the policy (and the reference) run."""
     baseline_bytes: int = 0
     """This process's resident set just before the policy was loaded (torch, transformers, the
-    task): the memory prediction's baseline (rlvr.costs.memory)."""
+    task): the memory prediction's baseline (rlvr.memory_model.memory)."""
     numerics: Numerics | None = None
     """How the policy's forwards compute (`model.autocast` resolved at build time); None given = fp32."""
 

@@ -1,4 +1,4 @@
-"""The memory in the price (rlvr.costs.memory) by hand on a tiny shape, and the refusal of a run
+"""The memory in the price (rlvr.memory_model.memory) by hand on a tiny shape, and the refusal of a run
 that would not fit (rlvr.run_price.check_memory)."""
 
 from __future__ import annotations
@@ -8,17 +8,17 @@ import json
 import pytest
 import torch
 
-from rlvr import build as build_mod, config as config_mod, costs, numerics as numerics_mod, run_price, setup_types
+from rlvr import build as build_mod, config as config_mod, costs, memory_model, numerics as numerics_mod, run_price, setup_types
 
 import pricing
 
-SHAPE = costs.ModelShape(layers=2, hidden=8, mlp=32, heads=2, kv_heads=1, head_dim=4, vocab=10)
+SHAPE = memory_model.ModelShape(layers=2, hidden=8, mlp=32, heads=2, kv_heads=1, head_dim=4, vocab=10)
 BASE = dict(prompts=2, group=3, prompt_len=4, response_len=2, minibatches=1, n_params=1000, trainable_params=100,
             has_reference_copy=False, baseline=1000)
 
 
 def test_memory_by_hand():
-    m = costs.memory(SHAPE, **BASE, eval_rows=5)
+    m = memory_model.memory(SHAPE, **BASE, eval_rows=5)
     # per layer and token: 6d + 4f + 2 Hkv D + H S = 48 + 128 + 8 + 2 * 6 = 196 floats
     # 6 rows x (4 + 2) tokens = 36 tokens, 2 layers, 4 bytes
     assert m.activations == 36 * 2 * 4 * 196 == 56448
@@ -33,39 +33,39 @@ def test_memory_by_hand():
 
 
 def test_memory_options_by_hand():
-    shared = costs.memory(SHAPE, **BASE, shared_prompt=True)
+    shared = memory_model.memory(SHAPE, **BASE, shared_prompt=True)
     assert shared.activations == (2 * 4 + 6 * 2) * 2 * 4 * 196 == 31360   # P Lp + P G T tokens
-    chunked = costs.memory(SHAPE, **BASE, logprob_chunk_rows=3)
+    chunked = memory_model.memory(SHAPE, **BASE, logprob_chunk_rows=3)
     assert chunked.logits == 2 * 480 + 3 * 3 * 10 * 4 == 1320
     # under bf16 forwards the head's output and its gradient are bf16 (upcast a chunk at a time)
-    assert costs.memory(SHAPE, **BASE, logprob_chunk_rows=3, logit_bytes=2).logits == 2 * 240 + 360 == 840
+    assert memory_model.memory(SHAPE, **BASE, logprob_chunk_rows=3, logit_bytes=2).logits == 2 * 240 + 360 == 840
     # a chunk covering all 6 x 2 rows is the plain path: four float32 blocks
     for c in (12, 13):
-        assert costs.memory(SHAPE, **BASE, logprob_chunk_rows=c, logit_bytes=2).logits == 1920
+        assert memory_model.memory(SHAPE, **BASE, logprob_chunk_rows=c, logit_bytes=2).logits == 1920
     # model.logprob_chunk_rows = -1 (auto) is priced at the rows rlvr.logprobs.auto_chunk_rows gives
-    big = costs.ModelShape(layers=2, hidden=8, mlp=32, heads=2, kv_heads=1, head_dim=4, vocab=49152)
+    big = memory_model.ModelShape(layers=2, hidden=8, mlp=32, heads=2, kv_heads=1, head_dim=4, vocab=49152)
     assert run_price.priced_chunk_rows(-1, big) == 10 and run_price.priced_chunk_rows(-1, SHAPE) == 2 * 2**20 // 40
     assert run_price.priced_chunk_rows(0, big) == 0 and run_price.priced_chunk_rows(7, big) == 7 and run_price.priced_chunk_rows(-1, None) == 0
-    ref = costs.memory(SHAPE, **{**BASE, "has_reference_copy": True})
-    assert ref.reference == 4000 and ref.peak == costs.memory(SHAPE, **BASE).peak + 4000
-    half = costs.memory(SHAPE, **BASE, bytes_per_param=2)
+    ref = memory_model.memory(SHAPE, **{**BASE, "has_reference_copy": True})
+    assert ref.reference == 4000 and ref.peak == memory_model.memory(SHAPE, **BASE).peak + 4000
+    half = memory_model.memory(SHAPE, **BASE, bytes_per_param=2)
     assert half.policy == 2000 and half.activations == 56448 // 2 and half.logits == 1920  # logits stay float32
-    two_mb = costs.memory(SHAPE, **{**BASE, "minibatches": 2})
+    two_mb = memory_model.memory(SHAPE, **{**BASE, "minibatches": 2})
     assert two_mb.activations == 3 * 6 * 2 * 4 * 196 and two_mb.logits == 4 * (3 * 2 * 10 * 4)
-    export = costs.memory(SHAPE, **{**BASE, "n_params": 10**6}, export_copy=True)
+    export = memory_model.memory(SHAPE, **{**BASE, "n_params": 10**6}, export_copy=True)
     assert export.export_copy == 4 * 10**6 and export.peak == export.held + 4 * 10**6
     # bf16 weight copies (CPU bf16 autocast): in every forward phase, not in the export
-    plain = costs.memory(SHAPE, **BASE, eval_rows=5)
-    copies = costs.memory(SHAPE, **BASE, eval_rows=5, weight_copy_bytes=500)
+    plain = memory_model.memory(SHAPE, **BASE, eval_rows=5)
+    copies = memory_model.memory(SHAPE, **BASE, eval_rows=5, weight_copy_bytes=500)
     assert {k: copies.phases[k] - v for k, v in plain.phases.items()} == {
         "training": 500, "sampling": 500, "evaluation": 500, "export": 0}
     assert copies.peak == plain.peak + 500 and copies.held == plain.held
     # the frozen weights' copies, kept for the whole run: held in every phase, the export's too
-    kept = costs.memory(SHAPE, **BASE, eval_rows=5, export_copy=True, kept_copy_bytes=300)
-    no_kept = costs.memory(SHAPE, **BASE, eval_rows=5, export_copy=True)
+    kept = memory_model.memory(SHAPE, **BASE, eval_rows=5, export_copy=True, kept_copy_bytes=300)
+    no_kept = memory_model.memory(SHAPE, **BASE, eval_rows=5, export_copy=True)
     assert kept.held == no_kept.held + 300 and kept.phases == no_kept.phases and kept.peak == no_kept.peak + 300
     # tool continuations append to the first round's cache: 2 c T more columns (here c = 1: 6 -> 10)
-    reserved = costs.memory(SHAPE, **BASE, eval_rows=5, cache_reserve=4)
+    reserved = memory_model.memory(SHAPE, **BASE, eval_rows=5, cache_reserve=4)
     assert reserved.kv_cache == 6 * 10 * 2 * 4 * 4 * 3 + 960 and reserved.eval_kv_cache == 5 * 10 * 32 * 3 + 800
     p = pricing.price(prompts_per_step=2, samples_per_prompt=3, max_new_tokens=2, prompt_tokens=4, steps=1,
                     epochs_per_batch=1, minibatches=1, n_params=1000, has_reference=False, shape=SHAPE, tool_calls=1)
@@ -182,7 +182,7 @@ def test_price_of_a_real_setup_predicts_memory():
                 "--train.prompts_per_step=2", "--train.samples_per_prompt=2", "--eval.pass_k=0"]
     setup = build_mod.build(config_mod.load(None, cfg_args), log=lambda *a: None)
     shape = numerics_mod.model_shape(setup.model)
-    assert shape == costs.ModelShape(layers=1, hidden=16, mlp=64, heads=2, kv_heads=2, head_dim=8,
+    assert shape == memory_model.ModelShape(layers=1, hidden=16, mlp=64, heads=2, kv_heads=2, head_dim=8,
                                      vocab=setup.model.config.vocab_size)
     assert run_price.eval_rows(setup) == 20
     p = run_price.price_of(setup)

@@ -275,7 +275,7 @@ def test_gradient_checkpointing_recomputes_the_layers_for_the_same_gradient(tmp_
     import dataclasses
 
     import rlvr.models.lean_llama as lean
-    from rlvr import build as build_mod, config as config_mod, costs, numerics as numerics_mod, run_price, sampling
+    from rlvr import build as build_mod, config as config_mod, memory_model, numerics as numerics_mod, run_price, sampling
 
     from rlvr.distributed.fsdp import blocks
 
@@ -321,8 +321,8 @@ def test_gradient_checkpointing_recomputes_the_layers_for_the_same_gradient(tmp_
     assert p_ckpt.flops_train_per_batch > p_plain.flops_train_per_batch
     Lp, T = p_ckpt.prompt_tokens, p_ckpt.max_new_tokens
     tokens = 4 * Lp + 16 * T if lean_model else 16 * (Lp + T)    # the prompt once per group on the lean forward
-    assert p_ckpt.memory_activation_bytes == costs.activation_bytes(shape, tokens, Lp + T, 4)
-    assert p_ckpt.memory_activation_bytes < costs.activation_bytes(
+    assert p_ckpt.memory_activation_bytes == memory_model.activation_bytes(shape, tokens, Lp + T, 4)
+    assert p_ckpt.memory_activation_bytes < memory_model.activation_bytes(
         dataclasses.replace(shape, checkpointed=False), tokens, Lp + T, 4)
     assert train(tmp_path / "run", f"--model.path={model_dir}", f"--model.lora_r={lora}",
                  "--model.gradient_checkpointing=true") == 0

@@ -404,7 +404,7 @@ class TrainConfig:
     """Also save resumable state when this many minutes of wall clock have passed since the last
     save, so a killed run never loses more than that; 0 = off."""
     memory_check: bool = True
-    """Refuse to start a run whose predicted peak memory (the price's memory line, rlvr.costs.memory)
+    """Refuse to start a run whose predicted peak memory (the price's memory line, rlvr.memory_model.memory)
     exceeds the machine's available memory (MemAvailable); false = start anyway."""
     price_probes: bool = True
     """Time one decode step and one learn part (forward, backward, an optimizer step) on the run's own
