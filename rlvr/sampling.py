@@ -45,241 +45,25 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from rlvr.draws import (  # noqa: F401  (draw_base_seed, prompt_generators: the callers' names)
+    check_sampling_args,
+    draw_base_seed,
+    inverse_cdf_sample,
+    nucleus_mask,
+    prompt_generators,
+    sample_tempered,
+    sampling_logprobs,
+    truncates,
+)
 from rlvr.logprobs import AUTO_CHUNK, entropy_from_logits, resolve_chunk_rows, token_logprobs
 from rlvr.models import cache_rows
+from rlvr.rollout_data import Rollout, concat  # noqa: F401  (concat: the callers' name)
 
 OUTSIDE_NUCLEUS_LOGP = -30.0
 """Finite stand-in for log(0): the recomputed logp of a token outside the current nucleus."""
 
 
-@dataclass
-class Rollout:
-    """G responses per prompt, left-padded prompts first. B = P * G rows, T generated columns.
-
-    ``T`` is the number of decoding steps actually run: ``max_new_tokens``, or fewer when every
-    row produced eos early.
-    """
-
-    ids: torch.Tensor
-    """(B, Lp + T) long: left-padded prompt, then generated tokens; pad after each row's eos."""
-    attention_mask: torch.Tensor
-    """(B, Lp + T) long: 1 on real prompt tokens and on generated tokens up to and including eos."""
-    prompt_len: int
-    """Lp, the padded prompt width; response column t is ``ids[:, Lp + t]``."""
-    mask: torch.Tensor
-    """(B, T) float32: 1 on generated tokens up to and including the first eos, else 0."""
-    logp: torch.Tensor
-    """(B, T) float32: log-prob of each token under the distribution sampled from; 0 where mask is 0."""
-    truncated: torch.Tensor
-    """(B,) bool: the row hit ``max_new_tokens`` without eos (always False when eos_id is None)."""
-    temperature: float = 1.0
-    """Temperature used to sample (0 = greedy); ``sequence_token_logprobs`` defaults to it."""
-    top_p: float = 1.0
-    """Nucleus mass used to sample; ``sequence_token_logprobs`` defaults to it."""
-    logp_full: torch.Tensor | None = None
-    """(B, T) float32: log-prob of each token under the tempered distribution WITHOUT the nucleus
-    (what the KL to the reference compares); None without truncation, where it is ``logp``."""
-    top_k: int = 0
-    """Top-k used to sample (0 = off); ``sequence_token_logprobs`` defaults to it."""
-    min_p: float = 0.0
-    """Min-p used to sample (0 = off); ``sequence_token_logprobs`` defaults to it."""
-    decode_rows: int = 0
-    """Rows the decode steps' forwards computed, summed over the steps (0 where not recorded: ``select``)."""
-    decode_finished_rows: int = 0
-    """Of ``decode_rows``, the rows that had already ended: computed for nothing (``COMPACT_FINISHED``)."""
-
-    @property
-    def finished_row_frac(self) -> float:
-        """The share of the decode forwards' rows spent on rows that had already ended (0 when none ran)."""
-        return self.decode_finished_rows / self.decode_rows if self.decode_rows else 0.0
-
-    @property
-    def tempered_logp(self) -> torch.Tensor:
-        """(B, T) the sampled tokens' log-probs under the tempered distribution without the nucleus."""
-        return self.logp if self.logp_full is None else self.logp_full
-
-    def select(self, idx: torch.Tensor | slice) -> "Rollout":
-        """The rows ``idx`` (index tensor, bool mask or slice) as a new ``Rollout`` (minibatches).
-
-        Columns are kept, so ``prompt_len`` is unchanged and a subset may carry all-pad columns.
-        """
-        return Rollout(ids=self.ids[idx], attention_mask=self.attention_mask[idx], prompt_len=self.prompt_len,
-                       mask=self.mask[idx], logp=self.logp[idx], truncated=self.truncated[idx],
-                       temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-                       logp_full=None if self.logp_full is None else self.logp_full[idx])
-
-    @property
-    def response_ids(self) -> torch.Tensor:
-        """(B, T) view of the generated tokens."""
-        return self.ids[:, self.prompt_len:]
-
-    @property
-    def prompt_ids(self) -> torch.Tensor:
-        """(B, Lp) view of the left-padded prompts."""
-        return self.ids[:, :self.prompt_len]
-
-    @property
-    def response_lengths(self) -> torch.Tensor:
-        """(B,) long: generated tokens per row, eos included."""
-        return self.mask.sum(1).long()
-
-
-def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:
-    """Stack rollouts row-wise (dynamic sampling's refill rounds), in order, groups intact.
-
-    Prompts are left-padded to the widest ``prompt_len`` and responses right-padded to the longest
-    T; the added columns carry ``pad_id``, attention 0, mask 0 and logp 0, so every per-token
-    figure and the recomputed log-probs are unchanged (positions come from the attention mask).
-    """
-    if not rollouts:
-        raise ValueError("concat: no rollouts given")
-    if len({(r.temperature, r.top_p, r.top_k, r.min_p) for r in rollouts}) != 1:
-        raise ValueError("concat: rollouts were sampled from different distributions (temperature / top_p / "
-                         "top_k / min_p)")
-    Lp = max(r.prompt_len for r in rollouts)
-    T = max(r.mask.shape[1] for r in rollouts)
-    full = any(r.logp_full is not None for r in rollouts)
-    parts: dict[str, list[torch.Tensor]] = {"ids": [], "attention_mask": [], "mask": [], "logp": [], "logp_full": []}
-    for r in rollouts:
-        left, right = Lp - r.prompt_len, T - r.mask.shape[1]
-        parts["ids"].append(F.pad(r.ids, (left, right), value=pad_id))
-        parts["attention_mask"].append(F.pad(r.attention_mask, (left, right), value=0))
-        parts["mask"].append(F.pad(r.mask, (0, right), value=0.0))
-        parts["logp"].append(F.pad(r.logp, (0, right), value=0.0))
-        parts["logp_full"].append(F.pad(r.tempered_logp, (0, right), value=0.0))
-    if not full:
-        del parts["logp_full"]
-    return Rollout(**{k: torch.cat(v) for k, v in parts.items()}, prompt_len=Lp,
-                   truncated=torch.cat([r.truncated for r in rollouts]),
-                   temperature=rollouts[0].temperature, top_p=rollouts[0].top_p, top_k=rollouts[0].top_k,
-                   min_p=rollouts[0].min_p, decode_rows=sum(r.decode_rows for r in rollouts),
-                   decode_finished_rows=sum(r.decode_finished_rows for r in rollouts))
-
-
-# ---------------------------------------------------------------------- the sampling distribution
-def truncates(top_p: float, top_k: int = 0, min_p: float = 0.0) -> bool:
-    """Whether these settings cut the tempered distribution down to a nucleus (``nucleus_mask``)."""
-    return top_p < 1.0 or top_k > 0 or min_p > 0.0
-
-
-def nucleus_mask(z: torch.Tensor, top_p: float, top_k: int = 0, min_p: float = 0.0) -> torch.Tensor:
-    """Bool mask (..., V), True on the nucleus of ``softmax(z)``: the ``top_k`` most probable tokens
-    (0: all), of those the smallest prefix whose mass renormalized over them reaches ``top_p``, of
-    those the tokens with at least ``min_p`` times the top token's probability (module docstring;
-    no gradient)."""
-    with torch.no_grad():
-        probs = torch.softmax(z.float(), dim=-1)
-        sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
-        before = sorted_p.cumsum(-1) - sorted_p                      # mass before each token
-        if top_k > 0:
-            in_k = torch.arange(sorted_p.size(-1), device=z.device) < top_k
-            mass_k = sorted_p[..., :top_k].sum(-1, keepdim=True)    # top_p over the top-k, renormalized
-            keep_sorted = in_k & (before < top_p * mass_k) if top_p < 1.0 else in_k.expand_as(sorted_p)
-        else:
-            keep_sorted = before < top_p
-        if min_p > 0.0:
-            keep_sorted = keep_sorted & (sorted_p >= min_p * sorted_p[..., :1])
-        return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-
-
-def sampling_logprobs(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                      min_p: float = 0.0) -> torch.Tensor:
-    """log-probs (..., V) of the distribution sampled from: log_softmax of the tempered nucleus.
-
-    -inf outside the nucleus. ``temperature == 0`` means greedy: the temperature-1 full softmax.
-    """
-    if temperature == 0:
-        return F.log_softmax(logits.float(), dim=-1)
-    z = logits.float() / temperature
-    if truncates(top_p, top_k, min_p):
-        z = z.masked_fill(~nucleus_mask(z, top_p, top_k, min_p), float("-inf"))
-    return F.log_softmax(z, dim=-1)
-
-
-def _check_sampling_args(temperature: float, top_p: float, top_k: int = 0, min_p: float = 0.0) -> None:
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if top_k < 0 or int(top_k) != top_k:
-        raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {top_k}")
-    if not 0.0 <= min_p < 1.0:
-        raise ValueError(f"min_p must be in [0, 1) (0 = off), got {min_p}")
-
-
-# ---------------------------------------------------------------------- per-prompt seeding
-_MIX = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads consecutive prompt indices over the seed space
-
-
-def draw_base_seed(generator: torch.Generator) -> int:
-    """One 62-bit number from `generator`: the seed of one sampling call (a step's round of prompts).
-    The per-prompt generators derive from it, so a sharded call draws the same rows."""
-    return int(torch.randint(0, 2 ** 62, (1,), generator=generator, device=generator.device).item())
-
-
-def prompt_generators(base_seed: int, first: int, n: int, device: torch.device | str = "cpu") -> list[torch.Generator]:
-    """Generators of the prompts `first`, ..., `first + n - 1` of a sampling call seeded with
-    `base_seed`: prompt i's seed is a function of (base_seed, i) only, so its G responses do not
-    depend on which other prompts are sampled with it (sharding over rollout workers, chunking)."""
-    return [torch.Generator(device=device).manual_seed((base_seed + _MIX * (first + i + 1)) % 2 ** 63)
-            for i in range(n)]
-
-
-def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """(B, V) probabilities (rows may sum to 1 ± rounding), (B,) uniforms in [0, 1) -> (B,) token ids:
-    the first token whose cumulative mass exceeds u · total. Zero-probability tokens (outside the
-    nucleus) are never drawn: their cumulative mass equals their predecessor's."""
-    cdf = probs.float().cumsum(-1)                                            # (B, V)
-    tok = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)  # (B,)
-    tok = tok.clamp(max=probs.size(1) - 1)
-    # u · total rounding up to the total lands past the last token: take the most likely one instead
-    drawn = probs.gather(1, tok.unsqueeze(1)).squeeze(1) > 0                 # (B,)
-    if probs.device.type == "cpu" and bool(drawn.all()):  # the usual case: skip the argmax pass over (B, V)
-        return tok
-    return torch.where(drawn, tok, probs.argmax(-1))
-
-
-SAMPLE_BLOCK = 1024
-"""Vocabulary block of ``sample_tempered``: the cumulative mass is taken over blocks first, then
-inside the one block the draw lands in, instead of one running sum over the whole vocabulary."""
-
-
-def sample_tempered(logits: torch.Tensor, temperature: float, u: torch.Tensor,
-                    block: int = SAMPLE_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, V) logits, temperature > 0, (B,) uniforms in [0, 1) -> (B,) tokens and (B,) their log-probs
-    under ``softmax(logits / temperature)``: the draw of ``inverse_cdf_sample`` (the first token whose
-    cumulative mass exceeds u · total; rounding that puts it past the end takes the last token, or
-    the most likely one where that token has no mass) and the log-prob of ``sampling_logprobs`` at
-    top_p = 1, each equal up to float rounding, in fewer passes over (B, V): a decode step's sampling.
-
-    ``p = softmax(z)`` in one fused pass; the mass is summed per ``block`` tokens, the block where
-    the cumulative mass passes u · total is found, and only that block's running sum is taken (a
-    running sum over all of V is a sequential pass, the slowest of the old ones). A block or token
-    without mass is never chosen: its cumulative mass equals its predecessor's. log p(token) =
-    (z_token - max z) + log(p at the argmax), since p at the argmax is 1 / sum exp(z - max z): no
-    logarithm of a tiny probability."""
-    B, V = logits.shape
-    z = logits.float() / temperature                                          # (B, V)
-    p = torch.softmax(z, dim=-1)                                              # (B, V)
-    full = V // block * block
-    sums = p[:, :full].view(B, -1, block).sum(-1)                             # (B, V // block)
-    if full < V:
-        sums = torch.cat([sums, p[:, full:].sum(-1, keepdim=True)], dim=1)   # (B, nb)
-    cum = sums.cumsum(-1)                                                     # (B, nb)
-    thr = u.to(cum.dtype) * cum[:, -1]                                        # (B,)
-    b = torch.searchsorted(cum, thr[:, None], right=True).squeeze(1).clamp(max=cum.size(1) - 1)
-    before = torch.where(b > 0, cum.gather(1, (b - 1).clamp(min=0)[:, None]).squeeze(1), 0.0)
-    idx = b[:, None] * block + torch.arange(block, device=p.device)          # (B, block)
-    w = p.gather(1, idx.clamp(max=V - 1)).masked_fill_(idx >= V, 0.0)         # (B, block) the block's p
-    j = torch.searchsorted(w.cumsum(-1), (thr - before)[:, None], right=True).squeeze(1)  # (B,)
-    tok = (b * block + j.clamp(max=block - 1)).clamp(max=V - 1)               # (B,)
-    drawn = p.gather(1, tok[:, None]).squeeze(1) > 0
-    if p.device.type != "cpu" or not bool(drawn.all()):  # the usual CPU case skips the argmax pass
-        tok = torch.where(drawn, tok, p.argmax(-1))
-    logp = (z.gather(1, tok[:, None]).squeeze(1) - z.amax(-1)) + torch.log(p.amax(-1))
-    return tok, logp
-
-
+# ---------------------------------------------------------------------- a decode step's draw
 def _prompt_noise(generators: list[torch.Generator] | None, P: int, G: int, T: int, device) -> torch.Tensor | None:
     """(B, T) uniforms, prompt p's G rows drawn from generators[p]; None without generators."""
     if generators is None:
@@ -344,7 +128,7 @@ class StopStrings:
 def _check_generate_args(model, prompts, samples_per_prompt: int, max_new_tokens: int, temperature: float,
                          top_p: float, top_k: int = 0, min_p: float = 0.0, budgets=None) -> torch.device:
     """ValueError on arguments `generate` cannot sample from; else the device of the model."""
-    _check_sampling_args(temperature, top_p, top_k, min_p)
+    check_sampling_args(temperature, top_p, top_k, min_p)
     if samples_per_prompt < 1 or max_new_tokens < 1:
         raise ValueError("samples_per_prompt and max_new_tokens must be >= 1")
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -755,7 +539,7 @@ def sequence_token_logprobs(model, rollout: Rollout | tuple, *, temperature: flo
         if temperature is None or top_p is None:
             raise ValueError("pass temperature= and top_p= when giving (ids, attention_mask, prompt_len)")
         top_k, min_p = top_k or 0, min_p or 0.0
-    _check_sampling_args(temperature, top_p, top_k, min_p)
+    check_sampling_args(temperature, top_p, top_k, min_p)
     T = T_out = ids.size(1) - Lp
     if T < 1 or Lp < 1:
         raise ValueError(f"need a prompt and at least one response column, got Lp={Lp}, T={T}")
