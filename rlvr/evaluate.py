@@ -18,7 +18,7 @@ import contextlib
 import torch
 
 from rlvr.policy import Policy, Tokenizer
-from rlvr.rollout import sample_and_score
+from rlvr.groups import sample_and_score
 from rlvr.setup_types import Limits
 from rlvr.tasks import Task
 

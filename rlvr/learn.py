@@ -275,6 +275,38 @@ def accumulate(learner: Learner, batch: Batch, rows: torch.Tensor, delta_rows: t
     return out
 
 
+def own_rows(batch: Batch, split: list[torch.Tensor], shard, G: int) -> torch.Tensor:
+    """(B,) bool: the rows this rank of a learner group computes over the minibatches `split`."""
+    own = torch.zeros(batch.logp_old.shape[0], dtype=torch.bool, device=batch.logp_old.device)
+    for idx in split:
+        own[shard.mine(idx, G)] = True
+    return own
+
+
+def step_if_finite(learner: Learner, loss: float, gnorm: torch.Tensor) -> bool:
+    """One optimizer and schedule step, unless the loss or the gradient norm is not finite (then no
+    update). Returns whether the step was taken."""
+    if math.isfinite(loss) and math.isfinite(float(gnorm)):
+        learner.opt.step()
+        learner.sched.step()
+        return True
+    return False
+
+
+def adopt_first_pass(batch: Batch, keep: dict, own: torch.Tensor | None, shard,
+                     is_cap: float) -> tuple[Batch, dict]:
+    """`batch` with the logp_old and Δ·w its first pass computed (`keep`), for the passes after it, and
+    the IS weight's figures (sampler_*) over every row (against `batch.logp_old`, the sampler's), not
+    one minibatch's. `own` (a learner group's rank): its rows, gathered with every other rank's on
+    every rank, since a later pass draws them elsewhere."""
+    if own is not None:
+        keep = shard.gather_rows(keep, own)
+    _, w_stats = losses.truncated_is_weight(keep["logp_old"], batch.logp_old, batch.rollout.mask, is_cap)
+    first_sampler = {f"sampler_{k}": v for k, v in w_stats.items()}
+    return dataclasses.replace(batch, logp_old=keep["logp_old"], delta_tokens=keep["delta"],
+                               logp_old_pending=False, logp_old_version=batch.version), first_sampler
+
+
 def learn(learner: Learner, batch: Batch, *, delta_rows: torch.Tensor | None = None, shard=None) -> dict:
     """μ passes over the batch, each split into minibatches of whole groups; one clipped AdamW step
     per minibatch. Returns the mean of each statistic over the minibatches, the first minibatch's
@@ -318,9 +350,7 @@ def learn(learner: Learner, batch: Batch, *, delta_rows: torch.Tensor | None = N
     for _epoch in range(tc.epochs_per_batch):
         split = minibatch_rows(learner, len(batch.groups.examples), G)
         if keep is not None and shard is not None:   # the rows this rank's first pass computes
-            own = torch.zeros(batch.logp_old.shape[0], dtype=torch.bool, device=batch.logp_old.device)
-            for idx in split:
-                own[shard.mine(idx, G)] = True
+            own = own_rows(batch, split, shard, G)
         if keep is not None and len(split) > 1:
             prepass_tokens = prepass_logp_old(view, batch, split[1:], delta_rows, keep, shard)
         for idx in split:
@@ -334,23 +364,13 @@ def learn(learner: Learner, batch: Batch, *, delta_rows: torch.Tensor | None = N
             if shard is not None:  # the whole minibatch's figures, the same on every rank
                 stats = shard.reduce(stats)
             lr_used = learner.sched.get_last_lr()[0]
-            if math.isfinite(stats["loss"]) and math.isfinite(float(gnorm)):
-                learner.opt.step()
-                learner.sched.step()
-            else:  # a non-finite loss or gradient norm: no update (train/skipped_updates)
+            if not step_if_finite(learner, stats["loss"], gnorm):  # no update (train/skipped_updates)
                 skipped += 1
             trained += forward_tokens(batch.rollout.select(idx), G, shared)
             stats["grad_norm"] = float(gnorm)
             absdiff = stats.pop("logp_old_absdiff")
             if keep is not None:  # logp_old and Δ·w of the first pass, for the passes after it
-                if own is not None:  # every rank's rows on every rank: a later pass draws them elsewhere
-                    keep = shard.gather_rows(keep, own)
-                # the weight's figures over every row (batch.logp_old: the sampler's), not one minibatch's
-                _, w_stats = losses.truncated_is_weight(keep["logp_old"], batch.logp_old, batch.rollout.mask,
-                                                        cfg.algorithm.is_cap)
-                first_sampler = {f"sampler_{k}": v for k, v in w_stats.items()}
-                batch = dataclasses.replace(batch, logp_old=keep["logp_old"], delta_tokens=keep["delta"],
-                                            logp_old_pending=False, logp_old_version=batch.version)
+                batch, first_sampler = adopt_first_pass(batch, keep, own, shard, cfg.algorithm.is_cap)
                 delta_rows, keep = batch.delta_rows, None
             for k, v in stats.items():
                 acc[k] = acc.get(k, 0.0) + v

@@ -282,7 +282,7 @@ def run_probe(cfg: config.Config, *, prompts: int, samples: int, schemes: Sequen
     from rlvr.machine import set_threads
     from rlvr.numerics import eval_numerics
     from rlvr.reward_pool import open_pool
-    from rlvr.rollout import sample_and_score
+    from rlvr.groups import sample_and_score
     from rlvr.rundir import RunDir
     from rlvr.setup_types import RunError
     from rlvr.tasks import load_task

@@ -1,168 +1,32 @@
 """The rollout stage: sample, score, Δ, logp_old, logp_ref. No gradient anywhere here.
 
-`sample_and_score` is the one path from prompts to scored responses; training, evaluation and
-the probe all call it, so responses are decoded and scored the same way everywhere.
-`rollout(...)` is steps 1-5 of a training step and returns a `Batch` that carries everything the
-learn stage needs, plus the version of the policy that sampled it.
+Sampling and scoring go through rlvr.groups.sample_and_score (the one path from prompts to scored
+responses, shared with evaluation and the probe). `rollout(...)` is steps 1-5 of a training step
+and returns a `Batch` that carries everything the learn stage needs, plus the version of the
+policy that sampled it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from rlvr import advantages, costs, logprobs, losses, sampling, tools
+from rlvr import advantages, costs, logprobs, losses, sampling
+from rlvr.groups import (  # noqa: F401  (score_groups, total_overflow: the callers' names)
+    Groups,
+    merge,
+    sample_and_score,
+    score_groups,
+    total_overflow,
+)
 from rlvr.policy import Policy, Tokenizer
-from rlvr.rewards import goal_hits, score_batch, steps_of
-from rlvr.setup_types import Limits, RunError, logp_old_in_learn
-from rlvr.tasks import Task, weighted_rewards
-from rlvr.tokenizer import encode_examples
+from rlvr.rewards import steps_of
+from rlvr.setup_types import RunError, logp_old_in_learn
 from rlvr.value import LearnedBaseline
-
-
-@dataclass
-class Groups:
-    """Scored groups: P' prompts x G responses, rows grouped (row b is prompt b // G)."""
-
-    examples: list
-    rollout: sampling.Rollout
-    responses: list[str]
-    rewards: torch.Tensor            # (P', G) optimised reward
-    hits: torch.Tensor               # (P', G) bool, the goal (logged, never trained on)
-    per_reward: dict[str, list[float]]
-    failures: int
-    """Reward and goal calls that did not return a usable value (scored 0 / counted as a miss)."""
-    status_counts: dict[str, int]
-    """Reward statuses over all calls, plus `goal_error` for goal checks that raised."""
-    errors: list[str]
-    totals: list[float] = field(default_factory=list)
-    """Per row, the weighted reward as scored (Python floats; `rewards` holds them in float32)."""
-    tools: tools.ToolStats | None = None
-    """What the tool loop did (rlvr.tools), when the run calls the task's tool; its forward_tokens
-    are the whole sampling call's."""
-
-    @property
-    def goal_failures(self) -> int:
-        return self.status_counts.get("goal_error", 0)
-
-    @property
-    def reward_failures(self) -> int:
-        return sum(v for k, v in self.status_counts.items() if k not in ("ok", "goal_error"))
-
-    def select(self, groups: torch.Tensor, G: int) -> "Groups":
-        """The groups at indices `groups` (a (k,) long tensor), rows kept together."""
-        rows = (groups[:, None] * G + torch.arange(G)).reshape(-1)
-        return Groups(
-            examples=[self.examples[i] for i in groups.tolist()], rollout=self.rollout.select(rows),
-            responses=[self.responses[i] for i in rows.tolist()], rewards=self.rewards[groups], hits=self.hits[groups],
-            per_reward={k: [v[i] for i in rows.tolist()] for k, v in self.per_reward.items()},
-            failures=self.failures, status_counts=self.status_counts, errors=self.errors,
-            totals=[self.totals[i] for i in rows.tolist()] if self.totals else [], tools=self.tools,
-        )
-
-
-def merge(parts: list[Groups], pad_id: int) -> Groups:
-    """Concatenate the groups of several sampling calls (dynamic sampling's rounds, evaluation chunks)."""
-    return Groups(
-        examples=[ex for p in parts for ex in p.examples],
-        rollout=sampling.concat([p.rollout for p in parts], pad_id),
-        responses=[r for p in parts for r in p.responses],
-        rewards=torch.cat([p.rewards for p in parts]), hits=torch.cat([p.hits for p in parts]),
-        per_reward={k: [v for p in parts for v in p.per_reward[k]] for k in parts[0].per_reward},
-        failures=sum(p.failures for p in parts),
-        status_counts={k: sum(p.status_counts.get(k, 0) for p in parts) for k in parts[0].status_counts},
-        errors=[e for p in parts for e in p.errors][:5],
-        totals=[t for p in parts for t in p.totals],
-        tools=None if parts[0].tools is None else functools.reduce(tools.ToolStats.add, (p.tools for p in parts)),
-    )
-
-
-def total_overflow(weights: dict[str, float], per_reward: dict[str, list[float]], totals: list[float]) -> str:
-    """Why a weighted reward total is not finite in float32 (each reward's own value is checked when it
-    is received, rlvr.rewards.check_value): the largest total, and each reward's weight and largest value."""
-    worst = max(totals, key=lambda t: abs(t) if t == t else float("inf"))
-    parts = ", ".join(f"{name} (weight {weights.get(name, 1.0):g}, largest value {max(map(abs, vals), default=0):g})"
-                      for name, vals in per_reward.items())
-    return (f"a response's weighted reward is {worst:g}, beyond the float32 range (±3.4e38) rewards are trained "
-            f"in: {parts}; lower task.reward_weights or the rewards' scale")
-
-
-def score_groups(task: Task, weights: dict[str, float], examples: list, responses: list[str], G: int,
-                 pool=None) -> tuple[torch.Tensor, torch.Tensor, dict, int, dict, list, list]:
-    """Rewards (P, G), goal hits (P, G) and the bookkeeping of scoring `responses` (G per example),
-    in the order of `Groups`' fields."""
-    prompts = [ex.prompt for ex in examples for _ in range(G)]
-    answers = [ex.answer for ex in examples for _ in range(G)]
-    scored = score_batch(weighted_rewards(task, weights), prompts, responses, answers, pool=pool)
-    hits, goal_failures, goal_errors = goal_hits(task.goal, prompts, responses, answers, pool=pool)
-    rewards = torch.tensor(scored.total, dtype=torch.float32)
-    if not bool(torch.isfinite(rewards).all()):
-        raise RunError(total_overflow(weights, scored.per_reward, scored.total))
-    return (rewards.view(-1, G), torch.tensor(hits).view(-1, G),
-            scored.per_reward, scored.failed + goal_failures, {**scored.status_counts, "goal_error": goal_failures},
-            list(scored.errors) + goal_errors, scored.total)
-
-
-@torch.no_grad()
-def sample_and_score(policy: Policy, tok: Tokenizer, task: Task, examples: list, *, G: int, limits: Limits,
-                     weights: dict[str, float], temperature: float, top_p: float,
-                     generator: torch.Generator | None, chunk_prompts: int = 0, pool=None,
-                     base_seed: int | None = None, first_prompt: int = 0,
-                     autocast=contextlib.nullcontext, top_k: int = 0, min_p: float = 0.0) -> Groups:
-    """Sample G responses per example (temperature 0 = greedy), decode them and score them.
-
-    A response is decoded up to its end token when the task has one (`limits.eos_id`), and in full
-    on fixed-length tasks; with stop strings (`limits.stop`) up to and including the token that
-    completed one; with tool calls (`limits.tool_calls` > 0, the task's `tool`, rlvr.tools) the whole
-    response, inserted results included. `chunk_prompts` > 0 samples that many prompts per generate call (memory);
-    the draws come from `generator` in order, so chunking does not change them. `pool`: a
-    rlvr.reward_pool.RewardPool scores in its supervised workers (None: in this process).
-    Sampling is seeded per prompt (rlvr.sampling.prompt_generators): one base seed is drawn from
-    `generator` per call, or given as `base_seed` with this call's `first_prompt` index (a rollout
-    worker's shard), so a prompt's rows do not depend on how the call's prompts are split.
-    `autocast()`: the context the sampling forwards run in (rlvr.numerics.Numerics.context; the
-    log-softmax of the sampling distribution is taken in float32 either way)."""
-    if base_seed is None and generator is not None:
-        base_seed = sampling.draw_base_seed(generator)
-    device = next(iter(policy.parameters())).device
-    gens = (sampling.prompt_generators(base_seed, first_prompt, len(examples), device)
-            if base_seed is not None else None)
-    step = chunk_prompts or len(examples)
-    stop = sampling.StopStrings(limits.stop, tok.decode) if limits.stop else None
-    kw = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
-    rollouts, tool_stats = [], tools.ToolStats() if limits.tool_calls else None
-    for i in range(0, len(examples), step):
-        chunk = examples[i:i + step]
-        keep = [] if tool_stats is not None else None   # tool continuations reuse the KV cache (rlvr.tools)
-        with autocast():
-            r = sampling.generate(
-                policy, encode_examples(tok, chunk), samples_per_prompt=G,
-                max_new_tokens=limits.max_new_tokens, eos_id=limits.eos_id, pad_id=tok.pad_id,
-                generators=gens[i:i + step] if gens else None, stop=stop, keep=keep,
-                reserve=2 * limits.max_new_tokens * limits.tool_calls, **kw)
-        if tool_stats is not None:  # answer the tool calls and sample on (rlvr.tools)
-            first_fwd = costs.sampling_forward_tokens(len(chunk), r.prompt_len, *r.mask.shape)
-            r, st = tools.respond_with_tools(
-                policy, tok, r, [ex for ex in chunk for _ in range(G)], task.tool,
-                max_new_tokens=limits.max_new_tokens, eos_id=limits.eos_id, stop=limits.stop,
-                max_calls=limits.tool_calls, base_seed=base_seed, first_row=(first_prompt + i) * G, sample_kw=kw,
-                autocast=autocast, pool=pool, role=limits.tool_role, on_end=limits.tool_on_end,
-                decoding=keep[0] if keep else None)
-            tool_stats = tool_stats.add(st)
-            tool_stats.forward_tokens += first_fwd
-        rollouts.append(r)
-    rollout = rollouts[0] if len(rollouts) == 1 else sampling.concat(rollouts, tok.pad_id)
-    # each row up to its last token, inserted text included (a chat turn inserted by a tool holds eos):
-    # decode drops special tokens, so a final eos is not in the text
-    extent = sampling.response_extent(rollout.attention_mask[:, rollout.prompt_len:]).tolist()
-    responses = [tok.decode(r[:n]) for r, n in zip(rollout.response_ids.tolist(), extent)]
-    return Groups(examples, rollout, responses, *score_groups(task, weights, examples, responses, G, pool),
-                  tools=tool_stats)
 
 
 @dataclass
@@ -255,6 +119,50 @@ def reference_logprobs(policy: Policy, reference: Policy | None, rollout: sampli
                                                 group_size=group_size)
 
 
+def sample_rounds(setup, policy: Policy, examples_fn, *, generator: torch.Generator, pool=None,
+                  sampler=None) -> tuple[Groups, list[Groups]]:
+    """Steps 1-2 of `rollout`: the step's groups and every sampling round it took (dynamic sampling's
+    refills included, all of them paid for), each sampled and scored in this process
+    (`sample_and_score`) or by `sampler`, with DAPO's overlong penalty added (`algorithm.overlong_buffer`)."""
+    cfg, tok = setup.cfg, setup.tokenizer
+    sc, ac, tc = cfg.sampling, cfg.algorithm, cfg.train
+    G = tc.samples_per_prompt
+
+    def sample(examples: list) -> Groups:
+        if sampler is not None:  # rlvr.distributed: sampled and scored by rollout workers
+            got = sampler(examples)
+        else:
+            got = sample_and_score(policy, tok, setup.task, examples, G=G, limits=setup.limits,
+                                   weights=setup.reward_weights, temperature=sc.temperature, top_p=sc.top_p,
+                                   top_k=sc.top_k, min_p=sc.min_p, generator=generator, pool=pool,
+                                   autocast=setup.numerics.context)
+        return add_overlong_penalty(got, ac, setup.limits.max_new_tokens) if ac.overlong_buffer else got
+
+    if ac.dynamic_sampling:
+        return dynamic_sample(sample, examples_fn, tc.prompts_per_step, G, ac.dynamic_sampling_rounds, tok.pad_id)
+    groups = sample(examples_fn())
+    return groups, [groups]
+
+
+def sampling_cost(parts: list[Groups], fwd_flops: float) -> dict:
+    """Tokens and FLOPs the sampling rounds `parts` computed (every round is paid for, kept or not):
+    sampled_tokens, forward_tokens (with tool calls, the tool loop's own count) and flops at
+    `fwd_flops` per forward token."""
+    cost = {"sampled_tokens": 0, "forward_tokens": 0, "flops": 0.0}
+    for p in parts:
+        n_fwd = (p.tools.forward_tokens if p.tools is not None else
+                 costs.sampling_forward_tokens(len(p.examples), p.rollout.prompt_len, *p.rollout.mask.shape))
+        cost["sampled_tokens"] += int(p.rollout.mask.sum())
+        charge_forward(cost, n_fwd, fwd_flops)
+    return cost
+
+
+def charge_forward(cost: dict, n_tok: int, fwd_flops: float) -> None:
+    """Add a forward over `n_tok` token positions to `cost` (forward_tokens, and flops at `fwd_flops` a token)."""
+    cost["forward_tokens"] += n_tok
+    cost["flops"] += n_tok * fwd_flops
+
+
 def rollout(setup, policy: Policy, reference: Policy | None, examples_fn, *, version: int,
             generator: torch.Generator, pool=None, value: LearnedBaseline | None = None,
             sampler=None, policy_version: int | None = None) -> Batch:
@@ -279,37 +187,14 @@ def rollout(setup, policy: Policy, reference: Policy | None, examples_fn, *, ver
     rollout workers). `policy_version`: the version of `policy`'s weights now (default `version`;
     newer when the rows were sampled ahead by rollout workers).
     """
-    cfg, tok = setup.cfg, setup.tokenizer
-    sc, ac, tc = cfg.sampling, cfg.algorithm, cfg.train
-    G = tc.samples_per_prompt
+    cfg = setup.cfg
+    sc, ac, G = cfg.sampling, cfg.algorithm, cfg.train.samples_per_prompt
     t0 = time.perf_counter()
     policy.eval()
-
-    def sample(examples: list) -> Groups:
-        if sampler is not None:  # rlvr.distributed: sampled and scored by rollout workers
-            got = sampler(examples)
-        else:
-            got = sample_and_score(policy, tok, setup.task, examples, G=G, limits=setup.limits,
-                                   weights=setup.reward_weights, temperature=sc.temperature, top_p=sc.top_p,
-                                   top_k=sc.top_k, min_p=sc.min_p, generator=generator, pool=pool,
-                                   autocast=setup.numerics.context)
-        return add_overlong_penalty(got, ac, setup.limits.max_new_tokens) if ac.overlong_buffer else got
-
-    if ac.dynamic_sampling:
-        groups, parts = dynamic_sample(sample, examples_fn, tc.prompts_per_step, G, ac.dynamic_sampling_rounds,
-                                       tok.pad_id)
-    else:
-        groups = sample(examples_fn())
-        parts = [groups]
+    groups, parts = sample_rounds(setup, policy, examples_fn, generator=generator, pool=pool, sampler=sampler)
     sample_s = time.perf_counter() - t0
-    cost = {"sampled_tokens": 0, "forward_tokens": 0, "flops": 0.0}
     fwd_flops, _ = costs.model_flops_per_token(policy, setup.limits.prompt_tokens, setup.limits.max_new_tokens)
-    for p in parts:  # every round is paid for, kept or not
-        n_fwd = (p.tools.forward_tokens if p.tools is not None else
-                 costs.sampling_forward_tokens(len(p.examples), p.rollout.prompt_len, *p.rollout.mask.shape))
-        cost["sampled_tokens"] += int(p.rollout.mask.sum())
-        cost["forward_tokens"] += n_fwd
-        cost["flops"] += n_fwd * fwd_flops
+    cost = sampling_cost(parts, fwd_flops)
 
     logp_old = groups.rollout.logp.detach()                                           # (B, T)
     logp_ref = None
@@ -319,9 +204,7 @@ def rollout(setup, policy: Policy, reference: Policy | None, examples_fn, *, ver
                                       chunk_rows=logprobs.chunk_setting(cfg.model.logprob_chunk_rows),
                                       group_size=G if cfg.model.share_prompt_forward else None,
                                       autocast=setup.numerics.context)
-        n_tok = forward_tokens(groups.rollout, G, shared)
-        cost["forward_tokens"] += n_tok
-        cost["flops"] += n_tok * fwd_flops
+        charge_forward(cost, forward_tokens(groups.rollout, G, shared), fwd_flops)
     recompute, pick = setup.recompute_logp_old, ac.top_entropy_quantile < 1
     in_learn = recompute and logp_old_in_learn(cfg) and (policy_version is None or policy_version == version)
     recompute = recompute and not in_learn            # the learn stage's first forward gives it (no extra one)
@@ -329,9 +212,7 @@ def rollout(setup, policy: Policy, reference: Policy | None, examples_fn, *, ver
     if recompute or pick:  # one training forward (no backward) serves both; before Δ: kl_in = "reward" reads it
         train_fwd = training_logprobs(policy, groups.rollout, cfg, setup.numerics.context,
                                       full=recompute and ac.kl_in == "reward" and logp_ref is not None, entropy=pick)
-        n_tok = forward_tokens(groups.rollout, G, shared)
-        cost["forward_tokens"] += n_tok
-        cost["flops"] += n_tok * fwd_flops
+        charge_forward(cost, forward_tokens(groups.rollout, G, shared), fwd_flops)
     delta, delta_tokens, stats = batch_delta(setup, groups, logp_ref, value,
                                              logp_full=train_fwd.logp_full if recompute else None)
     # the share of the decode forwards' rows spent on rows that had already ended (rlvr.sampling.COMPACT_FINISHED)

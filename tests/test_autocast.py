@@ -839,9 +839,9 @@ def test_rlvr_eval_samples_under_the_runs_recorded_numerics(tmp_path, monkeypatc
 def test_rlvr_probe_samples_under_the_training_numerics(tmp_path, monkeypatch):
     """`rlvr probe` samples as training does: the initial model under model.autocast as resolved, a
     checkpoint under the decision its run recorded (as `rlvr eval`)."""
-    from rlvr import probe, rollout
+    from rlvr import groups, probe
 
-    seen = record_eval_autocast(monkeypatch, rollout)         # the probe imports it from rlvr.rollout
+    seen = record_eval_autocast(monkeypatch, groups)          # the probe imports it from rlvr.groups
     for mode, want in (("bf16", True), ("off", False)):
         seen.clear()
         res = probe.run_probe(config_mod.load(EXAMPLE, TINY + [f"--model.autocast={mode}"]), prompts=2, samples=2)
