@@ -45,7 +45,7 @@ def measure(overrides: list[str], workers: int, steps: int) -> dict:
     def draw():
         return [setup.task.train[i] for i in torch.randperm(len(setup.task.train), generator=rng)[:P].tolist()]
 
-    d = Distributed(cfg, setup, learner, 0, 0, log=lambda *_: None) if workers else None
+    d = Distributed(cfg, setup, learner, 0, 0, log=lambda *_: None, builder=build_mod.build) if workers else None
     times = {"step_s": [], "sample_s": [], "sync_s": []}
     try:
         for s in range(steps + 1):

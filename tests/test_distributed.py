@@ -190,7 +190,8 @@ def _two_steps(cfg) -> list:
     gen, rng = torch.Generator().manual_seed(cfg.train.seed), iter(range(0, 40, 4))
     draw = lambda: setup.task.train[next(rng):][:4]  # noqa: E731
     out = []
-    d = Distributed(cfg, setup, learner, 0, 0, log=lambda *_: None) if cfg.distributed.rollout_workers else None
+    d = (Distributed(cfg, setup, learner, 0, 0, log=lambda *_: None, builder=build_mod.build)
+         if cfg.distributed.rollout_workers else None)
     try:
         for v in range(2):
             batch = (d.rollout if d else rollout)(setup, setup.model, None, draw, version=v, generator=gen)
@@ -230,7 +231,7 @@ def test_a_killed_rollout_worker_is_replaced_and_its_share_sampled_again(ray_loc
     cfg = tiny_cfg("--distributed.rollout_workers=2")
     setup = build_mod.build(cfg)
     messages = []
-    d = Distributed(cfg, setup, new_learner(setup), 0, 0, log=messages.append)
+    d = Distributed(cfg, setup, new_learner(setup), 0, 0, log=messages.append, builder=build_mod.build)
     try:
         examples = setup.task.train[:4]
         clean = d.workers.collect(d.workers.submit(examples, torch.Generator().manual_seed(7)))
@@ -280,7 +281,7 @@ def group_as_one(one, two, l1, l2, batch, label: str = "", rtol: float = 0.0) ->
     """`batch` learned by the one learner `l1` (of build `one`) and by a learner group of `two.cfg` whose
     rank 0 is `l2` (of build `two`): the same weights (atol 1e-6) and loss. Returns both statistics."""
     s1 = learn(l1, copy.deepcopy(batch))
-    group = learners_mod.LearnerGroup(two.cfg, l2)
+    group = learners_mod.LearnerGroup(two.cfg, l2, build_mod.build)
     try:
         s2 = group.learn(batch)
     finally:
@@ -380,11 +381,11 @@ def test_a_learner_group_that_fails_to_start_leaves_no_process_group(ray_local, 
 
     monkeypatch.setattr(learners_mod.LearnerGroup, "_wait", lost)
     with pytest.raises(RunError, match="during the start"):
-        learners_mod.LearnerGroup(cfg, new_learner(setup))
+        learners_mod.LearnerGroup(cfg, new_learner(setup), build_mod.build)
     assert started == [(True, 1)]                        # it had joined rank 0 and started one actor
     assert not dist.is_initialized()
     monkeypatch.undo()
-    group = learners_mod.LearnerGroup(cfg, new_learner(build_mod.build(cfg)))
+    group = learners_mod.LearnerGroup(cfg, new_learner(build_mod.build(cfg)), build_mod.build)
     try:
         assert group.learn(_uneven_batch(setup))["optimizer_steps"] == 1
     finally:
@@ -430,7 +431,7 @@ def one_group_for_two_ranks(cfg) -> None:
     kept = full.groups.select(torch.tensor([0]), G)
     batch = Batch(kept, [kept], full.delta[:1], full.logp_old[:G], None, 0)
     learn(l1, copy.deepcopy(batch))
-    group = learners_mod.LearnerGroup(cfg, l2)
+    group = learners_mod.LearnerGroup(cfg, l2, build_mod.build)
     try:
         group.learn(batch)
     finally:
@@ -485,7 +486,7 @@ def test_more_cpus_than_the_cluster_has_is_refused_before_any_actor(ray_local):
     cfg = tiny_cfg("--distributed.rollout_workers=2", "--distributed.cpus_per_worker=3")
     setup = build_mod.build(cfg)
     with pytest.raises(setup_types.RunError, match="has 4 CPUs; the actors ask for 6"):
-        Distributed(cfg, setup, new_learner(setup), 0, 0, log=lambda *_: None)
+        Distributed(cfg, setup, new_learner(setup), 0, 0, log=lambda *_: None, builder=build_mod.build)
     assert ray_local.is_initialized()  # a Ray this run did not start is left running
 
 
@@ -518,7 +519,7 @@ def test_two_learners_on_a_hugging_face_model(ray_local, tmp_path, lora, compile
                         lambda name, *a: calls.append(name) or compiled.compiled_call(name, *a))
     learn(l1, copy.deepcopy(batch))
     assert ("layer" in calls) == compile_layers and compiled.compile_failure() is None  # the one-process learner's
-    group = learners_mod.LearnerGroup(cfg, l2)
+    group = learners_mod.LearnerGroup(cfg, l2, build_mod.build)
     try:
         group.learn(batch)
     finally:

@@ -82,7 +82,7 @@ def test_two_fsdp2_learners_make_the_one_learner_update(ray_local, agg):
     l1, l2 = new_learner(one), new_learner(two)
     batch = _uneven_batch(one)
     s1 = learn(l1, copy.deepcopy(batch))
-    group = learners_mod.LearnerGroup(cfg, l2)
+    group = learners_mod.LearnerGroup(cfg, l2, build_mod.build)
     try:
         assert all(p.to_local().shape[0] < p.shape[0] for p in group.train.policy.blocks.parameters())  # sharded
         s2 = group.learn(batch)
@@ -164,7 +164,7 @@ def test_two_fsdp2_learners_on_a_hugging_face_model(ray_local, tmp_path, lora, a
     batch = _uneven_batch(one)
     learn(l1, copy.deepcopy(batch))
     before = {n: p.detach().clone() for n, p in two.model.named_parameters()}
-    group = learners_mod.LearnerGroup(cfg, l2)
+    group = learners_mod.LearnerGroup(cfg, l2, build_mod.build)
     try:
         assert not group.train.policy.uses_fast_path and two.model.uses_fast_path
         group.learn(batch)

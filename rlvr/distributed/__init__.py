@@ -2,7 +2,7 @@
 
 The loop keeps its two stages; `open_distributed` returns an object with the same two calls::
 
-    with open_distributed(cfg, setup, learner, version, log) as dist:   # None when nothing is distributed
+    with open_distributed(cfg, setup, learner, version, log=log, builder=build) as dist:   # None: not distributed
         batch = (dist.rollout if dist else rollout)(setup, policy, reference, draw, version=v, generator=g, pool=p)
         stats = (dist.learn if dist else learn)(learner, batch)
 
@@ -29,16 +29,19 @@ import collections
 import contextlib
 import dataclasses
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 from rlvr.learn import Learner, learn
 from rlvr.rollout import Batch, rollout
 
 
 class Distributed:
-    """The distributed versions of the rollout and learn stages, with the state they share."""
+    """The distributed versions of the rollout and learn stages, with the state they share.
+    `builder(cfg, log=...) -> Setup`: how each actor builds its copy of the run (the trainer passes
+    rlvr.build.build; this package never imports the builder)."""
 
-    def __init__(self, cfg, setup, learner: Learner, version: int, first_step: int, log=print):
+    def __init__(self, cfg, setup, learner: Learner, version: int, first_step: int, log=print, *,
+                 builder: Callable):
         from rlvr.distributed import sync
 
         d = cfg.distributed
@@ -54,13 +57,14 @@ class Distributed:
             if d.rollout_workers:
                 from rlvr.distributed.rollout_workers import RolloutWorkers
 
-                self.workers = RolloutWorkers(actors_cfg, learner.policy, version, setup.tokenizer.pad_id, log)
+                self.workers = RolloutWorkers(actors_cfg, learner.policy, version, setup.tokenizer.pad_id, log,
+                                              builder=builder)
                 log(f"distributed: {d.rollout_workers} rollout workers ({d.cpus_per_worker:g} CPU, "
                     f"{d.gpus_per_worker:g} GPU each); {self.workers.sync_bytes / 1e6:.2f} MB per weight sync")
             if d.learners > 1:
                 from rlvr.distributed.learners import LearnerGroup
 
-                self.group = LearnerGroup(actors_cfg, learner)
+                self.group = LearnerGroup(actors_cfg, learner, builder)
                 log(f"distributed: {d.learners} learners (torch.distributed, {d.sharding.upper()})")
         except BaseException:
             self.close()
@@ -136,15 +140,15 @@ def is_distributed(cfg) -> bool:
 
 
 @contextlib.contextmanager
-def open_distributed(cfg, setup, learner: Learner, version: int, first_step: int = 0, log=print
-                     ) -> Iterator[Distributed | None]:
-    """The run's Distributed (Ray started or joined, actors built), closed at the end; None when
-    `[distributed]` asks for nothing (rollout_workers = 0, learners = 1)."""
+def open_distributed(cfg, setup, learner: Learner, version: int, first_step: int = 0, log=print, *,
+                     builder: Callable) -> Iterator[Distributed | None]:
+    """The run's Distributed (Ray started or joined, actors built by `builder`), closed at the end;
+    None when `[distributed]` asks for nothing (rollout_workers = 0, learners = 1)."""
     if not is_distributed(cfg):
         yield None
         return
     t0 = time.perf_counter()
-    d = Distributed(cfg, setup, learner, version, first_step, log)
+    d = Distributed(cfg, setup, learner, version, first_step, log, builder=builder)
     log(f"distributed: ready in {time.perf_counter() - t0:.1f}s")
     try:
         yield d

@@ -28,6 +28,7 @@ import ipaddress
 import os
 import socket
 import urllib.parse
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -227,16 +228,16 @@ def learner_state(learner: Learner) -> dict:
 
 class LearnerActor:
     """Ranks 1..N-1 (wrapped with ``ray.remote`` by ``LearnerGroup``): a copy of rank 0's learner, whole
-    (DDP) or sharded (FSDP2, rlvr.distributed.fsdp)."""
+    (DDP) or sharded (FSDP2, rlvr.distributed.fsdp). `builder(cfg, log=...) -> Setup` builds it (the
+    trainer passes rlvr.build.build)."""
 
-    def __init__(self, cfg, threads: int):
+    def __init__(self, cfg, threads: int, builder: Callable):
         torch.set_num_threads(threads)
-        from rlvr.build import build
         from rlvr.hostmem import set_host_memory
 
         # as the trainer's process does (rlvr.hostmem)
         set_host_memory(cfg.train.host_memory, cfg.model.gradient_checkpointing)
-        self.cfg, self.setup = cfg, build(cfg, log=lambda *_: None)
+        self.cfg, self.setup = cfg, builder(cfg, log=lambda *_: None)
         self.learner = self.model = None
         self.fsdp = cfg.distributed.sharding == "fsdp2"
 
@@ -290,9 +291,10 @@ class LearnerGroup:
     With `distributed.sharding = "fsdp2"` rank 0 trains a sharded copy (`self.train`) and the trainer's
     `learner` changes: its policy receives the full weights after every update, its `opt` becomes a
     rlvr.distributed.fsdp.GatheredOptimizer (saving gathers the whole optimizer state) and its `sched`
-    the sharded copy's scheduler."""
+    the sharded copy's scheduler. `builder(cfg, log=...) -> Setup`: how each actor builds its copy (the
+    trainer passes rlvr.build.build; a function reference, pickled by name)."""
 
-    def __init__(self, cfg, learner: Learner):
+    def __init__(self, cfg, learner: Learner, builder: Callable):
         import copy
 
         import ray
@@ -304,7 +306,7 @@ class LearnerGroup:
         self.learner, self.world, self.timeout = learner, d.learners, d.timeout_s
         self.fsdp = d.sharding == "fsdp2"
         actor = ray.remote(LearnerActor).options(num_cpus=d.cpus_per_worker, num_gpus=d.gpus_per_worker)
-        self.actors = [actor.remote(cfg, actor_threads(d.cpus_per_worker)) for _ in range(self.world - 1)]
+        self.actors = [actor.remote(cfg, actor_threads(d.cpus_per_worker), builder) for _ in range(self.world - 1)]
         listener = None
         try:     # a failed start leaves no process group or actor behind (the caller gets no object to close)
             listener, init = open_rendezvous()

@@ -22,12 +22,13 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from rlvr import sampling
 from rlvr.distributed.sync import full_state, load_weights, state_bytes, trainable_state
-from rlvr.rollout import Groups, merge, sample_and_score
+from rlvr.groups import Groups, merge, sample_and_score
 from rlvr.machine import actor_threads
 from rlvr.setup_types import RunError
 
@@ -36,18 +37,18 @@ MAX_RETRIES = 2
 
 
 class RolloutWorker:
-    """The actor body (wrapped with ``ray.remote`` by ``RolloutWorkers``): one policy copy, one reward pool."""
+    """The actor body (wrapped with ``ray.remote`` by ``RolloutWorkers``): one policy copy, one reward pool.
+    `builder(cfg, log=...) -> Setup` builds the copy (the trainer passes rlvr.build.build)."""
 
-    def __init__(self, cfg, weights: dict, version: int, threads: int):
+    def __init__(self, cfg, weights: dict, version: int, threads: int, builder: Callable):
         torch.set_num_threads(threads)
-        from rlvr.build import build
         from rlvr.hostmem import set_host_memory
         from rlvr.reward_pool import open_pool
 
         # as the trainer's process does (rlvr.hostmem)
         set_host_memory(cfg.train.host_memory, cfg.model.gradient_checkpointing)
 
-        self.setup = build(cfg, log=lambda *_: None)
+        self.setup = builder(cfg, log=lambda *_: None)
         load_weights(self.setup.model, weights)
         self.version = version
         self._stack = contextlib.ExitStack()
@@ -101,13 +102,15 @@ class Job:
 
 
 class RolloutWorkers:
-    """N rollout worker actors, their weights and versions; `submit` / `collect` one sampling call."""
+    """N rollout worker actors, their weights and versions; `submit` / `collect` one sampling call.
+    `builder(cfg, log=...) -> Setup`: how each actor builds its run (the trainer passes rlvr.build.build;
+    a function reference, pickled by name)."""
 
-    def __init__(self, cfg, policy, version: int, pad_id: int, log=print):
+    def __init__(self, cfg, policy, version: int, pad_id: int, log=print, *, builder: Callable):
         import ray
 
         d = cfg.distributed
-        self.cfg, self.log, self.version, self.pad_id = cfg, log, version, pad_id
+        self.cfg, self.log, self.version, self.pad_id, self.builder = cfg, log, version, pad_id, builder
         self.timeout = d.timeout_s
         self._actor = ray.remote(RolloutWorker).options(num_cpus=d.cpus_per_worker, num_gpus=d.gpus_per_worker,
                                                          max_restarts=0)
@@ -123,7 +126,7 @@ class RolloutWorkers:
         """A fresh worker with the latest weights; given a `job`, with that job's weights first, so it can
         sample the job's shard again (a job in flight while a newer version was sent), then the latest."""
         version, ref = (job.version, job.weights) if job is not None else (self.version, self._latest_ref)
-        w = self._actor.remote(self.cfg, self._init_ref, version, self._threads)
+        w = self._actor.remote(self.cfg, self._init_ref, version, self._threads, self.builder)
         if ref is not None:
             w.set_weights.remote(version, ref)
         return w
