@@ -59,5 +59,5 @@ def test_a_run_reports_the_goal_by_operation(tmp_path):
 def test_a_key_no_held_out_example_has_is_refused_before_any_compute():
     cfg = config_mod.load(None, ["--task.path=rlvr.tasks.arith:arith_task", "--task.options={digits = 1, heldout = 5}",
                                  "--task.reward=correct", "--eval.group_by=level"])
-    with pytest.raises(setup_types.RunError, match="eval.group_by = 'level'.*their keys: a, b, messages, op"):
+    with pytest.raises(setup_types.RunError, match="eval.group_by = 'level'.*their keys: a, b, expr, messages, op, operands, ops\\)"):
         build_mod.build(cfg, log=lambda *a: None)
