@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 
 from rlvr import config as config_mod, costs
-from rlvr.checkpoint import load_checkpoint
+from rlvr.checkpoint import load_built_in, load_checkpoint
 from rlvr.models.tiny import TinyConfig, TinyTransformer
 from rlvr.numerics import choose_numerics, probe_shape
 from rlvr.policy import Policy, Tokenizer
@@ -172,15 +172,7 @@ def _built_in(cfg: config_mod.Config, task: Task) -> tuple[Policy, Tokenizer]:
         init = Path(cfg.model.init)
         if not (init / "model.safetensors").is_file() or not (init / "tokenizer.json").is_file():
             raise RunError(f"model.init = {cfg.model.init!r}: expected model.safetensors and tokenizer.json there")
-        try:
-            tok = CharTokenizer.load(init / "tokenizer.json")
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise RunError(f"model.init: {init / 'tokenizer.json'}: unreadable ({type(e).__name__}: {e})") from None
-        try:
-            return TinyTransformer.from_pretrained(init), tok
-        except Exception as e:  # safetensors raises its own SafetensorError on a damaged file
-            raise RunError(f"model.init: {init / 'model.safetensors'} (or its config.json): unreadable "
-                           f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
+        return load_built_in(init, prefix="model.init: ")
     examples = list(task.train) + list(task.heldout)
     alphabet = task.alphabet or "".join(sorted({c for ex in examples for c in ex.prompt + str(ex.answer)}))
     tokenizer = CharTokenizer(alphabet)

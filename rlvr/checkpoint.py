@@ -47,12 +47,18 @@ def load_checkpoint(d: Path, cfg: config_mod.Config) -> tuple[Policy, Tokenizer]
     for need in (d / "model.safetensors", d / "config.json", d / "tokenizer.json"):
         if not need.is_file():
             raise RunError(f"{need} is missing")
+    return load_built_in(d)
+
+
+def load_built_in(d: Path, prefix: str = "") -> tuple[TinyTransformer, CharTokenizer]:
+    """The built-in model and its tokenizer saved in `d`; RunError (its message after `prefix`, e.g.
+    the config key that named `d`) naming the file that is unreadable."""
     try:
         tok = CharTokenizer.load(d / "tokenizer.json")
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise RunError(f"{d / 'tokenizer.json'}: unreadable ({type(e).__name__}: {e})") from None
+        raise RunError(f"{prefix}{d / 'tokenizer.json'}: unreadable ({type(e).__name__}: {e})") from None
     try:
         return TinyTransformer.from_pretrained(d), tok
     except Exception as e:  # safetensors raises its own SafetensorError on a truncated file
-        raise RunError(f"{d / 'model.safetensors'} (or {d / 'config.json'}): unreadable "
+        raise RunError(f"{prefix}{d / 'model.safetensors'} (or {d / 'config.json'}): unreadable "
                        f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
