@@ -26,6 +26,7 @@ from rlvr.setup_types import Limits, RunError, Setup
 from rlvr.state import StateError, find_complete, find_state, load_policy_weights
 from rlvr.tasks import Task, load_task, resolve_weights
 from rlvr.tokenizer import CharTokenizer, PromptFormat, encode_examples
+from rlvr.tool_calls import JsonTools, takes_tools
 from rlvr.trust import refuse_run_task, run_config_guard
 
 
@@ -85,6 +86,7 @@ def limits(cfg: config_mod.Config, task: Task, tok: Tokenizer, model: Policy | N
     if cfg.sampling.max_tool_calls and task.tool is None:
         raise RunError(f"sampling.max_tool_calls = {cfg.sampling.max_tool_calls}, but the task {task.name!r} has no "
                        "tool (Task.tool) to call")
+    check_call_stop(cfg, task)
     role = cfg.sampling.tool_role
     if role and cfg.sampling.max_tool_calls:
         why = "" if tok.has_chat_template else "the tokenizer has no chat template"
@@ -98,6 +100,19 @@ def limits(cfg: config_mod.Config, task: Task, tok: Tokenizer, model: Policy | N
                            f"the assistant's: {why} (tool_role = \"\" inserts the tool's text as it is)")
     return Limits(max_new, None if task.fixed_length else tok.eos_id, n, tuple(cfg.sampling.stop),
                   cfg.sampling.max_tool_calls, role, cfg.sampling.tool_on_end)
+
+
+def check_call_stop(cfg: config_mod.Config, task: Task) -> None:
+    """RunError when the task's JSON tools are called (sampling.max_tool_calls) but no stop string ends a
+    call: the closing marker (``</tool_call>``) must be among `sampling.stop`, unless the tool is called
+    at the end token (`sampling.tool_on_end`, for a model that writes its call as its whole turn)."""
+    tool, s = task.tool, cfg.sampling
+    if not (s.max_tool_calls and isinstance(tool, JsonTools) and tool.markers) or s.tool_on_end:
+        return
+    close = tool.markers[1]
+    if close not in s.stop:
+        raise RunError(f"the task's tools are called with JSON between {tool.markers[0]} and {close}, and no "
+                       f"sampling.stop string ends a call there: add {close!r} to sampling.stop = {list(s.stop)!r}")
 
 
 def _hf_policy(cfg: config_mod.Config, device: torch.device, log) -> tuple[Policy, Tokenizer]:
@@ -152,7 +167,7 @@ def prompt_format(cfg: config_mod.Config, task: Task, tok: Tokenizer, log=print)
     """`task.chat` and `task.system` as the run's PromptFormat (rlvr.tokenizer.encode_example), checked
     against the tokenizer: RunError for `user` or a system message without a chat template (a system
     message under `off` is refused with the config); a note when plain prompts go past a chat
-    template (`messages`)."""
+    template (`messages`). The task's JSON tools go with it (`tool_format`)."""
     tc = cfg.task
     where = f"model.path = {cfg.model.path!r}" if cfg.model.path else "the built-in model"
     if not tok.has_chat_template and (tc.chat == "user" or tc.system):
@@ -160,10 +175,27 @@ def prompt_format(cfg: config_mod.Config, task: Task, tok: Tokenizer, log=print)
         raise RunError(f"{key} needs a tokenizer with a chat template; {where}'s has none")
     first = task.train[0] if len(task.train) else task.heldout[0]
     plain = not (isinstance(first.meta, dict) and first.meta.get("messages"))
+    templated = tok.has_chat_template and (tc.chat == "user" or tc.chat == "messages" and not plain)
     if tc.chat == "messages" and tok.has_chat_template and plain:
         log("note: the task's prompts are plain text and go to the model as they are, without its chat "
             "template; --task.chat=user sends each as a user turn through the template")
-    return PromptFormat(chat=tc.chat, system=tc.system)
+    return PromptFormat(chat=tc.chat, system=tc.system, **tool_format(task, tok, templated, log))
+
+
+def tool_format(task: Task, tok: Tokenizer, templated: bool, log=print) -> dict:
+    """The PromptFormat fields that declare a task's JSON tools (rlvr.tool_calls.JsonTools): their schemas
+    for the chat template's ``tools=`` where it renders them (takes_tools), else their system message; a
+    note, and neither, when the prompts do not go through a chat template (`templated` False): the
+    task's own prompt text must then describe its tools."""
+    if not isinstance(task.tool, JsonTools):
+        return {}
+    if not templated:
+        log(f"note: the task's tools ({', '.join(task.tool.tools)}) reach the model only through a chat "
+            "template, and its prompts go without one; the prompt text must describe them")
+        return {}
+    if takes_tools(tok):
+        return {"tools": tuple(task.tool.schemas())}
+    return {"tools_text": task.tool.system_text()}
 
 
 def _built_in(cfg: config_mod.Config, task: Task) -> tuple[Policy, Tokenizer]:

@@ -15,6 +15,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlvr.tool_calls import join_system
+
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 SPECIALS = (PAD, BOS, EOS)
 
@@ -124,14 +126,21 @@ class PromptFormat:
     """``messages``, ``user`` or ``off`` (see rlvr.config.TaskConfig.chat)."""
     system: str = ""
     """A system message first in every templated prompt ("" = none)."""
+    tools: tuple = ()
+    """The task's tools as JSON schemas (rlvr.tool_calls.JsonTools.schemas), given to the chat template as
+    ``tools=`` wherever it renders the conversation: prompts and inserted turns (() = none)."""
+    tools_text: str = ""
+    """The task's tools as a system message (JsonTools.system_text), for a chat template that does not
+    render ``tools=``; joined to the system message of every templated prompt ("" = none)."""
 
 
 def example_prompt(tok, example):
     """What ``encode_example`` encodes for a task example, as the tokenizer's ``prompt_format`` says
     (default: ``messages``): with a chat template (Hugging Face), the task's
     ``example.meta["messages"]`` when it gives them, or (``user``) the prompt as one user turn,
-    after the format's system message when there is one (a list of ``{"role", "content"}`` turns);
-    else (``off``, no template, or plain prompts under ``messages``) the prompt text."""
+    after the format's system message when there is one, and the tools' text joined to the system
+    message when the format has one (a list of ``{"role", "content"}`` turns); else (``off``, no
+    template, or plain prompts under ``messages``) the prompt text."""
     fmt = getattr(tok, "prompt_format", None) or PromptFormat()
     messages = example.meta.get("messages") if isinstance(example.meta, dict) else None
     if fmt.chat == "off" or not tok.has_chat_template or not (messages or fmt.chat == "user"):
@@ -139,7 +148,7 @@ def example_prompt(tok, example):
     turns = list(messages) if messages else [{"role": "user", "content": example.prompt}]
     if fmt.system and not any(m.get("role") == "system" for m in turns):
         turns = [{"role": "system", "content": fmt.system}] + turns
-    return turns
+    return join_system(turns, fmt.tools_text) if fmt.tools_text else turns
 
 
 def encode_example(tok, example) -> list[int]:

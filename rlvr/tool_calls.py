@@ -190,10 +190,15 @@ def takes_tools(tok) -> bool:
     return SENTINEL in text
 
 
+def join_system(turns: list[dict], text: str) -> list[dict]:
+    """The turns with `text` in the system message: after the first turn's content when that turn is a
+    system message, else as a new system message first."""
+    if turns and turns[0].get("role") == "system":
+        return [{**turns[0], "content": turns[0]["content"] + "\n\n" + text}] + list(turns[1:])
+    return [{"role": "system", "content": text}] + list(turns)
+
+
 def with_tools(turns: list[dict], tools: JsonTools) -> list[dict]:
     """The prompt turns with the tools' ``system_text`` in the system message (joined to the task's own
     system message when there is one), for a template that does not render ``tools=``."""
-    text = tools.system_text()
-    if turns and turns[0].get("role") == "system":
-        return [{"role": "system", "content": turns[0]["content"] + "\n\n" + text}] + list(turns[1:])
-    return [{"role": "system", "content": text}] + list(turns)
+    return join_system(turns, tools.system_text())

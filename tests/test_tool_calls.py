@@ -100,3 +100,93 @@ def test_schemas_reach_a_template_that_renders_tools_else_a_system_message():
     assert turns[0]["role"] == "system" and '"name": "add"' in turns[0]["content"] and "<tool_call>" in turns[0]["content"]
     joined = with_tools([{"role": "system", "content": "be brief"}, {"role": "user", "content": "x"}], t)
     assert len(joined) == 2 and joined[0]["content"].startswith("be brief\n\nYou may call these tools:")
+
+
+# A template in the manner of Qwen's and DeepSeek-R1's: the tools in the system turn, a tool result as a
+# user turn wrapped in <tool_response>, and every assistant turn rendered without its reasoning (the text
+# up to the last </think>): re-rendering an episode from its messages changes the earlier turns.
+REWRITING_CHAT = (
+    "{% if tools %}{{ '<|im_start|>system\\n' }}{% if messages[0]['role'] == 'system' %}"
+    "{{ messages[0]['content'] + '\\n\\n' }}{% endif %}{{ '# Tools\\n<tools>' }}{% for t in tools %}"
+    "{{ '\\n' + (t | tojson) }}{% endfor %}{{ '\\n</tools>\\nCall one as <tool_call>{\"name\": ..., "
+    "\"arguments\": ...}</tool_call><|im_end|>\\n' }}"
+    "{% elif messages[0]['role'] == 'system' %}{{ '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{% endif %}{% for m in messages %}{% if m['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\\n' + m['content'].split('</think>')[-1] + '<|im_end|>\\n' }}"
+    "{% elif m['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\\n<tool_response>\\n' + m['content'] + '\\n</tool_response><|im_end|>\\n' }}"
+    "{% elif m['role'] != 'system' %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CALL_ADD, CALL_UPPER = '{"name": "add", "arguments": {"a": 2, "b": 3}}', '{"name": "upper", "arguments": {"word": "hi"}}'
+PIECES = ["<think>", "</think>", "<tool_call>", "</tool_call>", CALL_ADD, CALL_UPPER, '{"name": "mul"}']
+"""Added tokens (not special: they decode into the text), one id each."""
+
+
+def chatml_tokenizer(template: str):
+    """An HFTokenizer over printable ASCII (one token a character), ChatML's specials (<|im_end|> the end
+    token) and PIECES as whole tokens, with `template`; built here, no hub."""
+    pytest.importorskip("transformers")
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    from rlvr.models.hf_tokenizer import HFTokenizer
+
+    vocab = SPECIAL + [chr(c) for c in range(32, 127)] + ["\n"]
+    bk = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(vocab)}, merges=[]))
+    bk.add_special_tokens(SPECIAL)
+    bk.add_tokens([AddedToken(p, normalized=False) for p in PIECES])
+    bk.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=bk, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                  pad_token="<|endoftext|>", clean_up_tokenization_spaces=False)
+    tok.chat_template = template
+    return HFTokenizer(tok)
+
+
+def test_the_declared_tools_reach_every_templated_prompt_and_tool_turn():
+    """Through the template's tools= where it renders them (the prompt and the inserted tool turn rendered
+    under the same declaration), as a system message where it does not; the same ids batched or not."""
+    from rlvr.tasks import Example
+    from rlvr.tokenizer import PromptFormat, encode_example, encode_examples
+
+    t = JsonTools([ADD, UPPER])
+    ex = Example(prompt="2+3?", answer="5")
+    tok = chatml_tokenizer(REWRITING_CHAT)
+    assert takes_tools(tok)
+    tok.prompt_format = PromptFormat(chat="user", tools=tuple(t.schemas()))
+    want = tok.tok.apply_chat_template([{"role": "user", "content": "2+3?"}], tools=t.schemas(), tokenize=False,
+                                       add_generation_prompt=True)
+    ids = encode_example(tok, ex)
+    assert tok.tok.decode(ids) == want and '"name": "upper"' in want and encode_examples(tok, [ex]) == [ids]
+    assert tok.turn_text("tool", "5", after_end=True) == "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    plain = chatml_tokenizer(REWRITING_CHAT.replace("{% if tools %}", "{% if false %}"))     # renders no tools
+    assert not takes_tools(plain)
+    plain.prompt_format = PromptFormat(chat="user", system="Be brief.", tools_text=t.system_text())
+    text = plain.tok.decode(encode_example(plain, ex))
+    assert text.startswith("<|im_start|>system\nBe brief.\n\nYou may call these tools:\n") and "<tools>" not in text
+
+
+def test_the_run_declares_a_json_tool_task_s_tools_as_its_template_takes_them():
+    from rlvr.build import check_call_stop, prompt_format
+    from rlvr.config import Config
+    from rlvr.setup_types import RunError
+    from rlvr.tasks import Example, Task
+    from rlvr.tokenizer import PromptFormat
+
+    t = JsonTools([ADD, UPPER])
+    task = Task(name="t", train=[Example("2+3?", "5")], heldout=[], rewards={}, goal=lambda p, r, a: True,
+                max_new_tokens=8, tool=t)
+    cfg, logs = Config(), []
+    cfg.task.chat = "user"
+    assert prompt_format(cfg, task, chatml_tokenizer(REWRITING_CHAT), logs.append).tools == tuple(t.schemas())
+    ignores = chatml_tokenizer("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert prompt_format(cfg, task, ignores, logs.append) == PromptFormat("user", tools_text=t.system_text())
+    assert logs == []
+    cfg.task.chat = "off"                                  # no template: the prompt text must say it
+    assert prompt_format(cfg, task, ignores, logs.append) == PromptFormat("off")
+    assert len(logs) == 1 and "tools (add, upper) reach the model only through a chat template" in logs[0]
+    cfg.sampling.max_tool_calls, cfg.sampling.stop = 2, ["</calc>"]
+    with pytest.raises(RunError, match="add '</tool_call>' to sampling.stop"):
+        check_call_stop(cfg, task)
+    cfg.sampling.stop = ["</tool_call>"]
+    check_call_stop(cfg, task)

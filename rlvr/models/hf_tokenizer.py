@@ -44,6 +44,15 @@ class HFTokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tok, "chat_template", None))
 
+    prompt_format = None
+    """rlvr.tokenizer.PromptFormat, set by rlvr.build.build; its ``tools`` go to every template rendering."""
+
+    def _template_kw(self) -> dict:
+        """``tools=`` for apply_chat_template when the run's prompt format declares tools (empty otherwise),
+        so that prompts and inserted turns render under the same tool declaration."""
+        tools = self.prompt_format.tools if self.prompt_format is not None else ()
+        return {"tools": list(tools)} if tools else {}
+
     TURN_SENTINEL = "rlvr-turn-sentinel-7c1f"
 
     def turn_text(self, role: str, content: str, *, after_end: bool = False) -> str:
@@ -55,9 +64,10 @@ class HFTokenizer:
         ``after_end``: the assistant's words already end with the end token (the model sampled it), so
         a closing that starts with that token's text starts after it."""
         msgs = [{"role": "user", "content": "?"}, {"role": "assistant", "content": self.TURN_SENTINEL}]
-        base = self.tok.apply_chat_template(msgs, tokenize=False)
+        kw = self._template_kw()
+        base = self.tok.apply_chat_template(msgs, tokenize=False, **kw)
         full = self.tok.apply_chat_template(msgs + [{"role": role, "content": content}], tokenize=False,
-                                            add_generation_prompt=True)
+                                            add_generation_prompt=True, **kw)
         cut = base.find(self.TURN_SENTINEL) + len(self.TURN_SENTINEL)
         if cut < len(self.TURN_SENTINEL) or not full.startswith(base[:cut]):
             raise ValueError(f"the chat template does not render a {role!r} turn after the assistant's as a "
@@ -101,13 +111,13 @@ class HFTokenizer:
         return list(ids)
 
     def _chat_ids(self, conversations: list) -> list:
-        """``apply_chat_template`` with the generation prompt, tokenized; a template that raises (jinja's
+        """``apply_chat_template`` with the generation prompt (and the run's tools), tokenized; a template that raises (jinja's
         TemplateError, ``raise_exception`` in the template) is a ValueError naming the tokenizer."""
         from jinja2 import TemplateError
 
         try:
             return self.tok.apply_chat_template(conversations, add_generation_prompt=True, tokenize=True,
-                                                return_dict=False)
+                                                return_dict=False, **self._template_kw())
         except TemplateError as e:
             where = getattr(self.tok, "name_or_path", "") or "the tokenizer"
             raise ValueError(f"the chat template of {where} (tokenizer_config.json, chat_template) raised "
