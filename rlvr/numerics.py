@@ -1,6 +1,8 @@
-"""How the policy's forwards compute (`model.autocast`): the autocast context, the timing of one
-probe product in fp32 and under bf16 autocast, and the decision `model.autocast = auto` takes from
-it (`choose_numerics`), recorded as a `Numerics`.
+"""How the policy's forwards compute (`model.autocast`): the autocast context, the decision
+`model.autocast = auto` takes (`choose_numerics`: from the model's size and whether the device
+computes bf16 in hardware, never from a timing, so every start on one machine decides alike), the
+timing of one probe product in fp32 and under bf16 autocast that the price's wall-time estimate
+uses, all recorded as a `Numerics`.
 """
 
 from __future__ import annotations
@@ -20,11 +22,6 @@ from rlvr.models.tiny import TinyConfig
 from rlvr.policy import Policy
 
 
-AUTOCAST_MIN_SPEEDUP = 2.0
-"""`model.autocast = auto` picks bf16 when the probe product runs at least this many times faster
-under it. Far above 1: bf16 changes what a run computes (and so which trajectory a seed follows),
-which is worth it only for a clear speed-up; and a threshold far from the ratios CPUs actually
-measure keeps the decision from flipping between two starts on one machine (docs/performance.md)."""
 AUTOCAST_MIN_HIDDEN = 256
 """`model.autocast = auto` keeps fp32, without timing, for models whose hidden size is below this:
 their step is per-operation overhead more than matrix products, so bf16 buys little speed and a
@@ -33,6 +30,20 @@ AUTOCAST_SAMPLE_S = 2e-3
 """Each timed sample of the probe product repeats it for at least this long, so a sample is the
 product's warm cost and not a timer tick or a first call's kernel choice."""
 _AUTOCAST_TIMINGS: dict[tuple, tuple[float, float]] = {}
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether `device` computes bf16 products in hardware: a CUDA device that reports bf16 support, or
+    a CPU with AMX tiles or AVX512-BF16 (torch's own cpuinfo checks, the instructions its bf16 kernels
+    use). False elsewhere (other CPUs emulate bf16 and run it slower than fp32; MPS). A property of the
+    machine, so `model.autocast = auto` decides alike in every start on it, whatever the load."""
+    if device.type == "cuda":
+        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    if device.type != "cpu":
+        return False
+    cpu = torch.cpu
+    checks = [getattr(cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
+    return any(check() for check in checks if check is not None)
 
 
 def autocast_context(enabled: bool, device_type: str) -> contextlib.AbstractContextManager:
@@ -95,7 +106,8 @@ class Numerics:
     """model.autocast as configured: auto, bf16 or off."""
     device_type: str = "cpu"
     fp32_s: float = 0.0
-    """Measured seconds of the probe product in fp32 (auto only; 0 = not measured)."""
+    """Measured seconds of the probe product in fp32 (a fresh run's price, when the run computes in
+    bf16; 0 = not measured)."""
     bf16_s: float = 0.0
     """The same product under bf16 autocast."""
     shape: tuple[int, int, int] = (0, 0, 0)
@@ -113,43 +125,44 @@ class Numerics:
         return self.fp32_s / self.bf16_s if self.bf16 and self.fp32_s > 0 and self.bf16_s > 0 else 1.0
 
     def describe(self) -> str:
-        """One line for the price: what was chosen and why, with both measured times."""
+        """One line for the price: what was chosen and why, with both measured times where timed."""
         what = "bf16 autocast" if self.bf16 else "fp32"
         rows, inner, outer = self.shape
+        if self.asked == "auto" and inner and inner < AUTOCAST_MIN_HIDDEN:
+            return (f"{what} (model.autocast = auto: hidden size {inner} < {AUTOCAST_MIN_HIDDEN}: a model this small "
+                    f"is not bound by its products)")
+        why = (f"model.autocast = auto: this {self.device_type.upper()} "
+               + ("computes bf16 in hardware" if self.bf16 else "has no bf16 units (AMX, AVX512-BF16)")
+               if self.asked == "auto" else f"model.autocast = {self.asked}")
         if not self.fp32_s:
-            if self.asked == "auto" and inner:
-                return (f"{what} (model.autocast = auto: hidden size {inner} < {AUTOCAST_MIN_HIDDEN}, not timed: "
-                        f"a model this small is not bound by its products)")
-            return f"{what} (model.autocast = {self.asked})"
+            return f"{what} ({why})"
         speedup = self.fp32_s / self.bf16_s
-        auto_bf16 = auto_takes_bf16(self.fp32_s, self.bf16_s, inner)
-        why = (f"bf16 needs >= {AUTOCAST_MIN_SPEEDUP}x" if self.asked == "auto" else
-               "as set" + (("; slower than fp32" if speedup < 1 else "") + "; model.autocast = auto would take fp32 here"
-                           if not auto_bf16 else ""))
-        return (f"{what} (model.autocast = {self.asked}: bf16 {speedup:.2f}x fp32 here, "
-                f"{self.bf16_s * 1e3:.3g} ms against {self.fp32_s * 1e3:.3g} ms for a {rows} x {inner} x {outer} "
-                f"product; {why})")
+        slower = "; slower than fp32 here" if speedup < 1 else ""
+        return (f"{what} ({why}; bf16 {speedup:.2f}x fp32 here, {self.bf16_s * 1e3:.3g} ms against "
+                f"{self.fp32_s * 1e3:.3g} ms for a {rows} x {inner} x {outer} product{slower})")
 
 
-def auto_takes_bf16(fp32_s: float, bf16_s: float, hidden: int) -> bool:
+def auto_takes_bf16(hidden: int, native: bool) -> bool:
     """The rule of `model.autocast = auto`: bf16 for a model of hidden size at least
-    AUTOCAST_MIN_HIDDEN whose probe product runs at least AUTOCAST_MIN_SPEEDUP times faster in it."""
-    return hidden >= AUTOCAST_MIN_HIDDEN and fp32_s >= AUTOCAST_MIN_SPEEDUP * bf16_s
+    AUTOCAST_MIN_HIDDEN on a device that computes bf16 in hardware (`native_bf16`). Below the floor a
+    step is per-operation overhead more than products, so bf16 would buy little speed for a changed
+    trajectory; on a device without bf16 units bf16 is slower. No timing enters: a decision taken from
+    a timing flipped between starts on one machine (noise, another busy process), and with it what a
+    seed learns."""
+    return hidden >= AUTOCAST_MIN_HIDDEN and native
 
 
 def choose_numerics(mode: str, device: torch.device, shape: tuple[int, int, int],
                     time_bf16: bool = False) -> Numerics:
-    """`model.autocast` resolved: `bf16` and `off` as said; `auto` keeps fp32 untimed below
-    AUTOCAST_MIN_HIDDEN (the probe's inner size), else times one (rows, inner, outer) product with
-    `autocast_timings` and applies `auto_takes_bf16`. `time_bf16` (a fresh run's price): `bf16` is
-    timed too, and kept whatever the times say, so the price's wall time is at the rate bf16 runs at
-    here and its line says when bf16 is the slower one."""
-    if mode == "off" or (mode == "bf16" and not time_bf16):
-        return Numerics(mode == "bf16", mode, device.type)
-    if mode == "auto" and shape[1] < AUTOCAST_MIN_HIDDEN:
-        return Numerics(False, mode, device.type, shape=tuple(shape))
+    """`model.autocast` resolved: `bf16` and `off` as said; `auto` by `auto_takes_bf16` on the probe's
+    inner size (the hidden size) and `native_bf16(device)`. `time_bf16` (a fresh run's price): when
+    the run computes in bf16, one (rows, inner, outer) product is timed in both numerics with
+    `autocast_timings`, so the price's wall time is at the rate bf16 runs at here and its line says
+    when bf16 is the slower one; the timing never changes the decision."""
+    bf16 = mode == "bf16" or (mode == "auto" and auto_takes_bf16(shape[1], native_bf16(device)))
+    if not (bf16 and time_bf16):
+        return Numerics(bf16, mode, device.type, shape=tuple(shape))
     fp32_s, bf16_s = autocast_timings(device, *shape)
-    bf16 = mode == "bf16" or auto_takes_bf16(fp32_s, bf16_s, shape[1])
     return Numerics(bf16, mode, device.type, fp32_s, bf16_s, tuple(shape))
 
 

@@ -32,16 +32,18 @@ def quiet_machine():
 
 
 @pytest.fixture(autouse=True, scope="session")
-def bf16_no_faster():
-    """`model.autocast = auto` (the default) keeps fp32 for small models and times a bf16 product
-    against fp32 for the others (rlvr.numerics.choose_numerics); tests see a machine where bf16 is no
-    faster, so what a run computes does not depend on the CPU running the tests. The size floor is
-    lifted, so that the tests' tiny models reach the timing rule: tests/test_autocast.py sets the
-    timings it needs, checks the floor itself, and runs the real measurement once."""
+def no_native_bf16():
+    """`model.autocast = auto` (the default) takes bf16 for models at least AUTOCAST_MIN_HIDDEN wide
+    on a device with bf16 units (rlvr.numerics.native_bf16); tests see a machine without them, so what
+    a run computes does not depend on the CPU running the tests. The size floor is lifted so that the
+    tests' tiny models reach the rule, and a timing (the price of a run set to bf16) reads 1 ms in
+    both numerics: tests/test_autocast.py sets what it needs, checks the floor itself, and runs the
+    real detection and measurement once."""
     from rlvr import numerics as numerics_mod
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(numerics_mod, "autocast_timings", lambda device, rows, inner, outer, **kw: (1.0, 1.0))
+        mp.setattr(numerics_mod, "native_bf16", lambda device: False)
+        mp.setattr(numerics_mod, "autocast_timings", lambda device, rows, inner, outer, **kw: (1e-3, 1e-3))
         mp.setattr(numerics_mod, "AUTOCAST_MIN_HIDDEN", 0)
         yield
 

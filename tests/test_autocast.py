@@ -29,7 +29,7 @@ from rlvr import (build as build_mod, config as config_mod, costs, losses, numer
 from rlvr.distributed import resolved_numerics, staleness
 from rlvr.learn import Learner, learn, make_optimizer, make_scheduler
 from rlvr.rollout import Batch, Groups, recompute_logp_old, rollout, sample_and_score
-from rlvr.numerics import autocast_timings as real_autocast_timings  # before tests/conftest.py patches it
+from rlvr.numerics import autocast_timings as real_autocast_timings, native_bf16 as real_native_bf16  # before conftest patches them
 
 import pricing
 from test_distributed import EXAMPLE, TINY
@@ -93,43 +93,54 @@ def llama_dir(tmp_path_factory):
 # ----------------------------------------------------------------------------------- the choice
 
 
-@pytest.mark.parametrize("fp32_s,bf16_s,want", [
-    (3.0, 1.0, True),      # bf16 3x faster
-    (2.0, 1.0, True),      # exactly the 2x needed
-    (1.9, 1.0, False),     # 1.9x: not worth a machine-dependent trajectory
-    (1.2, 1.0, False),     # the old threshold: a small product's noise could cross it
-    (0.5, 1.0, False),     # bf16 2x slower (a CPU without bf16 units)
+@pytest.mark.parametrize("native,hidden,want", [
+    (True, 256, True),     # bf16 units, a model at the floor
+    (True, 64, False),     # bf16 units, a model below it: not bound by its products
+    (False, 1024, False),  # no bf16 units: bf16 would be emulated, slower than fp32
 ])
-def test_auto_takes_bf16_only_when_it_is_at_least_2x_faster(monkeypatch, fp32_s, bf16_s, want):
-    asked = []
-    monkeypatch.setattr(numerics_mod, "autocast_timings", lambda device, *shape, **kw: asked.append(shape) or (fp32_s, bf16_s))
-    got = numerics_mod.choose_numerics("auto", CPU, (256, 32, 128))
-    assert asked == [(256, 32, 128)]
-    assert got.bf16 is want and (got.fp32_s, got.bf16_s) == (fp32_s, bf16_s)
-    assert got.describe().startswith("bf16 autocast" if want else "fp32")
-    assert f"bf16 {fp32_s / bf16_s:.2f}x fp32 here" in got.describe()
-
-
-def test_auto_keeps_fp32_untimed_for_a_small_model(monkeypatch):
-    """Below AUTOCAST_MIN_HIDDEN (the suite lifts it; here it is the shipped value) `auto` takes fp32
-    without timing anything, so two starts on one machine, or on two machines, decide alike; a model
-    at the floor is timed. `bf16` set on a small model is still timed for the price, whose line says
-    that auto would have kept fp32."""
+def test_auto_takes_bf16_from_the_device_and_the_size_never_from_a_timing(monkeypatch, native, hidden, want):
+    """The decision reads the model's size and whether the device has bf16 units, never a timing: a
+    timing that says bf16 is 10x slower (or faster) does not move it, so two starts on one machine
+    decide alike whatever else runs. Timed only for a fresh run's price, and only when it runs bf16."""
     monkeypatch.setattr(numerics_mod, "AUTOCAST_MIN_HIDDEN", 256)
-
-    def never(*a, **kw):
-        raise AssertionError("timed a model below the size floor")
-
-    monkeypatch.setattr(numerics_mod, "autocast_timings", never)
-    small = numerics_mod.choose_numerics("auto", CPU, (256, 64, 256))
-    assert not small.bf16 and small.matmul_speedup() == 1.0
-    assert small.describe() == ("fp32 (model.autocast = auto: hidden size 64 < 256, not timed: a model this "
-                                "small is not bound by its products)")
+    monkeypatch.setattr(numerics_mod, "native_bf16", lambda device: native)
     asked = []
-    monkeypatch.setattr(numerics_mod, "autocast_timings", lambda device, *shape, **kw: asked.append(shape) or (3e-3, 1e-3))
-    assert numerics_mod.choose_numerics("auto", CPU, (256, 256, 1024)).bf16 and asked == [(256, 256, 1024)]
-    forced = numerics_mod.choose_numerics("bf16", CPU, (256, 64, 256), time_bf16=True)
-    assert forced.bf16 and forced.describe().endswith("as set; model.autocast = auto would take fp32 here)")
+    for fp32_s, bf16_s in ((1e-3, 1e-2), (1e-2, 1e-3)):
+        monkeypatch.setattr(numerics_mod, "autocast_timings",
+                            lambda device, *shape, **kw: asked.append(shape) or (fp32_s, bf16_s))
+        for time_bf16 in (False, True):
+            got = numerics_mod.choose_numerics("auto", CPU, (256, hidden, 4 * hidden), time_bf16=time_bf16)
+            assert got.bf16 is want
+            assert got.describe().startswith("bf16 autocast" if want else "fp32")
+            assert (got.fp32_s, got.bf16_s) == ((fp32_s, bf16_s) if want and time_bf16 else (0.0, 0.0))
+    assert asked == ([(256, hidden, 4 * hidden)] * 2 if want else [])
+
+
+def test_the_price_line_says_why_auto_decided(monkeypatch):
+    """The numerics line names the reason: the size floor, the device's bf16 units or their absence;
+    with the timing where one was taken (a slower bf16 said so)."""
+    monkeypatch.setattr(numerics_mod, "AUTOCAST_MIN_HIDDEN", 256)
+    small = numerics_mod.choose_numerics("auto", CPU, (256, 64, 256), time_bf16=True)
+    assert small.describe() == ("fp32 (model.autocast = auto: hidden size 64 < 256: a model this small is not "
+                                "bound by its products)")
+    assert small.matmul_speedup() == 1.0
+    none = numerics_mod.choose_numerics("auto", CPU, (256, 576, 1536), time_bf16=True)
+    assert none.describe() == "fp32 (model.autocast = auto: this CPU has no bf16 units (AMX, AVX512-BF16))"
+    monkeypatch.setattr(numerics_mod, "native_bf16", lambda device: True)
+    monkeypatch.setattr(numerics_mod, "autocast_timings", lambda device, *shape, **kw: (3e-3, 1e-3))
+    units = numerics_mod.choose_numerics("auto", CPU, (256, 576, 1536), time_bf16=True)
+    assert units.describe() == ("bf16 autocast (model.autocast = auto: this CPU computes bf16 in hardware; bf16 "
+                                "3.00x fp32 here, 1 ms against 3 ms for a 256 x 576 x 1536 product)")
+    monkeypatch.setattr(numerics_mod, "autocast_timings", lambda device, *shape, **kw: (1e-3, 3e-3))
+    slow = numerics_mod.choose_numerics("bf16", CPU, (256, 64, 256), time_bf16=True)
+    assert slow.describe().endswith("3 ms against 1 ms for a 256 x 64 x 256 product; slower than fp32 here)")
+
+
+def test_native_bf16_reads_the_machine_and_is_stable():
+    """The real detection (not patched here): a bool, the same on every call, False off CPU and CUDA."""
+    got = {real_native_bf16(CPU) for _ in range(5)}
+    assert len(got) == 1 and isinstance(got.pop(), bool)
+    assert real_native_bf16(torch.device("meta")) is False
 
 
 @pytest.mark.parametrize("mode,want", [("bf16", True), ("off", False)])
@@ -147,12 +158,15 @@ def test_bf16_and_off_force_the_choice_without_measuring(monkeypatch, mode, want
 
 def test_build_measures_the_models_own_shape_and_the_price_records_the_choice(monkeypatch):
     asked = []
+    monkeypatch.setattr(numerics_mod, "native_bf16", lambda device: True)
     monkeypatch.setattr(numerics_mod, "autocast_timings", lambda device, *shape, **kw: asked.append(shape) or (3e-3, 1e-3))
-    setup = tiny_setup("--model.autocast=auto")
+    assert tiny_setup("--model.autocast=auto").numerics.bf16 and asked == []      # decided untimed
+    setup = tiny_setup("--model.autocast=auto", time_bf16=True)
     assert asked == [(256, 32, 4 * 32)]                  # 256 token rows x hidden x MLP width of d = 32
     assert setup.numerics.bf16
     price = run_price.price_of(setup, rate=1e9)
-    assert price.numerics.startswith("bf16 autocast (model.autocast = auto: bf16 3.00x fp32 here, 1 ms against 3 ms")
+    assert price.numerics.startswith("bf16 autocast (model.autocast = auto: this CPU computes bf16 in hardware; "
+                                     "bf16 3.00x fp32 here, 1 ms against 3 ms")
     assert f"price: numerics: {price.numerics}" in price.lines()
     assert price.to_dict()["numerics"] == price.numerics
     # the wall-time estimate runs at the bf16 rate: the fp32 rate x the measured 3x
@@ -160,7 +174,7 @@ def test_build_measures_the_models_own_shape_and_the_price_records_the_choice(mo
     assert price.wall_seconds_estimate == price.flops_per_run / 3e9
     assert "at a measured bf16 autocast matmul rate of 3.0 GFLOP/s" in price.wall_line()
     forced = run_price.price_of(tiny_setup("--model.autocast=bf16", time_bf16=True), rate=1e9)   # set, timed for the price
-    assert forced.matmul_flops_per_s == 3e9 and forced.numerics.endswith("product; as set)")
+    assert forced.matmul_flops_per_s == 3e9 and forced.numerics.startswith("bf16 autocast (model.autocast = bf16; bf16 3.00x")
 
 
 def test_bf16_set_where_it_is_slower_is_kept_and_priced_at_its_rate(monkeypatch):
@@ -171,9 +185,8 @@ def test_bf16_set_where_it_is_slower_is_kept_and_priced_at_its_rate(monkeypatch)
     setup = tiny_setup("--model.autocast=bf16", time_bf16=True)
     assert setup.numerics.bf16 and setup.numerics.matmul_speedup() == pytest.approx(1 / 3)
     price = run_price.price_of(setup, rate=3e9)
-    assert price.numerics == ("bf16 autocast (model.autocast = bf16: bf16 0.33x fp32 here, 3 ms against 1 ms for "
-                              "a 256 x 32 x 128 product; as set; slower than fp32; model.autocast = auto "
-                              "would take fp32 here)")
+    assert price.numerics == ("bf16 autocast (model.autocast = bf16; bf16 0.33x fp32 here, 3 ms against 1 ms for "
+                              "a 256 x 32 x 128 product; slower than fp32 here)")
     assert price.matmul_flops_per_s == pytest.approx(1e9) and price.matmul_kind == "bf16 autocast"
     assert price.wall_seconds_estimate == pytest.approx(price.flops_per_run / 1e9)
 
@@ -753,9 +766,8 @@ def test_train_with_bf16_and_recompute_from_the_command_line(tmp_path, monkeypat
         assert r["train/first_step_ratio_mean"] == 1.0
     assert eval_autocast and all(eval_autocast)                 # evaluation sampled under bf16 too
     price = json.loads((out / "price.json").read_text())
-    assert price["numerics"] == ("bf16 autocast (model.autocast = bf16: bf16 1.00x fp32 here, 1e+03 ms against "
-                                 "1e+03 ms for a 256 x 32 x 128 product; as set; model.autocast = auto would take "
-                                 "fp32 here)")                  # the suite's stand-in timings: equal
+    assert price["numerics"] == ("bf16 autocast (model.autocast = bf16; bf16 1.00x fp32 here, 1 ms against "
+                                 "1 ms for a 256 x 32 x 128 product)")   # the suite's stand-in timings: equal
     summary = json.loads((out / "summary.json").read_text())
     assert summary["cost/forward_tokens"] == summary["price"]["forward_tokens_per_run"]   # the extra forward, priced
     assert (price["forward_tokens_logp_old_per_batch"] > 0) is (minibatches == 2)
@@ -765,11 +777,11 @@ def test_train_with_bf16_and_recompute_from_the_command_line(tmp_path, monkeypat
 def test_the_actors_get_the_choice_not_the_question(monkeypatch):
     """Rollout workers and learner actors build their own copy of the run: under `auto` they get the
     trainer's decision, so none of them measures again and samples or learns in other numerics."""
-    monkeypatch.setattr(numerics_mod, "autocast_timings", lambda device, *shape, **kw: (2.0, 1.0))
+    monkeypatch.setattr(numerics_mod, "native_bf16", lambda device: True)
     setup = tiny_setup("--model.autocast=auto")
     assert resolved_numerics(setup.cfg, setup).model.autocast == "bf16"
     assert setup.cfg.model.autocast == "auto"                   # the run's own config is unchanged
-    monkeypatch.setattr(numerics_mod, "autocast_timings", lambda device, *shape, **kw: (1.0, 2.0))
+    monkeypatch.setattr(numerics_mod, "native_bf16", lambda device: False)
     setup = tiny_setup("--model.autocast=auto")
     assert resolved_numerics(setup.cfg, setup).model.autocast == "off"
 
@@ -792,18 +804,19 @@ def test_recompute_with_stale_rollout_workers(ray_local, tmp_path):
 
 
 def test_a_resumed_auto_run_keeps_the_numerics_it_started_with(tmp_path, monkeypatch):
-    # the first start measures bf16 3x faster and takes it; by the resume the machine measures bf16
-    # slower, yet the resumed run keeps bf16 (its price.json's decision), not a new measurement
+    # the first start finds bf16 units and takes bf16; by the resume the run is on a machine without
+    # them, yet the resumed run keeps bf16 (its price.json's decision), not a new decision
     from rlvr import cli
 
-    monkeypatch.setattr(numerics_mod, "autocast_timings", lambda device, *shape, **kw: (3e-3, 1e-3))
+    monkeypatch.setattr(numerics_mod, "native_bf16", lambda device: True)
     out = tmp_path / "run"
     assert cli.main(["train", str(EXAMPLE), "--out", str(out), *TINY, "--train.steps=2", "--model.autocast=auto"]) == 0
     assert json.loads((out / "price.json").read_text())["numerics"].startswith("bf16 autocast")
 
     def never(*a, **kw):
-        raise AssertionError("a resumed run measured again")
+        raise AssertionError("a resumed run decided or measured again")
 
+    monkeypatch.setattr(numerics_mod, "native_bf16", never)
     monkeypatch.setattr(numerics_mod, "autocast_timings", never)
     assert cli.main(["train", str(EXAMPLE), "--out", str(out), *TINY, "--train.steps=3", "--model.autocast=auto",
                      "--resume"]) == 0
@@ -823,9 +836,10 @@ def test_rlvr_eval_samples_under_the_runs_recorded_numerics(tmp_path, monkeypatc
     seen = record_eval_autocast(monkeypatch)
     for mode, want in (("auto", True), ("off", False)):
         out = tmp_path / mode
-        monkeypatch.setattr(numerics_mod, "autocast_timings", lambda device, *shape, **kw: (3e-3, 1e-3))
+        monkeypatch.setattr(numerics_mod, "native_bf16", lambda device: True)
         assert cli.main(["train", str(EXAMPLE), "--out", str(out), *TINY, "--train.steps=1",
                          f"--model.autocast={mode}"]) == 0
+        monkeypatch.setattr(numerics_mod, "native_bf16", never)
         monkeypatch.setattr(numerics_mod, "autocast_timings", never)
         seen.clear()
         capsys.readouterr()
@@ -846,7 +860,7 @@ def test_rlvr_probe_samples_under_the_training_numerics(tmp_path, monkeypatch):
         seen.clear()
         res = probe.run_probe(config_mod.load(EXAMPLE, TINY + [f"--model.autocast={mode}"]), prompts=2, samples=2)
         assert seen == [want] and any("sampled under bf16 autocast" in n for n in res.notes) is want
-    monkeypatch.setattr(numerics_mod, "autocast_timings", lambda device, *shape, **kw: (3e-3, 1e-3))   # auto chooses bf16
+    monkeypatch.setattr(numerics_mod, "native_bf16", lambda device: True)   # auto chooses bf16
     from rlvr import cli
 
     out = tmp_path / "run"
@@ -854,9 +868,9 @@ def test_rlvr_probe_samples_under_the_training_numerics(tmp_path, monkeypatch):
                      "--eval.pass_k=0"]) == 0
 
     def never(*a, **kw):
-        raise AssertionError("the probe measured again instead of reading the run's decision")
+        raise AssertionError("the probe decided again instead of reading the run's decision")
 
-    monkeypatch.setattr(numerics_mod, "autocast_timings", never)
+    monkeypatch.setattr(numerics_mod, "native_bf16", never)
     seen.clear()
     probe.run_probe(config_mod.load(EXAMPLE, TINY + ["--model.autocast=auto"]), prompts=2, samples=2, checkpoint=out)
     assert seen == [True]

@@ -477,12 +477,12 @@ def test_bf16_autocast_reaches_the_rollout_workers_and_the_learners(ray_local):
 
 
 def test_the_actors_get_the_numerics_this_process_chose(monkeypatch):
-    # model.autocast = auto measures once, in the trainer; the actors are told the outcome, not `auto`
-    monkeypatch.setattr(numerics_mod, "autocast_timings", lambda device, *shape, **kw: (3e-3, 1e-3))
+    # model.autocast = auto decides once, in the trainer; the actors are told the outcome, not `auto`
+    monkeypatch.setattr(numerics_mod, "native_bf16", lambda device: True)
     cfg = tiny_cfg("--model.autocast=auto", "--distributed.rollout_workers=1")
     setup = build_mod.build(cfg, log=lambda *_: None)
     assert setup.numerics.bf16 and resolved_numerics(cfg, setup).model.autocast == "bf16"
-    monkeypatch.setattr(numerics_mod, "autocast_timings", lambda device, *shape, **kw: (1e-3, 1e-3))
+    monkeypatch.setattr(numerics_mod, "native_bf16", lambda device: False)
     setup = build_mod.build(cfg, log=lambda *_: None)
     assert not setup.numerics.bf16 and resolved_numerics(cfg, setup).model.autocast == "off"
 

@@ -69,12 +69,12 @@ class ModelConfig:
     """bf16 matrix products under torch.autocast in the policy's forwards (sampling, the training
     forward, the reference, evaluation during training); the weights, the optimizer and every
     log-softmax stay float32. `auto`: fp32 for a model of hidden size below 256 (its step is not
-    bound by products, and fp32 keeps its trajectory the same on every machine); otherwise time one
-    warm product of the model's own shape (256 token rows x hidden size x MLP width; 4096 rows on a
-    GPU) in fp32 and under bf16 autocast on the run's device, and use bf16 only when it is at least 2x
-    faster (CPUs differ: several times faster with native bf16 units, slower without); the decision
-    and its reason are a price line and `numerics` in price.json. `bf16`: always (a fresh run still times it, so the price's wall time is at
-    the rate bf16 runs at here and says when it is the slower one); `off`: never. Under bf16 the sampler's log-probs and
+    bound by products, and fp32 keeps its trajectory the same on every machine); otherwise bf16 on a
+    device that computes bf16 in hardware (a CPU with AMX or AVX512-BF16, a CUDA GPU with bf16) and
+    fp32 elsewhere. The decision reads the machine, never a timing, so every start on one machine
+    decides alike; it and its reason are a price line and `numerics` in price.json. `bf16`: always;
+    `off`: never. A fresh run that computes in bf16 times one product of the model's shape in both
+    numerics for the price's wall time (which says when bf16 is the slower one). Under bf16 the sampler's log-probs and
     the trainer's may differ by more than rounding: algorithm.logp_old = auto then recomputes them.
     Set bf16 or off when runs on different machines must compute the same."""
     lora_r: int = 0
