@@ -1,11 +1,14 @@
 """JSON tool calls (rlvr.tool_calls): parsed, malformed ones answered and counted, several tools in one task,
-schemas through the chat template or a system message."""
+schemas through the chat template or a system message, and an episode's ids kept as sampled under a template
+that rewrites earlier turns (the learner's log-probs equal the sampler's across the tool turns)."""
 
 from __future__ import annotations
 
+import contextlib
 import string
 
 import pytest
+import torch
 
 from rlvr import tools
 from rlvr.tokenizer import CharTokenizer
@@ -118,9 +121,12 @@ REWRITING_CHAT = (
     "{% elif m['role'] != 'system' %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
     "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CALL_ADD, CALL_UPPER = '{"name": "add", "arguments": {"a": 2, "b": 3}}', '{"name": "upper", "arguments": {"word": "hi"}}'
-PIECES = ["<think>", "</think>", "<tool_call>", "</tool_call>", CALL_ADD, CALL_UPPER, '{"name": "mul"}']
-"""Added tokens (not special: they decode into the text), one id each."""
+WHOLE_CALLS = [f"<tool_call>{body}</tool_call>" for body in ('{"name": "add", "arguments": {"a": 2, "b": 3}}',
+                                                             '{"name": "upper", "arguments": {"word": "hi"}}',
+                                                             '{"name": "mul", "arguments": {}}')]
+PIECES = ["<think>", "</think>", "<tool_call>", "</tool_call>"] + WHOLE_CALLS
+"""Added tokens (not special: they decode into the text), one id each: a call, valid or not, is one token
+here, so that a tiny random model writes them often."""
 
 
 def chatml_tokenizer(template: str):
@@ -158,7 +164,8 @@ def test_the_declared_tools_reach_every_templated_prompt_and_tool_turn():
                                        add_generation_prompt=True)
     ids = encode_example(tok, ex)
     assert tok.tok.decode(ids) == want and '"name": "upper"' in want and encode_examples(tok, [ex]) == [ids]
-    assert tok.turn_text("tool", "5", after_end=True) == "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert tok.turn_text("tool", "5", after_end=True) == ("\n<|im_start|>user\n<tool_response>\n5\n</tool_response>"
+                                                          "<|im_end|>\n<|im_start|>assistant\n")
     plain = chatml_tokenizer(REWRITING_CHAT.replace("{% if tools %}", "{% if false %}"))     # renders no tools
     assert not takes_tools(plain)
     plain.prompt_format = PromptFormat(chat="user", system="Be brief.", tools_text=t.system_text())
@@ -190,3 +197,98 @@ def test_the_run_declares_a_json_tool_task_s_tools_as_its_template_takes_them():
         check_call_stop(cfg, task)
     cfg.sampling.stop = ["</tool_call>"]
     check_call_stop(cfg, task)
+
+
+def biased_policy(path, tok, bias: dict[str, float]):
+    """A tiny Llama (its tokenizer `tok`) whose next-token logits are about `bias` (token -> logit, others 0)
+    whatever the context, plus a context-dependent part of about one nat: its last MLP's output bias
+    dominates the residual stream along one axis, and the head's column for that axis holds `bias`."""
+    from hf_models import make_model_dir
+    from transformers import AutoModelForCausalLM
+
+    from rlvr.models.hf import load_policy
+
+    make_model_dir(path, "llama_biased", tokenizer=False, vocab_size=tok.vocab_size, mlp_bias=True,
+                   max_position_embeddings=1024)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    column = torch.zeros(tok.vocab_size)
+    for t, b in bias.items():
+        column[tok.tok.convert_tokens_to_ids(t)] = b
+    with torch.no_grad():
+        model.model.layers[-1].mlp.down_proj.bias.zero_()[0] = 40.0     # the final norm maps it to 8 on axis 0
+        model.lm_head.weight[:, 0] = column / 8
+        model.lm_head.weight[:, 1:] *= 20                                # the context's part, about one nat
+    model.save_pretrained(path)
+    tok.tok.save_pretrained(path)
+    return load_policy(path, dtype="fp32")
+
+
+def test_an_episode_keeps_its_sampled_ids_under_a_template_that_rewrites_earlier_turns(tmp_path, monkeypatch):
+    """Tool turns through REWRITING_CHAT (it drops every earlier assistant turn's reasoning) on a tiny
+    Llama: each round is sampled on exactly the ids sampled and inserted before it, the episode's ids are
+    those ids (the template's rendering of the same messages differs), and the learner's log-probs of the
+    sampled tokens equal the sampler's across the tool turns. Valid calls of both tools and malformed ones
+    are answered as the template's tool role."""
+    from rlvr import sampling
+    from rlvr.tasks import Example
+    from rlvr.tokenizer import PromptFormat, encode_examples
+
+    t = JsonTools([ADD, UPPER])
+    bias = {"<think>": 3, "</think>": 3, "x": 2, "<|im_end|>": 2, **dict.fromkeys(WHOLE_CALLS, 2.5)}
+    policy, tok = biased_policy(tmp_path, chatml_tokenizer(REWRITING_CHAT), bias)
+    tok.prompt_format = PromptFormat(chat="user", tools=tuple(t.schemas()))
+    examples = [Example(q, "") for q in ("2+3?", "shout hi", "go") for _ in range(4)]
+    prompts = encode_examples(tok, examples[::4])
+    calls, real = [], sampling.generate
+
+    def spy(model, prompts, **kw):                  # every round of the loop: its context and what it drew
+        r, G = real(model, prompts, **kw), kw["samples_per_prompt"]
+        calls.extend((prompts[k // G], r.response_ids[k, :int(r.mask[k].sum())].tolist()) for k in range(len(r.mask)))
+        return r
+
+    kw = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0)
+    first = spy(policy, prompts, samples_per_prompt=4, max_new_tokens=256, eos_id=tok.eos_id, pad_id=tok.pad_id,
+                generators=sampling.prompt_generators(5, 0, 3), stop=sampling.StopStrings(["</tool_call>"], tok.decode),
+                **kw)
+    monkeypatch.setattr(sampling, "generate", spy)
+    r, stats = tools.respond_with_tools(policy, tok, first, examples, t, max_new_tokens=256, eos_id=tok.eos_id,
+                                        stop=("</tool_call>",), max_calls=3, base_seed=5, first_row=0, sample_kw=kw,
+                                        autocast=contextlib.nullcontext, role="tool")
+    rows = [r.ids[b][r.attention_mask[b].bool()].tolist() for b in range(r.ids.size(0))]
+    assert stats.rounds >= 2 and 0 < stats.malformed < stats.calls and stats.errors == 0
+    assert all(any(row[:len(p) + len(s)] == p + s for row in rows) for p, s in calls)   # nothing re-tokenized
+    assert sum(len(s) for _, s in calls) == r.mask.sum()
+    text = tok.tok.decode(r.ids.view(-1), skip_special_tokens=False)
+    for answer in ("5", '{"upper": "HI"}', "error: no tool named 'mul'; the tools are add, upper"):
+        assert f"<|im_start|>user\n<tool_response>\n{answer}\n</tool_response><|im_end|>" in text
+    lp = sampling.sequence_token_logprobs(policy, r)
+    assert torch.allclose(lp * r.mask, r.logp, atol=1e-5), (lp * r.mask - r.logp).abs().max()
+    rewritten = 0
+    for b, row in enumerate(rows):                  # the template renders the same turns otherwise
+        turns = episode_turns(tok, r, b, t, examples[b])
+        if len(turns) < 2:
+            continue
+        seen = tok.tok.decode(row[:len(row) - sum(len(x["ids"]) for x in turns[2:])], skip_special_tokens=False)
+        messages = [{"role": "user", "content": examples[b].prompt}] + [{k: x[k] for k in ("role", "content")}
+                                                                        for x in turns[:2]]
+        again = tok.tok.apply_chat_template(messages, tools=t.schemas(), tokenize=False, add_generation_prompt=True)
+        said = turns[0]["content"]
+        assert again == seen.replace(said, said.split("</think>")[-1])
+        rewritten += again != seen
+    assert rewritten > 0
+
+
+def episode_turns(tok, r, b: int, t: JsonTools, example) -> list[dict]:
+    """Row b of a tool rollout as messages with their ids: each sampled stretch an assistant turn, each
+    inserted one the tool's answer to the response up to it."""
+    mask, ids = r.mask[b].tolist(), r.ids[b, r.prompt_len:].tolist()
+    turns, start = [], 0
+    for k in range(1, len(mask) + 1):
+        if k == len(mask) or mask[k] != mask[start]:
+            if mask[start]:
+                turns.append({"role": "assistant", "content": tok.decode(ids[start:k]), "ids": ids[start:k]})
+            elif r.attention_mask[b, r.prompt_len + start]:
+                turns.append({"role": "tool", "content": t(example.prompt, tok.decode(ids[:start]), None),
+                              "ids": ids[start:k]})
+            start = k
+    return turns

@@ -111,8 +111,9 @@ class HFTokenizer:
         return list(ids)
 
     def _chat_ids(self, conversations: list) -> list:
-        """``apply_chat_template`` with the generation prompt (and the run's tools), tokenized; a template that raises (jinja's
-        TemplateError, ``raise_exception`` in the template) is a ValueError naming the tokenizer."""
+        """``apply_chat_template`` with the generation prompt and the run's tools (``_template_kw``),
+        tokenized; a template that raises (jinja's TemplateError, ``raise_exception`` in the template) is a
+        ValueError naming the tokenizer."""
         from jinja2 import TemplateError
 
         try:
