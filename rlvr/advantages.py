@@ -320,6 +320,19 @@ def token_steps(token_texts: Sequence[Sequence[str]], delimiter: str, T: int) ->
     return out
 
 
+def span_steps(spans: Sequence[Sequence[tuple[int, int]]], T: int) -> Tensor:
+    """(B, T) long: the step index of each response token when the steps are given as token spans
+    (an environment's actions, rlvr.environments.Episode.spans): token t of row b is step k when
+    spans[b][k] = (start, end) holds start <= t < end; -1 elsewhere (inserted observations, padding)."""
+    out = torch.full((len(spans), T), -1, dtype=torch.long)
+    for b, row in enumerate(spans):
+        for k, (start, end) in enumerate(row):
+            if not 0 <= start <= end <= T:
+                raise ValueError(f"spans[{b}][{k}] = {(start, end)} is not within 0..T = {T}")
+            out[b, start:end] = k
+    return out
+
+
 def pad_steps(steps: Sequence[Sequence[float]], group_size: int) -> tuple[Tensor, Tensor]:
     """B per-response lists of step scores -> (P, G, S) float scores and (P, G, S) bool step_mask.
 

@@ -83,9 +83,9 @@ def limits(cfg: config_mod.Config, task: Task, tok: Tokenizer, model: Policy | N
                        f"({max_new} tokens, no end token): there is nothing to stop early")
     if cfg.sampling.tool_on_end and task.fixed_length:
         raise RunError("sampling.tool_on_end = true, but the task's responses have a fixed length (no end token)")
-    if cfg.sampling.max_tool_calls and task.tool is None:
+    if cfg.sampling.max_tool_calls and task.tool is None and task.environment is None:
         raise RunError(f"sampling.max_tool_calls = {cfg.sampling.max_tool_calls}, but the task {task.name!r} has no "
-                       "tool (Task.tool) to call")
+                       "tool (Task.tool) to call and no environment (Task.environment) to step")
     check_call_stop(cfg, task)
     role = cfg.sampling.tool_role
     if role and cfg.sampling.max_tool_calls:

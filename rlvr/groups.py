@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rlvr import costs, sampling, tools
+from rlvr.environments import Episode
 from rlvr.policy import Policy, Tokenizer
 from rlvr.rewards import goal_hits, score_batch
 from rlvr.setup_types import Limits, RunError
@@ -129,7 +130,8 @@ def sample_and_score(policy: Policy, tok: Tokenizer, task: Task, examples: list,
     step = chunk_prompts or len(examples)
     stop = sampling.StopStrings(limits.stop, tok.decode) if limits.stop else None
     kw = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
-    rollouts, tool_stats = [], tools.ToolStats() if limits.tool_calls else None
+    env = task.environment
+    rollouts, tool_stats, turns = [], tools.ToolStats() if limits.tool_calls or env is not None else None, []
     for i in range(0, len(examples), step):
         chunk = examples[i:i + step]
         keep = [] if tool_stats is not None else None   # tool continuations reuse the KV cache (rlvr.tools)
@@ -139,14 +141,18 @@ def sample_and_score(policy: Policy, tok: Tokenizer, task: Task, examples: list,
                 max_new_tokens=limits.max_new_tokens, eos_id=limits.eos_id, pad_id=tok.pad_id,
                 generators=gens[i:i + step] if gens else None, stop=stop, keep=keep,
                 reserve=2 * limits.max_new_tokens * limits.tool_calls, **kw)
-        if tool_stats is not None:  # answer the tool calls and sample on (rlvr.tools)
+        if tool_stats is not None:  # answer the tool calls or step the environments, and sample on (rlvr.tools)
             first_fwd = costs.sampling_forward_tokens(len(chunk), r.prompt_len, *r.mask.shape)
-            r, st = tools.respond_with_tools(
-                policy, tok, r, [ex for ex in chunk for _ in range(G)], task.tool,
-                max_new_tokens=limits.max_new_tokens, eos_id=limits.eos_id, stop=limits.stop,
-                max_calls=limits.tool_calls, base_seed=base_seed, first_row=(first_prompt + i) * G, sample_kw=kw,
-                autocast=autocast, pool=pool, role=limits.tool_role, on_end=limits.tool_on_end,
-                decoding=keep[0] if keep else None)
+            loop_kw = dict(max_new_tokens=limits.max_new_tokens, eos_id=limits.eos_id, stop=limits.stop,
+                           max_calls=limits.tool_calls, base_seed=base_seed, first_row=(first_prompt + i) * G,
+                           sample_kw=kw, autocast=autocast, pool=pool, role=limits.tool_role,
+                           on_end=limits.tool_on_end, decoding=keep[0] if keep else None)
+            rows = [ex for ex in chunk for _ in range(G)]
+            if env is not None:
+                r, st, got = tools.respond_in_environment(policy, tok, r, rows, env, **loop_kw)
+                turns += got
+            else:
+                r, st = tools.respond_with_tools(policy, tok, r, rows, task.tool, **loop_kw)
             tool_stats = tool_stats.add(st)
             tool_stats.forward_tokens += first_fwd
         rollouts.append(r)
@@ -155,5 +161,7 @@ def sample_and_score(policy: Policy, tok: Tokenizer, task: Task, examples: list,
     # decode drops special tokens, so a final eos is not in the text
     extent = sampling.response_extent(rollout.attention_mask[:, rollout.prompt_len:]).tolist()
     responses = [tok.decode(r[:n]) for r, n in zip(rollout.response_ids.tolist(), extent)]
+    if env is not None:  # the rewards and the goal see each episode's turns (rlvr.environments)
+        responses = [Episode(text, **t) for text, t in zip(responses, turns)]
     return Groups(examples, rollout, responses, *score_groups(task, weights, examples, responses, G, pool),
                   tools=tool_stats)

@@ -70,7 +70,7 @@ from typing import Any, Iterator, Sequence
 
 from rlvr.isolation import python_argv
 from rlvr.process_tree import WORKER_MARK, kill_tree
-from rlvr.reward_worker import TOOL_JOB
+from rlvr.reward_worker import ENV_JOB, TOOL_JOB
 from rlvr.rewards import Score, StepScores
 
 __all__ = ["RewardPool", "RewardPoolError", "open_pool", "available_cores", "DEFAULT_TIMEOUT_S",
@@ -296,6 +296,11 @@ class RewardPool:
         ``crashed``, as a reward call would."""
         return self.run([TOOL_JOB], prompts, responses, answers, goal=False)[0][TOOL_JOB]
 
+    def env_steps(self, prompts: Sequence[str], episodes: Sequence[Any], answers: Sequence[Any]) -> list[Score]:
+        """The task's environment stepped through each episode so far (rlvr.environments.step_episode):
+        value ``[observation, reward, done]`` when status is ``ok``; ``timeout`` / ``crashed`` as for a tool."""
+        return self.run([ENV_JOB], prompts, episodes, answers, goal=False)[0][ENV_JOB]
+
     def goals(self, prompts: Sequence[str], responses: Sequence[str], answers: Sequence[Any]) -> list[Score]:
         """The task's goal per response as a Score (value 1.0 met, 0.0 not; see rlvr.rewards.check_goal)."""
         return self.run([], prompts, responses, answers, goal=True)[1]
@@ -307,7 +312,7 @@ class RewardPool:
         if len(prompts) != n or len(answers) != n:
             raise ValueError(f"{len(prompts)} prompts, {len(responses)} responses and {len(answers)} answers; "
                              "they must be aligned, one row per response")
-        unknown = [x for x in names if x not in self.reward_names and x != TOOL_JOB]
+        unknown = [x for x in names if x not in self.reward_names and x not in (TOOL_JOB, ENV_JOB)]
         if unknown:
             raise ValueError(f"reward {unknown[0]!r} is not one of the pool's task {self.task_path!r} rewards "
                              f"({', '.join(self.reward_names)})")

@@ -16,6 +16,7 @@ import struct
 import sys
 from typing import TYPE_CHECKING, Any
 
+from rlvr.environments import step_episode
 from rlvr.rewards import Reward, Score, call_tool, check_goal, check_value, score, steps_of
 
 if TYPE_CHECKING:
@@ -26,6 +27,9 @@ CAP_SYS_RESOURCE = 24
 TOOL_JOB = "\x00tool"
 """The job name under which a worker calls the task's tool (rlvr.tools) instead of a reward: its
 Score's value is the text to insert (or None)."""
+ENV_JOB = "\x00env"
+"""The job name under which a worker steps the task's environment (rlvr.environments.step_episode): its
+Score's value is ``[observation, reward, done]``."""
 
 
 def _read_frame(stream) -> Any:
@@ -217,6 +221,8 @@ def serve() -> None:
                 scores: Any = (check_goal(task.goal, *items[i], interrupts=True) for i in idx)
             elif name == TOOL_JOB:
                 scores = (call_tool(task.tool, *items[i], interrupts=True) for i in idx)
+            elif name == ENV_JOB:
+                scores = (step_episode(task.environment, *items[i], interrupts=True) for i in idx)
             else:
                 reward = task.rewards[name]
                 batched = None

@@ -449,7 +449,9 @@ def process_token_delta(setup, groups: Groups, stats: dict) -> tuple[torch.Tenso
 
     Σ over process rewards n of w_n · process_delta(steps_n) (rlvr.advantages.PROCESS_DELTAS), steps
     located in the response text by the task's step_delimiter; logs step_mismatch_frac, the share
-    of rows whose scored steps do not match their tokens (should be 0)."""
+    of rows whose scored steps do not match their tokens (should be 0). In an environment task the
+    steps are the episode's actions (their token spans, rlvr.advantages.span_steps): a per-turn reward
+    (rlvr.environments.turn_rewards) credits the tokens of its own action."""
     names = [n for n in setup.reward_weights if any(steps_of(v) for v in groups.per_reward.get(n, ()))]
     if not names:
         return None, groups.rewards
@@ -460,8 +462,11 @@ def process_token_delta(setup, groups: Groups, stats: dict) -> tuple[torch.Tenso
                        f"0 for every token. Use train.samples_per_prompt >= 2 (algorithm.process_delta = "
                        f"{ac.process_delta})")
     B, T = roll.mask.shape
-    token_step = advantages.token_steps(token_texts(setup.tokenizer, roll, setup.limits.eos_id is not None),
-                                        setup.task.step_delimiter, T)                  # (B, T)
+    if setup.task.environment is not None:   # the steps are the episode's actions (rlvr.environments)
+        token_step = advantages.span_steps([getattr(r, "spans", ()) for r in groups.responses], T)   # (B, T)
+    else:
+        token_step = advantages.token_steps(token_texts(setup.tokenizer, roll, setup.limits.eos_id is not None),
+                                            setup.task.step_delimiter, T)              # (B, T)
     process = torch.zeros(B, T)
     plain = groups.rewards.clone()
     mismatch = torch.zeros(B, dtype=torch.bool)

@@ -44,6 +44,7 @@ from typing import Callable
 import torch
 
 from rlvr import costs, sampling
+from rlvr.environments import Episode, step_episode
 from rlvr.rewards import call_tool
 
 ROUND_SEED_MIX = 0x2545F4914F6CDD1D
@@ -97,11 +98,20 @@ class _Row:
     calls: int = 0
     cut: bool = False
     """The inserted text did not fit the response bound."""
+    spans: list[tuple[int, int]] = field(default_factory=list)
+    """Each sampled piece's (start, end) offsets in `tokens`: the actions of an environment's episode."""
+    observations: list[str | None] = field(default_factory=list)
+    """An environment's answer to each stepped action (None where it inserted nothing)."""
+    turn_rewards: list[float | None] = field(default_factory=list)
+    """An environment's reward for each stepped action."""
+    env_done: bool = False
+    """The environment ended the episode."""
 
     def add_sampled(self, toks: list[int], logp: list[float], logp_full: list[float], eos_id: int | None,
                     truncated: bool) -> None:
         """Append a sampled piece and say how it ended: at eos, at a stop string (a call for the tool:
         ended, neither truncated nor at eos), or truncated."""
+        self.spans.append((len(self.tokens), len(self.tokens) + len(toks)))
         self.tokens += toks
         self.sampled += [True] * len(toks)
         self.logp += logp
@@ -157,6 +167,51 @@ def _call_tools(tool: Callable, pool, prompts: list[str], texts: list[str], answ
             stats.first_error = stats.first_error or error
         out.append(ids)
     return out
+
+
+def _episode_so_far(row: _Row, tok) -> Episode:
+    """The row's episode up to its last action (what an environment step replays)."""
+    return Episode(tok.decode(row.tokens), [tok.decode(row.tokens[a:b]) for a, b in row.spans])
+
+
+def _step_envs(env: Callable, pool, rows: list[_Row], calling: list[int], examples: list, tok, stats: ToolStats,
+               role: str, insert: list[bool]) -> list[list[int] | None]:
+    """Step each calling row's environment on its last action (rlvr.environments.step_episode: in the
+    `pool`'s workers, time-limited, or here) and keep its observation, reward and done on the row.
+    Returns the tokens to insert per row, or None where the episode ends: the environment said done or
+    answered None, the step failed (its status counted in `stats.errors`), its text cannot be encoded, or
+    `insert[k]` is False (a closing step, not counted in `stats.calls`)."""
+    prompts, answers = [examples[i].prompt for i in calling], [examples[i].answer for i in calling]
+    episodes = [_episode_so_far(rows[i], tok) for i in calling]
+    got = (pool.env_steps(prompts, episodes, answers) if pool is not None else
+           [step_episode(env, p, e, a) for p, e, a in zip(prompts, episodes, answers)])
+    out: list[list[int] | None] = []
+    for k, (i, s) in enumerate(zip(calling, got)):
+        r, error, ids = rows[i], "", None
+        obs, reward, done = s.value if s.status == "ok" else (None, None, True)
+        r.turn_rewards.append(reward)
+        r.env_done = s.status == "ok" and done
+        stats.calls += insert[k]
+        if s.status != "ok":
+            error = f"environment step: {s.status}: {s.detail}"
+        elif insert[k] and not done and obs is not None:
+            try:
+                ids = tok.encode(tok.turn_text(role, obs, after_end=r.at_eos) if role else obs, bos=False)
+            except ValueError as e:
+                error = f"the tokenizer cannot encode the environment's text: {e}"
+        if error:
+            stats.errors += 1
+            stats.first_error = stats.first_error or error
+        r.observations.append(obs if ids is not None else None)       # what was inserted
+        out.append(ids)
+    return out
+
+
+def _turns(row: _Row, tok) -> dict:
+    """A finished row's turns, one entry per action (an unstepped last action: None, None)."""
+    pad = [None] * (len(row.spans) - len(row.turn_rewards))
+    return dict(actions=[tok.decode(row.tokens[a:b]) for a, b in row.spans], observations=row.observations + pad,
+                turn_rewards=row.turn_rewards + pad, spans=list(row.spans), done=row.env_done)
 
 
 def _continue(policy, rows: list[_Row], idx: list[int], budgets: list[int], *, first_row: int, base_seed,
@@ -264,31 +319,54 @@ def respond_with_tools(policy, tok, first: sampling.Rollout, examples: list, too
     (``_continue_cached``) instead of a new prefill of each row's whole sequence (``_continue``),
     in each round where that computes less (``_reuse_pays``; once a round prefills, the rest do).
     Returns the assembled rollout (module docstring) and the counts."""
+    def call(rows: list[_Row], calling: list[int], closing: bool, stats: ToolStats) -> list:
+        return _call_tools(tool, pool, [examples[i].prompt for i in calling],
+                           [tok.decode(rows[i].tokens) for i in calling], [examples[i].answer for i in calling],
+                           tok, stats, role, [rows[i].at_eos for i in calling])
+
+    rollout, stats, _ = _respond(policy, tok, first, call, at_eos=on_end, closing_round=False,
+                                 max_new_tokens=max_new_tokens, eos_id=eos_id, stop=stop, max_calls=max_calls,
+                                 base_seed=base_seed, first_row=first_row, sample_kw=sample_kw, autocast=autocast,
+                                 decoding=decoding)
+    return rollout, stats
+
+
+def respond_in_environment(policy, tok, first: sampling.Rollout, examples: list, env: Callable, *,
+                           max_new_tokens: int, eos_id: int | None, stop: tuple[str, ...], max_calls: int,
+                           base_seed: int | None, first_row: int, sample_kw: dict, autocast, pool=None,
+                           role: str = "", on_end: bool = False, decoding: sampling.Decoding | None = None
+                           ) -> tuple[sampling.Rollout, ToolStats, list[dict]]:
+    """`respond_with_tools` with an environment (rlvr.environments; `env()` makes one per episode) in
+    place of the tool: every action the policy finishes (at a stop string or at eos) is stepped; up to
+    `max_calls` observations are inserted (after an eos only with `on_end`), and an action that ends the
+    episode is stepped once more with its observation dropped (the closing step). Returns the rollout,
+    the counts and each row's turns (`rlvr.environments.Episode`'s fields but the text)."""
+    def call(rows: list[_Row], calling: list[int], closing: bool, stats: ToolStats) -> list:
+        insert = [not closing and (rows[i].at_stop or on_end) for i in calling]
+        return _step_envs(env, pool, rows, calling, examples, tok, stats, role, insert)
+
+    rollout, stats, rows = _respond(policy, tok, first, call, at_eos=True, closing_round=True,
+                                    max_new_tokens=max_new_tokens, eos_id=eos_id, stop=stop, max_calls=max_calls,
+                                    base_seed=base_seed, first_row=first_row, sample_kw=sample_kw, autocast=autocast,
+                                    decoding=decoding)
+    return rollout, stats, [_turns(r, tok) for r in rows]
+
+
+def _respond(policy, tok, first: sampling.Rollout, call: Callable, *, at_eos: bool, closing_round: bool,
+             max_new_tokens: int, eos_id: int | None, stop: tuple[str, ...], max_calls: int, base_seed: int | None,
+             first_row: int, sample_kw: dict, autocast, decoding: sampling.Decoding | None
+             ) -> tuple[sampling.Rollout, ToolStats, list[_Row]]:
+    """The loop of `respond_with_tools` and `respond_in_environment`: `call(rows, calling, closing,
+    stats)` answers the rows `calling` (those ended at a stop string, or at eos with `at_eos`) with the
+    tokens to insert or None (the row ends); `closing_round`: one more round of calls after
+    `max_calls`, with closing = True (nothing is inserted then)."""
     stats = ToolStats()
     stopper = sampling.StopStrings(stop, tok.decode) if stop else None
     rows = _rows(first, eos_id)
-    for round_ in range(1, max_calls + 1):
-        idx, budgets, kept_by_row = [], [], {}
-        calling = [i for i, r in enumerate(rows) if (r.at_stop or on_end and r.at_eos) and not (r.done or r.cut)]
-        answers = _call_tools(tool, pool, [examples[i].prompt for i in calling],
-                              [tok.decode(rows[i].tokens) for i in calling], [examples[i].answer for i in calling],
-                              tok, stats, role, [rows[i].at_eos for i in calling])
-        for i, inserted in zip(calling, answers):
-            r = rows[i]
-            r.calls += 1
-            if inserted is None:
-                r.done = True
-                continue
-            room = max_new_tokens - len(r.tokens)
-            kept = inserted[:room]
-            r.add_inserted(kept)
-            stats.inserted_tokens += len(kept)
-            if len(inserted) >= room:
-                r.cut = True
-                continue
-            idx.append(i)
-            budgets.append(room - len(inserted))
-            kept_by_row[i] = kept
+    for round_ in range(1, max_calls + 1 + closing_round):
+        calling = [i for i, r in enumerate(rows) if (r.at_stop or at_eos and r.at_eos) and not (r.done or r.cut)]
+        answers = call(rows, calling, round_ > max_calls, stats) if calling else []
+        idx, budgets, kept_by_row = _insert(rows, calling, answers, max_new_tokens, stats)
         if not idx:
             break
         kw = dict(first_row=first_row, base_seed=base_seed, round_=round_, pad_id=tok.pad_id, eos_id=eos_id,
@@ -299,4 +377,28 @@ def respond_with_tools(policy, tok, first: sampling.Rollout, examples: list, too
                                  _continue_cached(policy, decoding, rows, kept_by_row, dict(zip(idx, budgets)), **kw))
         stats.rounds += 1
         stats.rounds_on_cache += decoding is not None
-    return _assemble(first, rows, tok.pad_id), stats
+    return _assemble(first, rows, tok.pad_id), stats, rows
+
+
+def _insert(rows: list[_Row], calling: list[int], answers: list, max_new_tokens: int, stats: ToolStats
+            ) -> tuple[list[int], list[int], dict[int, list[int]]]:
+    """Append each calling row's inserted tokens (None: the row ends; cut where they do not fit).
+    Returns the rows that go on, their token budgets, and row -> the tokens inserted."""
+    idx, budgets, kept_by_row = [], [], {}
+    for i, inserted in zip(calling, answers):
+        r = rows[i]
+        r.calls += 1
+        if inserted is None:
+            r.done = True
+            continue
+        room = max_new_tokens - len(r.tokens)
+        kept = inserted[:room]
+        r.add_inserted(kept)
+        stats.inserted_tokens += len(kept)
+        if len(inserted) >= room:
+            r.cut = True
+            continue
+        idx.append(i)
+        budgets.append(room - len(inserted))
+        kept_by_row[i] = kept
+    return idx, budgets, kept_by_row

@@ -31,7 +31,7 @@ def test_the_referee_answers_the_last_guess():
 
 def test_the_task_loads_with_disjoint_games_in_both_styles():
     task = load_task("rlvr.tasks.guess:guess_task", heldout=20, train=100)
-    assert task.tool is not None and "game" in task.train[0].prompt
+    assert task.environment is not None and task.tool is None and "game" in task.train[0].prompt
     assert task.train[0].meta["messages"][0]["content"] == task.train[0].prompt
     assert not {e.prompt for e in task.train} & {e.prompt for e in task.heldout}
     compact = guess_task(low=0, high=9, heldout=5, train=10, style="compact")

@@ -190,7 +190,9 @@ def test_task_demonstrations_sort_and_the_calculator():
     ex = calc.train[0]
     turns = calc.demonstrate(ex)
     assert [t["role"] for t in turns] == ["assistant", "tool", "assistant"]
-    assert calc.tool(ex.prompt, turns[0]["content"], ex.answer) == turns[1]["content"]     # what the tool would insert
+    env = calc.environment()
+    env.reset(ex.prompt, ex.answer)
+    assert env.step(turns[0]["content"]).observation == turns[1]["content"]     # what the calculator would insert
     assert calc.goal(ex.prompt, "".join(t["content"] for t in turns), ex.answer)
 
 

@@ -16,7 +16,7 @@ import torch
 from rlvr import build as build_mod, config as config_mod, setup_types, tools
 from rlvr.rollout import sample_and_score
 from rlvr.sampling import StopStrings, generate, sequence_token_logprobs
-from rlvr.tasks.arith import arith_task, calculate, calculator_tool
+from rlvr.tasks.arith import Calculator, arith_task, calculate, calculator_tool
 from test_sampling import BOS, EOS, PAD, MarkovMock
 
 PIECES = {3: "<c>", 4: "7", 5: "</c>", 6: "<r>", 7: "9", 8: "</r>", 9: "!"}
@@ -151,16 +151,30 @@ def test_calculator():
     assert calculator_tool("", "<calc>2**99</calc>", 0) == "<result>?</result>"
     assert calculator_tool("", "no call </calc>", 0) == "<result>?</result>"
     task = arith_task(digits=1, heldout=5, calculator=True)
-    assert task.tool is calculator_tool and "<calc>" in task.train[0].prompt
-    assert arith_task(digits=1, heldout=5).tool is None
+    assert task.environment is Calculator and task.tool is None and "<calc>" in task.train[0].prompt
+    assert arith_task(digits=1, heldout=5).environment is None
 
 
 def calc_setup(stop='["</calc>"]'):
+    """The calculator task with its tool (`calculator_tool`, called at every stop string) in place of its
+    environment (which answers only actions ending in </calc>): stop strings a random policy writes make
+    it call often."""
     options = "{digits = 1, heldout = 5, calculator = true, max_new_tokens = 24}"
     cfg = config_mod.load(None, ["--task.path=rlvr.tasks.arith:arith_task", f"--task.options={options}",
                                  "--task.reward=correct", f"--sampling.stop={stop}", "--sampling.max_tool_calls=2",
                                  "--model.n_layer=1", "--model.n_embd=32", "--model.n_head=2"])
-    return build_mod.build(cfg, log=lambda *a: None)
+    setup = build_mod.build(cfg, log=lambda *a: None)
+    setup.task.tool, setup.task.environment = calculator_tool, None
+    return setup
+
+
+def calculator_tool_task(tmp_path) -> str:
+    """A task file: the calculator task with its tool instead of its environment (see `calc_setup`)."""
+    (tmp_path / "calc_tool.py").write_text(
+        "import dataclasses\nfrom rlvr.tasks.arith import arith_task, calculator_tool\n\n"
+        "def make():\n    return dataclasses.replace(arith_task(digits=1, heldout=10, calculator=True, max_new_tokens=24),"
+        " environment=None, tool=calculator_tool)\n")
+    return f"{tmp_path / 'calc_tool.py'}:make"
 
 
 def test_the_learner_scores_sampled_tokens_as_the_sampler_did_with_results_in_context():
@@ -200,8 +214,7 @@ def test_a_training_run_with_the_calculator(tmp_path):
     from rlvr.cli import main
 
     config = tmp_path / "calc.toml"
-    config.write_text('[task]\npath = "rlvr.tasks.arith:arith_task"\nreward = "correct"\n'
-                      'options = { digits = 1, heldout = 10, calculator = true, max_new_tokens = 24 }\n'
+    config.write_text(f'[task]\npath = "{calculator_tool_task(tmp_path)}"\nreward = "correct"\n'
                       '[sampling]\nstop = ["a", "e", "o"]\nmax_tool_calls = 2\n')
     out, err = io.StringIO(), io.StringIO()
     with redirect_stdout(out), redirect_stderr(err):
@@ -277,7 +290,7 @@ def test_a_failing_tool_is_counted_and_warned_about_and_the_run_goes_on(tmp_path
     (tmp_path / "boom.py").write_text(
         "import dataclasses\nfrom rlvr.tasks.arith import arith_task\n\n"
         "def boom(prompt, response, answer):\n    raise RuntimeError('no calculator today')\n\n"
-        "def make():\n    return dataclasses.replace(arith_task(digits=1, heldout=5, calculator=True), tool=boom)\n")
+        "def make():\n    return dataclasses.replace(arith_task(digits=1, heldout=5, calculator=True), tool=boom, environment=None)\n")
     config = tmp_path / "boom.toml"
     config.write_text(f'[task]\npath = "{tmp_path / "boom.py"}:make"\nreward = "correct"\n'
                       '[sampling]\nstop = ["a", "e", "o"]\nmax_tool_calls = 1\nmax_new_tokens = 12\n')
@@ -376,8 +389,7 @@ def test_the_probe_says_how_often_the_tool_was_called(tmp_path):
     from rlvr.cli import main
 
     config = tmp_path / "calc.toml"
-    config.write_text('[task]\npath = "rlvr.tasks.arith:arith_task"\nreward = "correct"\nreward_workers = 0\n'
-                      'options = { digits = 1, heldout = 10, calculator = true, max_new_tokens = 24 }\n'
+    config.write_text(f'[task]\npath = "{calculator_tool_task(tmp_path)}"\nreward = "correct"\nreward_workers = 0\n'
                       '[sampling]\nstop = ["a", "e", "o"]\nmax_tool_calls = 2\n'
                       '[model]\nn_layer = 1\nn_embd = 32\nn_head = 2\n')
     out, err = io.StringIO(), io.StringIO()

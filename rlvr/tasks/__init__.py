@@ -128,6 +128,11 @@ class Task:
     """``demonstrate(example)``: a worked response for a training example, for ``rlvr sft`` (rlvr.sft):
     the response text, or the turns after the prompt as ``{"role", "content"}`` messages (assistant turns
     trained on, tool or user turns inserted between them), or None to skip that example."""
+    environment: Callable[[], Any] | None = None
+    """Makes one fresh environment per episode (rlvr.environments: ``reset(prompt, answer)``,
+    ``step(action) -> (observation, reward, done)``), stepped at every action the policy finishes, in
+    the reward workers; its rewards and goal then receive each response as an ``Episode`` (the text
+    with its turns). A task has a ``tool`` or an environment, not both."""
 
 
 class TaskError(ValueError):
@@ -222,6 +227,12 @@ def validate_task(task: Any) -> None:
         raise TaskError(f"step_delimiter must be a str, got {task.step_delimiter!r}")
     if task.tool is not None and not callable(task.tool):
         raise TaskError(f"tool must be None or callable, got {task.tool!r:.80}")
+    if task.environment is not None and not callable(task.environment):
+        raise TaskError(f"environment must be None or a class (callable) making one environment per episode, got "
+                        f"{task.environment!r:.80}")
+    if task.environment is not None and task.tool is not None:
+        raise TaskError("a task has a tool or an environment, not both: the environment answers every action "
+                        "(rlvr.environments)")
     if task.demonstrate is not None and not callable(task.demonstrate):
         raise TaskError(f"demonstrate must be None or callable, got {task.demonstrate!r:.80}")
 

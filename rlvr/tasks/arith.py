@@ -51,14 +51,17 @@ The goal is the final answer's exact correctness (the check of ``correct``). Def
 
 A calculator tool
 -----------------
-``calculator=True`` gives the task a tool (rlvr.tools) and a prompt that offers it
-(``CALCULATOR_TEMPLATE``): the reply may write ``<calc>23 * 45</calc>``, and the tool inserts
-``<result>1035</result>``. Run it with ``sampling.stop = ["</calc>"]`` and
-``sampling.max_tool_calls`` >= 1. The tool (``calculator_tool``, through ``calculate``) parses integers, ``+ - *`` and
+``calculator=True`` gives the task an environment (``Calculator``, rlvr.environments) and a prompt
+that offers it (``CALCULATOR_TEMPLATE``): the reply may write ``<calc>23 * 45</calc>``, and the
+environment inserts ``<result>1035</result>``. Run it with ``sampling.stop = ["</calc>"]`` and
+``sampling.max_tool_calls`` >= 1. The calculator (``calculator_tool``, through ``calculate``) parses integers, ``+ - *`` and
 parentheses (Python's ``ast``, never ``eval``), at most ``MAX_CALC_CHARS`` characters; anything
 else gets ``<result>?</result>``. The rewards read the whole reply, inserted results included, so
 a reply that ends right after a correct result scores 1.0: using the tool is the point. ``format``
-pays only a bare number, so leave it out of calculator runs.
+pays only a bare number, so leave it out of calculator runs. Two more rewards read the episode:
+``turns`` (the environment's reward on the final answer) and ``tool_use`` (the answer is a result the
+calculator returned; its card names how tool use is gamed: the answer sent through the tool and
+echoed, calls without end).
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ import re
 import string
 from decimal import Decimal
 
+from rlvr.environments import Episode, Step, episode_of, turn_rewards
 from rlvr.rewards import Reward, RewardCard
 from rlvr.tasks import Example, Task, limits
 
@@ -185,6 +189,71 @@ def calculator_tool(prompt: str, response: str, answer: int) -> str:
     calls = CALC.findall(response)
     value = calculate(calls[-1]) if calls else None
     return f"<result>{'?' if value is None else value}</result>"
+
+
+class Calculator:
+    """The calculator as an environment (rlvr.environments): an action that ends with ``</calc>`` is a
+    call, answered with ``calculator_tool``'s ``<result>N</result>`` (no reward); any other action is the
+    final answer, which ends the episode with reward 1.0 when its last number (or, with none, the last
+    result the calculator gave) is the answer, else 0.0 (the check of ``correct``)."""
+
+    def reset(self, prompt: str, answer: int) -> None:
+        self.prompt, self.answer, self.last = prompt, answer, None
+
+    def step(self, action: str) -> Step:
+        if action.rstrip().endswith("</calc>"):
+            result = calculator_tool(self.prompt, action, self.answer)
+            self.last = last_number(result) if result != "<result>?</result>" else self.last
+            return Step(result, None, False)
+        final = last_number(action)
+        return Step(None, 1.0 if (self.last if final is None else final) == self.answer else 0.0, True)
+
+
+def calculator_results(episode: Episode) -> list[Decimal]:
+    """The numbers the calculator returned in ``episode`` (its inserted observations, not text the policy
+    wrote that looks like a result)."""
+    return [v for obs in episode.observations if obs for v in [last_number(obs)] if v is not None]
+
+
+def tool_use(prompt: str, response: str, answer: int) -> float:
+    """1.0 when the episode's final answer (the last number of the reply) is a result the calculator
+    returned in it, else 0.0 (a plain response, without an episode: 0.0)."""
+    ep = episode_of(response)
+    return 1.0 if ep is not None and last_number(response) in calculator_results(ep) else 0.0
+
+
+def tool_use_exploit(ex: Example) -> Episode:
+    """A wrong answer sent through the calculator and echoed: ``<calc>W</calc><result>W</result>W``,
+    W the answer plus one."""
+    w = ex.answer + 1
+    call, result = f"<calc>{w}</calc>", f"<result>{w}</result>"
+    return Episode(f"{call}{result}{w}", [call, str(w)], [result, None], [None, 0.0], [(0, 1), (2, 3)], True)
+
+
+def calculator_rewards() -> dict[str, Reward]:
+    """The calculator task's rewards that read the episode: ``turns`` (the environment's reward on the
+    final answer, a process reward) and ``tool_use`` (the answer came out of the calculator), with the
+    card that names how tool use is gamed."""
+    return {
+        "turns": Reward("turns", turn_rewards, RewardCard(
+            pays_for="the final answer's turn: 1.0 when its last number (or, with none, the calculator's last "
+                     "result) equals the answer; calls earn nothing by themselves",
+            ignores="how many calls were made and what they computed",
+            exploit="none known that fails the goal: it is the goal's check on the final turn",
+            exploit_example=None)),
+        "tool_use": Reward("tool_use", tool_use, RewardCard(
+            pays_for="a final answer equal to a result the calculator returned in the episode (read from the "
+                     "environment's observations, so a '<result>' the policy writes itself does not count)",
+            ignores="whether the call computed the prompt's problem, whether the answer is right, and how "
+                    "many calls were made",
+            exploit="tool use is gamed two ways. Calling the tool with the answer copied in: the calculator "
+                    "echoes any number ('<calc>W</calc>' returns W), so sending a guess or a number copied from "
+                    "the prompt and repeating the result scores 1.0 with the goal failed. Calling it forever: "
+                    "calls cost nothing here, so a policy may call until sampling.max_tool_calls on every reply "
+                    "(a reward paid per call would be farmed to that bound); watch tool_calls_per_response. "
+                    "Use it beside correct, never alone",
+            exploit_example=tool_use_exploit)),
+    }
 
 
 def demonstrate(example: Example) -> str:
@@ -359,12 +428,14 @@ def arith_task(ops: str = "+", digits: int = 2, n_train: int | None = None, held
         return Example(prompt=prompt, answer=chain_value(xs, chain_ops), meta=meta)
 
     rewards = reasoning_rewards() if reasoning else answer_rewards()
+    if calculator:
+        rewards.update(calculator_rewards())
     held = [example(k) for k in keys[:heldout]]
     train = [example(k) for k in keys[heldout:]]
     name = (f"arith-{'-'.join(OP_NAMES[o] for o in ops)}-{digits}d" + (f"-x{operands}" if operands > 2 else "")
             + ("-cot" if reasoning else ""))
     return Task(name=name, train=train, heldout=held, rewards=rewards, goal=answer_goal if reasoning else goal,
-                max_new_tokens=max_new_tokens, tool=calculator_tool if calculator else None,
+                max_new_tokens=max_new_tokens, environment=Calculator if calculator else None,
                 demonstrate=(demonstrate_calculator if calculator else demonstrate_reasoning if reasoning
                              else demonstrate))
 

@@ -2,9 +2,9 @@
 wrong guess the environment says whether the secret is higher or lower, and the policy guesses again.
 
 Run it with ``sampling.tool_on_end = true`` and ``sampling.max_tool_calls = N`` (N + 1 guesses):
-a guess ends at the end token, the task's tool (``referee``) reads the conversation so far and
-answers with the next turn, or None when the last guess was right (the episode ends). Without
-``tool_on_end`` it is a one-guess task.
+a guess ends at the end token, and the task's environment (``GuessGame``, rlvr.environments) reads
+the guess and answers with the next turn, or ends the episode when the guess was right. Without
+``tool_on_end`` it is a one-guess task (the guess is still stepped, for its turn reward).
 
 Games
 -----
@@ -27,15 +27,19 @@ The last whole number in the conversation is the last guess (the feedback holds 
 
 * ``guessed``: 1.0 when it is the secret, else 0.0. It pays the same for a win in one guess or in
   five; the number of guesses is bounded by ``max_tool_calls``.
+* ``turns``: the environment's per-turn rewards (1.0 on the winning guess, 0.0 on the others) as a
+  process reward: each guess's tokens are credited with their own turn (rlvr.environments.turn_rewards).
 
 The goal is the same check: the episode ends on the secret.
 """
 
 from __future__ import annotations
 
+import functools
 import random
 import re
 
+from rlvr.environments import Step, turn_rewards
 from rlvr.rewards import Reward, RewardCard
 from rlvr.tasks import Example, Task
 
@@ -84,6 +88,22 @@ def make_referee(style: str):
     return referee
 
 
+class GuessGame:
+    """One game as an environment (rlvr.environments): each action is a guess; the step answers it as the
+    referee does (higher / lower, a request for a number), ends the episode with reward 1.0 on the
+    secret, and gives 0.0 for a wrong guess."""
+
+    def __init__(self, style: str = "chat"):
+        self.referee = make_referee(style)
+
+    def reset(self, prompt: str, answer: int) -> None:
+        self.prompt, self.secret = prompt, answer
+
+    def step(self, action: str) -> Step:
+        feedback = self.referee(self.prompt, action, self.secret)
+        return Step(None, 1.0, True) if feedback is None else Step(feedback, 0.0, False)
+
+
 def guess_task(low: int = 1, high: int = 100, heldout: int = 200, train: int = 5000, seed: int = 0,
                style: str = "chat", max_new_tokens: int = 0) -> Task:
     """Games of guessing a whole number in ``low..high``: ``heldout`` + ``train`` distinct keys drawn
@@ -111,10 +131,17 @@ def guess_task(low: int = 1, high: int = 100, heldout: int = 200, train: int = 5
         exploit="none known that fails the goal: it is the goal's own check. Several numbers in one turn count as "
                 "their last; the environment answers that one",
         exploit_example=None)
+    turns = RewardCard(
+        pays_for="each guess: 1.0 for the guess that hits the secret (the episode ends there), 0.0 for the others, "
+                 "as the environment scored them (a process reward: each guess's tokens get its own turn's credit)",
+        ignores="anything in a turn but its last whole number; guesses after the last one the environment stepped",
+        exploit="none known that fails the goal: the winning turn is the goal's own check on that guess",
+        exploit_example=None)
     return Task(name=f"guess-{low}-{high}-{style}", train=[example(k) for k in keys[heldout:]],
-                heldout=[example(k) for k in keys[:heldout]], rewards={"guessed": Reward("guessed", guessed, card)},
+                heldout=[example(k) for k in keys[:heldout]],
+                rewards={"guessed": Reward("guessed", guessed, card), "turns": Reward("turns", turn_rewards, turns)},
                 goal=goal, max_new_tokens=max_new_tokens or (64 if style == "chat" else 16),
-                alphabet=None if style == "chat" else "0123456789?<>", tool=make_referee(style))
+                alphabet=None if style == "chat" else "0123456789?<>", environment=functools.partial(GuessGame, style))
 
 
 TASK = guess_task

@@ -130,6 +130,10 @@ def mix_task(tasks: list, seed: int = 0) -> Task:
     def goal(prompt: str, response: str, answer: MixAnswer) -> bool:
         return comps[answer.task].goal(prompt, response, answer.answer)
 
+    envs = [n for n, t in zip(names, comps) if t.environment is not None]
+    if envs:
+        raise TaskError(f"mix_task: {', '.join(envs)} step an environment (Task.environment); a mixture takes "
+                        "tasks with a tool or none, not environments")
     tools = [t.tool for t in comps]
 
     def tool(prompt: str, response: str, answer: MixAnswer) -> str | None:
