@@ -13,6 +13,7 @@ import torch
 from rlvr import tools
 from rlvr.tokenizer import CharTokenizer
 from rlvr.tool_calls import JsonTools, ToolSpec, call_text, takes_tools, with_tools
+from test_tools import SMOLLM2_CHAT
 
 ADD = ToolSpec("add", "Add two integers.", {"type": "object", "properties": {"a": {"type": "integer"},
                                                                            "b": {"type": "integer"}},
@@ -171,6 +172,11 @@ def test_the_declared_tools_reach_every_templated_prompt_and_tool_turn():
     plain.prompt_format = PromptFormat(chat="user", system="Be brief.", tools_text=t.system_text())
     text = plain.tok.decode(encode_example(plain, ex))
     assert text.startswith("<|im_start|>system\nBe brief.\n\nYou may call these tools:\n") and "<tools>" not in text
+    smol = chatml_tokenizer(SMOLLM2_CHAT)                       # SmolLM2's template renders no tools=
+    assert not takes_tools(smol)
+    smol.prompt_format = PromptFormat(chat="user", tools_text=t.system_text())
+    text = smol.tok.decode(encode_example(smol, ex))          # in place of its default system turn
+    assert text.startswith("<|im_start|>system\nYou may call these tools:\n") and "SmolLM" not in text
 
 
 def test_the_run_declares_a_json_tool_task_s_tools_as_its_template_takes_them():
