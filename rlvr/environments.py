@@ -43,11 +43,17 @@ whole text, inserted observations included, as every reward reads it) that also 
 ``actions``, ``observations``, ``turn_rewards``, ``done`` and each action's token ``spans``. A reward that
 wants the calls and their results reads them there (:func:`episode_of`); one that does not, sees text.
 
-No adapter for gymnasium packages: gymnasium's own environments take arrays, not text, and the
-text-game packages on the registry (TextWorld, ALFWorld's text side, BabyAI-text) bring game engines,
-datasets or Java far heavier than this library's dependencies; a text environment of theirs fits this
-protocol with a ten-line wrapper in the task file (``reset`` -> the first observation becomes the
-example's prompt, ``step(action)`` -> ``(obs, reward, terminated or truncated)``).
+Gymnasium-style text environments
+---------------------------------
+:class:`GymText` adapts an environment with gymnasium's API (``reset(seed=) -> (obs, info)``,
+``step(action) -> (obs, reward, terminated, truncated, info)``) whose observations and actions are text
+(``gymnasium.spaces.Text``), and :func:`gym_examples` makes a task's examples from it: one per seed, the
+prompt the observation ``reset(seed=seed)`` returns, the answer the seed. It needs no package (it
+calls those two methods), so gymnasium is not a dependency. No adapter for a text-game package was
+added: TextArena's environments are multi-player and step as ``step(action) -> (done, info)`` with the
+rewards at ``close()``, and TextWorld, ALFWorld and Jericho bring game engines, game files or datasets
+far heavier than this library's dependencies; their text games fit :class:`GymText` or this protocol
+with a short wrapper in the task file.
 
 Stdlib only; never imports the trainer or the config.
 """
@@ -59,7 +65,8 @@ from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
 from rlvr.rewards import FLOAT32_MAX, Score, StepScores
 
-__all__ = ["Environment", "Step", "Episode", "episode_of", "step_episode", "turn_rewards", "check_step"]
+__all__ = ["Environment", "Step", "Episode", "episode_of", "step_episode", "turn_rewards", "check_step", "GymText",
+           "gym_examples", "episode_return"]
 
 
 class Step(NamedTuple):
@@ -164,3 +171,44 @@ def turn_rewards(prompt: str, response: str, answer: Any) -> StepScores | float:
     if ep is None or not ep.actions:
         return 0.0
     return StepScores([0.0 if r is None else r for r in ep.turn_rewards])
+
+
+def episode_return(prompt: str, response: str, answer: Any) -> float:
+    """The sum of the environment's turn rewards (0.0 for a plain response): a goal such as
+    ``episode_return(...) > 0`` reads it."""
+    ep = episode_of(response)
+    return 0.0 if ep is None else float(sum(r for r in ep.turn_rewards if r is not None))
+
+
+class GymText:
+    """A gymnasium-style text environment as an :class:`Environment`: ``GymText(make)`` with ``make()``
+    returning an object with ``reset(seed=) -> (observation, info)`` and ``step(action) -> (observation,
+    reward, terminated, truncated, info)``. The episode's answer is its seed (:func:`gym_examples`): reset
+    checks that the observation is the example's prompt (the environment must be deterministic per seed).
+    A step ends the episode when terminated or truncated; its observation is inserted otherwise."""
+
+    def __init__(self, make: Callable[[], Any]):
+        self.make = make
+
+    def reset(self, prompt: str, answer: int) -> None:
+        self.env = self.make()
+        obs, _ = self.env.reset(seed=answer)
+        if obs != prompt:
+            raise ValueError(f"reset(seed={answer}) gave {obs!r:.60}, not the example's prompt {prompt!r:.60}: the "
+                             "environment is not deterministic per seed")
+
+    def step(self, action: str) -> Step:
+        obs, reward, terminated, truncated, _ = self.env.step(action)
+        return Step(None if obs is None else str(obs), float(reward), bool(terminated or truncated))
+
+
+def gym_examples(make: Callable[[], Any], seeds: Sequence[int]) -> list:
+    """One ``rlvr.tasks.Example`` per seed: the prompt is ``make().reset(seed=seed)``'s observation, the
+    answer the seed (what :class:`GymText` resets with)."""
+    from rlvr.tasks import Example   # rlvr.tasks imports rlvr.rewards, as this module does
+
+    out = []
+    for seed in seeds:
+        obs, _ = make().reset(seed=seed)
+        out.append(Example(prompt=str(obs), answer=seed, meta={"seed": seed}))
+    return out

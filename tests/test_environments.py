@@ -229,3 +229,47 @@ def test_a_crashing_environment_is_counted_and_the_run_goes_on(tmp_path):
     assert step["train/tool_errors"] > 0
     warning = next(r["warning"] for r in rows if "warning" in r and "tool calls failed" in r["warning"])
     assert "environment step: crashed" in warning
+
+
+GYM_FILE = '''
+from rlvr.environments import GymText, episode_return, gym_examples, turn_rewards
+from rlvr.rewards import Reward, RewardCard
+from rlvr.tasks import Task
+
+
+class SayDigit:
+    """gymnasium's API in text: say the seed's digit; "again" until right, cut after 3 turns."""
+
+    def reset(self, seed=None, options=None):
+        self.target, self.turns = str(seed % 10), 0
+        return f"game {seed}: say {self.target}", {}
+
+    def step(self, action):
+        self.turns += 1
+        right = action.strip().endswith(self.target)
+        return ("yes" if right else "again"), float(right), right, self.turns >= 3, {}
+
+
+def make():
+    card = RewardCard(pays_for="the turn that says the digit", ignores="the rest", exploit="none known")
+    return Task(name="say-digit", train=gym_examples(SayDigit, range(10, 60)), heldout=gym_examples(SayDigit, range(10)),
+                rewards={"turns": Reward("turns", turn_rewards, card)},
+                goal=lambda p, r, a: episode_return(p, r, a) > 0, max_new_tokens=12, alphabet=" 0123456789:abeginmsy",
+                environment=lambda: GymText(SayDigit))
+'''
+
+
+def test_a_gymnasium_style_text_environment_through_the_adapter(tmp_path, monkeypatch):
+    (tmp_path / "say_digit.py").write_text(GYM_FILE)
+    task = load_task(f"{tmp_path / 'say_digit.py'}:make")
+    ex = task.heldout[3]
+    assert (ex.prompt, ex.answer) == ("game 3: say 3", 3)
+    got = step_episode(task.environment, ex.prompt, Episode("1 again 3", ["1", "3"]), ex.answer)
+    assert (got.status, got.value) == ("ok", ["yes", 1.0, True])
+    got = step_episode(task.environment, "game 4: say 4", Episode("1", ["1"]), ex.answer)     # not what seed 3 shows
+    assert got.status == "error" and "not deterministic per seed" in got.detail
+    rows, _ = run_train(tmp_path, f'[task]\npath = "{tmp_path / "say_digit.py"}:make"\nreward = "turns"\n'
+                                  'reward_workers = 1\n', "--sampling.max_tool_calls=2")
+    train = [r for r in rows if "train/reward" in r]
+    assert len(train) == 2 and all(r["train/tool_errors"] == 0 for r in train)
+    assert sum(r["train/tool_calls_per_response"] for r in train) > 0
