@@ -323,7 +323,8 @@ def token_steps(token_texts: Sequence[Sequence[str]], delimiter: str, T: int) ->
 def span_steps(spans: Sequence[Sequence[tuple[int, int]]], T: int) -> Tensor:
     """(B, T) long: the step index of each response token when the steps are given as token spans
     (an environment's actions, rlvr.environments.Episode.spans): token t of row b is step k when
-    spans[b][k] = (start, end) holds start <= t < end; -1 elsewhere (inserted observations, padding)."""
+    row b's k-th span ``(start, end)`` holds ``start <= t < end``; -1 elsewhere (inserted observations,
+    padding)."""
     out = torch.full((len(spans), T), -1, dtype=torch.long)
     for b, row in enumerate(spans):
         for k, (start, end) in enumerate(row):

@@ -210,7 +210,8 @@ class SamplingConfig:
     the row counts as ended, not truncated. Training, evaluation and the probe all stop there.
     Empty = end at the task's end token only. Needs a task with an end token."""
     max_tool_calls: int = 0
-    """Tool calls per response (0 = off; needs `stop` and a task with a `tool`): when a response
+    """Tool calls per response (0 = off; needs `stop` or `tool_on_end`, and a task with a `tool` or an
+    `environment`, rlvr.environments, whose observations count here as calls): when a response
     stops at a stop string, the task's tool reads the response so far and returns text that is
     inserted into it (attended to, never trained on: mask 0, no loss, KL or entropy) or None to end
     it there, and sampling goes on after the insertion, up to this many times. The response,
@@ -225,8 +226,9 @@ class SamplingConfig:
     """Also call the task's tool when a response ends at its end token, within max_tool_calls: a
     multi-turn environment, whose tool reads the conversation so far and returns the next turn
     (feedback such as "higher" or "wrong, try again", best with tool_role = "user") or None to end
-    the episode. The sampled end token stays in the response (trained on, like every sampled
-    token); a chat turn's closing is then inserted from after it."""
+    the episode (a task's environment: its observation is inserted there). The sampled end token
+    stays in the response (trained on, like every sampled token); a chat turn's closing is then
+    inserted from after it."""
 
 
 @dataclass
