@@ -12,10 +12,10 @@ step 0, by step and at the end, the tool calls per held-out response and the wal
   with the tool the policy learns to call it and stop after the value; without it a guess is right
   1 time in 1000.
 * guess (rlvr.tasks.guess, compact style, 0 to 9): a secret digit hides behind a 4-digit key (a
-  hash). Each guess ends at the end token; the environment (the task's tool with
+  hash). Each guess ends at the end token; the task's environment (rlvr.tasks.guess.GuessGame, with
   sampling.tool_on_end) answers "<" or ">" and the policy guesses again, up to 4 guesses; a right
   guess ends the episode. `guess_feedback` against
-  `guess_one_shot` (one guess, no environment): one guess is right 1 time in 10, four random ones
+  `guess_one_shot` (one guess, no feedback inserted): one guess is right 1 time in 10, four random ones
   about 1 in 3; a policy that reads the feedback and halves the range wins every episode.
 """
 
