@@ -224,3 +224,34 @@ def test_reasoning_arguments_are_checked():
         load_task("rlvr.tasks.arith", reasoning="yes")
     custom = load_task("rlvr.tasks.arith", operands=4, prompt_template="Compute {expr}.", heldout=3, n_train=3)
     assert custom.heldout[0].prompt == f"Compute {custom.heldout[0].meta['expr']}."
+
+
+def test_b_digits_sets_the_second_operand_by_hand():
+    """2-digit x 1-digit: 90 x 10 = 900 problems, none the same pair twice; [1, 2]: a 2-digit number
+    times 0..99, where 23 * 45 and 45 * 23 are one problem: 90 x 10 + 90 x 91 / 2 = 4995."""
+    task = arith_task(ops="*", digits=2, b_digits=1, heldout=200, seed=0)
+    assert task.name == "arith-mul-2d-b1d"
+    everything = list(task.train) + list(task.heldout)
+    assert len(task.heldout) == 200 and len(everything) == 900
+    big_small = {(max(ex.meta["a"], ex.meta["b"]), min(ex.meta["a"], ex.meta["b"])) for ex in everything}
+    assert big_small == {(a, b) for a in range(10, 100) for b in range(10)}
+    assert all(ex.answer == ex.meta["a"] * ex.meta["b"] for ex in everything)
+    both = {ex.prompt.split("?")[0] for ex in everything}
+    assert any(p.startswith("What is 7 *") for p in both) and any(p.endswith("* 7") for p in both)   # either order
+    wide = arith_task(ops="*", digits=2, b_digits=[1, 2], heldout=200, seed=0)
+    assert wide.name == "arith-mul-2d-b1-2d" and len(wide.train) + len(wide.heldout) == 900 + 90 * 91 // 2
+
+    def pairs(examples):
+        return {(min(ex.meta["a"], ex.meta["b"]), max(ex.meta["a"], ex.meta["b"])) for ex in examples}
+
+    assert not pairs(wide.heldout) & pairs(wide.train)
+    assert [ex.prompt for ex in arith_task(ops="*", digits=2, b_digits=1, heldout=200).heldout] == \
+        [ex.prompt for ex in task.heldout]                                    # seeded
+    sampled = arith_task(ops="*", digits=6, b_digits=[1, 3], heldout=20, n_train=30)   # past the enumeration limit
+    assert all(100_000 <= max(ex.meta["a"], ex.meta["b"]) and min(ex.meta["a"], ex.meta["b"]) <= 999
+               for ex in sampled.train)
+    for bad in (0, 10, [2, 1], [1], True, "1"):
+        with pytest.raises(ValueError, match="b_digits must be a digit count"):
+            arith_task(ops="*", b_digits=bad)
+    with pytest.raises(ValueError, match="b_digits needs operands = 2"):
+        arith_task(ops="*", b_digits=1, operands=3, reasoning=True)

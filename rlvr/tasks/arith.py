@@ -3,7 +3,8 @@
 Problems
 --------
 ``ops`` is any of ``+ - *`` (e.g. ``"+"`` or ``"+-*"``); each operand has exactly ``digits``
-digits (``digits=1``: 0 to 9; ``digits=2``: 10 to 99; ...). Subtraction puts the larger operand
+digits (``digits=1``: 0 to 9; ``digits=2``: 10 to 99; ...), or the second has ``b_digits``
+(``digits=2, b_digits=1``: 2-digit x 1-digit; ``b_digits=[1, 2]``: x 0 to 99). Subtraction puts the larger operand
 first, so every answer is a whole number >= 0. A problem is ``(op, a, b)`` with the operand pair
 unordered for ``+`` and ``*`` (``23 + 45`` and ``45 + 23`` are one problem, shown in one order
 drawn with the seed), so the held-out set is disjoint from train by operand pair, not only by
@@ -353,6 +354,45 @@ def _problems(ops: str, digits: int, need: int, rng: random.Random) -> list[tupl
     return list(chosen)
 
 
+def _b_range(b_digits: int | list[int]) -> list[int]:
+    """The second operand's values for ``b_digits``: ``k`` -> the k-digit numbers, ``[lo, hi]`` -> every
+    number of lo to hi digits (``[1, 2]``: 0 to 99)."""
+    spec = [b_digits, b_digits] if isinstance(b_digits, int) and not isinstance(b_digits, bool) else b_digits
+    if (not isinstance(spec, (list, tuple)) or len(spec) != 2
+            or any(isinstance(d, bool) or not isinstance(d, int) or not 1 <= d <= 9 for d in spec) or spec[0] > spec[1]):
+        raise ValueError(f"arith_task: b_digits must be a digit count from 1 to 9 or a list [lo, hi] of them, "
+                         f"got {b_digits!r}")
+    return [x for d in range(spec[0], spec[1] + 1) for x in _operand_range(d)]
+
+
+def _mixed_space(ops: str, nums: range, b_nums: list[int]) -> int:
+    """How many distinct problems `_mixed_problems` can draw (an upper bound past ENUMERATE_LIMIT)."""
+    bound = len(nums) * len(b_nums) * len(ops)
+    if bound > ENUMERATE_LIMIT:
+        return bound
+    return len({_canonical(op, a, b) for op in ops for a in nums for b in b_nums})
+
+
+def _mixed_problems(ops: str, digits: int, b_nums: list[int], need: int,
+                    rng: random.Random) -> list[tuple[str, int, int]]:
+    """``need`` distinct problems with a ``digits``-digit first operand and a second from ``b_nums``
+    (canonical keys, so ``7 * 45`` and ``45 * 7`` stay one problem), in a seeded random order."""
+    nums = _operand_range(digits)
+    bound = len(nums) * len(b_nums) * len(ops)
+    if bound <= ENUMERATE_LIMIT:
+        keys = list(dict.fromkeys(_canonical(op, a, b) for op in ops for a in nums for b in b_nums))
+        if need > len(keys):
+            raise ValueError(f"arith_task: {need} problems asked for, but these operands have only {len(keys)}")
+        rng.shuffle(keys)
+        return keys[:need]
+    if need > bound // 4:
+        raise ValueError(f"arith_task: {need} problems is too many of the {bound} possible; ask for fewer")
+    chosen: dict[tuple[str, int, int], None] = {}
+    while len(chosen) < need:
+        chosen.setdefault(_canonical(rng.choice(ops), rng.choice(nums), rng.choice(b_nums)), None)
+    return list(chosen)
+
+
 def _check_args(ops: str, digits: int, heldout: int, n_train: int | None, prompt_template: str) -> None:
     if not isinstance(ops, str) or not ops or any(c not in OPS for c in ops) or len(set(ops)) != len(ops):
         raise ValueError(f"arith_task: ops must be distinct characters of {''.join(OPS)!r}, got {ops!r}")
@@ -376,14 +416,16 @@ def _check_args(ops: str, digits: int, heldout: int, n_train: int | None, prompt
 
 def arith_task(ops: str = "+", digits: int = 2, n_train: int | None = None, heldout: int = 200, seed: int = 0,
                prompt_template: str | None = None, max_new_tokens: int | None = None, calculator: bool = False,
-               operands: int = 2, reasoning: bool = False) -> Task:
+               operands: int = 2, reasoning: bool = False, b_digits: int | list[int] | None = None) -> Task:
     """The arithmetic task: ``a op b`` for ``op`` in ``ops`` and ``digits``-digit operands.
 
     ``prompt_template`` None: ``DEFAULT_TEMPLATE``, or ``CALCULATOR_TEMPLATE`` with ``calculator``
     (the calculator tool, module docstring), or ``REASONING_TEMPLATE`` with ``reasoning`` (chain of
     thought: the rewards read the final answer after ``Answer:``). ``operands`` > 2: chains of that
     many operands, each op drawn from ``ops`` (the template must use ``{expr}``). ``max_new_tokens``
-    None: 256 with ``reasoning``, else 16.
+    None: 256 with ``reasoning``, else 16. ``b_digits`` (two operands only): the second operand's digit
+    count, or ``[lo, hi]`` for a range of counts (``digits=2, b_digits=1``: 2-digit x 1-digit;
+    ``b_digits=[1, 2]``: x 0 to 99); None = ``digits`` like the first.
 
     ``heldout`` problems are drawn first with ``random.Random(seed)``, then ``n_train`` more for
     train (None = every remaining problem when the space is enumerated, else 100,000 or half the
@@ -399,16 +441,21 @@ def arith_task(ops: str = "+", digits: int = 2, n_train: int | None = None, held
     _check_reasoning_args(operands, reasoning, prompt_template)
     expr = "{expr}" in prompt_template                       # checked just above; the rest as for {a} {op} {b}
     _check_args(ops, digits, heldout, n_train, DEFAULT_TEMPLATE if expr else prompt_template)
+    if b_digits is not None and operands != 2:
+        raise ValueError(f"arith_task: b_digits needs operands = 2, got operands = {operands}")
+    b_nums = None if b_digits is None else _b_range(b_digits)
     rng = random.Random(seed)
     nums = _operand_range(digits)
-    space = (len(nums) * (len(nums) + 1) // 2 * len(ops) if operands == 2
+    space = (len(nums) * (len(nums) + 1) // 2 * len(ops) if operands == 2 and b_nums is None
+             else _mixed_space(ops, nums, b_nums) if b_nums is not None
              else len(nums) ** operands * len(ops) ** (operands - 1))
     if n_train is None:
         n_train = (space - heldout if space <= ENUMERATE_LIMIT and operands == 2
                    else min(100_000, space // 2 - heldout))
         if n_train < 1:
             raise ValueError(f"arith_task: heldout={heldout} leaves no training problems out of {space}")
-    keys = (_problems(ops, digits, heldout + n_train, rng) if operands == 2
+    keys = (_mixed_problems(ops, digits, b_nums, heldout + n_train, rng) if b_nums is not None
+            else _problems(ops, digits, heldout + n_train, rng) if operands == 2
             else _chains(ops, digits, operands, heldout + n_train, rng))
 
     def example(key: tuple) -> Example:
@@ -433,6 +480,7 @@ def arith_task(ops: str = "+", digits: int = 2, n_train: int | None = None, held
     held = [example(k) for k in keys[:heldout]]
     train = [example(k) for k in keys[heldout:]]
     name = (f"arith-{'-'.join(OP_NAMES[o] for o in ops)}-{digits}d" + (f"-x{operands}" if operands > 2 else "")
+            + ("" if b_digits is None else f"-b{'-'.join(map(str, [b_digits] if isinstance(b_digits, int) else b_digits))}d")
             + ("-cot" if reasoning else ""))
     return Task(name=name, train=train, heldout=held, rewards=rewards, goal=answer_goal if reasoning else goal,
                 max_new_tokens=max_new_tokens, environment=Calculator if calculator else None,
