@@ -31,6 +31,11 @@ reward timeout and memory limit), or in the trainer's process without them. A to
 output: parse it, never ``eval`` it. A tool that raises, times out or returns text the tokenizer
 cannot encode ends its row (the failure is counted and its first message logged); the run goes on.
 
+A task's environment (rlvr.environments) goes through the same loop (``respond_in_environment``):
+every action the policy finishes is stepped, the observations are inserted as a tool's text is, and
+the last action is stepped once more with its observation dropped (the closing step); each row keeps
+its turns (actions and their token spans, observations, turn rewards) for the rewards' ``Episode``.
+
 Continuations are sampled per row with a generator seeded from the call's base seed, the row's
 index in the whole batch and the round, so a row's draws do not depend on how prompts are split
 over calls or workers (as ``rlvr.sampling.prompt_generators`` does for first rounds).
