@@ -13,7 +13,8 @@ and the prompt encoding renders it); ``reset(prompt, answer)`` starts the episod
 token. ``step(action)`` returns a :class:`Step`:
 
 * ``observation``: text inserted after the action (attended, never trained on, as rlvr.tools inserts a
-  tool's result; with ``sampling.tool_role`` as that role's chat turn), or None to insert nothing;
+  tool's result; with ``sampling.tool_role`` as that role's chat turn), or None to end the episode
+  there (as a tool's None);
 * ``reward``: this turn's reward, or None (0.0); the per-turn rewards of an episode reach the per-token
   Δ through the ``turn_rewards`` process reward (:func:`turn_rewards`: the action's tokens get its
   turn's credit, rlvr.advantages.span_steps);
@@ -21,7 +22,7 @@ token. ``step(action)`` returns a :class:`Step`:
 
 Every finished action is stepped, the last one too: an action that ends at the end token without
 ``sampling.tool_on_end``, or after ``sampling.max_tool_calls`` observations were inserted, is stepped
-once more with its observation dropped (the *closing step*), so the environment scores the end of the
+with its observation dropped (the *closing step*), so the environment scores the end of the
 episode (the calculator's final answer, the last guess). An action cut by ``max_new_tokens`` is not
 stepped (its turn reward is 0.0).
 
@@ -73,7 +74,7 @@ class Step(NamedTuple):
     """What one ``Environment.step`` returns."""
 
     observation: str | None
-    """Text inserted after the action (None: nothing)."""
+    """Text inserted after the action (None: the episode ends here)."""
     reward: float | None = None
     """This turn's reward (None: none, counted 0.0)."""
     done: bool = False
