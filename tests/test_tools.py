@@ -501,3 +501,52 @@ def test_turn_text_on_real_chat_templates(family, template, eos, role, want):
     if family == "gemma":
         with pytest.raises(Exception, match="roles must alternate"):
             tok.turn_text("tool", "42")
+
+
+@pytest.mark.parametrize("family, template, specials, eos", [
+    ("smollm2", SMOLLM2_CHAT, ["<|im_start|>", "<|im_end|>"], "<|im_end|>"),
+    ("llama3", LLAMA3_CHAT, ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], "<|eot_id|>"),
+])
+def test_sampler_and_learner_logprobs_agree_across_tool_turns_on_real_templates(tmp_path, family, template,
+                                                                                specials, eos):
+    """A tiny Llama whose tokenizer has a real family's special tokens and ships its chat template:
+    the calculator-style tool answers in the template's tool turn (its end token, header, the
+    assistant's reopening, all inserted and masked), the rows go on after it, and the learner's
+    log-probs of the sampled tokens equal the sampler's across the turns."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    from hf_models import make_model_dir
+    from rlvr.models.hf import load_policy
+    from rlvr.rewards import Reward, RewardCard
+    from rlvr.setup_types import Limits
+    from rlvr.tasks import Example, Task
+
+    vocab = ["<pad>", "<bos>", *specials] + list("0123456789abcdefghijklmnopqrstuvwxyz ,:\n")
+    bk = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(vocab)}, merges=[]))
+    bk.add_special_tokens(["<pad>", "<bos>", *specials])
+    bk.decoder = decoders.Fuse()
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=bk, bos_token="<bos>", eos_token=eos, pad_token="<pad>")
+    hf_tok.chat_template = template
+    d = make_model_dir(tmp_path / family, tokenizer=False, eos_token_id=vocab.index(eos), max_position_embeddings=256)
+    hf_tok.save_pretrained(d)
+    policy, tok = load_policy(d)
+    assert tok.eos_id == vocab.index(eos)
+    card = RewardCard(pays_for="nothing", ignores="all", exploit="none")
+    task = Task(name="t", train=[Example("ab", 0)], heldout=[Example("cd", 0)],
+                rewards={"n": Reward("n", lambda p, r, a: 0.0, card)}, goal=lambda p, r, a: False,
+                max_new_tokens=64, tool=lambda p, r, a: "42")
+    groups = sample_and_score(policy, tok, task, [Example("ab", 0), Example("x", 0)], G=4,
+                              limits=Limits(64, tok.eos_id, 4, tool_calls=2, stop=("a", "b", "c"), tool_role="tool"),
+                              weights={"n": 1.0}, temperature=1.0, top_p=1.0,
+                              generator=torch.Generator().manual_seed(1), pool=None)
+    r = groups.rollout
+    turn = tok.encode(tok.turn_text("tool", "42"), bos=False)
+    assert turn[0] == tok.eos_id and vocab.index(specials[0]) in turn and groups.tools.calls > 0
+    resp = r.response_ids.tolist()
+    at = {b: t for b in range(len(resp)) for t in range(len(resp[b])) if resp[b][t:t + len(turn)] == turn}
+    assert at and all(r.mask[b, t:t + len(turn)].sum() == 0 for b, t in at.items())
+    assert any(r.mask[b, t + len(turn):].sum() > 0 for b, t in at.items())              # sampled tokens after a turn
+    lp = sequence_token_logprobs(policy, r, group_size=4)
+    torch.testing.assert_close(lp * r.mask, r.logp, rtol=0, atol=1e-5)
