@@ -22,9 +22,17 @@ forwards' rows spent on finished rows (train/decode_finished_row_frac) and the s
 and training forwards' response positions spent on padding (counted around every
 rlvr.sampling.sequence_token_logprobs call); then the ratio of the median step times.
 
-Still to add for issue 51's acceptance: TRL's GRPOTrainer alternated with rlvr (as
-benchmarks/real_model.py does), the phase profile against the decode bound, held-out accuracy
-against wall time. Figures go in docs/benchmarks.md.
+Against TRL (``--vs-trl``, needs the `bench` extra too): benchmarks/real_model.py's whole comparison
+on this task instead of short addition: the phase profile of an rlvr step against its bounds, step
+times of rlvr and TRL's GRPOTrainer alternated in one process, held-out accuracy against training
+wall time for each (``--minutes``; greedy, ``--eval-prompts`` held-out prompts, scored by the task's
+own goal for both). Same model, prompts, P, G, ``--max-new``, LoRA, temperature 0.7, learning rate;
+rlvr with ``--micro-batches`` and length buckets; ``--numerics`` for both (default bf16, each
+library's fastest on a CPU with bf16 units). E.g.
+
+    python benchmarks/long_responses.py --vs-trl --minutes 10 --max-new 256
+
+Figures go in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -112,6 +120,22 @@ def run_mode(mode: str, a, out: Path) -> dict:
             "learn_padding_frac": statistics.mean(r.get("train/learn_padding_frac", float("nan")) for r in rows)}
 
 
+def vs_trl(a) -> int:
+    """real_model.py's comparison (profile, alternated step times, accuracy against wall time) at this
+    task and length."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import real_model
+
+    real_model.MAX_NEW, real_model.P, real_model.G, real_model.LORA_R = a.max_new, a.prompts, a.group, a.lora_r
+    real_model.LORA_ALPHA = 2.0 * a.lora_r
+    real_model.TASK_OPTIONS = {"ops": "+", "digits": 2, "operands": a.operands, "reasoning": True,
+                               "heldout": a.eval_prompts, "seed": 0, "max_new_tokens": a.max_new}
+    real_model.RLVR_EXTRA = [f"--train.micro_batches={a.micro_batches}", "--train.length_buckets=true"]
+    return real_model.main(["--minutes", str(a.minutes), "--eval-every", str(a.eval_every), "--eval-prompts",
+                            str(a.eval_prompts), "--numerics", a.numerics, "--threads", str(a.threads or 2),
+                            "--compile", "off", *(["--json", a.json] if a.json else [])])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=3)
@@ -124,7 +148,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="before,after", help="comma-separated: before, after")
     ap.add_argument("--threads", type=int, default=0, help="train.threads (0: the cores this process may use)")
     ap.add_argument("--out", default="", help="run directories here (default: a temporary directory)")
+    ap.add_argument("--vs-trl", action="store_true", help="the comparison with TRL's GRPOTrainer (docstring)")
+    ap.add_argument("--minutes", type=float, default=10.0, help="--vs-trl: training wall time of each library")
+    ap.add_argument("--eval-every", type=float, default=2.0, help="--vs-trl: minutes between evaluations")
+    ap.add_argument("--eval-prompts", type=int, default=100, help="--vs-trl: held-out prompts per evaluation")
+    ap.add_argument("--numerics", choices=["bf16", "fp32"], default="bf16", help="--vs-trl: both libraries'")
+    ap.add_argument("--json", default="", help="--vs-trl: the figures as JSON here")
     a = ap.parse_args(argv)
+    if a.vs_trl:
+        return vs_trl(a)
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     if not modes or set(modes) - {"before", "after"}:
         ap.error(f"--modes: before and/or after, got {a.modes!r}")

@@ -98,6 +98,8 @@ P, G, MAX_NEW, LR, TEMPERATURE, LORA_R, LORA_ALPHA = 8, 8, 16, 3e-4, 0.7, 16, 32
 AUTOCAST = {"fp32": "off", "bf16": "bf16"}
 """rlvr's model.autocast for each --numerics (TRL: bf16 = (numerics == "bf16"))."""
 TASK_OPTIONS = {"ops": "+", "digits": 2, "heldout": 200, "seed": 0, "max_new_tokens": MAX_NEW}
+RLVR_EXTRA: list[str] = []
+"""More `--key=value` overrides of rlvr's config (benchmarks/long_responses.py: micro-batches, buckets)."""
 TARGET_STEP_RATIO, TARGET_GAIN, TARGET_X_BOUND = 4.0, 0.40, 2.0
 """The targets: TRL's step time / rlvr's; held-out accuracy points over step 0; a phase's time / its bound."""
 PARTS = ("decode products",)
@@ -189,7 +191,7 @@ def rlvr_config(mdir: Path, steps: int, eval_prompts: int, threads: int, numeric
         f"--train.lr={LR}", f"--train.threads={threads}", "--train.seed=0",
         f"--sampling.max_new_tokens={MAX_NEW}", f"--sampling.temperature={TEMPERATURE}", "--sampling.top_p=1.0",
         "--algorithm.scheme=normalized", "--algorithm.kl_coef=0.0",
-        f"--eval.prompts={eval_prompts}", "--eval.pass_k=0",
+        f"--eval.prompts={eval_prompts}", "--eval.pass_k=0", *RLVR_EXTRA,
     ])
 
 
@@ -236,18 +238,18 @@ class TrlRun:
     until `seconds` of step time are spent (or `max_steps`), calling `on_eval(train_s, steps)` between
     steps when asked."""
 
-    def __init__(self, mdir: Path, setup, max_steps: int, threads: int, numerics: str = "fp32"):
-        self.mdir, self.setup, self.max_steps, self.threads = mdir, setup, max_steps, threads
+    def __init__(self, mdir: Path, setup, max_steps: int, threads: int, numerics: str = "fp32", seed: int = 0):
+        self.mdir, self.setup, self.max_steps, self.threads, self.seed = mdir, setup, max_steps, threads, seed
         self.bf16 = numerics == "bf16"
 
-    def run(self, budget_s: float, eval_at: list[float], on_eval) -> list[float]:
+    def run(self, budget_s: float, eval_at: list[float], on_eval, on_step=None) -> list[float]:
+        """Train; `on_eval(train_s, steps, model)` at the `eval_at` marks of training seconds, and
+        `on_step(steps, model)` (when given) before the first step and after every step."""
         import datasets
         from peft import LoraConfig
         from transformers import AutoTokenizer, TrainerCallback
         from transformers.trainer_callback import PrinterCallback, ProgressCallback
         from trl import GRPOConfig, GRPOTrainer
-
-        from rlvr.tasks.arith import correct
 
         train = self.setup.task.train
         ds = datasets.Dataset.from_dict({
@@ -256,7 +258,7 @@ class TrlRun:
 
         def correct_reward(prompts, completions, answer, **kw) -> list[float]:
             texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-            return [float(correct(None, t, a)) for t, a in zip(texts, answer)]
+            return [float(self.setup.task.goal(None, t, a)) for t, a in zip(texts, answer)]   # the task's own check
 
         times: list[float] = []
         pending = list(eval_at)
@@ -275,6 +277,8 @@ class TrlRun:
 
             def on_step_end(self, args, state, control, model=None, **kw):
                 times.append(time.perf_counter() - Clock.t0)
+                if on_step is not None:
+                    on_step(len(times), model)
                 spent = sum(times)
                 if pending and spent >= pending[0]:      # one evaluation, however many marks a step crossed
                     while pending and spent >= pending[0]:
@@ -293,7 +297,7 @@ class TrlRun:
                 gradient_accumulation_steps=1, num_generations=G, max_completion_length=MAX_NEW, beta=0.0,
                 num_iterations=1, learning_rate=LR, temperature=TEMPERATURE, top_p=1.0, top_k=0, use_vllm=False,
                 use_cpu=True, bf16=self.bf16, fp16=False, model_init_kwargs={"dtype": "float32"}, report_to="none",
-                logging_steps=1, save_strategy="no", seed=0, dataloader_num_workers=0, disable_tqdm=True,
+                logging_steps=1, save_strategy="no", seed=self.seed, dataloader_num_workers=0, disable_tqdm=True,
                 log_completions=False, gradient_checkpointing=False,
             )
             tok = AutoTokenizer.from_pretrained(str(self.mdir), local_files_only=True)
@@ -304,6 +308,8 @@ class TrlRun:
             for cb in (PrinterCallback, ProgressCallback):
                 trainer.remove_callback(cb)
             torch.set_num_threads(self.threads)
+            if on_step is not None:
+                on_step(0, trainer.model)
             if eval_at and eval_at[0] == 0:
                 pending.pop(0)
                 on_eval(0.0, 0, trainer.model)
