@@ -34,8 +34,8 @@ _AUTOCAST_TIMINGS: dict[tuple, tuple[float, float]] = {}
 
 def native_bf16(device: torch.device) -> bool:
     """Whether `device` computes bf16 products in hardware: a CUDA device that reports bf16 support, or
-    a CPU with AMX tiles or AVX512-BF16 (torch's own cpuinfo checks, the instructions its bf16 kernels
-    use). False elsewhere (other CPUs emulate bf16 and run it slower than fp32; MPS). A property of the
+    a CPU with bf16 matrix tiles or bf16 vector dot products (torch.cpu's own checks of the
+    instructions its bf16 kernels use). False elsewhere (other CPUs emulate bf16 and run it slower than fp32; MPS). A property of the
     machine, so `model.autocast = auto` decides alike in every start on it, whatever the load."""
     if device.type == "cuda":
         return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
@@ -132,7 +132,7 @@ class Numerics:
             return (f"{what} (model.autocast = auto: hidden size {inner} < {AUTOCAST_MIN_HIDDEN}: a model this small "
                     f"is not bound by its products)")
         why = (f"model.autocast = auto: this {self.device_type.upper()} "
-               + ("computes bf16 in hardware" if self.bf16 else "has no bf16 units (AMX, AVX512-BF16)")
+               + ("computes bf16 in hardware" if self.bf16 else "has no bf16 units")
                if self.asked == "auto" else f"model.autocast = {self.asked}")
         if not self.fp32_s:
             return f"{what} ({why})"

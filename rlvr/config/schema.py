@@ -70,7 +70,7 @@ class ModelConfig:
     forward, the reference, evaluation during training); the weights, the optimizer and every
     log-softmax stay float32. `auto`: fp32 for a model of hidden size below 256 (its step is not
     bound by products, and fp32 keeps its trajectory the same on every machine); otherwise bf16 on a
-    device that computes bf16 in hardware (a CPU with AMX or AVX512-BF16, a CUDA GPU with bf16) and
+    device that computes bf16 in hardware (a CPU with bf16 matrix or dot-product instructions, a CUDA GPU with bf16) and
     fp32 elsewhere. The decision reads the machine, never a timing, so every start on one machine
     decides alike; it and its reason are a price line and `numerics` in price.json. `bf16`: always;
     `off`: never. A fresh run that computes in bf16 times one product of the model's shape in both
