@@ -133,7 +133,7 @@ def vs_trl(a) -> int:
     real_model.RLVR_EXTRA = [f"--train.micro_batches={a.micro_batches}", "--train.length_buckets=true"]
     return real_model.main(["--minutes", str(a.minutes), "--eval-every", str(a.eval_every), "--eval-prompts",
                             str(a.eval_prompts), "--numerics", a.numerics, "--threads", str(a.threads or 2),
-                            "--compile", "off", *(["--json", a.json] if a.json else [])])
+                            "--compile", "off", *(["--json", a.json] if a.json else []), *(["--quick"] if a.quick else [])])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-prompts", type=int, default=100, help="--vs-trl: held-out prompts per evaluation")
     ap.add_argument("--numerics", choices=["bf16", "fp32"], default="bf16", help="--vs-trl: both libraries'")
     ap.add_argument("--json", default="", help="--vs-trl: the figures as JSON here")
+    ap.add_argument("--quick", action="store_true", help="--vs-trl: real_model's smoke run (2 steps each, 20 prompts)")
     a = ap.parse_args(argv)
     if a.vs_trl:
         return vs_trl(a)

@@ -594,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
           f"({sum(p.numel() for p in setup.model.trainable_params()):,} trainable); longest prompt "
           f"{setup.limits.prompt_tokens} tokens", flush=True)
 
-    print("phase profile of one rlvr step (P=8, G=8, 16 new tokens):", flush=True)
+    print(f"phase profile of one rlvr step (P={P}, G={G}, {MAX_NEW} new tokens):", flush=True)
     opt = probe.state.learner.opt                       # its state allocated before timing (once per run)
     for p in probe.setup.model.trainable_params():
         p.grad = torch.zeros_like(p)
