@@ -27,7 +27,7 @@ on this task instead of short addition: the phase profile of an rlvr step agains
 times of rlvr and TRL's GRPOTrainer alternated in one process, held-out accuracy against training
 wall time for each (``--minutes``; greedy, ``--eval-prompts`` held-out prompts, scored by the task's
 own goal for both). Same model, prompts, P, G, ``--max-new``, LoRA, temperature 0.7, learning rate;
-rlvr with ``--micro-batches`` and length buckets; ``--numerics`` for both (default bf16, each
+rlvr with ``--micro-batches`` and length buckets, TRL with as many gradient-accumulation parts; ``--numerics`` for both (default bf16, each
 library's fastest on a CPU with bf16 units). E.g.
 
     python benchmarks/long_responses.py --vs-trl --minutes 10 --max-new 256
@@ -131,6 +131,7 @@ def vs_trl(a) -> int:
     real_model.TASK_OPTIONS = {"ops": "+", "digits": 2, "operands": a.operands, "reasoning": True,
                                "heldout": a.eval_prompts, "seed": 0, "max_new_tokens": a.max_new}
     real_model.RLVR_EXTRA = [f"--train.micro_batches={a.micro_batches}", "--train.length_buckets=true"]
+    real_model.TRL_MICRO = a.micro_batches            # TRL's gradient accumulation over the same parts
     return real_model.main(["--minutes", str(a.minutes), "--eval-every", str(a.eval_every), "--eval-prompts",
                             str(a.eval_prompts), "--numerics", a.numerics, "--threads", str(a.threads or 2),
                             "--compile", "off", *(["--json", a.json] if a.json else []), *(["--quick"] if a.quick else [])])

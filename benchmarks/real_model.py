@@ -98,6 +98,9 @@ P, G, MAX_NEW, LR, TEMPERATURE, LORA_R, LORA_ALPHA = 8, 8, 16, 3e-4, 0.7, 16, 32
 AUTOCAST = {"fp32": "off", "bf16": "bf16"}
 """rlvr's model.autocast for each --numerics (TRL: bf16 = (numerics == "bf16"))."""
 TASK_OPTIONS = {"ops": "+", "digits": 2, "heldout": 200, "seed": 0, "max_new_tokens": MAX_NEW}
+TRL_MICRO = 1
+"""TRL's gradient accumulation: each step's P x G rows trained in this many parts (benchmarks/long_responses.py
+sets it to its --micro-batches: at 256 tokens one part of 64 rows ran a 24 GiB machine out of memory)."""
 RLVR_EXTRA: list[str] = []
 """More `--key=value` overrides of rlvr's config (benchmarks/long_responses.py: micro-batches, buckets)."""
 TARGET_STEP_RATIO, TARGET_GAIN, TARGET_X_BOUND = 4.0, 0.40, 2.0
@@ -293,8 +296,8 @@ class TrlRun:
 
         with tempfile.TemporaryDirectory(prefix="real_model_trl_") as out:
             args = GRPOConfig(
-                output_dir=out, max_steps=self.max_steps, per_device_train_batch_size=P * G,
-                gradient_accumulation_steps=1, num_generations=G, max_completion_length=MAX_NEW, beta=0.0,
+                output_dir=out, max_steps=self.max_steps, per_device_train_batch_size=P * G // TRL_MICRO,
+                gradient_accumulation_steps=TRL_MICRO, num_generations=G, max_completion_length=MAX_NEW, beta=0.0,
                 num_iterations=1, learning_rate=LR, temperature=TEMPERATURE, top_p=1.0, top_k=0, use_vllm=False,
                 use_cpu=True, bf16=self.bf16, fp16=False, model_init_kwargs={"dtype": "float32"}, report_to="none",
                 logging_steps=1, save_strategy="no", seed=self.seed, dataloader_num_workers=0, disable_tqdm=True,
