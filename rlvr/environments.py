@@ -64,7 +64,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
-from rlvr.rewards import FLOAT32_MAX, Score, StepScores
+from rlvr.rewards import FLOAT32_MAX, Score, StepScores, guarded
 
 __all__ = ["Environment", "Step", "Episode", "episode_of", "step_episode", "turn_rewards", "check_step", "GymText",
            "gym_examples", "episode_return"]
@@ -150,18 +150,15 @@ def step_episode(make: Callable[[], Environment], prompt: str, episode: Episode,
     last, then step the last; as `rlvr.rewards.call_tool` runs a tool, never crashing the caller:
     ``Score([observation, reward, done], "ok")``, or value None with ``error`` (it raised), ``exit``
     (SystemExit; KeyboardInterrupt with ``interrupts``), ``bad_type`` or ``nan`` (`check_step`)."""
-    try:
+    def replay() -> Score:
         env = make()
         env.reset(prompt, answer)
         for action in episode.actions[:-1]:
             env.step(action)
         return check_step(env.step(episode.actions[-1]))
-    except Exception as e:  # an environment must never take the run down
-        return Score(None, "error", f"{type(e).__name__}: {e}")
-    except BaseException as e:
-        if isinstance(e, KeyboardInterrupt) and not interrupts:
-            raise
-        return Score(None, "exit", f"{type(e).__name__}: {e}".rstrip(": "))
+
+    stepped, failed = guarded(replay, None, interrupts=interrupts)
+    return failed if failed is not None else stepped
 
 
 def turn_rewards(prompt: str, response: str, answer: Any) -> StepScores | float:

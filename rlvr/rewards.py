@@ -86,6 +86,22 @@ class Score(NamedTuple):
     """Why the status is not ``ok``: the exception text, or the repr of the bad value."""
 
 
+def guarded(call: Callable[[], Any], failed: Any, *, interrupts: bool = False) -> tuple[Any, Score | None]:
+    """Run the user's code `call()` so that it never takes the run down: ``(its value, None)``, or
+    ``(None, the Score of the failure)`` with value `failed`: status ``error`` for an Exception,
+    ``exit`` for SystemExit. A KeyboardInterrupt (the user's Ctrl-C) propagates unless
+    ``interrupts=True`` (a reward worker, which ignores Ctrl-C: there it is the code's own, ``exit``).
+    The one guard of rewards, goals, tools and environment steps."""
+    try:
+        return call(), None
+    except Exception as e:  # user code must never take the run down
+        return None, Score(failed, "error", f"{type(e).__name__}: {e}")
+    except BaseException as e:
+        if isinstance(e, KeyboardInterrupt) and not interrupts:
+            raise
+        return None, Score(failed, "exit", f"{type(e).__name__}: {e}".rstrip(": "))
+
+
 def score(fn: RewardFn | Reward, prompt: str, response: str, answer: Any, *, interrupts: bool = False) -> Score:
     """Run one reward on one response without letting it crash the caller.
 
@@ -100,15 +116,8 @@ def score(fn: RewardFn | Reward, prompt: str, response: str, answer: Any, *, int
     """
     if isinstance(fn, Reward):
         fn = fn.fn
-    try:
-        v = fn(prompt, response, answer)
-    except Exception as e:  # a reward must never take the run down
-        return Score(0.0, "error", f"{type(e).__name__}: {e}")
-    except BaseException as e:
-        if isinstance(e, KeyboardInterrupt) and not interrupts:
-            raise
-        return Score(0.0, "exit", f"{type(e).__name__}: {e}".rstrip(": "))
-    return check_value(v)
+    v, failed = guarded(lambda: fn(prompt, response, answer), 0.0, interrupts=interrupts)
+    return failed if failed is not None else check_value(v)
 
 
 def call_tool(fn, prompt: str, response: str, answer: Any, *, interrupts: bool = False) -> Score:
@@ -116,14 +125,9 @@ def call_tool(fn, prompt: str, response: str, answer: Any, *, interrupts: bool =
     `score` runs a reward: ``Score(text, "ok", "")`` where text is the str to insert or None (end the
     response); a tool that raises gives value None and status ``error`` (``exit`` for SystemExit,
     and for KeyboardInterrupt with ``interrupts``), one that returns anything else ``bad_type``."""
-    try:
-        out = fn(prompt, response, answer)
-    except Exception as e:  # a tool must never take the run down
-        return Score(None, "error", f"{type(e).__name__}: {e}")
-    except BaseException as e:
-        if isinstance(e, KeyboardInterrupt) and not interrupts:
-            raise
-        return Score(None, "exit", f"{type(e).__name__}: {e}".rstrip(": "))
+    out, failed = guarded(lambda: fn(prompt, response, answer), None, interrupts=interrupts)
+    if failed is not None:
+        return failed
     if out is not None and not isinstance(out, str):
         return Score(None, "bad_type", f"the tool returned a {type(out).__name__}, not a str or None")
     return Score(out, "ok", "")
@@ -307,14 +311,8 @@ def check_goal(goal: Callable[[str, str, Any], Any], prompt: str, response: str,
                interrupts: bool = False) -> Score:
     """The goal on one response as a Score: value 1.0 (met) or 0.0, status ``ok``; a goal check that
     raises is status ``error`` (``exit`` for SystemExit) with value 0.0, a miss."""
-    try:
-        return Score(1.0 if bool(goal(prompt, response, answer)) else 0.0, "ok")
-    except Exception as e:  # the goal must not take the run down either
-        return Score(0.0, "error", f"{type(e).__name__}: {e}")
-    except BaseException as e:
-        if isinstance(e, KeyboardInterrupt) and not interrupts:
-            raise
-        return Score(0.0, "exit", f"{type(e).__name__}: {e}".rstrip(": "))
+    met, failed = guarded(lambda: bool(goal(prompt, response, answer)), 0.0, interrupts=interrupts)
+    return failed if failed is not None else Score(1.0 if met else 0.0, "ok")
 
 
 def goal_hits(goal: Callable[[str, str, Any], Any], prompts: Sequence[str], responses: Sequence[str],
