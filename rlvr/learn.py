@@ -19,7 +19,7 @@ import torch
 from rlvr import config as config_mod, logprobs, losses, optim, sampling
 from rlvr.policy import Policy
 from rlvr.rollout import Batch, forward_tokens, micro_rows
-from rlvr.sampling import response_extent
+from rlvr.sampling import bucket_positions, response_extent
 from rlvr.machine import ordered_pair, time_calls
 from rlvr.probes import learn_probe_share
 from rlvr.setup_types import Setup
@@ -78,6 +78,10 @@ class Learner:
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     """The training numerics: a new context per call that the training forward runs in
     (rlvr.numerics.Numerics.context: bf16 autocast, or nothing); the backward runs outside it."""
+    row_buckets: bool = True
+    """Whether a training forward may split its rows into length buckets (train.length_buckets,
+    rlvr.sampling.length_buckets): off on a rank of a learner group, whose forwards are collectives
+    that every rank must run as often as the others."""
 
 
 def minibatch_rows(learner: Learner, n_groups: int, G: int) -> list[torch.Tensor]:
@@ -100,16 +104,15 @@ def part_rows(learner: Learner, batch: Batch, rows: torch.Tensor) -> list[torch.
                       batch.rollout.mask if tc.length_buckets else None)
 
 
-def padding_positions(mask: torch.Tensor, parts: list[torch.Tensor]) -> tuple[int, int]:
+def padding_positions(mask: torch.Tensor, parts: list[torch.Tensor], buckets: bool = False) -> tuple[int, int]:
     """(response positions the forwards over `parts` compute, of them padding) for the response mask
     `mask` (B, T): a part's forward runs every one of its rows to the part's longest row (at least
-    one column), so a row computes the part's width, of which the columns past its own end are padding."""
+    one column), or with `buckets` (train.length_buckets) each of its length buckets to the bucket's
+    longest (rlvr.sampling.bucket_positions); the columns past a row's own end are padding."""
     total = pad = 0
     for p in parts:
-        ext = response_extent(mask[p.to(mask.device)])                                 # (b,)
-        width = max(1, int(ext.max())) if ext.numel() else 0
-        total += width * ext.numel()
-        pad += int((width - ext).sum())
+        t, d = bucket_positions(response_extent(mask[p.to(mask.device)]), buckets)
+        total, pad = total + t, pad + d
     return total, pad
 
 
@@ -176,7 +179,14 @@ def training_forward(learner: Learner, sub: sampling.Rollout, kl_on: bool, bonus
                                                 top_k=sc.top_k, min_p=sc.min_p,
                                                 chunk_rows=logprobs.chunk_setting(cfg.model.logprob_chunk_rows),
                                                 group_size=G if cfg.model.share_prompt_forward else None,
-                                                return_full=kl_on, return_entropy=bonus_on)
+                                                return_full=kl_on, return_entropy=bonus_on,
+                                                buckets=row_buckets(learner))
+
+
+def row_buckets(learner: Learner) -> bool:
+    """Whether the learner's forwards split their rows into length buckets (train.length_buckets,
+    `Learner.row_buckets`)."""
+    return learner.cfg.train.length_buckets and learner.row_buckets
 
 
 def learner_logp_old(learner: Learner, batch: Batch, idx: torch.Tensor, logp_old: torch.Tensor,
@@ -336,7 +346,7 @@ def learn(learner: Learner, batch: Batch, *, delta_rows: torch.Tensor | None = N
     if delta_rows is None:
         delta_rows = batch.delta_rows
     delta_rows = delta_rows.to(batch.rollout.mask.device)                               # (B,) or (B, T)
-    view = learner if shard is None else dataclasses.replace(learner, policy=shard.model)
+    view = learner if shard is None else dataclasses.replace(learner, policy=shard.model, row_buckets=False)
     fwd_flops, train_flops = learner.flops
     params = policy.trainable_params()
     policy.train()
@@ -356,7 +366,7 @@ def learn(learner: Learner, batch: Batch, *, delta_rows: torch.Tensor | None = N
         for idx in split:
             mine, scale = (idx, None) if shard is None else shard.rows(idx, G, batch.train_mask, cfg.algorithm.agg)
             learner.opt.zero_grad(set_to_none=True)
-            computed, pad = padding_positions(batch.rollout.mask, part_rows(view, batch, mine))
+            computed, pad = padding_positions(batch.rollout.mask, part_rows(view, batch, mine), row_buckets(view))
             positions, padding = positions + computed, padding + pad
             stats = accumulate(view, batch, mine, delta_rows, 1.0 if scale is None else scale, group=shard is not None,
                                keep=keep)

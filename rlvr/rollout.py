@@ -106,9 +106,10 @@ def dynamic_sample(sample, draw, P: int, G: int, rounds: int, pad_id: int) -> tu
 
 def reference_logprobs(policy: Policy, reference: Policy | None, rollout: sampling.Rollout, *, temperature: float,
                        chunk_rows: int | None, group_size: int | None,
-                       autocast=contextlib.nullcontext) -> torch.Tensor:
+                       autocast=contextlib.nullcontext, buckets: bool = False) -> torch.Tensor:
     """(B, T) logp_ref: a frozen copy `reference`, or (None) the policy with its adapter disabled,
-    under the training numerics `autocast()` (so the KL is 0 at π = π_ref).
+    under the training numerics `autocast()` (so the KL is 0 at π = π_ref); `buckets`: in length
+    buckets (train.length_buckets, rlvr.sampling.length_buckets).
 
     Scored without a nucleus: a token outside π_ref's own nucleus would get the floor log-prob and
     a huge, meaningless KL (see rlvr.sampling.OUTSIDE_NUCLEUS_LOGP)."""
@@ -116,7 +117,7 @@ def reference_logprobs(policy: Policy, reference: Policy | None, rollout: sampli
         return sampling.sequence_token_logprobs(reference if reference is not None else policy, rollout,
                                                 temperature=temperature, top_p=1.0, top_k=0, min_p=0.0,
                                                 chunk_rows=chunk_rows,
-                                                group_size=group_size)
+                                                group_size=group_size, buckets=buckets)
 
 
 def sample_rounds(setup, policy: Policy, examples_fn, *, generator: torch.Generator, pool=None,
@@ -203,7 +204,7 @@ def rollout(setup, policy: Policy, reference: Policy | None, examples_fn, *, ver
         logp_ref = reference_logprobs(policy, reference, groups.rollout, temperature=sc.temperature,
                                       chunk_rows=logprobs.chunk_setting(cfg.model.logprob_chunk_rows),
                                       group_size=G if cfg.model.share_prompt_forward else None,
-                                      autocast=setup.numerics.context)
+                                      autocast=setup.numerics.context, buckets=cfg.train.length_buckets)
         charge_forward(cost, forward_tokens(groups.rollout, G, shared), fwd_flops)
     recompute, pick = setup.recompute_logp_old, ac.top_entropy_quantile < 1
     in_learn = recompute and logp_old_in_learn(cfg) and (policy_version is None or policy_version == version)
@@ -310,7 +311,7 @@ def training_logprobs(policy: Policy, rollout: sampling.Rollout, cfg, autocast=c
     sc, tc, G = cfg.sampling, cfg.train, cfg.train.samples_per_prompt
     kw = dict(temperature=sc.temperature, top_p=sc.top_p, top_k=sc.top_k, min_p=sc.min_p,
               chunk_rows=logprobs.chunk_setting(cfg.model.logprob_chunk_rows),
-              group_size=G if cfg.model.share_prompt_forward else None)
+              group_size=G if cfg.model.share_prompt_forward else None, buckets=tc.length_buckets)
     full = full and sampling.truncates(sc.top_p, sc.top_k, sc.min_p)
     was_training = policy.training
     policy.train(cfg.model.lora_dropout == 0)          # as the learner's forward, but never a LoRA dropout

@@ -450,6 +450,97 @@ def response_extent(mask: torch.Tensor) -> torch.Tensor:
     return ((mask != 0).long() * cols).amax(dim=1) if mask.size(1) else mask.new_zeros(mask.size(0), dtype=torch.long)
 
 
+BUCKET_CALL_TOKENS = 64
+"""What one more forward costs, in response positions, as ``length_buckets`` weighs a cut: a
+forward's fixed cost (a pass over the layers, its launches and Python) against the padding a cut
+saves. Larger: fewer, wider buckets; 0: a bucket per distinct length."""
+
+
+def length_buckets(ext: torch.Tensor, call_tokens: int | None = None) -> list[torch.Tensor]:
+    """The rows of a scoring forward split into length buckets, each forwarded to its own longest
+    row: the rows sorted by their response extent ``ext`` (B,) long (``response_extent``; at least
+    1 counted a row), cut into runs that minimize the positions computed, sum over buckets of
+    rows x longest extent, plus ``call_tokens`` a bucket (None: ``BUCKET_CALL_TOKENS``). Exact, by dynamic programming over the
+    sorted extents (the best cost of the first j rows = min over the last bucket's start i of the
+    best of the first i - 1 rows + its rows x e_j + call_tokens). Returns each bucket's rows (n_b,)
+    long, in ascending extent (ties in row order)."""
+    call_tokens = BUCKET_CALL_TOKENS if call_tokens is None else call_tokens
+    order = torch.argsort(ext.cpu(), stable=True)                                        # (B,)
+    e = [max(1, int(x)) for x in ext.cpu()[order]]
+    B = len(e)
+    best, start = [0] + [0] * B, [0] * (B + 1)
+    for j in range(1, B + 1):
+        best[j], start[j] = min((best[i - 1] + (j - i + 1) * e[j - 1] + call_tokens, i) for i in range(1, j + 1))
+    cuts, j = [], B
+    while j > 0:
+        cuts.append((start[j] - 1, j))
+        j = start[j] - 1
+    return [order[a:b].to(ext.device) for a, b in reversed(cuts)]
+
+
+def bucket_positions(ext: torch.Tensor, buckets: bool) -> tuple[int, int]:
+    """(response positions the scoring forward of rows with extents ``ext`` (B,) computes, of them
+    padding): every row to the longest row (at least one column), or with ``buckets`` each
+    ``length_buckets`` bucket to its own longest."""
+    if not ext.numel():
+        return 0, 0
+    groups = length_buckets(ext) if buckets else [torch.arange(ext.numel(), device=ext.device)]
+    total = sum(max(1, int(ext[g].max())) * g.numel() for g in groups)
+    return total, total - int(ext.sum())
+
+
+def _rows_takeable(cache) -> bool:
+    """Whether ``_take_rows`` can give rows of ``cache``: a ``LeanCache`` in its plain layout."""
+    from rlvr.models.lean_llama import LeanCache
+
+    return isinstance(cache, LeanCache) and cache.group == 1
+
+
+def _take_rows(cache, rows: torch.Tensor):
+    """A new cache holding ``rows`` (n,) long of ``cache`` (``_rows_takeable``; rows may repeat),
+    its keys and values indexed out of place so gradients reach the source's."""
+    from rlvr.models.lean_llama import LeanCache
+
+    out = LeanCache(len(cache.k), rows.numel(), cache.max_len, rows.device)
+    out.k = [None if t is None else t[rows] for t in cache.k]
+    out.v = [None if t is None else t[rows] for t in cache.v]
+    out.mask, out.next_pos = cache.mask[rows], cache.next_pos[rows]
+    return out
+
+
+def _bucketed_scores(model, ids, am, Lp, G, buckets, score) -> list | None:
+    """``score``'s (logp, logp_full, entropy) of each bucket's rows ``buckets`` [(n_b,)], each forwarded
+    to its own longest row: with ``G`` > 1 on a model with a differentiable cache, every prompt once
+    into a cache and each bucket's responses over its rows' prompts (``_take_rows``; None where the
+    cache cannot give rows, ``_rows_takeable``: the caller forwards as one batch); otherwise each
+    bucket's rows whole."""
+    kw = {"float_logits": False} if getattr(model, "takes_float_logits", False) else {}
+    shared = G > 1 and model.differentiable_cache
+    if shared:
+        T = ids.size(1) - Lp
+        cache = model.new_cache(ids.size(0) // G, Lp + T)
+        if not _rows_takeable(cache):
+            return None
+        first = model(ids[::G, :Lp], attention_mask=am[::G, :Lp], cache=cache, logits_to_keep=1, **kw)   # (P, 1, V)
+    out = []
+    for rows in buckets:
+        w = max(1, int(response_extent(am[rows, Lp:]).max()))
+        sub_ids, sub_am = ids[rows, :Lp + w], am[rows, :Lp + w]
+        if not shared:
+            blocks = [model(sub_ids[:, :-1], attention_mask=sub_am[:, :-1], logits_to_keep=w, **kw)]      # (n, w, V)
+        else:
+            blocks = [first[torch.div(rows, G, rounding_mode="floor")]]                                  # (n, 1, V)
+            if w > 1:
+                sub = _take_rows(cache, torch.div(rows, G, rounding_mode="floor"))
+                blocks.append(model(sub_ids[:, Lp:-1], attention_mask=sub_am[:, Lp:-1], cache=sub, **kw))  # (n, w-1, V)
+        scored, c = [], Lp
+        for logits in blocks:
+            scored.append(score(logits, sub_ids[:, c:c + logits.size(1)], sub_am[:, c:c + logits.size(1)] == 0))
+            c += logits.size(1)
+        out.append(tuple(None if parts[0] is None else torch.cat(parts, dim=1) for parts in zip(*scored)))
+    return out
+
+
 def _response_logits(model, ids, am, Lp, T, G):
     """The logits predicting the T response tokens, as a list of (B, w, V) blocks whose widths sum
     to T, in column order: one forward's (B, T, V), or (G > 1 on a model with a differentiable cache)
@@ -498,7 +589,7 @@ def sequence_token_logprobs(model, rollout: Rollout | tuple, *, temperature: flo
                             top_p: float | None = None, chunk_rows: int | str | None = None,
                             group_size: int | None = None, return_full: bool = False,
                             return_entropy: bool = False, top_k: int | None = None,
-                            min_p: float | None = None) -> torch.Tensor | TokenLogprobs:
+                            min_p: float | None = None, buckets: bool = False) -> torch.Tensor | TokenLogprobs:
     """(B, T) log-probs of the generated tokens under the sampling distribution, WITH gradient.
 
     ``rollout`` is a ``Rollout`` or a tuple ``(ids, attention_mask, prompt_len)``. One forward
@@ -525,6 +616,12 @@ def sequence_token_logprobs(model, rollout: Rollout | tuple, *, temperature: flo
     logsumexp, so both come from one log-softmax) and/or the per-token entropy of that distribution
     (rlvr.logprobs.entropy_from_logits: one more softmax pass).
 
+    ``buckets`` (train.length_buckets): the rows split into ``length_buckets``, each forwarded to its
+    own longest row (the prompts still once, where ``group_size`` shares them and the cache can
+    give a bucket its rows' prompts: ``_take_rows``), so a long row does not make every row of the
+    batch compute its length; the same numbers per row to float rounding (tested), the positions
+    computed ``bucket_positions``.
+
     A model with ``compile_layers`` on (model.compile) scores the untruncated log-probs through
     compiled passes (rlvr.logprobs.token_logprobs ``compiled``), the same numbers to float rounding.
     """
@@ -549,15 +646,28 @@ def sequence_token_logprobs(model, rollout: Rollout | tuple, *, temperature: flo
     if temperature == 0:
         temperature, top_p, top_k, min_p = 1.0, 1.0, 0, 0.0
     compiled = bool(getattr(model, "compile_layers", False))        # model.compile: the log-probs' passes too
-    scored, c = [], Lp                                    # each block of logits scored on its own columns
-    for logits in _response_logits(model, ids, am, Lp, T, group_size or 1):                      # (B, w, V)
-        w = logits.size(1)
-        scored.append(_score(logits, ids[:, c:c + w], am[:, c:c + w] == 0, temperature=temperature, top_p=top_p,
-                             top_k=top_k, min_p=min_p, chunk_rows=chunk_rows, entropy=return_entropy,
-                             compiled=compiled))
-        c += w
-    joined = (None if parts[0] is None else parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # (B, T)
-              for parts in zip(*scored))
+
+    def score(logits, targets, off):
+        return _score(logits, targets, off, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                      chunk_rows=chunk_rows, entropy=return_entropy, compiled=compiled)
+
+    groups = length_buckets(response_extent(am[:, Lp:])) if buckets and ids.size(0) > 1 else []
+    by_bucket = (_bucketed_scores(model, ids, am, Lp, group_size or 1, groups, score) if len(groups) > 1
+                 else None)
+    if by_bucket is not None:           # each bucket's (n_b, w_b) padded to T, then back in row order
+        order = torch.cat(groups)                                                            # (B,)
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.numel(), device=order.device)
+        joined = (None if parts[0] is None else torch.cat([F.pad(x, (0, T - x.size(1))) for x in parts])[back]
+                  for parts in zip(*by_bucket))
+    else:
+        scored, c = [], Lp                                # each block of logits scored on its own columns
+        for logits in _response_logits(model, ids, am, Lp, T, group_size or 1):                  # (B, w, V)
+            w = logits.size(1)
+            scored.append(score(logits, ids[:, c:c + w], am[:, c:c + w] == 0))
+            c += w
+        joined = (None if parts[0] is None else parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # (B, T)
+                  for parts in zip(*scored))
     lp, lp_full, entropy = (x if x is None or T == T_out else F.pad(x, (0, T_out - T))          # (B, T_out)
                             for x in joined)
     if not (return_full or return_entropy):

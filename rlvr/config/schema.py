@@ -203,6 +203,16 @@ class SamplingConfig:
     e.g. 0.05); applied after top_k and top_p. Part of the nucleus like top_p."""
     max_new_tokens: int = 0
     """Bound on response length in tokens; 0 = the task's own bound."""
+    expected_response_tokens: int = 0
+    """The mean response length you expect, in tokens, for the price only (`rlvr price`, and the price
+    `rlvr train` prints): its token counts, FLOPs and expected wall time then model response lengths
+    as geometric with this mean, cut at max_new_tokens (decode runs until a batch's longest response
+    ends, finished rows leave the batch, a learn part runs to its longest row or, with
+    train.length_buckets, each row about to its own length); 0 = every response at
+    max_new_tokens (upper bounds). At most max_new_tokens. To get the figure: `rlvr probe CONFIG`
+    samples the initial model and prints the mean response length on its `cost:` line
+    ("sampled_tokens" / (prompts x samples) in its --json). Changes no sampling or update; the memory
+    prediction stays at max_new_tokens."""
     stop: list = field(default_factory=list)
     """Strings that end a response, like vLLM's `stop` and transformers' `stop_strings`, e.g.
     ["</answer>"]: a row ends at the token whose text completes one of them. That token is part of
@@ -355,12 +365,16 @@ class TrainConfig:
     of the aggregation's tokens or rows, rlvr.learn.accumulate) with about 1/micro_batches of the
     training activations and logits in memory, for a little more time per step."""
     length_buckets: bool = False
-    """With train.micro_batches > 1: sort each minibatch's groups by their longest response before
-    splitting it into its parts (rlvr.rollout.micro_rows), so a part holds groups of similar lengths
-    and its forward and backward, which stop at the part's own longest row, compute less padding.
-    Rows never move to another minibatch (another optimizer step): the update is the same sum of
-    the parts' weighted gradients, to float rounding. The logp_old forwards (rlvr.rollout.training_logprobs,
-    rlvr.learn.prepass_logp_old) take the same parts."""
+    """Do not compute padding at long, uneven response lengths. Every scoring and training forward
+    (logp_old, logp_ref, the learn stage's) splits its rows into length buckets, each forwarded to
+    its own longest row (rlvr.sampling.length_buckets; a group's prompt still computed once where
+    model.share_prompt_forward shares it), so one long row no longer makes its whole part compute
+    its length; and with train.micro_batches > 1 each minibatch's groups are sorted by their
+    longest response before splitting it into its parts (rlvr.rollout.micro_rows). Rows never move
+    to another minibatch (another optimizer step): the update is the same sum of the parts'
+    weighted gradients, to float rounding. The logp_old forwards (rlvr.rollout.training_logprobs,
+    rlvr.learn.prepass_logp_old) take the same parts and buckets. train/learn_padding_frac reports
+    the share of the learn stage's response positions that were padding."""
     lr: float = 1e-3
     """Peak learning rate of AdamW."""
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
