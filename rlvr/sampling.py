@@ -264,11 +264,21 @@ class _Decoded:
     """Of those, rows that had already finished (their forward's logits are never sampled from)."""
 
 
-COMPACT_FINISHED: float | None = 0.25
-"""The decode loop drops the finished rows from the batch (the KV cache narrowed to the rows still
-sampling, ``rlvr.models.cache_rows``) once at least this fraction of the rows it computes has
-finished; None: never (every row computed until the last one ends). A drop copies the kept rows'
-cache, so it waits until enough rows have finished to be worth it."""
+COMPACT_FINISHED: float | None = 1.0
+"""The decode loop's rule for dropping the finished rows from the batch (the KV cache narrowed to
+the rows still sampling, ``rlvr.models.cache_rows``), a rent-or-buy rule: the finished rows are
+dropped once the finished rows computed since the last drop (summed over the decode forwards, the
+coming one included) reach this many times the rows whose cache columns the drop copies
+(``cache_rows.rows_copied``); None: never (every row computed until the last one ends).
+
+A finished row computed for one more step and a row's columns copied cost about the same (each
+reads the row's cache once; the step also runs the row through the layers), so at 1 the waste
+before a drop is at most about the drop's copy, whatever the rows' lengths. The caches that fill
+holes (the lean cache's plain layout, the built-in model's) copy at most the rows dropped, so
+their rows leave as soon as they finish; a cache that copies every kept row (transformers') waits
+until that much was wasted; a lean cache in the grouped layout drops its wholly finished groups at
+once (a hole fill) and leaves the grouped layout (``cache_rows.ungroup``, a copy of every kept
+row) when the rows finished inside live groups have cost as much."""
 
 
 def _decode(model, logits, cache, *, T: int, noise, temperature, top_p, top_k, min_p, generator, eos_id, pad_id,
@@ -281,7 +291,8 @@ def _decode(model, logits, cache, *, T: int, noise, temperature, top_p, top_k, m
 
     Finished rows leave the batch (``COMPACT_FINISHED``; with a cache that can drop rows, not with a
     static decoder nor with ``track``, whose continuation needs every row's cache): the loop then
-    computes the n rows ``rows`` (n,) only, and writes their tokens into the (B, T) results. A row's
+    computes the n rows ``rows`` (n,) only (in the cache's order, which a drop may change), and
+    writes their tokens into the (B, T) results. A row's
     tokens are the same either way: its uniforms are its own row of ``noise``, and a multinomial draw
     is taken over all B rows (``_next_tokens``); its logits differ by float rounding at most."""
     B, device = logits.size(0), logits.device
@@ -297,8 +308,9 @@ def _decode(model, logits, cache, *, T: int, noise, temperature, top_p, top_k, m
     make_static = getattr(model, "static_decoder", None) if cache is not None and not track and T > 1 else None
     static = make_static(cache) if make_static is not None else None
     compact = COMPACT_FINISHED is not None and cache is not None and static is None and not track
-    rows = torch.arange(B, device=device)                          # (n,) the rows computed, ascending
+    rows = torch.arange(B, device=device)                          # (n,) the rows computed, the cache's order
     row_steps = finished_row_steps = steps = 0
+    wasted = 0                              # finished rows computed since the last drop that left none
     for t in range(T):
         at = slice(None) if rows.numel() == B else rows             # the rows computed, as an index
         u = None if noise is None else noise[at, t]                                           # (n,)
@@ -323,10 +335,12 @@ def _decode(model, logits, cache, *, T: int, noise, temperature, top_p, top_k, m
         if bool(finished.all()) or t == T - 1:
             break
         if compact:
-            rows, tok = _drop_finished(cache, rows, tok, finished)                          # (n',), (n',)
+            rows, tok, wasted = _drop_finished(cache, rows, tok, finished, wasted)          # (n',), (n',)
         fed_real = alive[rows]                                      # (n,) the fed token is real
         row_steps += rows.numel()
-        finished_row_steps += int(finished[rows].sum())
+        n_finished = int(finished[rows].sum())
+        finished_row_steps += n_finished
+        wasted += n_finished
         if static is not None:
             logits = static.step(tok, alive)                                              # (B, V)
         elif cache is not None:
@@ -345,20 +359,29 @@ def _decode(model, logits, cache, *, T: int, noise, temperature, top_p, top_k, m
     return _Decoded(out, alive_cols, logp, logp_full, ended, steps, decoding, row_steps, finished_row_steps)
 
 
-def _drop_finished(cache, rows: torch.Tensor, tok: torch.Tensor,
-                   finished: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows (n',), tok (n',)): the computed ``rows`` (n,) and their sampled ``tok`` (n,) narrowed to
-    the rows not ``finished`` (B,), with the cache, when at least ``COMPACT_FINISHED`` of the n rows
-    have finished; unchanged otherwise or where the cache cannot drop rows. The cache may keep more
-    rows than asked (``rlvr.models.cache_rows``: whole groups); those are kept here too."""
+def _drop_finished(cache, rows: torch.Tensor, tok: torch.Tensor, finished: torch.Tensor,
+                   wasted: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(rows (n',), tok (n',), wasted): the computed ``rows`` (n,) and their sampled ``tok`` (n,)
+    narrowed to the rows not ``finished`` (B,), with the cache, where ``COMPACT_FINISHED``'s rule
+    says so (``wasted``: the finished rows computed since the last drop that left none; 0 after
+    one); unchanged otherwise or where the cache cannot drop rows. Short of that rule a grouped
+    cache still drops its wholly finished groups (``cache_rows.keep_rows`` without ``exact``: a
+    hole fill, at most the rows dropped copied). The cache may keep more rows than asked (whole
+    groups) and reorder them (``rlvr.models.cache_rows``); ``rows`` follows it."""
     live = ~finished[rows]                                                       # (n,)
     n_done = rows.numel() - int(live.sum())
-    if n_done == 0 or n_done < COMPACT_FINISHED * rows.numel():
-        return rows, tok
-    kept = cache_rows.keep_rows(cache, live.nonzero().squeeze(1))                # (n',) positions in rows
+    if n_done == 0:
+        return rows, tok, 0
+    keep = live.nonzero().squeeze(1)                                             # (n - n_done,) positions in rows
+    if wasted + n_done >= COMPACT_FINISHED * cache_rows.rows_copied(cache, keep):
+        kept, wasted = cache_rows.keep_rows(cache, keep, exact=True), 0          # (n',) positions in rows
+    elif cache_rows.drops_groups(cache):
+        kept = cache_rows.keep_rows(cache, keep)
+    else:
+        return rows, tok, wasted
     if kept is None or kept.numel() == rows.numel():
-        return rows, tok
-    return rows[kept], tok[kept]
+        return rows, tok, wasted
+    return rows[kept], tok[kept], wasted
 
 
 @torch.no_grad()

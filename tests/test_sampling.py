@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from rlvr.models.tiny import TinyConfig, TinyTransformer
+from rlvr.models.tiny import KVCache as TinyKVCache, TinyConfig, TinyTransformer
 from rlvr import sampling
 from rlvr.sampling import (
     OUTSIDE_NUCLEUS_LOGP,
@@ -445,14 +445,16 @@ def test_finished_rows_leave_the_batch_and_every_row_is_drawn_as_before(draw, mo
     model = tiny_model(seed=1, V=8)
     drops = []
     real = sampling.cache_rows.keep_rows
-    monkeypatch.setattr(sampling.cache_rows, "keep_rows", lambda c, r: drops.append(r.numel()) or real(c, r))
+    monkeypatch.setattr(sampling.cache_rows, "keep_rows",
+                        lambda c, r, **kw: drops.append(r.numel()) or real(c, r, **kw))
 
     def roll(compact):
         monkeypatch.setattr(sampling, "COMPACT_FINISHED", compact)
         kw = dict(samples_per_prompt=4, max_new_tokens=24, temperature=1.0, eos_id=EOS, pad_id=PAD)
         return generate(model, SHORT_PROMPTS, **{**kw, **DRAWS[draw]()})
 
-    every, dropped = roll(None), roll(0.25)
+    default = sampling.COMPACT_FINISHED
+    every, dropped = roll(None), roll(default)
     assert drops, "no row left the batch"
     assert torch.equal(every.ids, dropped.ids) and torch.equal(every.attention_mask, dropped.attention_mask)
     assert torch.equal(every.mask, dropped.mask) and torch.equal(every.truncated, dropped.truncated)
@@ -468,22 +470,48 @@ def test_finished_rows_leave_the_batch_and_every_row_is_drawn_as_before(draw, mo
     assert every.decode_finished_rows == sum(steps - int(n) for n in lengths)
 
 
-def test_a_drop_waits_for_a_quarter_of_the_rows(monkeypatch):
-    """Rows leave only once COMPACT_FINISHED of the computed rows have finished: each drop keeps at
-    most 3/4 of the rows it was computing."""
+def test_rows_leave_as_they_finish_on_a_cache_that_fills_holes(monkeypatch):
+    """COMPACT_FINISHED's rule on the built-in model's cache (it fills holes: a drop copies at most
+    the rows it drops): a finished row is never computed, so no decode forward is spent on one
+    (the former rule, a drop once a quarter of the computed rows had finished, spent some)."""
     model = tiny_model(seed=1, V=8)
     kept = []
     real = sampling.cache_rows.keep_rows
     monkeypatch.setattr(sampling.cache_rows, "keep_rows",
-                        lambda c, r: kept.append((c.batch_size, r.numel())) or real(c, r))
-    generate(model, SHORT_PROMPTS, samples_per_prompt=4, max_new_tokens=24, eos_id=EOS, pad_id=PAD,
-             generators=sampling.prompt_generators(3, 0, 4))
-    assert kept and all(n <= 0.75 * before for before, n in kept)
+                        lambda c, r, **kw: kept.append((c.batch_size, r.numel())) or real(c, r, **kw))
+    r = generate(model, SHORT_PROMPTS, samples_per_prompt=4, max_new_tokens=24, eos_id=EOS, pad_id=PAD,
+                 generators=sampling.prompt_generators(3, 0, 4))
+    assert kept and r.decode_rows > 0 and r.decode_finished_rows == 0
     assert [b for b, _ in kept[1:]] == [n for _, n in kept[:-1]]          # each drop starts from the last
 
 
+def test_a_drop_that_copies_every_kept_row_waits_for_as_much_waste(monkeypatch):
+    """On a cache whose drop copies every kept row (no ``fills_holes``, as transformers'), the rows
+    leave once the finished rows computed since the last drop reach COMPACT_FINISHED times the rows
+    kept: the waste is bounded by the copies, and fewer rows are copied than by dropping at once."""
+    model = tiny_model(seed=1, V=8)
+    monkeypatch.setattr(TinyKVCache, "fills_holes", False)
+    seen = []
+    real = sampling._drop_finished
+    monkeypatch.setattr(sampling, "_drop_finished",
+                        lambda c, rows, tok, fin, wasted: seen.append((int(fin[rows].sum()), rows.numel(), wasted))
+                        or real(c, rows, tok, fin, wasted))
+    kept = []
+    real_keep = sampling.cache_rows.keep_rows
+    monkeypatch.setattr(sampling.cache_rows, "keep_rows",
+                        lambda c, r, **kw: kept.append(r.numel()) or real_keep(c, r, **kw))
+    r = generate(model, SHORT_PROMPTS, samples_per_prompt=4, max_new_tokens=24, eos_id=EOS, pad_id=PAD,
+                 generators=sampling.prompt_generators(3, 0, 4))
+    assert kept and r.decode_finished_rows > 0
+    rule = [done and w + done >= sampling.COMPACT_FINISHED * (n - done) for done, n, w in seen]
+    assert sum(rule) == len(kept)                                          # a drop exactly where the rule says
+    assert any(done and not drop for (done, _, _), drop in zip(seen, rule))  # and some waits
+
+
 def test_tiny_cache_keep_rows_gives_the_kept_rows_logits():
-    """KVCache.keep_rows: the next step over the kept rows gives those rows' logits of the full batch."""
+    """KVCache.keep_rows: the kept rows past the new batch fill the dropped rows' places (rows 1, 3, 4
+    of 5: row 3 moves into row 0's place, row 4 into row 2's) and the next step over them gives
+    those rows' logits of the full batch."""
     model = tiny_model(seed=2, V=8)
     ids = torch.randint(1, 8, (5, 6), generator=torch.Generator().manual_seed(0))
     am = torch.ones_like(ids)
@@ -492,13 +520,22 @@ def test_tiny_cache_keep_rows_gives_the_kept_rows_logits():
         full_cache, cache = model.new_cache(5, 8), model.new_cache(5, 8)
         model(ids, attention_mask=am, cache=full_cache)
         model(ids, attention_mask=am, cache=cache)
-        rows = torch.tensor([1, 3, 4])
-        assert cache.keep_rows(rows) is rows and cache.batch_size == 3 and cache.length == 6
+        order = cache.keep_rows(torch.tensor([1, 3, 4]))
+        assert order.tolist() == [3, 1, 4] and cache.batch_size == 3 and cache.length == 6
         nxt = torch.tensor([[3], [5], [6], [7], [2]])
-        want = model(nxt, attention_mask=torch.ones_like(nxt), cache=full_cache)[rows]
-        got = model(nxt[rows], attention_mask=torch.ones(3, 1, dtype=torch.long), cache=cache)
+        want = model(nxt, attention_mask=torch.ones_like(nxt), cache=full_cache)[order]
+        got = model(nxt[order], attention_mask=torch.ones(3, 1, dtype=torch.long), cache=cache)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-    assert cache.next_pos.tolist() == [5, 7, 7]
+    assert cache.next_pos.tolist() == [7, 5, 7]
+
+
+def test_fill_holes_by_hand():
+    order, dst, src = sampling.cache_rows.fill_holes(torch.tensor([1, 3, 4]))
+    assert order.tolist() == [3, 1, 4] and dst.tolist() == [0, 2] and src.tolist() == [3, 4]
+    order, dst, src = sampling.cache_rows.fill_holes(torch.tensor([0, 1, 5]))
+    assert order.tolist() == [0, 1, 5] and dst.tolist() == [2] and src.tolist() == [5]
+    order, dst, src = sampling.cache_rows.fill_holes(torch.tensor([0, 1, 2]))
+    assert order.tolist() == [0, 1, 2] and dst.numel() == src.numel() == 0
 
 
 def test_group_rows_by_hand():

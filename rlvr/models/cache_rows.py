@@ -1,17 +1,27 @@
 """Dropping rows from a KV cache mid-decode: what lets ``rlvr.sampling`` stop computing rows that ended.
 
 ``keep_rows(cache, rows)`` keeps the rows ``rows`` (n,) long, ascending, of any rlvr cache, in place,
-and returns the rows it actually kept (a superset of ``rows``, ascending), or None where the cache
-cannot drop rows (the caller then keeps computing every row):
+and returns the rows it actually kept in their new order (row j of the cache is now the old row
+``kept[j]``; a superset of ``rows``), or None where the cache cannot drop rows (the caller then
+keeps computing every row):
 
 - a cache with a ``keep_rows`` method (the built-in model's ``KVCache``, ``HFCache``) does it itself;
 - a ``LeanCache`` (the lean forward's) is handled here: in its plain layout each layer's keys and
   values are narrowed to the kept rows; in its grouped layout (a prompt's G rows share the prompt's
   columns and interleave their own, see ``LeanCache``) a row cannot leave its group alone, so the
-  groups that still hold a kept row are kept whole and their rows returned.
+  groups that still hold a kept row are kept whole and their rows returned, unless ``exact``: the
+  kept rows then leave the grouped layout (``ungroup``: each gets its own copy of its prompt's
+  columns) and every other row is dropped.
 
-In both layouts the kept rows' filled columns move to the front of the same preallocated buffers
-(no new allocation of the ``max_len`` columns); the buffers keep their memory until the call ends.
+Both layouts fill holes (``fill_holes``): the kept rows (or groups) past the first n move into the
+places of the dropped ones below, so a drop copies at most as many rows as it drops, not every
+kept row, and the rows' order changes. The buffers are the same preallocated ones (no new
+allocation of the ``max_len`` columns; they keep their memory until the call ends), except after
+``ungroup``, which allocates the plain layout's for the kept rows.
+
+``rows_copied(cache, rows)`` says how many rows' cache columns ``keep_rows(cache, rows, exact=True)``
+would copy: what ``rlvr.sampling`` weighs a drop's cost by; ``drops_groups(cache)`` whether a
+cheaper drop of whole groups is on offer.
 """
 
 from __future__ import annotations
@@ -21,53 +31,135 @@ import torch
 from rlvr.models.lean_llama import LeanCache
 
 
-def keep_rows(cache, rows: torch.Tensor) -> torch.Tensor | None:
-    """Keep ``rows`` (n,) long ascending of ``cache`` in place; the (n',) rows kept, or None (see module)."""
+def keep_rows(cache, rows: torch.Tensor, exact: bool = False) -> torch.Tensor | None:
+    """Keep ``rows`` (n,) long ascending of ``cache`` in place; the (n',) rows kept in their new order,
+    or None (see module). ``exact``: a grouped ``LeanCache`` keeps ``rows`` only (``ungroup``)."""
     method = getattr(cache, "keep_rows", None)
     if method is not None:
         return method(rows)
     if isinstance(cache, LeanCache):
+        if exact and cache.group > 1 and not _whole_groups(rows, cache.group):
+            return ungroup(cache, rows)
         return _lean_keep_rows(cache, rows)
     return None
+
+
+def rows_copied(cache, rows: torch.Tensor) -> int:
+    """The rows whose cache columns ``keep_rows(cache, rows, exact=True)`` copies: the kept rows
+    that fill holes (``fill_holes``), every kept row where the cache compacts them all (a cache
+    with its own ``keep_rows`` and no ``fill_holes``: ``HFCache``) or leaves the grouped layout."""
+    own = getattr(cache, "keep_rows", None)
+    if own is not None:
+        return int((rows >= rows.numel()).sum()) if getattr(cache, "fills_holes", False) else rows.numel()
+    if isinstance(cache, LeanCache) and cache.group > 1:
+        G = cache.group
+        if not _whole_groups(rows, G):
+            return rows.numel()
+        groups = torch.unique_consecutive(torch.div(rows, G, rounding_mode="floor"))
+        return G * int((groups >= groups.numel()).sum())
+    return int((rows >= rows.numel()).sum())
+
+
+def drops_groups(cache) -> bool:
+    """Whether ``keep_rows(cache, rows)`` without ``exact`` keeps whole groups (a ``LeanCache`` in the
+    grouped layout): a cheaper drop than an exact one, of the groups whose every row is dropped."""
+    return isinstance(cache, LeanCache) and cache.group > 1
+
+
+def fill_holes(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """How to keep ``rows`` (k,) long ascending, of rows 0 ... n-1, as rows 0 ... k-1 with fewest
+    copies: the kept rows at k or after move into the dropped rows' places below k, in order.
+    Returns (order (k,): the old row now at each place, dst (m,), src (m,): the moves, m <= the rows
+    dropped)."""
+    k = rows.numel()
+    dst = torch.ones(k, dtype=torch.bool, device=rows.device)
+    dst[rows[rows < k]] = False
+    dst = dst.nonzero().squeeze(1)                                                 # (m,) the holes below k
+    src = rows[rows >= k]                                                          # (m,) the kept rows past k
+    order = torch.arange(k, device=rows.device)
+    order[dst] = src
+    return order, dst, src
 
 
 def group_rows(rows: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(groups (m,), their rows (m * group,)): the groups of ``group`` consecutive rows that hold one
     of ``rows`` (n,) ascending, and every row of those groups, ascending."""
     groups = torch.unique_consecutive(torch.div(rows, group, rounding_mode="floor"))       # (m,)
-    return groups, (groups[:, None] * group + torch.arange(group, device=rows.device)).view(-1)
+    return groups, _expand_groups(groups, group)
 
 
-def _narrow_rows(buf: torch.Tensor, idx: torch.Tensor, cols: tuple) -> torch.Tensor:
-    """``buf``'s rows ``idx`` (dim 0) moved to its first rows over the filled columns ``cols``
-    (an index tuple for dims 1...), as a view of the first len(idx) rows of ``buf``."""
-    n = idx.numel()
-    buf[(slice(0, n), *cols)] = buf[(idx, *cols)]                                   # the gather copies first
-    return buf[:n]
+def _expand_groups(groups: torch.Tensor, group: int) -> torch.Tensor:
+    """(m * group,) every row of ``groups`` (m,), group by group."""
+    return (groups[:, None] * group + torch.arange(group, device=groups.device)).view(-1)
+
+
+def _whole_groups(rows: torch.Tensor, group: int) -> bool:
+    """Whether ``rows`` (n,) ascending are whole groups of ``group`` consecutive rows."""
+    return group_rows(rows, group)[1].numel() == rows.numel()
+
+
+def _move_rows(buf: torch.Tensor, order: torch.Tensor, dst: torch.Tensor, src: torch.Tensor,
+               cols: tuple) -> torch.Tensor:
+    """``buf``'s rows ``src`` (dim 0) copied to rows ``dst`` over the filled columns ``cols`` (an index
+    tuple for dims 1...), as a view of the first len(order) rows of ``buf`` (``fill_holes``)."""
+    if dst.numel():
+        buf[(dst, *cols)] = buf[(src, *cols)]                                      # the gather copies first
+    return buf[:order.numel()]
 
 
 def _lean_keep_rows(cache: LeanCache, rows: torch.Tensor) -> torch.Tensor:
-    """``keep_rows`` for a ``LeanCache`` (module docstring)."""
+    """``keep_rows`` for a ``LeanCache`` without ``exact`` (module docstring)."""
     if cache.group > 1:
-        idx, rows = group_rows(rows, cache.group)        # whole groups: (P', ) prompts, (P' * G,) rows
+        groups, rows = group_rows(rows, cache.group)        # whole groups: (P',) prompts, (P' * G,) rows
         if rows.numel() == cache.batch_size:
             return rows
+        order, dst, src = fill_holes(groups)                # (P',) groups in their new order
+        rows = _expand_groups(order, cache.group)           # (P' * G,)
     else:
-        idx = rows
+        order, dst, src = fill_holes(rows)
+        rows = order
     for li, k in enumerate(cache.k):
         if k is None:
             continue
         if cache._kbuf[li] is None:                      # grown by torch.cat (with gradient): plain copies
+            idx = order if cache.group > 1 else rows
             cache.k[li], cache.v[li] = k[idx], cache.v[li][idx]
             continue
         S = cache.v[li].size(2)
         if cache.group > 1:                              # keys transposed: (P, Hkv, D, cols)
-            cache._kbuf[li] = _narrow_rows(cache._kbuf[li], idx, (slice(None), slice(None), slice(0, S)))
+            cache._kbuf[li] = _move_rows(cache._kbuf[li], order, dst, src, (slice(None), slice(None), slice(0, S)))
             cache.k[li] = cache._kbuf[li][..., :S]
         else:                                            # (B, Hkv, max_len, D)
-            cache._kbuf[li] = _narrow_rows(cache._kbuf[li], idx, (slice(None), slice(0, S)))
+            cache._kbuf[li] = _move_rows(cache._kbuf[li], order, dst, src, (slice(None), slice(0, S)))
             cache.k[li] = cache._kbuf[li][:, :, :S]
-        cache._vbuf[li] = _narrow_rows(cache._vbuf[li], idx, (slice(None), slice(0, S)))
+        cache._vbuf[li] = _move_rows(cache._vbuf[li], order, dst, src, (slice(None), slice(0, S)))
         cache.v[li] = cache._vbuf[li][:, :, :S]
+    cache.mask, cache.next_pos = cache.mask[rows], cache.next_pos[rows]
+    return rows
+
+
+def ungroup(cache: LeanCache, rows: torch.Tensor) -> torch.Tensor:
+    """Keep ``rows`` (n,) long ascending of a ``LeanCache`` in the grouped layout as rows 0 ... n-1 of
+    its plain layout, in place; returns ``rows``. Each kept row gets its own copy of its prompt's
+    columns followed by its own (column ``prefix + s * G + g`` of its group's is its step s), in
+    new (n, Hkv, max_len, D) buffers (keys not transposed); the grouped ones are let go. What lets a
+    row leave its group: a decode step then attends as with a cache repeated G times from the start."""
+    G, pre = cache.group, cache.prefix
+    n_steps = cache.length - pre
+    p, g = torch.div(rows, G, rounding_mode="floor"), rows % G                   # (n,) prompt, sample
+    for li, kT in enumerate(cache.k):
+        v = cache.v[li]                                        # (P, Hkv, pre + G * n_steps, D)
+        P, Hkv, D, _ = kT.shape
+        kb = kT.new_empty(rows.numel(), Hkv, cache.max_len, D)  # (n, Hkv, max_len, D)
+        vb = v.new_empty(kb.shape)
+        kb[:, :, :pre] = kT[p, :, :, :pre].transpose(2, 3)
+        vb[:, :, :pre] = v[p, :, :pre]
+        own_k = kT[..., pre:].view(P, Hkv, D, n_steps, G)      # step s, row g at s * G + g
+        own_v = v[:, :, pre:].view(P, Hkv, n_steps, G, D)
+        kb[:, :, pre:pre + n_steps] = own_k[p, :, :, :, g].transpose(2, 3)    # (n, Hkv, n_steps, D)
+        vb[:, :, pre:pre + n_steps] = own_v[p, :, :, g]
+        cache._kbuf[li], cache._vbuf[li] = kb, vb
+        cache.k[li], cache.v[li] = kb[:, :, :pre + n_steps], vb[:, :, :pre + n_steps]
+    cache.group, cache.prefix = 1, 0
     cache.mask, cache.next_pos = cache.mask[rows], cache.next_pos[rows]
     return rows

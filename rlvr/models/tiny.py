@@ -98,19 +98,28 @@ class KVCache:
         new.length = self.length
         return new
 
-    def keep_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """Keep only ``rows`` (n,) long, ascending, as rows 0 ... n-1, in place; returns ``rows``.
+    fills_holes = True
+    """``keep_rows`` moves only the kept rows that fill dropped rows' places (``rlvr.models.cache_rows``)."""
 
-        The kept rows' filled columns are moved to the front of the same buffers (no new
-        allocation of ``max_len`` columns) and ``k`` / ``v`` become views of the first n rows, so a
-        later step computes and attends over n rows only (``rlvr.sampling``: finished rows leave)."""
+    def keep_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Keep only ``rows`` (n,) long, ascending, as rows 0 ... n-1 in place; returns the kept rows in
+        their new order (row j is the old row ``order[j]``).
+
+        The kept rows past n move into the dropped rows' places below n (``cache_rows.fill_holes``:
+        a drop copies at most as many rows as it drops) in the same buffers (no new allocation of
+        ``max_len`` columns), and ``k`` / ``v`` become views of the first n rows, so a later step
+        computes and attends over n rows only (``rlvr.sampling``: finished rows leave)."""
+        from rlvr.models.cache_rows import fill_holes
+
+        order, dst, src = fill_holes(rows)
         n, S = rows.numel(), self.length
-        self.k[:, :n, :, :S] = self.k[:, rows, :, :S]             # (n_layer, n, H, S, D); the gather copies first
-        self.v[:, :n, :, :S] = self.v[:, rows, :, :S]
+        if dst.numel():
+            self.k[:, dst, :, :S] = self.k[:, src, :, :S]         # (n_layer, m, H, S, D); the gather copies first
+            self.v[:, dst, :, :S] = self.v[:, src, :, :S]
         self.k, self.v = self.k[:, :n], self.v[:, :n]
-        self.key_mask = self.key_mask[rows]                       # (n, max_len)
-        self.next_pos = self.next_pos[rows]                       # (n,)
-        return rows
+        self.key_mask = self.key_mask[order]                      # (n, max_len)
+        self.next_pos = self.next_pos[order]                      # (n,)
+        return order
 
 
 def attend(q, k, v, bias):

@@ -1,0 +1,131 @@
+"""Finished rows leave a lean cache in the grouped layout (rlvr.models.cache_rows: whole groups, then
+``ungroup``) on a tiny locally built Llama: the same rows as with every row computed."""
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+import torch  # noqa: E402
+
+from rlvr import sampling  # noqa: E402
+from rlvr.models import cache_rows  # noqa: E402
+from rlvr.models.hf import load_policy  # noqa: E402
+
+from hf_models import make_model_dir  # noqa: E402
+
+PROMPTS = ["ab 12", "x", "hello, wor", "9,8"]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return load_policy(make_model_dir(tmp_path_factory.mktemp("llama"), chat=True))
+
+
+class EndBiased(torch.nn.Module):
+    """A policy whose end token's logit is raised by ``bias``: geometric response lengths, spread
+    inside each group (one row of a group runs long while the others end)."""
+
+    def __init__(self, policy, eos: int, bias: float):
+        super().__init__()
+        self.policy, self.eos, self.bias, self.config = policy, eos, bias, policy.config
+
+    def forward(self, ids, **kw):
+        logits = self.policy(ids, **kw)                                   # (B, L, V)
+        logits[..., self.eos] += self.bias
+        return logits
+
+    def new_cache(self, batch_size: int, max_len: int):
+        return self.policy.new_cache(batch_size, max_len)
+
+
+def _grouped_cache(policy, tok, G: int, steps: int):
+    """A cache of the prompts repeated G times in the grouped layout, after ``steps`` decode steps of
+    every row (fixed tokens), and the (B,) tokens to feed next."""
+    prompts = [tok.encode(s) for s in PROMPTS]
+    Lp = max(map(len, prompts))
+    ids = torch.tensor([[tok.pad_id] * (Lp - len(p)) + p for p in prompts])
+    am = (torch.arange(Lp)[None] >= torch.tensor([Lp - len(p) for p in prompts])[:, None]).long()
+    cache = policy.new_cache(len(prompts), Lp + 24)
+    policy(ids, attention_mask=am, cache=cache, logits_to_keep=1)
+    cache.repeat_interleave(G)
+    B = len(prompts) * G
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        policy(torch.randint(3, 20, (B, 1), generator=g), attention_mask=torch.ones(B, 1, dtype=torch.long), cache=cache)
+    return cache, torch.randint(3, 20, (B, 1), generator=g)
+
+
+def test_ungroup_gives_the_kept_rows_logits(llama):
+    """cache_rows.ungroup: the kept rows (one of a group, two of another) leave the grouped layout,
+    each with its own copy of its prompt's columns, and the next steps over them give those rows'
+    logits of the full grouped batch."""
+    policy, tok = llama
+    G = 3
+    with torch.no_grad():
+        full, nxt = _grouped_cache(policy, tok, G, steps=3)
+        cache, _ = _grouped_cache(policy, tok, G, steps=3)
+        assert cache.group == G
+        rows = torch.tensor([1, 6, 8])
+        assert cache_rows.rows_copied(cache, rows) == 3
+        assert cache_rows.keep_rows(cache, rows, exact=True).tolist() == rows.tolist()
+        assert cache.group == 1 and cache.batch_size == 3 and cache.length == full.length
+        B = nxt.size(0)
+        for _ in range(2):
+            want = policy(nxt, attention_mask=torch.ones(B, 1, dtype=torch.long), cache=full)[rows]
+            got = policy(nxt[rows], attention_mask=torch.ones(3, 1, dtype=torch.long), cache=cache)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+            nxt = nxt.flip(0)
+
+
+def test_whole_groups_fill_holes(llama):
+    """Without ``exact`` a grouped cache keeps the groups that hold a kept row, the last ones moved
+    into the dropped groups' places (cache_rows.fill_holes), and the next step gives their logits."""
+    policy, tok = llama
+    G = 2
+    with torch.no_grad():
+        full, nxt = _grouped_cache(policy, tok, G, steps=2)
+        cache, _ = _grouped_cache(policy, tok, G, steps=2)
+        keep = torch.tensor([1, 2, 6])                                    # groups 0, 1 and 3 of 4
+        assert cache_rows.rows_copied(cache, torch.tensor([0, 1, 6, 7])) == 2    # group 3 into group 1's place
+        kept = cache_rows.keep_rows(cache, keep)
+        assert kept.tolist() == [0, 1, 2, 3, 6, 7] and cache.group == G
+        B = nxt.size(0)
+        want = policy(nxt, attention_mask=torch.ones(B, 1, dtype=torch.long), cache=full)[kept]
+        got = policy(nxt[kept], attention_mask=torch.ones(6, 1, dtype=torch.long), cache=cache)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_a_long_row_in_a_group_does_not_keep_its_finished_rows(llama, monkeypatch):
+    """Rows of geometric lengths in groups of 4 on the grouped layout: with the default rule the
+    cache leaves the grouped layout once the finished rows kept in live groups have cost a copy, so
+    under a tenth of the decode rows are spent on finished rows (whole groups only, the former
+    rule: more), and every row gets the same tokens and log-probs (to float rounding) as with every
+    row computed to the end."""
+    policy, tok = llama
+    model = EndBiased(policy, tok.eos_id, 2.5)
+    prompts = [tok.encode(s) for s in PROMPTS]
+    calls = []
+    real = cache_rows.keep_rows
+    monkeypatch.setattr(cache_rows, "keep_rows",
+                        lambda c, r, **kw: calls.append((c.group, kw.get("exact", False))) or real(c, r, **kw))
+
+    def roll(compact):
+        monkeypatch.setattr(sampling, "COMPACT_FINISHED", compact)
+        return sampling.generate(model, prompts, samples_per_prompt=4, max_new_tokens=20, temperature=1.0,
+                                 eos_id=tok.eos_id, pad_id=tok.pad_id,
+                                 generators=sampling.prompt_generators(11, 0, len(prompts)))
+
+    default = sampling.COMPACT_FINISHED
+    every, dropped = roll(None), roll(default)
+    assert (4, True) in calls, "the grouped layout was never left"            # the rule reached the loop
+    lengths = every.response_lengths.view(4, 4).float()
+    assert (lengths.max(1).values - lengths.min(1).values).max() >= 8         # a group's rows do spread
+    assert torch.equal(every.ids, dropped.ids) and torch.equal(every.mask, dropped.mask)
+    assert torch.equal(every.truncated, dropped.truncated)
+    torch.testing.assert_close(dropped.logp, every.logp, atol=1e-5, rtol=0)
+    assert dropped.finished_row_frac < 0.1 < every.finished_row_frac
+    monkeypatch.setattr(cache_rows, "ungroup", lambda c, r: cache_rows._lean_keep_rows(c, r))   # whole groups only
+    groups_only = roll(default)
+    assert torch.equal(groups_only.ids, every.ids)
+    assert dropped.finished_row_frac < groups_only.finished_row_frac
