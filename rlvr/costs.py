@@ -38,6 +38,14 @@ gradient step's parts and optimizer step at their measured times instead of the 
 the rate (a small model's training runs far below the rate too: per-operation overhead, and
 elementwise passes over the activations bound by memory bandwidth).
 
+At an expected response length (RunShape.expected_response_tokens, sampling.expected_response_tokens,
+below T) every T above but the memory's becomes that mean length, and the expected wall time models
+the lengths as geometric with that mean, cut at T (`length_survival`): a batch decodes until its
+longest row ends (`expected_longest`), each step computing the rows still in the batch
+(`decode_rows_per_step`) at a fixed cost plus a cost per row (`decode_split`, from decode steps
+measured at two row counts), and each learn part runs to its rows' expected columns
+(`learn_part_widths`). At 0 or T: the upper bounds above, unchanged.
+
 Memory: rlvr.memory_model (the peak resident set, every term's formula).
 """
 
@@ -52,7 +60,8 @@ from rlvr.procmem import available_bytes, resident_bytes  # noqa: F401  (the cal
 
 @dataclass
 class Price:
-    """Figures of a run's cost; every count is an upper bound set by the response-length bound."""
+    """Figures of a run's cost; every count is an upper bound set by the response-length bound, or
+    at an expected response length (`expected_response_tokens`) its expectation."""
 
     prompts_per_step: int
     samples_per_prompt: int
@@ -155,6 +164,27 @@ class Price:
     tool_calls: int = 0
     """sampling.max_tool_calls: the sampling forwards include that many continuations per response
     at most, each a prefill of the whole context then decoding (priced as if every row called)."""
+    expected_response_tokens: int = 0
+    """The mean response length the token counts, FLOPs and expected wall time assume
+    (sampling.expected_response_tokens, below the cap); 0 = every response at the cap `max_new_tokens`
+    (upper bounds). The memory prediction and `logp_old_bytes` stay at the cap."""
+    decode_steps_per_batch: float = 0.0
+    """At an expected length: the decode steps a batch's first sampling round is priced at, E[its
+    longest response] - 1 (rlvr.costs.expected_longest); 0 = T - 1, the cap's."""
+    decode_rows_per_step: float = 0.0
+    """At an expected length: the mean rows those steps compute (finished rows leave the batch)."""
+    decode_fixed_s: float = 0.0
+    """At an expected length: a decode step's cost whatever its rows (rlvr.costs.decode_split)."""
+    decode_row_s: float = 0.0
+    """At an expected length: a decode step's cost per row."""
+    decode_small_step_s: float = 0.0
+    """Measured seconds of a decode step of `decode_small_prompts` prompts (G rows each), which splits
+    `decode_step_s` into those two; 0 = not measured (all of it counted as fixed)."""
+    decode_small_prompts: int = 0
+    learn_part_tokens: float = 0.0
+    """At an expected length: the mean response columns of a learn part (each part's expected longest row)."""
+    learn_part_fraction: float = 0.0
+    """At an expected length: a gradient step's parts counted in parts of the measured length T."""
 
     def peak_in_parts(self, factor: float) -> int:
         """The predicted peak with training's activations and logits divided by `factor` (each minibatch's
@@ -264,19 +294,111 @@ def _memory_fields(mem) -> dict:
 
 def expected_wall_seconds(flops: float, decode_flops: float, decode_steps: int, rate: float,
                           decode_step_s: float, train_flops: float = 0.0, grad_steps: int = 0,
-                          parts_per_step: int = 1, learn_part_s: float = 0.0, optimizer_step_s: float = 0.0) -> float:
+                          parts_per_step: float = 1, learn_part_s: float = 0.0, optimizer_step_s: float = 0.0,
+                          extra_decode_s: float = 0.0) -> float:
     """A run's compute seconds with its decode at a measured time: the `flops` less the decode
     positions' `decode_flops` at `rate` FLOP/s, plus `decode_steps` decode steps of `decode_step_s`
-    each (T - 1 a batch: the first token comes from the prefill). With a measured `learn_part_s`
-    the training FLOPs `train_flops` leave the rate's share too, replaced by `grad_steps` gradient
-    steps of `parts_per_step` parts at `learn_part_s` and an optimizer step at `optimizer_step_s`
+    each (T - 1 a batch: the first token comes from the prefill) and `extra_decode_s` (decode priced
+    otherwise: at an expected response length, `expected_decode_seconds`). With a measured
+    `learn_part_s` the training FLOPs `train_flops` leave the rate's share too, replaced by
+    `grad_steps` gradient steps of `parts_per_step` parts at `learn_part_s` (a fraction of a part
+    where parts stop short of T: `learn_part_widths`) and an optimizer step at `optimizer_step_s`
     each. 0.0 when the rate or the decode step is not measured."""
     if rate <= 0 or decode_step_s <= 0:
         return 0.0
+    decode = decode_steps * decode_step_s + extra_decode_s
     if learn_part_s <= 0:
-        return (flops - decode_flops) / rate + decode_steps * decode_step_s
-    return ((flops - decode_flops - train_flops) / rate + decode_steps * decode_step_s
+        return (flops - decode_flops) / rate + decode
+    return ((flops - decode_flops - train_flops) / rate + decode
             + grad_steps * (parts_per_step * learn_part_s + optimizer_step_s))
+
+
+def length_ratio(mean: float, cap: int) -> float:
+    """q of the response-length model: a length L = min(X, cap), X geometric on 1, 2, ... with
+    P(X > t) = q^t, whose mean E[L] = sum_{t < cap} q^t = (1 - q^cap) / (1 - q) is `mean` (1 <= mean
+    <= cap; 0 at mean 1, every response one token; 1 at the cap, every response cut there). E[L] rises
+    with q, so bisection finds it."""
+    if not 1 <= mean <= cap:
+        raise ValueError(f"length_ratio: the mean length must lie in [1, {cap}] (the cap), got {mean!r}")
+    if mean >= cap:
+        return 1.0
+    if mean <= 1:
+        return 0.0
+    lo, hi = 0.0, 1.0
+    for _ in range(100):
+        q = (lo + hi) / 2
+        if (1 - q**cap) / (1 - q) < mean:
+            lo = q
+        else:
+            hi = q
+    return (lo + hi) / 2
+
+
+def length_survival(mean: float, cap: int) -> list[float]:
+    """P(L > t) for t = 0 .. cap - 1 of a response length L with mean `mean` truncated at `cap`
+    (`length_ratio`: q^t; all 1 at the cap). Its sum is `mean`; it is also the expected share of a
+    batch's rows still decoding at decode step t (a row of L tokens takes L - 1 decode steps)."""
+    q = length_ratio(mean, cap)
+    return [q**t for t in range(cap)]
+
+
+def expected_longest(survival: list[float], rows: int) -> float:
+    """E[the longest of `rows` independent lengths with survival P(L > t) = survival[t]]:
+    sum_t P(max > t) = sum_t 1 - (1 - survival[t])^rows (the decode steps a batch runs, plus 1: the
+    loop runs until its last row ends)."""
+    return sum(1 - (1 - s)**rows for s in survival)
+
+
+def decode_rows_per_step(survival: list[float], rows: int, compact: float | None) -> list[float]:
+    """Expected rows each decode step t = 1 .. cap - 1 computes for a batch of `rows` rows: the rows
+    still in the batch, rows x survival[t] still decoding, more where finished rows wait to be
+    dropped: with `compact` (rlvr.sampling.COMPACT_FINISHED) the batch is narrowed to the live rows
+    once that share of the rows it holds has finished (followed in expectation); with None every row
+    is computed while the loop runs. Never more than rows x P(the loop still runs) = rows x
+    (1 - (1 - survival[t])^rows)."""
+    out, held = [], float(rows)
+    for s in survival[1:]:
+        live = rows * s
+        if compact is None:
+            held = float(rows)
+        elif held - live >= compact * held:
+            held = live
+        out.append(min(held, rows * (1 - (1 - s)**rows)))
+    return out
+
+
+def decode_split(step_s: float, rows: int, small_s: float = 0.0, small_rows: int = 0) -> tuple[float, float]:
+    """(seconds a decode step costs whatever its rows, seconds more a row) from a step measured at
+    `rows` rows (`step_s`) and one at fewer, `small_rows` (`small_s`): the line through the two,
+    kept within [0, step_s] for the fixed part. Without the second: all of it fixed (an upper estimate:
+    fewer rows then cost nothing less)."""
+    if small_s <= 0 or not 0 < small_rows < rows:
+        return step_s, 0.0
+    per_row = min(max((step_s - small_s) / (rows - small_rows), 0.0), step_s / rows)
+    return step_s - per_row * rows, per_row
+
+
+def expected_decode_seconds(survival: list[float], rows: int, fixed_s: float, per_row_s: float,
+                            compact: float | None) -> tuple[float, float, float]:
+    """(seconds, expected decode steps, expected rows computed in all) of one sampling call's decode
+    of `rows` rows whose lengths have survival `survival` (`length_survival`), each step costing
+    `fixed_s` + `per_row_s` x its rows (`decode_split`): E[longest] - 1 steps, the rows of
+    `decode_rows_per_step`. At the cap (survival all 1): cap - 1 steps of `rows` rows."""
+    steps = expected_longest(survival, rows) - 1
+    computed = sum(decode_rows_per_step(survival, rows, compact))
+    return fixed_s * steps + per_row_s * computed, steps, computed
+
+
+def learn_part_widths(survival: list[float], groups: int, G: int, parts: int, length_buckets: bool) -> list[float]:
+    """Expected response columns a row of each of the `parts` parts of a minibatch of `groups`
+    groups of G rows computes in the learn stage's forward and backward: the part's longest row,
+    E[the longest of its ceil(groups / parts) x G rows] (a part runs every row to its longest,
+    rlvr.learn); with `length_buckets` (train.length_buckets: each forward in length buckets, each
+    bucket to its own longest row) about each row's own length, the mean (sum of `survival`; the
+    buckets' own padding not counted)."""
+    if length_buckets:
+        return [sum(survival)] * parts
+    return [expected_longest(survival, -(-groups // parts) * G)] * parts
 
 
 @dataclass(frozen=True)
@@ -330,6 +452,21 @@ class RunShape:
     entropy_forward: bool = False
     """algorithm.top_entropy_quantile < 1 needs a forward's entropies (one forward serves both)."""
     tool_calls: int = 0  # Continuations per row in sampling, each at most Lp + T prefilled and T decoded (rlvr.tools).
+    expected_response_tokens: int = 0
+    """sampling.expected_response_tokens: the mean response length the token counts and the expected
+    wall time assume, lengths modelled as geometric with that mean, cut at T (`length_survival`);
+    0 (or T) = every response at the cap T, an upper bound."""
+    length_buckets: bool = False
+    """train.length_buckets: a minibatch's groups sorted by length before its parts (`learn_part_widths`)."""
+    compact_finished: float | None = None
+    """rlvr.sampling.COMPACT_FINISHED where the decode drops finished rows (`decode_rows_per_step`);
+    None: every row computed until the batch's last one ends."""
+
+    @property
+    def priced_response_tokens(self) -> int:
+        """The response length the counts use: `expected_response_tokens` when set below T, else T."""
+        e = self.expected_response_tokens
+        return e if 0 < e < self.max_new_tokens else self.max_new_tokens
 
     @property
     def trainable(self) -> int:
@@ -354,6 +491,11 @@ class Measured:
     learn_part_s: float = 0.0
     """One micro part's training forward and backward: prices the learn stage instead of its FLOPs."""
     optimizer_step_s: float = 0.0  # One optimizer step.
+    decode_small_step_s: float = 0.0
+    """One decode step of fewer rows, `decode_small_prompts` prompts of G (rlvr.probes.decode_step_seconds):
+    with `decode_step_s` it splits a step's cost into a fixed part and a part per row (`decode_split`),
+    for an expected response length; 0 = not measured (the whole step then counts as fixed)."""
+    decode_small_prompts: int = 0
 
     def with_learn(self, learn_part_s: float, optimizer_step_s: float) -> Measured:
         """These figures with the learn stage's measured times."""
@@ -387,14 +529,56 @@ class _Tokens:
 def _tokens(run: RunShape) -> _Tokens:
     """The token positions a batch of `run` computes in each forward."""
     P, G, T, Lp = run.prompts_per_step, run.samples_per_prompt, run.max_new_tokens, run.prompt_tokens
+    T_cap, T = T, run.priced_response_tokens      # tool continuations stay priced at the cap
     rows = P * G
     per_forward = logp_forward_tokens(rows, G, Lp, T, shared_prompt=run.shared_prompt)
     return _Tokens(
-        sampling=sampling_forward_tokens(P, Lp, rows, T) + run.tool_calls * rows * (Lp + 2 * T),
+        sampling=sampling_forward_tokens(P, Lp, rows, T) + run.tool_calls * rows * (Lp + 2 * T_cap),
         logp_ref=per_forward * run.has_reference,
         logp_old=logp_old_forward_tokens(per_forward, P, run.minibatches, run.recompute_logp_old or run.entropy_forward,
                                          run.logp_old_from_learner),
         trained=run.epochs_per_batch * per_forward)
+
+
+@dataclass(frozen=True)
+class _Expected:
+    """A batch's decode and learn stage at an expected response length (`_expected_lengths`)."""
+
+    decode_s: float                 # the first sampling round's decode, seconds
+    decode_steps: float             # its expected decode steps
+    decode_rows: float              # mean rows a step computes
+    fixed_s: float                  # a step's cost whatever its rows (`decode_split`)
+    per_row_s: float                # and per row
+    parts: float                    # a gradient step's parts in full-length parts (`learn_part_widths`)
+    part_tokens: float              # the mean response columns of a part
+
+
+def _expected_lengths(run: RunShape, m: Measured, so: ScaleOut, parts: int) -> _Expected:
+    """The decode and the learn parts of `run` at its expected response length: decode over the rows
+    the probe measured (all P x G, or a rollout worker's share), E[longest] - 1 steps at the fixed
+    part plus the rows each step computes at the part per row; each learn part at its rows' expected
+    columns (`learn_part_widths`), as a fraction of the measured part at T (time taken as
+    proportional to the positions a row computes, its prompt's share included)."""
+    G, T, Lp = run.samples_per_prompt, run.max_new_tokens, run.prompt_tokens
+    survival = length_survival(run.priced_response_tokens, T)
+    rows = (so.decode_share[0] if so.decode_share else run.prompts_per_step) * G
+    fixed, per_row = decode_split(m.decode_step_s, rows, m.decode_small_step_s, m.decode_small_prompts * G)
+    decode_s, steps, computed = expected_decode_seconds(survival, rows, fixed, per_row, run.compact_finished)
+    groups = -(-run.prompts_per_step // run.minibatches) if so.learn_share is None else so.learn_share[0]
+    widths = learn_part_widths(survival, max(1, groups), G, parts, run.length_buckets)
+    prompt = Lp / G if run.shared_prompt else Lp          # a row's prompt positions (once a group where shared)
+    return _Expected(decode_s=decode_s, decode_steps=steps, decode_rows=computed / max(steps, 1e-9),
+                     fixed_s=fixed, per_row_s=per_row,
+                     parts=sum((prompt + w - 1) / (prompt + T - 1) for w in widths),
+                     part_tokens=sum(widths) / len(widths))
+
+
+def _expected_fields(e: _Expected, m: Measured) -> dict:
+    """The `Price` fields of an expected-length decode and learn stage."""
+    return dict(decode_steps_per_batch=e.decode_steps, decode_rows_per_step=e.decode_rows,
+                decode_fixed_s=e.fixed_s, decode_row_s=e.per_row_s, decode_small_step_s=m.decode_small_step_s,
+                decode_small_prompts=m.decode_small_prompts if m.decode_small_step_s else 0,
+                learn_part_tokens=e.part_tokens, learn_part_fraction=e.parts)
 
 
 def _learn_parts(run: RunShape, so: ScaleOut) -> int:
@@ -437,7 +621,8 @@ def price(run: RunShape, measured: Measured = Measured(), mem: MemoryInputs | No
     _check_run(run)
     fwd, trn = run.flops_fwd_per_token or 2 * run.n_params, run.flops_train_per_token or 6 * run.n_params
     P, G, T, steps = run.prompts_per_step, run.samples_per_prompt, run.max_new_tokens, run.steps
-    rows, per_batch = P * G, P * G * T
+    L = run.priced_response_tokens                # T, or the expected response length
+    rows, per_batch = P * G, P * G * L
     grad_steps = run.epochs_per_batch * run.minibatches
     tok = _tokens(run)
     forward = tok.sampling + tok.logp_ref + tok.logp_old
@@ -445,11 +630,14 @@ def price(run: RunShape, measured: Measured = Measured(), mem: MemoryInputs | No
     rounds = 1 + run.tool_calls    # sampling rounds a batch: the first, then each continuation's (at most T decoded)
     m, so = measured, scale_out
     parts = _learn_parts(run, so)
-    # decode positions a batch, as counted above: T - 1 per row in the first round, T per continuation
-    decode_positions = rows * (T - 1) + run.tool_calls * rows * T
-    expected = expected_wall_seconds(flops_per_run, steps * decode_positions * fwd, steps * rounds * (T - 1),
+    # decode positions a batch, as counted above: L - 1 per row in the first round, T per continuation
+    decode_positions = rows * (L - 1) + run.tool_calls * rows * T
+    e = _expected_lengths(run, m, so, parts) if L < T else None
+    expected = expected_wall_seconds(flops_per_run, steps * decode_positions * fwd,
+                                     steps * (rounds - (e is not None)) * (T - 1),
                                      m.matmul_flops_per_s, m.decode_step_s, float(tok.trained * trn * steps),
-                                     steps * grad_steps, parts, m.learn_part_s, m.optimizer_step_s)
+                                     steps * grad_steps, parts if e is None else e.parts, m.learn_part_s,
+                                     m.optimizer_step_s, 0.0 if e is None else steps * e.decode_s)
     measured_learn = expected > 0 and m.learn_part_s > 0
     policy = run.n_params * run.bytes_per_param
     return Price(
@@ -464,7 +652,7 @@ def price(run: RunShape, measured: Measured = Measured(), mem: MemoryInputs | No
         flops_sampling_per_batch=float(tok.sampling * fwd), flops_logp_ref_per_batch=float(tok.logp_ref * fwd),
         flops_train_per_batch=float(tok.trained * trn), flops_per_run=flops_per_run,
         policy_bytes=policy, optimizer_bytes=2 * run.trainable * 4, reference_bytes=policy if run.reference_copy else 0,
-        logp_old_bytes=per_batch * 4, matmul_flops_per_s=float(m.matmul_flops_per_s), threads=m.threads,
+        logp_old_bytes=rows * T * 4, matmul_flops_per_s=float(m.matmul_flops_per_s), threads=m.threads,
         wall_seconds_estimate=flops_per_run / m.matmul_flops_per_s if m.matmul_flops_per_s > 0 else 0.0,
         decode_step_s=float(m.decode_step_s) if expected else 0.0, wall_seconds_expected=expected,
         learn_part_s=float(m.learn_part_s) if measured_learn else 0.0,
@@ -477,5 +665,7 @@ def price(run: RunShape, measured: Measured = Measured(), mem: MemoryInputs | No
         decode_prompts=so.decode_share[0] if so.decode_share and expected else 0,
         decode_threads=so.decode_share[1] if so.decode_share and expected else 0,
         rollout_workers=so.rollout_workers, sync_bytes=so.sync_bytes, learner_ranks=so.learner_ranks,
+        expected_response_tokens=L if L < T else 0,
+        **(_expected_fields(e, m) if e is not None and expected else {}),
         learn_threads=so.learn_share[1] if so.learn_share and so.learner_ranks > 1 and measured_learn else 0,
         **({} if mem is None else _memory_fields(_memory_prediction(run, mem))))

@@ -25,6 +25,15 @@ def memory_line(p: Price) -> str:
                if p.memory_weight_copy_bytes else ""))
 
 
+def length_phrase(p: Price) -> str:
+    """Which response length the counts and the expected wall time assume: the cap, or the expected
+    length the config gives (sampling.expected_response_tokens)."""
+    if p.expected_response_tokens:
+        return (f"at an expected {p.expected_response_tokens:,} tokens a response "
+                f"(sampling.expected_response_tokens; cap {p.max_new_tokens:,})")
+    return f"at the {p.max_new_tokens:,}-token cap"
+
+
 def lines(p: Price) -> list[str]:
     """The price as printed by `rlvr price` and before the first step of `rlvr train`."""
     mib = 1 / 2**20
@@ -57,8 +66,10 @@ def lines(p: Price) -> list[str]:
         logp_old += f"; {p.logp_old_note}"
     return [
         f"price: sampled tokens per gradient step = {p.sampled_tokens_per_grad_step:,.0f} "
-        f"(P={p.prompts_per_step} x G={p.samples_per_prompt} x T<={p.max_new_tokens} "
-        f"/ {p.grad_steps_per_batch} gradient steps per batch)",
+        f"(P={p.prompts_per_step} x G={p.samples_per_prompt} x "
+        + (f"an expected {p.expected_response_tokens} tokens, sampling.expected_response_tokens, T<={p.max_new_tokens} "
+           if p.expected_response_tokens else f"T<={p.max_new_tokens} ")
+        + f"/ {p.grad_steps_per_batch} gradient steps per batch)",
         f"price: sampled tokens per batch = {p.sampled_tokens_per_batch:,}; "
         f"per run ({p.steps} steps) = {p.sampled_tokens_per_run:,}{worst}",
         f"price: forward tokens per batch: sampling {p.forward_tokens_sampling_per_batch:,} "
@@ -67,7 +78,8 @@ def lines(p: Price) -> list[str]:
         f"({p.flops_logp_ref_per_batch:.3g} FLOP); trained tokens {p.trained_tokens_per_batch:,} "
         f"({p.flops_train_per_batch:.3g} FLOP)",
         f"price: per run: {p.forward_tokens_per_run:,} forward + {p.trained_tokens_per_run:,} trained tokens, "
-        f"{p.flops_per_run:.3g} FLOP",
+        f"{p.flops_per_run:.3g} FLOP ({'expectation' if p.expected_response_tokens else 'cap'}-based: "
+        f"{length_phrase(p)})",
         f"price: model copies held: {'; '.join(copies)}; parameters {p.n_params:,}",
     ] + ([f"price: tool calls: sampling forwards priced with {p.tool_calls} continuation(s) per response, "
           f"each over its whole context (the most they can take: a continuation appends to the first round's "
@@ -88,12 +100,13 @@ def wall_line(p: Price) -> str:
     if not p.wall_seconds_expected:
         return line
     rounds = 1 + p.tool_calls
-    return (f"{line}; expected ~{p.wall_seconds_expected:,.1f} s with each of the "
-            f"{rounds * (p.max_new_tokens - 1)} decode steps per batch"
-            + (f" ({rounds} sampling rounds: the first and {p.tool_calls} tool continuation(s))"
-               if p.tool_calls else "")
+    return (f"{line}; expected ~{p.wall_seconds_expected:,.1f} s {length_phrase(p)}, with "
+            + (_expected_decode(p) if p.expected_response_tokens else
+               f"each of the {rounds * (p.max_new_tokens - 1)} decode steps per batch"
+               + (f" ({rounds} sampling rounds: the first and {p.tool_calls} tool continuation(s))"
+                  if p.tool_calls else ""))
             + f" at the measured {p.decode_step_s * 1e3:,.3g} ms "
-            + (f"({p.prompts_per_step * p.samples_per_prompt} rows)" if not p.rollout_workers else
+            + (f"({_probe_rows(p)} rows)" if not p.rollout_workers else
                f"(a rollout worker's largest share, {p.decode_prompts} prompts x {p.samples_per_prompt} = "
                f"{p.decode_prompts * p.samples_per_prompt} rows at {p.decode_threads} torch thread(s); "
                f"the {p.rollout_workers} workers decode side by side; Ray's calls and the weight syncs, "
@@ -101,7 +114,29 @@ def wall_line(p: Price) -> str:
             + (f" and each of the {p.steps * p.grad_steps_per_batch} gradient steps at the measured "
                f"{p.learn_parts_per_step} x {p.learn_part_s * 1e3:,.4g} ms (forward and backward"
                f"{' of each part' if p.learn_parts_per_step > 1 else ''}"
+               + (f" at {p.max_new_tokens:,} response tokens; at the expected length a row computes "
+                  f"{p.learn_part_tokens:,.0f} response columns on average (its part's longest row, or with "
+                  f"train.length_buckets its own), so {p.learn_part_fraction:.2f} such parts"
+                  if p.expected_response_tokens and p.learn_part_fraction else "")
                + (f" of one learner rank's share at {p.learn_threads} torch thread(s); the {p.learner_ranks} "
                   f"ranks side by side; their gradient all-reduce not counted" if p.learner_ranks > 1 else "")
                + f") + {p.optimizer_step_s * 1e3:,.3g} ms (optimizer)" if p.learn_part_s else "")
             + ", before evaluation and rewards")
+
+
+def _probe_rows(p: Price) -> int:
+    """Rows of the decode step measured: a rollout worker's share, or all P x G."""
+    return (p.decode_prompts or p.prompts_per_step) * p.samples_per_prompt
+
+
+def _expected_decode(p: Price) -> str:
+    """The decode at an expected response length: the steps and rows it is priced at, and how a
+    step's cost was split into a fixed part and a part per row."""
+    split = (f"{p.decode_fixed_s * 1e3:,.3g} ms + {p.decode_row_s * 1e3:,.3g} ms a row, from the line through "
+             f"a step of {p.decode_small_prompts * p.samples_per_prompt} rows, {p.decode_small_step_s * 1e3:,.3g} ms, and"
+             if p.decode_small_step_s else "the whole step counted whatever its rows (no smaller step measured):")
+    tools = (f", then {p.tool_calls} tool continuation(s) of {p.max_new_tokens - 1} full steps each"
+             if p.tool_calls else "")
+    return (f"{p.decode_steps_per_batch:,.1f} decode steps per batch expected (until its longest response "
+            f"ends) computing {p.decode_rows_per_step:,.1f} rows a step on average (finished rows leave the "
+            f"batch){tools}, each step at {split}")

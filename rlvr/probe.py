@@ -398,8 +398,9 @@ def format_lines(res: ProbeResult) -> list[str]:
                  + ", ".join(f"{sch} {f:.0%}" for sch, f in s.nonzero_frac.items())
                  + f"; mean reward {s.mean_reward:.3f}"
                  + (f"; goal {s.goal_rate:.3f}" if s.goal_rate is not None else ""))
-    lines.append(f"cost: {res.sampled_tokens} sampled tokens for {n * k} responses; "
-                 f"{s.usable_groups * k} of them in groups that teach something")
+    lines.append(f"cost: {res.sampled_tokens} sampled tokens for {n * k} responses (a mean of "
+                 f"{res.sampled_tokens / max(1, n * k):.1f} tokens a response: sampling.expected_response_tokens "
+                 f"prices a run at it); {s.usable_groups * k} of them in groups that teach something")
     worth = [f"[{i}] {res.prompts[i]}" for i in s.worth_sampling]
     lines.append("worth sampling: " + (", ".join(worth) if worth else "none"))
     if s.not_worth_sampling:

@@ -63,7 +63,17 @@ def learn_probe_share(setup: Setup) -> tuple[int, int] | None:
     return -(-per_mb // d.learners), actor_threads(d.cpus_per_worker)
 
 
-def decode_step_seconds(setup: Setup) -> float:
+def decode_small_prompts(setup: Setup) -> int:
+    """Prompts of the smaller decode step `decode_step_seconds` times for a run priced at an expected
+    response length (sampling.expected_response_tokens): a quarter of the measured share's, rounded
+    up; 0 (not measured) where the share has a single prompt, or none is measured."""
+    share = decode_probe_share(setup)
+    if share is None or share[0] < 2:
+        return 0
+    return -(-share[0] // 4)
+
+
+def decode_step_seconds(setup: Setup, prompts: int | None = None) -> float:
     """Seconds of one decode step of this run's sampling, measured on its own policy: the P x G rows
     of a step after a prompt of the longest prompt's length, through `rlvr.sampling.generate` (the
     forward, the tempered log-softmax and the draw) under the run's numerics. P copies of one
@@ -78,7 +88,8 @@ def decode_step_seconds(setup: Setup) -> float:
     model.cuda_graphs) and the difference is the steps alone. No gradient; the run's generators
     untouched. With rollout workers: a worker's largest share at a worker's threads
     (``decode_probe_share``; this process's threads restored after). 0.0 when the workers' decode
-    cannot be measured here (``decode_probe_share`` None) or a response has a single token."""
+    cannot be measured here (``decode_probe_share`` None) or a response has a single token. `prompts`:
+    measure a step of that many prompts instead (G rows each; ``decode_small_prompts``), at the same threads."""
     cfg, model, device = setup.cfg, setup.model, setup.device
     base = 2 if setup.limits.max_new_tokens >= 3 else 1
     n = min(DECODE_PROBE_STEPS, setup.limits.max_new_tokens - base)
@@ -87,6 +98,7 @@ def decode_step_seconds(setup: Setup) -> float:
         return 0.0
     prompt = [setup.tokenizer.pad_id] * max(1, setup.limits.prompt_tokens)
     P, threads = share
+    P = P if prompts is None else prompts
 
     def generate(tokens: int) -> None:
         with torch.no_grad(), setup.numerics.context():

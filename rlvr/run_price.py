@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from rlvr import config as config_mod, costs, learn, logprobs, machine, memory_model, probes
+from rlvr import config as config_mod, costs, learn, logprobs, machine, memory_model, probes, sampling
 from rlvr.models.lean_llama import decode_reads_packs
 from rlvr.numerics import model_shape
 from rlvr.policy import Policy
@@ -35,7 +35,8 @@ def eval_rows(setup: Setup) -> int:
 
 
 def price_of(setup: Setup, rate: float | None = None, decode_s: float | None = None,
-             learn_s: tuple[float, float] | None = None, probe_learn: bool = False) -> costs.Price:
+             learn_s: tuple[float, float] | None = None, probe_learn: bool = False,
+             decode_small: tuple[float, int] | None = None) -> costs.Price:
     """The price of the run `setup` describes (rlvr.costs), before it starts, with a wall-time
     estimate against `rate` FLOP/s (default: `matmul_rate` measured on the run's device) and an
     expected wall time with every decode step at `decode_s` seconds (default: `decode_step_seconds`
@@ -46,9 +47,15 @@ def price_of(setup: Setup, rate: float | None = None, decode_s: float | None = N
     (0, 0): the training FLOPs at the rate). `train.price_probes = false` runs neither default probe:
     no decode step measured, so no expected wall time, only the FLOP lower bound. Its memory
     baseline is the larger of the resident set before the policy was loaded (`setup.baseline_bytes`)
-    and the resident set now less the policy's weights (what was loaded since: tokenizer, imports)."""
+    and the resident set now less the policy's weights (what was loaded since: tokenizer, imports).
+    With sampling.expected_response_tokens below the bound the price assumes that mean response
+    length (rlvr.costs.length_survival), and a second decode step of fewer rows is measured with the
+    first (`decode_small`: its (seconds, prompts) given instead; probes.decode_small_prompts) to split a
+    step's cost into a fixed part and a part per row."""
     cfg, model = setup.cfg, setup.model
-    fwd, trn = costs.model_flops_per_token(model, setup.limits.prompt_tokens, setup.limits.max_new_tokens)
+    T, expected_len = setup.limits.max_new_tokens, cfg.sampling.expected_response_tokens
+    at_expected = 0 < expected_len < T
+    fwd, trn = costs.model_flops_per_token(model, setup.limits.prompt_tokens, expected_len if at_expected else T)
     bytes_per_param = 2 if cfg.model.path and cfg.model.dtype == "bf16" else 4
     on_cpu = setup.device.type == "cpu"
     speedup = setup.numerics.matmul_speedup()       # the wall-time estimate at the rate the run computes at
@@ -72,12 +79,19 @@ def price_of(setup: Setup, rate: float | None = None, decode_s: float | None = N
         recompute_logp_old=setup.recompute_logp_old and not setup.logp_old_from_learner,
         logp_old_from_learner=setup.logp_old_from_learner, logp_old_note=logp_old_note(cfg, setup.numerics),
         entropy_forward=cfg.algorithm.top_entropy_quantile < 1, tool_calls=setup.limits.tool_calls,
+        expected_response_tokens=expected_len if at_expected else 0, length_buckets=cfg.train.length_buckets,
+        compact_finished=compact_finished(cfg, setup.limits.tool_calls),
     )
+    decode_s = (probes.decode_step_seconds(setup) if cfg.train.price_probes else 0.0) if decode_s is None else decode_s
+    if decode_small is None and at_expected and decode_s and cfg.train.price_probes:
+        few = probes.decode_small_prompts(setup)
+        decode_small = (probes.decode_step_seconds(setup, prompts=few), few) if few else None
     measured = costs.Measured(
         matmul_flops_per_s=(machine.matmul_rate(setup.device) if rate is None else rate) * speedup,
         matmul_kind="bf16 autocast" if speedup != 1.0 else "fp32", threads=torch.get_num_threads(),
-        decode_step_s=(probes.decode_step_seconds(setup) if cfg.train.price_probes else 0.0) if decode_s is None else decode_s,
-        numerics=setup.numerics.describe(),
+        decode_step_s=decode_s, numerics=setup.numerics.describe(),
+        **({} if decode_small is None else dict(decode_small_step_s=decode_small[0],
+                                                decode_small_prompts=decode_small[1])),
     )
     so = scale_out(setup)
     mem = None if shape is None else costs.MemoryInputs(
@@ -96,6 +110,13 @@ def price_of(setup: Setup, rate: float | None = None, decode_s: float | None = N
     if learn_s is None or not learn_s[0]:
         return first
     return costs.price(run_shape, measured.with_learn(*learn_s), mem, so)
+
+
+def compact_finished(cfg: config_mod.Config, tool_calls: int) -> float | None:
+    """rlvr.sampling.COMPACT_FINISHED where the run's decode drops finished rows from its batch, for
+    the price at an expected response length; None where it does not (a graphed decode,
+    model.cuda_graphs; tool calls, whose continuations need every row's cache)."""
+    return None if cfg.model.cuda_graphs or tool_calls else sampling.COMPACT_FINISHED
 
 
 def scale_out(setup: Setup) -> costs.ScaleOut:

@@ -164,7 +164,7 @@ def test_expected_wall_time_by_hand():
     assert p.wall_seconds_expected == pytest.approx(11.84 + 10.0)
     assert p.wall_seconds_estimate == pytest.approx(12.48)                            # the lower bound unchanged
     assert p.decode_step_s == 0.5 and p.to_dict()["wall_seconds_expected"] == p.wall_seconds_expected
-    assert p.lines()[-1].endswith("; expected ~21.8 s with each of the 2 decode steps per batch at the measured "
+    assert p.lines()[-1].endswith("; expected ~21.8 s at the 3-token cap, with each of the 2 decode steps per batch at the measured "
                                   "500 ms (16 rows), before evaluation and rewards")
     tools = pricing.price(**base, matmul_flops_per_s=1e6, decode_step_s=0.5, tool_calls=2)
     # sampling forwards 4*4 + 16*2 + 2 continuations x 16 rows x (4 + 2*3) = 368 a batch: 18,880,000 FLOP in all;
@@ -190,7 +190,8 @@ def test_expected_wall_time_with_a_measured_learn_stage_by_hand():
     assert (p.learn_part_s, p.learn_parts_per_step, p.optimizer_step_s) == (0.2, 1, 0.05)
     assert p.wall_seconds_estimate == pytest.approx(12.48)                            # the lower bound unchanged
     assert p.lines()[-1].endswith(
-        "; expected ~20.3 s with each of the 2 decode steps per batch at the measured 500 ms (16 rows) and each of "
+        "; expected ~20.3 s at the 3-token cap, with each of the 2 decode steps per batch at the measured 500 ms (16 rows) "
+        "and each of "
         "the 40 gradient steps at the measured 1 x 200 ms (forward and backward) + 50 ms (optimizer), before "
         "evaluation and rewards")
     # two micro parts a minibatch (2 groups: one each): 40 x (2 x 0.2 + 0.05) = 18 s

@@ -37,6 +37,11 @@ def check_against_task(cfg: Config, *, train_prompts: int, prompt_tokens: int, m
         raise ConfigError(f"algorithm.mask_truncated: this task's responses all have exactly max_new_tokens tokens "
                           f"(a fixed-length task), so none is ever cut at the bound and nothing would be masked; "
                           f"set it to false ({where(cfg, 'algorithm.mask_truncated')})")
+    if cfg.sampling.expected_response_tokens > max_new_tokens:
+        raise ConfigError(f"sampling.expected_response_tokens: {cfg.sampling.expected_response_tokens} exceeds the "
+                          f"response bound of {max_new_tokens} tokens (sampling.max_new_tokens, or the task's bound); "
+                          f"a mean response length is at most the bound "
+                          f"({where(cfg, 'sampling.expected_response_tokens')})")
     if a.overlong_buffer > max_new_tokens:
         raise ConfigError(f"algorithm.overlong_buffer: {a.overlong_buffer} exceeds the response bound of "
                           f"{max_new_tokens} tokens ({where(cfg, 'algorithm.overlong_buffer')})")
@@ -148,7 +153,8 @@ def _check_non_negative(cfg: Config, bad) -> None:
                    ("train.grad_clip", t.grad_clip), ("train.seed", t.seed), ("train.threads", t.threads),
                    ("train.save_every", t.save_every), ("train.snapshot_every", t.snapshot_every),
                    ("train.snapshots_keep", t.snapshots_keep),
-                   ("sampling.max_new_tokens", s.max_new_tokens), ("algorithm.top_k", a.top_k),
+                   ("sampling.max_new_tokens", s.max_new_tokens),
+                   ("sampling.expected_response_tokens", s.expected_response_tokens), ("algorithm.top_k", a.top_k),
                    ("algorithm.kl_coef", a.kl_coef), ("algorithm.clip_eps_high", a.clip_eps_high),
                    ("algorithm.ref_refresh_every", a.ref_refresh_every), ("algorithm.dual_clip_c", a.dual_clip_c),
                    ("algorithm.entropy_coef", a.entropy_coef), ("algorithm.overlong_buffer", a.overlong_buffer),
@@ -175,6 +181,9 @@ def _check_sampling(s: SamplingConfig, bad) -> None:
     if s.max_tool_calls and not (s.stop or s.tool_on_end):
         bad("sampling.max_tool_calls", "needs sampling.stop (the stop strings that end a tool call, e.g. "
                                        "stop = [\"</calc>\"]) or sampling.tool_on_end = true")
+    if s.max_new_tokens and s.expected_response_tokens > s.max_new_tokens:
+        bad("sampling.expected_response_tokens", f"{s.expected_response_tokens} exceeds sampling.max_new_tokens = "
+            f"{s.max_new_tokens}; a mean response length is at most the bound (0 = price at the bound)")
     if s.tool_on_end and not s.max_tool_calls:
         bad("sampling.tool_on_end", "calls the tool at a response's end, so it needs sampling.max_tool_calls >= 1")
 
