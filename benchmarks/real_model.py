@@ -103,6 +103,11 @@ TRL_MICRO = 1
 sets it to its --micro-batches: at 256 tokens one part of 64 rows ran a 24 GiB machine out of memory)."""
 RLVR_EXTRA: list[str] = []
 """More `--key=value` overrides of rlvr's config (benchmarks/long_responses.py: micro-batches, buckets)."""
+PROFILE_ENDS = False
+"""The profile samples as a run does, rows ending at the end token (benchmarks/long_responses.py:
+real lengths), with decode's bound counted over the rows still alive at each step and the log-prob
+forward's and backward's over the real tokens; False: every row to MAX_NEW (no end token), the
+short task's profile."""
 TARGET_STEP_RATIO, TARGET_GAIN, TARGET_X_BOUND = 4.0, 0.40, 2.0
 """The targets: TRL's step time / rlvr's; held-out accuracy points over step 0; a phase's time / its bound."""
 PARTS = ("decode products",)
@@ -434,10 +439,13 @@ def phase_times(run: RlvrRun, rate: float, bandwidth: float, say: bool = False) 
         gens = sampling.prompt_generators(sampling.draw_base_seed(s.sample_gen), 0, P)  # as rlvr.rollout draws
         with ctx():
             ro = sampling.generate(policy, prompts, samples_per_prompt=G, max_new_tokens=MAX_NEW,
-                                   temperature=TEMPERATURE, eos_id=None, pad_id=pad, generators=gens)
+                                   temperature=TEMPERATURE, eos_id=setup.tokenizer.eos_id if PROFILE_ENDS else None,
+                                   pad_id=pad, generators=gens)
         decode = time.perf_counter() - t - prefill
     T = ro.mask.shape[1]
-    products = decode_products_seconds(policy, P * G, T - 1, bf16)
+    # the rows each decode step must compute: those whose next token is real (every row without ends)
+    live = ro.mask[:, 1:].sum(0) if PROFILE_ENDS else torch.full((T - 1,), P * G)                     # (T - 1,)
+    products = decode_products_seconds(policy, max(1, round(float(live.float().mean()))), T - 1, bf16)
     policy.train()
     t = time.perf_counter()
     logp = learn.training_forward(s.learner, ro, kl_on=False, bonus_on=False)  # the learn stage's own forward
@@ -457,21 +465,28 @@ def phase_times(run: RlvrRun, rate: float, bandwidth: float, say: bool = False) 
     fwd_tok, _ = costs.model_flops_per_token(policy, Lp, T)
     keys = costs.attended_keys(Lp, T)
     layers, d = policy.hf_config.num_hidden_layers, policy.hf_config.hidden_size
-    trained_tokens = costs.logp_forward_tokens(P * G, G, Lp, T, shared_prompt=True)  # the prompt once per group
+    trained_tokens = (P * Lp + int(ro.mask[:, 1:].sum()) if PROFILE_ENDS    # the prompt once per group, real tokens
+                      else costs.logp_forward_tokens(P * G, G, Lp, T, shared_prompt=True))
     bwd_flops = trained_tokens * (2 * n_all + 2 * n_train + 8 * layers * d * keys)
-    decode_bound = (T - 1) * max(weight_bytes / bandwidth, P * G * fwd_tok / rate)
+    decode_bound = sum(max(weight_bytes / bandwidth, int(n) * fwd_tok / rate) for n in live)
+    decoded = int(live.sum())
     rated = f"{'bf16' if bf16 else 'fp32'} matmul rate"
     rows = [
         ("sampling prefill", prefill, P * Lp, P * Lp * fwd_tok / rate, rated),
-        ("sampling decode", decode, P * G * (T - 1), decode_bound,
-         "max(weight bytes per decode step / copy bandwidth, its FLOPs / matmul rate)"),
-        ("decode products", products, P * G * (T - 1), decode_bound,
-         "decode's bound; its matrix products alone, every weight read once a step, no attention/norms/sampling"),
+        ("sampling decode", decode, decoded, decode_bound,
+         "sum over decode steps of max(weight bytes / copy bandwidth, the live rows' FLOPs / matmul rate)"),
+        ("decode products", products, decoded, decode_bound,
+         "decode's bound; its matrix products alone on the mean live rows, every weight read once a step, "
+         "no attention/norms/sampling"),
         ("logp forward", fwd, trained_tokens, trained_tokens * fwd_tok / rate, rated),
         ("backward", bwd, trained_tokens, bwd_flops / rate, rated),
         ("optimizer", opt, trainable, 8 * 4 * trainable / bandwidth,
          "8 x 4 bytes per trainable parameter / bandwidth (the update's 7, and zeroing the gradient)"),
     ]
+    if say and PROFILE_ENDS:
+        print(f"  decode: {T - 1} steps, {decoded:,} live row-steps of {P * G * (T - 1):,} (mean response "
+              f"{float(ro.mask.sum()) / (P * G):.0f} tokens); rows computed {ro.decode_rows:,}, of them on "
+              f"finished rows {ro.finished_row_frac:.1%}")
     if say:
         print(f"  decode step: {weight_bytes / 2**20:,.0f} MiB of weights read = {weight_bytes / bandwidth * 1e3:.0f} ms at "
               f"the copy bandwidth; {P * G * fwd_tok:.3g} FLOP = {P * G * fwd_tok / rate * 1e3:.0f} ms at the matmul rate")
