@@ -226,6 +226,31 @@ def test_reasoning_arguments_are_checked():
     assert custom.heldout[0].prompt == f"Compute {custom.heldout[0].meta['expr']}."
 
 
+def test_reasoning_answer_from_last_reads_the_last_number():
+    """answer_from="last": correct and the goal read the reply's last number (what a small chat model's
+    'Answer: 7 + 5 + 8 = 20' and 'The answer is 20.' end with); the marker rule reads 7 and nothing there."""
+    task = load_task("rlvr.tasks.arith", digits=1, operands=3, reasoning=True, answer_from="last", heldout=5,
+                     n_train=5)
+    marker = load_task("rlvr.tasks.arith", digits=1, operands=3, reasoning=True, heldout=5, n_train=5)
+    assert task.name == "arith-add-1d-x3-cot-last" and [e.prompt for e in task.heldout] == [e.prompt for e in marker.heldout]
+    ex = task.heldout[0]
+    expr = ex.meta["expr"]
+    for reply, last_pays, marker_pays in [(f"Answer: {expr} = {ex.answer}", 1.0, 0.0),
+                                          (f"The answer is {ex.answer}.", 1.0, 0.0),
+                                          (f"Answer: {ex.answer}", 1.0, 1.0),
+                                          (f"Answer: {ex.answer}, from 3 steps", 0.0, 1.0),
+                                          (f"{ex.answer + 1}", 0.0, 0.0)]:
+        assert task.rewards["correct"].fn(ex.prompt, reply, ex.answer) == last_pays, reply
+        assert marker.rewards["correct"].fn(ex.prompt, reply, ex.answer) == marker_pays, reply
+        assert task.goal(ex.prompt, reply, ex.answer) == (last_pays == 1.0)
+        assert task.rewards["format"].fn(ex.prompt, reply, ex.answer) == marker.rewards["format"].fn(ex.prompt, reply, ex.answer)
+    assert "last number" in task.rewards["correct"].card.pays_for and task.rewards["correct"].card.exploit_example is None
+    with pytest.raises(ValueError, match="answer_from must be one of marker, last"):
+        load_task("rlvr.tasks.arith", reasoning=True, answer_from="first")
+    with pytest.raises(ValueError, match="answer_from applies to reasoning"):
+        load_task("rlvr.tasks.arith", answer_from="last")
+
+
 def test_b_digits_sets_the_second_operand_by_hand():
     """2-digit x 1-digit: 90 x 10 = 900 problems, none the same pair twice; [1, 2]: a 2-digit number
     times 0..99, where 23 * 45 and 45 * 23 are one problem: 90 x 10 + 90 x 91 / 2 = 4995."""

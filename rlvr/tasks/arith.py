@@ -50,6 +50,12 @@ last number (``final_answer``: the first number after the reply's last ``Answer:
 The goal is the final answer's exact correctness (the check of ``correct``). Default
 ``max_new_tokens`` 256: the working needs room, and a reply cut before ``Answer:`` scores 0.
 
+``answer_from="last"`` reads the final answer as the plain task does instead: the reply's last
+number, marker or not (``correct`` and the goal; ``format`` still pays for the ``Answer: N``
+ending). A small chat model often ends its working with ``Answer: 7 + 5 + 8 = 20`` or ``The answer
+is 20.``, which the marker rule reads as 7 or nothing: with the last number its base accuracy is
+above zero, so a run has groups to learn from before it has learnt the format.
+
 A calculator tool
 -----------------
 ``calculator=True`` gives the task an environment (``Calculator``, rlvr.environments) and a prompt
@@ -142,6 +148,11 @@ def answer_correct(prompt: str, response: str, answer: int) -> float:
 def answer_goal(prompt: str, response: str, answer: int) -> bool:
     """Exact correctness of the final answer: the first number after the reply's last ``Answer:``."""
     return final_answer(response) == answer
+
+
+ANSWER_FROM = ("marker", "last")
+"""Where a chain of thought's final answer is read (``answer_from``): the first number after the
+last ``Answer:`` (``final_answer``), or the reply's last number (``last_number``)."""
 
 
 ANSWER_LINE = re.compile(r"answer\s*:\s*" + NUMBER.pattern + r"\.?\s*\Z", re.I)
@@ -416,7 +427,8 @@ def _check_args(ops: str, digits: int, heldout: int, n_train: int | None, prompt
 
 def arith_task(ops: str = "+", digits: int = 2, n_train: int | None = None, heldout: int = 200, seed: int = 0,
                prompt_template: str | None = None, max_new_tokens: int | None = None, calculator: bool = False,
-               operands: int = 2, reasoning: bool = False, b_digits: int | list[int] | None = None) -> Task:
+               operands: int = 2, reasoning: bool = False, b_digits: int | list[int] | None = None,
+               answer_from: str = "marker") -> Task:
     """The arithmetic task: ``a op b`` for ``op`` in ``ops`` and ``digits``-digit operands.
 
     ``prompt_template`` None: ``DEFAULT_TEMPLATE``, or ``CALCULATOR_TEMPLATE`` with ``calculator``
@@ -425,7 +437,9 @@ def arith_task(ops: str = "+", digits: int = 2, n_train: int | None = None, held
     many operands, each op drawn from ``ops`` (the template must use ``{expr}``). ``max_new_tokens``
     None: 256 with ``reasoning``, else 16. ``b_digits`` (two operands only): the second operand's digit
     count, or ``[lo, hi]`` for a range of counts (``digits=2, b_digits=1``: 2-digit x 1-digit;
-    ``b_digits=[1, 2]``: x 0 to 99); None = ``digits`` like the first.
+    ``b_digits=[1, 2]``: x 0 to 99); None = ``digits`` like the first. ``answer_from`` (with
+    ``reasoning``; ``ANSWER_FROM``): "marker" reads the final answer after the last ``Answer:``,
+    "last" the reply's last number (the module docstring, "Chain of thought").
 
     ``heldout`` problems are drawn first with ``random.Random(seed)``, then ``n_train`` more for
     train (None = every remaining problem when the space is enumerated, else 100,000 or half the
@@ -439,6 +453,10 @@ def arith_task(ops: str = "+", digits: int = 2, n_train: int | None = None, held
     if not isinstance(calculator, bool):
         raise ValueError(f"arith_task: calculator must be true or false, got {calculator!r}")
     _check_reasoning_args(operands, reasoning, prompt_template)
+    if answer_from not in ANSWER_FROM:
+        raise ValueError(f"arith_task: answer_from must be one of {', '.join(ANSWER_FROM)}, got {answer_from!r}")
+    if answer_from != "marker" and not reasoning:
+        raise ValueError("arith_task: answer_from applies to reasoning = true (the plain task reads the last number)")
     expr = "{expr}" in prompt_template                       # checked just above; the rest as for {a} {op} {b}
     _check_args(ops, digits, heldout, n_train, DEFAULT_TEMPLATE if expr else prompt_template)
     if b_digits is not None and operands != 2:
@@ -474,15 +492,17 @@ def arith_task(ops: str = "+", digits: int = 2, n_train: int | None = None, held
             meta.update(a=xs[0], op=chain_ops[0], b=xs[1])
         return Example(prompt=prompt, answer=chain_value(xs, chain_ops), meta=meta)
 
-    rewards = reasoning_rewards() if reasoning else answer_rewards()
+    last = answer_from == "last"
+    rewards = reasoning_rewards(last) if reasoning else answer_rewards()
     if calculator:
         rewards.update(calculator_rewards())
     held = [example(k) for k in keys[:heldout]]
     train = [example(k) for k in keys[heldout:]]
     name = (f"arith-{'-'.join(OP_NAMES[o] for o in ops)}-{digits}d" + (f"-x{operands}" if operands > 2 else "")
             + ("" if b_digits is None else f"-b{'-'.join(map(str, [b_digits] if isinstance(b_digits, int) else b_digits))}d")
-            + ("-cot" if reasoning else ""))
-    return Task(name=name, train=train, heldout=held, rewards=rewards, goal=answer_goal if reasoning else goal,
+            + ("-cot" if reasoning else "") + ("-last" if last else ""))
+    return Task(name=name, train=train, heldout=held, rewards=rewards,
+                goal=answer_goal if reasoning and not last else goal,
                 max_new_tokens=max_new_tokens, environment=Calculator if calculator else None,
                 demonstrate=(demonstrate_calculator if calculator else demonstrate_reasoning if reasoning
                              else demonstrate))
@@ -516,14 +536,26 @@ def answer_rewards() -> dict[str, Reward]:
     }
 
 
-def reasoning_rewards() -> dict[str, Reward]:
-    """The chain-of-thought form's rewards (``reasoning=True``), each with its card."""
+def reasoning_rewards(last: bool = False) -> dict[str, Reward]:
+    """The chain-of-thought form's rewards (``reasoning=True``), each with its card; ``last``
+    (``answer_from="last"``): ``correct`` reads the reply's last number, not the marker's."""
     def format_exploit(ex: Example) -> str:
         """A bare final answer that is wrong, with no working: the answer plus one."""
         return f"Answer: {ex.answer + 1}"
 
+    right = Reward("correct", correct, RewardCard(
+        pays_for="a reply whose last number (integer or decimal, optional minus and thousands commas) equals "
+                 "the answer exactly, after 'Answer:' or not",
+        ignores="the working before the last number, right or wrong, and its length; whether the reply writes "
+                "'Answer:' at all",
+        exploit="none that fails the goal: it is the goal's own check. The working is not checked, so the right "
+                "number alone scores 1.0; a reply that ends with its working's last step ('so 12 + 8 = 20') is "
+                "scored on that step's result, and one that writes the answer and then a further number ('20, "
+                "from 3 steps') on the further number",
+        exploit_example=None,
+    ))
     return {
-        "correct": Reward("correct", answer_correct, RewardCard(
+        "correct": right if last else Reward("correct", answer_correct, RewardCard(
             pays_for="a reply whose final answer, the first number after its last 'Answer:' (any case), equals "
                      "the answer exactly",
             ignores="the working before 'Answer:', right or wrong, and its length; every 'Answer:' but the "
