@@ -264,12 +264,16 @@ class _Decoded:
     """Of those, rows that had already finished (their forward's logits are never sampled from)."""
 
 
-COMPACT_FINISHED: float | None = 1.0
-"""The decode loop's rule for dropping the finished rows from the batch (the KV cache narrowed to
-the rows still sampling, ``rlvr.models.cache_rows``), a rent-or-buy rule: the finished rows are
-dropped once the finished rows computed since the last drop (summed over the decode forwards, the
-coming one included) reach this many times the rows whose cache columns the drop copies
-(``cache_rows.rows_copied``); None: never (every row computed until the last one ends).
+COMPACT_FINISHED: float | None = 0.0
+"""The decode loop drops the finished rows from the batch (the KV cache narrowed to the rows still
+sampling, ``rlvr.models.cache_rows``) once at least this share of the rows it computes has finished
+and ``WASTE_PER_COPY`` says the drop pays; None: never (every row computed until the last one ends).
+0: ``WASTE_PER_COPY`` alone decides (``rlvr.costs`` reads this share as the one a drop waits for)."""
+
+WASTE_PER_COPY = 1.0
+"""The rent-or-buy rule a drop waits for: the finished rows computed since the last drop (summed over
+the decode forwards, the coming one included) reach this many times the rows whose cache columns the
+drop copies (``cache_rows.rows_copied``).
 
 A finished row computed for one more step and a row's columns copied cost about the same (each
 reads the row's cache once; the step also runs the row through the layers), so at 1 the waste
@@ -289,10 +293,10 @@ def _decode(model, logits, cache, *, T: int, noise, temperature, top_p, top_k, m
     ``track``: also keep the ``Decoding`` to continue from (each forward's logits kept per row whose
     fed token was real).
 
-    Finished rows leave the batch (``COMPACT_FINISHED``; with a cache that can drop rows, not with a
-    static decoder nor with ``track``, whose continuation needs every row's cache): the loop then
-    computes the n rows ``rows`` (n,) only (in the cache's order, which a drop may change), and
-    writes their tokens into the (B, T) results. A row's
+    Finished rows leave the batch (``COMPACT_FINISHED``, ``WASTE_PER_COPY``; with a cache that can
+    drop rows, not with a static decoder nor with ``track``, whose continuation needs every row's
+    cache): the loop then computes the n rows ``rows`` (n,) only (in the cache's order, which a
+    drop may change), and writes their tokens into the (B, T) results. A row's
     tokens are the same either way: its uniforms are its own row of ``noise``, and a multinomial draw
     is taken over all B rows (``_next_tokens``); its logits differ by float rounding at most."""
     B, device = logits.size(0), logits.device
@@ -362,18 +366,20 @@ def _decode(model, logits, cache, *, T: int, noise, temperature, top_p, top_k, m
 def _drop_finished(cache, rows: torch.Tensor, tok: torch.Tensor, finished: torch.Tensor,
                    wasted: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(rows (n',), tok (n',), wasted): the computed ``rows`` (n,) and their sampled ``tok`` (n,)
-    narrowed to the rows not ``finished`` (B,), with the cache, where ``COMPACT_FINISHED``'s rule
-    says so (``wasted``: the finished rows computed since the last drop that left none; 0 after
-    one); unchanged otherwise or where the cache cannot drop rows. Short of that rule a grouped
-    cache still drops its wholly finished groups (``cache_rows.keep_rows`` without ``exact``: a
-    hole fill, at most the rows dropped copied). The cache may keep more rows than asked (whole
+    narrowed to the rows not ``finished`` (B,), with the cache, where ``COMPACT_FINISHED`` and
+    ``WASTE_PER_COPY`` say so (``wasted``: the finished rows computed since the last drop that left
+    none; 0 after one); unchanged otherwise or where the cache cannot drop rows. Short of that rule
+    a grouped cache still drops its wholly finished groups (``cache_rows.keep_rows`` without
+    ``exact``: a hole fill, at most the rows dropped copied). The cache may keep more rows than asked (whole
     groups) and reorder them (``rlvr.models.cache_rows``); ``rows`` follows it."""
     live = ~finished[rows]                                                       # (n,)
     n_done = rows.numel() - int(live.sum())
     if n_done == 0:
         return rows, tok, 0
+    if n_done < COMPACT_FINISHED * rows.numel():
+        return rows, tok, wasted
     keep = live.nonzero().squeeze(1)                                             # (n - n_done,) positions in rows
-    if wasted + n_done >= COMPACT_FINISHED * cache_rows.rows_copied(cache, keep):
+    if wasted + n_done >= WASTE_PER_COPY * cache_rows.rows_copied(cache, keep):
         kept, wasted = cache_rows.keep_rows(cache, keep, exact=True), 0          # (n',) positions in rows
     elif cache_rows.drops_groups(cache):
         kept = cache_rows.keep_rows(cache, keep)

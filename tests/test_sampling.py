@@ -471,7 +471,7 @@ def test_finished_rows_leave_the_batch_and_every_row_is_drawn_as_before(draw, mo
 
 
 def test_rows_leave_as_they_finish_on_a_cache_that_fills_holes(monkeypatch):
-    """COMPACT_FINISHED's rule on the built-in model's cache (it fills holes: a drop copies at most
+    """WASTE_PER_COPY's rule on the built-in model's cache (it fills holes: a drop copies at most
     the rows it drops): a finished row is never computed, so no decode forward is spent on one
     (the former rule, a drop once a quarter of the computed rows had finished, spent some)."""
     model = tiny_model(seed=1, V=8)
@@ -487,7 +487,7 @@ def test_rows_leave_as_they_finish_on_a_cache_that_fills_holes(monkeypatch):
 
 def test_a_drop_that_copies_every_kept_row_waits_for_as_much_waste(monkeypatch):
     """On a cache whose drop copies every kept row (no ``fills_holes``, as transformers'), the rows
-    leave once the finished rows computed since the last drop reach COMPACT_FINISHED times the rows
+    leave once the finished rows computed since the last drop reach WASTE_PER_COPY times the rows
     kept: the waste is bounded by the copies, and fewer rows are copied than by dropping at once."""
     model = tiny_model(seed=1, V=8)
     monkeypatch.setattr(TinyKVCache, "fills_holes", False)
@@ -503,7 +503,7 @@ def test_a_drop_that_copies_every_kept_row_waits_for_as_much_waste(monkeypatch):
     r = generate(model, SHORT_PROMPTS, samples_per_prompt=4, max_new_tokens=24, eos_id=EOS, pad_id=PAD,
                  generators=sampling.prompt_generators(3, 0, 4))
     assert kept and r.decode_finished_rows > 0
-    rule = [done and w + done >= sampling.COMPACT_FINISHED * (n - done) for done, n, w in seen]
+    rule = [done and w + done >= sampling.WASTE_PER_COPY * (n - done) for done, n, w in seen]
     assert sum(rule) == len(kept)                                          # a drop exactly where the rule says
     assert any(done and not drop for (done, _, _), drop in zip(seen, rule))  # and some waits
 

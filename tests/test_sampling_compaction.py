@@ -52,7 +52,8 @@ def _grouped_cache(policy, tok, G: int, steps: int):
     B = len(prompts) * G
     g = torch.Generator().manual_seed(0)
     for _ in range(steps):
-        policy(torch.randint(3, 20, (B, 1), generator=g), attention_mask=torch.ones(B, 1, dtype=torch.long), cache=cache)
+        ones = torch.ones(B, 1, dtype=torch.long)
+        policy(torch.randint(3, 20, (B, 1), generator=g), attention_mask=ones, cache=cache)
     return cache, torch.randint(3, 20, (B, 1), generator=g)
 
 
