@@ -8,8 +8,11 @@ raised so that a response ends with probability about 1 / ``--mean-len`` at each
 lengths are geometric, from a few tokens to ``--max-new``, and vary widely inside each group, as
 chain-of-thought responses do. One sampling call (``--prompts`` x ``--group`` rows, per-prompt
 seeds, temperature 1) is timed with ``rlvr.sampling.COMPACT_FINISHED`` = None (every row computed
-until the last one ends) and at its default (rows leave the batch once a quarter of those computed
-have finished), alternated in one process, the same seed each time (the same rows: checked).
+until the last one ends) and at its default (rows leave the batch by ``WASTE_PER_COPY``'s rule; the
+built-in model's cache fills holes, so they leave as they finish), alternated in one process, the
+same seed each time (the same rows: checked). The built-in model has its own ``KVCache``: the lean
+forward's ``LeanCache`` (grouped layout, ``cache_rows.ungroup``) is not exercised here; its drops
+are tested in tests/test_sampling_compaction.py.
 
 Prints each round, the medians and their ratio (every row / rows dropped), the mean and longest
 response, the share of the decode forwards' rows spent on finished rows each way, and the bound
