@@ -132,11 +132,11 @@ def _probe_rows(p: Price) -> int:
 def _expected_decode(p: Price) -> str:
     """The decode at an expected response length: the steps and rows it is priced at, and how a
     step's cost was split into a fixed part and a part per row."""
-    split = (f"{p.decode_fixed_s * 1e3:,.3g} ms + {p.decode_row_s * 1e3:,.3g} ms a row, from the line through "
+    split = (f" at {p.decode_fixed_s * 1e3:,.3g} ms + {p.decode_row_s * 1e3:,.3g} ms a row, from the line through "
              f"a step of {p.decode_small_prompts * p.samples_per_prompt} rows, {p.decode_small_step_s * 1e3:,.3g} ms, and"
-             if p.decode_small_step_s else "the whole step counted whatever its rows (no smaller step measured):")
+             if p.decode_small_step_s else ", whatever its rows (no smaller step measured),")
     tools = (f", then {p.tool_calls} tool continuation(s) of {p.max_new_tokens - 1} full steps each"
              if p.tool_calls else "")
     return (f"{p.decode_steps_per_batch:,.1f} decode steps per batch expected (until its longest response "
             f"ends) computing {p.decode_rows_per_step:,.1f} rows a step on average (finished rows leave the "
-            f"batch){tools}, each step at {split}")
+            f"batch){tools}, each step{split}")

@@ -132,7 +132,11 @@ def test_price_lines_say_which_length_they_assume():
     assert "x an expected 2 tokens, sampling.expected_response_tokens, T<=3" in e.lines()[0]
     assert "(expectation-based: at an expected 2 tokens a response (sampling.expected_response_tokens; cap 3))" in text
     assert "decode steps per batch expected (until its longest response ends)" in e.wall_line()
-    assert "the whole step counted whatever its rows" in e.wall_line()
+    assert "each step, whatever its rows (no smaller step measured), at the measured 500 ms (16 rows)" in e.wall_line()
+    split = pricing.price(**BASE, expected_response_tokens=2, decode_small_step_s=0.2, decode_small_prompts=1)
+    # 16 rows at 500 ms, 4 at 200 ms: 100 ms + 25 ms a row
+    assert ("each step at 100 ms + 25 ms a row, from the line through a step of 4 rows, 200 ms, and at the "
+            "measured 500 ms (16 rows)") in split.wall_line()
 
 
 def test_config_refuses_an_expected_length_beyond_the_bound(tmp_path):

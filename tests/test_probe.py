@@ -123,6 +123,9 @@ def test_probe_end_to_end_text_and_json(capsys):
                          + "  ".join(f"{r!r} {probe._num(v)}" for r, v in zip(g["responses"], g["rewards"])))
     s = res["summary"]
     assert s["usable_groups"] == sum(not g["agrees"] for g in res["groups"])
+    # the mean response length, the figure sampling.expected_response_tokens takes
+    assert (f"cost: {res['sampled_tokens']} sampled tokens for 12 responses (a mean of "
+            f"{res['sampled_tokens'] / 12:.1f} tokens a response: sampling.expected_response_tokens") in out
     assert s["nonzero_frac"]["raw"] == sum(g["nonzero"]["raw"] for g in res["groups"]) / 12
     # reproducible: the same probe samples the same responses
     rc, js2, _ = run(capsys, *argv, "--json")
