@@ -423,7 +423,8 @@ class TrainConfig:
     """Refuse to start a run whose predicted peak memory (the price's memory line, rlvr.memory_model.memory)
     exceeds the machine's available memory (MemAvailable); false = start anyway."""
     price_probes: bool = True
-    """Time one decode step and one learn part (forward, backward, an optimizer step) on the run's own
+    """Time one decode step (and, with sampling.expected_response_tokens, one of a quarter of the
+    prompts) and one learn part (forward, backward, an optimizer step) on the run's own
     policy before it starts, for the price's expected wall time (rlvr.run.decode_step_seconds,
     rlvr.learn.learn_part_seconds; a few seconds on a 135M model, more on larger ones, also in `rlvr
     price`); false = skip both: the price gives only its FLOP lower bound. Changes no update."""
