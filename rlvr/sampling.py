@@ -479,10 +479,12 @@ def response_extent(mask: torch.Tensor) -> torch.Tensor:
     return ((mask != 0).long() * cols).amax(dim=1) if mask.size(1) else mask.new_zeros(mask.size(0), dtype=torch.long)
 
 
-BUCKET_CALL_TOKENS = 64
+BUCKET_CALL_TOKENS = 32
 """What one more forward costs, in response positions, as ``length_buckets`` weighs a cut: a
 forward's fixed cost (a pass over the layers, its launches and Python) against the padding a cut
-saves. Larger: fewer, wider buckets; 0: a bucket per distinct length."""
+saves. Larger: fewer, wider buckets; 0: a bucket per distinct length. Set at the low end of the
+fixed cost measured on a small chat model (docs/benchmarks.md): at chain-of-thought length spreads
+the step's total is flat across that range, and the low end computes the least padding."""
 
 
 def length_buckets(ext: torch.Tensor, call_tokens: int | None = None) -> list[torch.Tensor]:
