@@ -274,6 +274,11 @@ def initial_model_source(cfg) -> str:
     return f"built-in model, random init with seed {cfg.train.seed}"
 
 
+def _to_stderr(*args, **kwargs) -> None:
+    """A log for what the probe's setup says (a model cache note, a warning): standard error."""
+    print(*args, file=sys.stderr, **kwargs)
+
+
 def run_probe(cfg: config.Config, *, prompts: int, samples: int, schemes: Sequence[str] = (),
               split: str = "train", checkpoint: str | Path | None = None, trusted: bool = False) -> ProbeResult:
     """Sample K responses for N prompts of `split` and count usable Δ. Raises ProbeError,
@@ -303,7 +308,7 @@ def run_probe(cfg: config.Config, *, prompts: int, samples: int, schemes: Sequen
         source = f"checkpoint {checkpoint}"
         numerics = eval_numerics(cfg, model, RunDir(Path(checkpoint)).recorded_autocast())
     else:
-        setup = build(cfg)
+        setup = build(cfg, log=_to_stderr)     # the building's notes never mix into --json on stdout
         task, model, tok, weights = setup.task, setup.model, setup.tokenizer, setup.reward_weights
         source = "initial model (" + initial_model_source(cfg) + ")"
         numerics = setup.numerics

@@ -92,6 +92,17 @@ def _exact(r: float) -> Fraction:
     return Fraction(round(r * 3), 3)
 
 
+def test_json_output_stays_json_when_the_setup_logs(capsys, monkeypatch):
+    """What the setup logs (a model cache note) goes to standard error: --json's stdout parses."""
+    import rlvr.build
+
+    real = rlvr.build.build
+    monkeypatch.setattr(rlvr.build, "build", lambda cfg, log=print, **kw: log("note: a cached copy") or real(cfg, log=log, **kw))
+    rc, js, err = run(capsys, "probe", EXAMPLE, "--prompts", "2", "--samples", "2", *TINY, "--json")
+    assert rc == 0, err
+    assert json.loads(js)["samples"] == 2 and "note: a cached copy" in err
+
+
 def test_probe_end_to_end_text_and_json(capsys):
     argv = ["probe", EXAMPLE, "--prompts", "3", "--samples", "4", *TINY]
     rc, out, err = run(capsys, *argv)
