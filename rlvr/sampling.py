@@ -520,37 +520,18 @@ def bucket_positions(ext: torch.Tensor, buckets: bool) -> tuple[int, int]:
     return total, total - int(ext.sum())
 
 
-def _rows_takeable(cache) -> bool:
-    """Whether ``_take_rows`` can give rows of ``cache``: a ``LeanCache`` in its plain layout."""
-    from rlvr.models.lean_llama import LeanCache
-
-    return isinstance(cache, LeanCache) and cache.group == 1
-
-
-def _take_rows(cache, rows: torch.Tensor):
-    """A new cache holding ``rows`` (n,) long of ``cache`` (``_rows_takeable``; rows may repeat),
-    its keys and values indexed out of place so gradients reach the source's."""
-    from rlvr.models.lean_llama import LeanCache
-
-    out = LeanCache(len(cache.k), rows.numel(), cache.max_len, rows.device)
-    out.k = [None if t is None else t[rows] for t in cache.k]
-    out.v = [None if t is None else t[rows] for t in cache.v]
-    out.mask, out.next_pos = cache.mask[rows], cache.next_pos[rows]
-    return out
-
-
 def _bucketed_scores(model, ids, am, Lp, G, buckets, score) -> list | None:
     """``score``'s (logp, logp_full, entropy) of each bucket's rows ``buckets`` [(n_b,)], each forwarded
     to its own longest row: with ``G`` > 1 on a model with a differentiable cache, every prompt once
-    into a cache and each bucket's responses over its rows' prompts (``_take_rows``; None where the
-    cache cannot give rows, ``_rows_takeable``: the caller forwards as one batch); otherwise each
-    bucket's rows whole."""
+    into a cache and each bucket's responses over its rows' prompts (``cache_rows.take_rows``; None
+    where the cache cannot give rows: the caller forwards as one batch); otherwise each bucket's
+    rows whole."""
     kw = {"float_logits": False} if getattr(model, "takes_float_logits", False) else {}
     shared = G > 1 and model.differentiable_cache
     if shared:
         T = ids.size(1) - Lp
         cache = model.new_cache(ids.size(0) // G, Lp + T)
-        if not _rows_takeable(cache):
+        if not cache_rows.takes_rows(cache):
             return None
         first = model(ids[::G, :Lp], attention_mask=am[::G, :Lp], cache=cache, logits_to_keep=1, **kw)   # (P, 1, V)
     out = []
@@ -560,16 +541,26 @@ def _bucketed_scores(model, ids, am, Lp, G, buckets, score) -> list | None:
         if not shared:
             blocks = [model(sub_ids[:, :-1], attention_mask=sub_am[:, :-1], logits_to_keep=w, **kw)]      # (n, w, V)
         else:
-            blocks = [first[torch.div(rows, G, rounding_mode="floor")]]                                  # (n, 1, V)
+            prompts = torch.div(rows, G, rounding_mode="floor")                                         # (n,)
+            blocks = [first[prompts]]                                                                   # (n, 1, V)
             if w > 1:
-                sub = _take_rows(cache, torch.div(rows, G, rounding_mode="floor"))
+                sub = cache_rows.take_rows(cache, prompts)
                 blocks.append(model(sub_ids[:, Lp:-1], attention_mask=sub_am[:, Lp:-1], cache=sub, **kw))  # (n, w-1, V)
-        scored, c = [], Lp
-        for logits in blocks:
-            scored.append(score(logits, sub_ids[:, c:c + logits.size(1)], sub_am[:, c:c + logits.size(1)] == 0))
-            c += logits.size(1)
-        out.append(tuple(None if parts[0] is None else torch.cat(parts, dim=1) for parts in zip(*scored)))
+        out.append(_score_blocks(blocks, sub_ids, sub_am, Lp, score))
     return out
+
+
+def _score_blocks(blocks, ids, am, Lp, score) -> tuple:
+    """``score``'s (logp, logp_full, entropy) of logits ``blocks`` [(B, w, V)] that predict the response
+    columns of ``ids`` / ``am`` from ``Lp`` on, in column order, each block scored on its own columns
+    and the results joined (B, sum of w)."""
+    scored, c = [], Lp
+    for logits in blocks:
+        w = logits.size(1)
+        scored.append(score(logits, ids[:, c:c + w], am[:, c:c + w] == 0))
+        c += w
+    return tuple(None if parts[0] is None else parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+                 for parts in zip(*scored))
 
 
 def _response_logits(model, ids, am, Lp, T, G):
@@ -649,7 +640,7 @@ def sequence_token_logprobs(model, rollout: Rollout | tuple, *, temperature: flo
 
     ``buckets`` (train.length_buckets): the rows split into ``length_buckets``, each forwarded to its
     own longest row (the prompts still once, where ``group_size`` shares them and the cache can
-    give a bucket its rows' prompts: ``_take_rows``), so a long row does not make every row of the
+    give a bucket its rows' prompts: ``cache_rows.take_rows``), so a long row does not make every row of the
     batch compute its length; the same numbers per row to float rounding (tested), the positions
     computed ``bucket_positions``.
 
@@ -686,19 +677,11 @@ def sequence_token_logprobs(model, rollout: Rollout | tuple, *, temperature: flo
     by_bucket = (_bucketed_scores(model, ids, am, Lp, group_size or 1, groups, score) if len(groups) > 1
                  else None)
     if by_bucket is not None:           # each bucket's (n_b, w_b) padded to T, then back in row order
-        order = torch.cat(groups)                                                            # (B,)
-        back = torch.empty_like(order)
-        back[order] = torch.arange(order.numel(), device=order.device)
+        back = torch.argsort(torch.cat(groups))                                              # (B,)
         joined = (None if parts[0] is None else torch.cat([F.pad(x, (0, T - x.size(1))) for x in parts])[back]
                   for parts in zip(*by_bucket))
-    else:
-        scored, c = [], Lp                                # each block of logits scored on its own columns
-        for logits in _response_logits(model, ids, am, Lp, T, group_size or 1):                  # (B, w, V)
-            w = logits.size(1)
-            scored.append(score(logits, ids[:, c:c + w], am[:, c:c + w] == 0))
-            c += w
-        joined = (None if parts[0] is None else parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # (B, T)
-                  for parts in zip(*scored))
+    else:                               # (B, T)
+        joined = _score_blocks(_response_logits(model, ids, am, Lp, T, group_size or 1), ids, am, Lp, score)
     lp, lp_full, entropy = (x if x is None or T == T_out else F.pad(x, (0, T_out - T))          # (B, T_out)
                             for x in joined)
     if not (return_full or return_entropy):

@@ -7,7 +7,6 @@ learn stage computes and counts fewer padding positions."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 import itertools
 
 import pytest
@@ -16,6 +15,7 @@ import torch
 from rlvr import sampling
 from rlvr.models.hf import load_policy
 from hf_models import make_model_dir
+from rlvr.learn import learn
 from test_length_buckets import LENGTHS, LP, T, long_batch, one_learn, tiny_setup
 
 
@@ -133,14 +133,34 @@ def test_learn_with_row_buckets_gives_the_same_update_and_counts_less_padding(mo
 
 
 def test_a_learner_group_rank_never_buckets_its_rows(monkeypatch):
-    """A rank of a learner group (Learner.row_buckets False: its forwards are collectives every rank
-    runs equally often) forwards each part whole whatever train.length_buckets says."""
-    from rlvr.learn import Learner, make_optimizer, make_scheduler, row_buckets
+    """A rank of a learner group (its forwards are collectives every rank runs equally often) forwards
+    each part whole whatever train.length_buckets says: learn with a shard (a one-rank stand-in) asks
+    sequence_token_logprobs for no buckets, and without one asks for them."""
+    from rlvr.learn import Learner, make_optimizer, make_scheduler
 
-    setup = tiny_setup(train__length_buckets="true")
-    opt = make_optimizer(setup.model.trainable_params(), setup.cfg.train)
-    learner = Learner(setup.model, opt, make_scheduler(opt, setup.cfg.train), setup.cfg, torch.Generator(), T)
-    assert row_buckets(learner) and not row_buckets(dataclasses.replace(learner, row_buckets=False))
-    off = copy.deepcopy(setup.cfg)
-    off.train.length_buckets = False
-    assert not row_buckets(Learner(setup.model, opt, learner.sched, off, torch.Generator(), T))
+    class OneRank:                      # rlvr.distributed.learners.Shard's surface, world = 1
+        def __init__(self, model):
+            self.model = model
+
+        def rows(self, idx, G, mask, agg):
+            return idx, None
+
+        def mine(self, idx, G):
+            return idx
+
+        def reduce(self, stats):
+            return stats
+
+    setup = tiny_setup(train__length_buckets="true", train__micro_batches=2)
+    batch = long_batch(setup)
+    asked = []
+    real = sampling.sequence_token_logprobs
+    monkeypatch.setattr(sampling, "sequence_token_logprobs",
+                        lambda *a, **kw: asked.append(kw.get("buckets")) or real(*a, **kw))
+    for shard in (None, "rank"):
+        policy = copy.deepcopy(setup.model)
+        opt = make_optimizer(policy.trainable_params(), setup.cfg.train)
+        learner = Learner(policy, opt, make_scheduler(opt, setup.cfg.train), setup.cfg, torch.Generator(), T)
+        asked.clear()
+        learn(learner, batch, shard=None if shard is None else OneRank(policy))
+        assert asked and set(asked) == ({True} if shard is None else {False}), shard

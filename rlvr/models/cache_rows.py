@@ -163,3 +163,19 @@ def ungroup(cache: LeanCache, rows: torch.Tensor) -> torch.Tensor:
     cache.group, cache.prefix = 1, 0
     cache.mask, cache.next_pos = cache.mask[rows], cache.next_pos[rows]
     return rows
+
+
+def takes_rows(cache) -> bool:
+    """Whether ``take_rows`` can give rows of ``cache``: a ``LeanCache`` in its plain layout."""
+    return isinstance(cache, LeanCache) and cache.group == 1
+
+
+def take_rows(cache: LeanCache, rows: torch.Tensor) -> LeanCache:
+    """A new cache holding ``rows`` (n,) long of ``cache`` (``takes_rows``; rows may repeat), its keys
+    and values indexed out of place so gradients reach the source's (a training forward's buckets
+    over their rows' shared prompts, rlvr.sampling.sequence_token_logprobs)."""
+    out = LeanCache(len(cache.k), rows.numel(), cache.max_len, rows.device)
+    out.k = [None if t is None else t[rows] for t in cache.k]
+    out.v = [None if t is None else t[rows] for t in cache.v]
+    out.mask, out.next_pos = cache.mask[rows], cache.next_pos[rows]
+    return out
