@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    from rlvr import sampling
+    from rlvr import sampling, scoring
 
     with tempfile.TemporaryDirectory() as d:
         pol, tok = build(d, a.attn)
@@ -71,7 +71,7 @@ def main() -> None:
 
     r = ours()
     with torch.no_grad():
-        diff = (sampling.sequence_token_logprobs(pol, r) - r.logp).abs().max().item()
+        diff = (scoring.sequence_token_logprobs(pol, r) - r.logp).abs().max().item()
     # interleaved, so load from other processes on shared cores hits both paths alike
     times: dict = {ours: [], theirs: []}
     with torch.no_grad():

@@ -78,7 +78,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    from rlvr import logprobs, sampling
+    from rlvr import logprobs, sampling, scoring
     from rlvr.config import ModelConfig
     from rlvr.hostmem import set_host_memory
     from rlvr.models.hf import LoraSpec, load_policy
@@ -102,7 +102,7 @@ def main() -> None:
 
     def train(roll) -> None:
         with autocast_context(bf16, "cpu"):   # the learn stage's scorer: token log-probs in chunks, as by default
-            lp = sampling.sequence_token_logprobs(policy, roll, temperature=TEMPERATURE, group_size=G,
+            lp = scoring.sequence_token_logprobs(policy, roll, temperature=TEMPERATURE, group_size=G,
                                                   chunk_rows=logprobs.chunk_setting(ModelConfig.logprob_chunk_rows))
         (lp * roll.mask).sum().backward()
         policy.zero_grad(set_to_none=True)

@@ -13,7 +13,7 @@ G = ``--group``, ``--max-new`` new tokens, ``--micro-batches`` parts a minibatch
 
 - before: every decode step computes every row until the last one ends
   (rlvr.sampling.COMPACT_FINISHED = None) and every scoring forward runs to the full response width
-  (the per-part trimming of rlvr.sampling.sequence_token_logprobs undone), train.length_buckets off;
+  (the per-part trimming of rlvr.scoring.sequence_token_logprobs undone), train.length_buckets off;
 - after: finished rows leave the decode batch (the default), each part's forward stops at its own
   longest row, and train.length_buckets = true (each forward's rows in length buckets, each to its
   own longest row);
@@ -25,7 +25,7 @@ own. Prints per mode: the median step time after the first step, sampling's shar
 per second (response tokens / sampling seconds), the mean response length, the share of the decode
 forwards' rows spent on finished rows (train/decode_finished_row_frac) and the share of the scoring
 and training forwards' response positions spent on padding (counted around every
-rlvr.sampling.sequence_token_logprobs call; train/learn_padding_frac's mean and largest step), the
+rlvr.scoring.sequence_token_logprobs call; train/learn_padding_frac's mean and largest step), the
 peak RSS against the price's predicted peak, and the run's step seconds against the price's
 expected wall time (at ``--expected-tokens`` a response where given, else at the cap); then the
 ratio of the median step times before / after, and the checkpointed run's time and memory against
@@ -75,18 +75,18 @@ def toml_inline(d: dict) -> str:
 
 class Positions:
     """Response positions the scoring forwards computed, and how many of them were padding: wraps
-    rlvr.sampling.sequence_token_logprobs; `full` runs each call to its full response width."""
+    rlvr.scoring.sequence_token_logprobs; `full` runs each call to its full response width."""
 
     def __init__(self, sampling, full: bool):
-        self.sampling, self.full, self.real = sampling, full, sampling.sequence_token_logprobs
+        self.sampling, self.full, self.real = sampling, full, scoring.sequence_token_logprobs
         self.computed = self.padding = 0
 
     def __enter__(self):
-        self.sampling.sequence_token_logprobs = self.call
+        self.scoring.sequence_token_logprobs = self.call
         return self
 
     def __exit__(self, *exc):
-        self.sampling.sequence_token_logprobs = self.real
+        self.scoring.sequence_token_logprobs = self.real
 
     def call(self, model, rollout, **kw):
         import torch
@@ -116,7 +116,7 @@ MODES = ("before", "after", "checkpointed")
 
 def run_mode(mode: str, a, out: Path) -> dict:
     """One rlvr run of ``mode`` in this process: its figures (``run_mode``'s dict, no peak memory)."""
-    from rlvr import cli, sampling
+    from rlvr import cli, sampling, scoring
 
     before = mode == "before"
     options = toml_inline(task_options(a.prompts, a.max_new))

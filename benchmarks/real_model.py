@@ -529,6 +529,7 @@ def accuracy_curves(mdir: Path, a, setup) -> dict:
     gc.collect()
     r = RlvrRun(mdir, max_steps, a.eval_prompts, a.threads, a.numerics, a.compile == "on")
     spent, steps, pending = 0.0, 0, list(marks)
+    rlvr_steps: list[float] = []
     while True:
         if pending and spent >= pending[0]:              # one evaluation, however many marks a step crossed
             while pending and spent >= pending[0]:
@@ -537,7 +538,9 @@ def accuracy_curves(mdir: Path, a, setup) -> dict:
             print(f"  rlvr: {spent:7.1f} s, {steps:3d} steps, held-out {curves['rlvr'][-1][2]:.3f}", flush=True)
         if spent >= budget or steps >= max_steps:
             break
-        spent += r.step()
+        took = r.step()
+        rlvr_steps.append(took)
+        spent += took
         steps += 1
     if not curves["rlvr"] or curves["rlvr"][-1][1] != steps:
         curves["rlvr"].append((spent, steps, r.accuracy(a.eval_prompts)))
@@ -549,7 +552,8 @@ def accuracy_curves(mdir: Path, a, setup) -> dict:
         curves["trl"].append((spent_s, n, trl_accuracy(model, setup, a.eval_prompts)))
         print(f"  trl:  {spent_s:7.1f} s, {n:3d} steps, held-out {curves['trl'][-1][2]:.3f}", flush=True)
 
-    TrlRun(mdir, setup, max_steps, a.threads, a.numerics).run(budget, marks, on_eval)
+    trl_steps = TrlRun(mdir, setup, max_steps, a.threads, a.numerics).run(budget, marks, on_eval)
+    curves["step_s"] = {"rlvr": rlvr_steps, "trl": trl_steps}        # every training step's seconds
     return curves
 
 
@@ -646,8 +650,12 @@ def main(argv: list[str] | None = None) -> int:
     what = f"{a.curve_steps} steps" if a.curve_steps else f"{a.minutes:g} minutes"
     print(f"held-out greedy accuracy ({a.eval_prompts} prompts) against training wall time, {what} each:", flush=True)
     curves = accuracy_curves(mdir, a, setup)
-    for lib, pts in curves.items():
-        print(f"  {lib:<5}" + "  ".join(f"{t:6.0f}s/{n}st: {acc:.3f}" for t, n, acc in pts))
+    for lib in ("rlvr", "trl"):
+        print(f"  {lib:<5}" + "  ".join(f"{t:6.0f}s/{n}st: {acc:.3f}" for t, n, acc in curves[lib]))
+    during = {lib: statistics.median(v[1:] or v) for lib, v in curves["step_s"].items() if v}
+    if len(during) == 2:
+        print(f"  median step during the curves (first step of each dropped): rlvr {during['rlvr']:.2f} s, "
+              f"TRL {during['trl']:.2f} s, TRL / rlvr = {during['trl'] / during['rlvr']:.2f}", flush=True)
     verdicts = targets(profile, st, curves)
     print("targets:")
     for line in verdicts:

@@ -37,7 +37,7 @@ def main() -> int:
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import real_model as rm
-    from rlvr import sampling, tools
+    from rlvr import sampling, scoring, tools
     from rlvr.hostmem import set_host_memory
     from rlvr.tokenizer import encode_example
 
@@ -83,7 +83,7 @@ def main() -> int:
         for reuse in (True, False):
             st, r = last[reuse]
             with setup.numerics.context():
-                lp = sampling.sequence_token_logprobs(policy, r, temperature=kw["temperature"], group_size=G).detach()
+                lp = scoring.sequence_token_logprobs(policy, r, temperature=kw["temperature"], group_size=G).detach()
             d = (lp - r.logp).abs()[r.mask.bool()]
             name = "on the KV cache" if reuse else "prefilling     "
             print(f"  {name}: median {statistics.median(times[reuse]):6.2f} s "

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlvr import costs, sampling, tools
+from rlvr import costs, sampling, scoring, tools
 from rlvr.environments import Episode
 from rlvr.policy import Policy, Tokenizer
 from rlvr.rewards import goal_hits, score_batch
@@ -159,7 +159,7 @@ def sample_and_score(policy: Policy, tok: Tokenizer, task: Task, examples: list,
     rollout = rollouts[0] if len(rollouts) == 1 else sampling.concat(rollouts, tok.pad_id)
     # each row up to its last token, inserted text included (a chat turn inserted by a tool holds eos):
     # decode drops special tokens, so a final eos is not in the text
-    extent = sampling.response_extent(rollout.attention_mask[:, rollout.prompt_len:]).tolist()
+    extent = scoring.response_extent(rollout.attention_mask[:, rollout.prompt_len:]).tolist()
     responses = [tok.decode(r[:n]) for r, n in zip(rollout.response_ids.tolist(), extent)]
     if env is not None:  # the rewards and the goal see each episode's turns (rlvr.environments)
         responses = [Episode(text, **t) for text, t in zip(responses, turns)]

@@ -16,10 +16,10 @@ from typing import Callable
 
 import torch
 
-from rlvr import config as config_mod, logprobs, losses, optim, sampling
+from rlvr import config as config_mod, logprobs, losses, optim, sampling, scoring
 from rlvr.policy import Policy
 from rlvr.rollout import Batch, forward_tokens, micro_rows
-from rlvr.sampling import bucket_positions, response_extent
+from rlvr.scoring import bucket_positions, response_extent
 from rlvr.machine import ordered_pair, time_calls
 from rlvr.probes import learn_probe_share
 from rlvr.setup_types import Setup
@@ -80,7 +80,7 @@ class Learner:
     (rlvr.numerics.Numerics.context: bf16 autocast, or nothing); the backward runs outside it."""
     row_buckets: bool = True
     """Whether a training forward may split its rows into length buckets (train.length_buckets,
-    rlvr.sampling.length_buckets): off on a rank of a learner group, whose forwards are collectives
+    rlvr.scoring.length_buckets): off on a rank of a learner group, whose forwards are collectives
     that every rank must run as often as the others."""
 
 
@@ -97,7 +97,7 @@ def part_rows(learner: Learner, batch: Batch, rows: torch.Tensor) -> list[torch.
     """The `train.micro_batches` parts of whole groups that `rows` (one minibatch, or a rank's share
     of it) are forwarded and back-propagated in (rlvr.rollout.micro_rows): in order, or with
     `train.length_buckets` sorted by their longest response first, so a part's forward, which stops at
-    its own longest row (rlvr.sampling.sequence_token_logprobs), computes less padding. Every pass
+    its own longest row (rlvr.scoring.sequence_token_logprobs), computes less padding. Every pass
     over the rows takes these parts (`accumulate`, `prepass_logp_old`)."""
     tc = learner.cfg.train
     return micro_rows(rows, tc.samples_per_prompt, tc.micro_batches,
@@ -108,7 +108,7 @@ def padding_positions(mask: torch.Tensor, parts: list[torch.Tensor], buckets: bo
     """(response positions the forwards over `parts` compute, of them padding) for the response mask
     `mask` (B, T): a part's forward runs every one of its rows to the part's longest row (at least
     one column), or with `buckets` (train.length_buckets) each of its length buckets to the bucket's
-    longest (rlvr.sampling.bucket_positions); the columns past a row's own end are padding."""
+    longest (rlvr.scoring.bucket_positions); the columns past a row's own end are padding."""
     total = pad = 0
     for p in parts:
         t, d = bucket_positions(response_extent(mask[p.to(mask.device)]), buckets)
@@ -175,7 +175,7 @@ def training_forward(learner: Learner, sub: sampling.Rollout, kl_on: bool, bonus
     cfg = learner.cfg
     sc, G = cfg.sampling, cfg.train.samples_per_prompt
     with learner.autocast():
-        return sampling.sequence_token_logprobs(learner.policy, sub, temperature=sc.temperature, top_p=sc.top_p,
+        return scoring.sequence_token_logprobs(learner.policy, sub, temperature=sc.temperature, top_p=sc.top_p,
                                                 top_k=sc.top_k, min_p=sc.min_p,
                                                 chunk_rows=logprobs.chunk_setting(cfg.model.logprob_chunk_rows),
                                                 group_size=G if cfg.model.share_prompt_forward else None,

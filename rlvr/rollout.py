@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlvr import advantages, costs, logprobs, losses, sampling
+from rlvr import advantages, costs, logprobs, losses, sampling, scoring
 from rlvr.groups import (  # noqa: F401  (score_groups, total_overflow: the callers' names)
     Groups,
     merge,
@@ -109,12 +109,12 @@ def reference_logprobs(policy: Policy, reference: Policy | None, rollout: sampli
                        autocast=contextlib.nullcontext, buckets: bool = False) -> torch.Tensor:
     """(B, T) logp_ref: a frozen copy `reference`, or (None) the policy with its adapter disabled,
     under the training numerics `autocast()` (so the KL is 0 at π = π_ref); `buckets`: in length
-    buckets (train.length_buckets, rlvr.sampling.length_buckets).
+    buckets (train.length_buckets, rlvr.scoring.length_buckets).
 
     Scored without a nucleus: a token outside π_ref's own nucleus would get the floor log-prob and
-    a huge, meaningless KL (see rlvr.sampling.OUTSIDE_NUCLEUS_LOGP)."""
+    a huge, meaningless KL (see rlvr.scoring.OUTSIDE_NUCLEUS_LOGP)."""
     with torch.no_grad(), (policy.adapter_disabled() if reference is None else contextlib.nullcontext()), autocast():
-        return sampling.sequence_token_logprobs(reference if reference is not None else policy, rollout,
+        return scoring.sequence_token_logprobs(reference if reference is not None else policy, rollout,
                                                 temperature=temperature, top_p=1.0, top_k=0, min_p=0.0,
                                                 chunk_rows=chunk_rows,
                                                 group_size=group_size, buckets=buckets)
@@ -279,16 +279,16 @@ def micro_rows(rows: torch.Tensor, G: int, parts: int, mask: torch.Tensor | None
 
 def length_sorted(rows: torch.Tensor, G: int, mask: torch.Tensor) -> torch.Tensor:
     """`rows` (whole groups of G) reordered group by group by the group's longest response (the
-    columns a forward over it reaches, rlvr.sampling.response_extent of `mask` (B, T)), longest
+    columns a forward over it reaches, rlvr.scoring.response_extent of `mask` (B, T)), longest
     first; a stable sort (equal lengths keep their order), a group's rows in their own order."""
     groups = rows.view(-1, G)                                                           # (n, G)
-    extent = sampling.response_extent(mask[rows.to(mask.device)]).view(-1, G).amax(1)  # (n,)
+    extent = scoring.response_extent(mask[rows.to(mask.device)]).view(-1, G).amax(1)  # (n,)
     order = torch.sort(extent.cpu(), descending=True, stable=True).indices.to(rows.device)
     return groups[order].reshape(-1)
 
 
 def training_logprobs(policy: Policy, rollout: sampling.Rollout, cfg, autocast=contextlib.nullcontext,
-                      full: bool = False, entropy: bool = False) -> sampling.TokenLogprobs:
+                      full: bool = False, entropy: bool = False) -> scoring.TokenLogprobs:
     """(logp, logp_full, entropy or None), each (B, T) and detached: the forward the learn stage runs
     on these rows, under the training numerics `autocast()`, scored under the sampling distribution
     (the tempered nucleus) and, with `full` and a nucleus (top_p, top_k or min_p), also under the
@@ -317,15 +317,15 @@ def training_logprobs(policy: Policy, rollout: sampling.Rollout, cfg, autocast=c
     policy.train(cfg.model.lora_dropout == 0)          # as the learner's forward, but never a LoRA dropout
     parts = micro_rows(torch.arange(rollout.ids.size(0)), G, tc.minibatches * tc.micro_batches,
                        rollout.mask if tc.length_buckets else None)
-    got: list[sampling.TokenLogprobs] = []
+    got: list[scoring.TokenLogprobs] = []
     try:
         for rows in parts:
             sub = rollout if len(parts) == 1 else rollout.select(rows.to(rollout.ids.device))
             with torch.enable_grad(), autocast():
-                out = sampling.sequence_token_logprobs(policy, sub, return_full=full, return_entropy=entropy, **kw)
+                out = scoring.sequence_token_logprobs(policy, sub, return_full=full, return_entropy=entropy, **kw)
             if isinstance(out, torch.Tensor):                                         # (b, T)
-                out = sampling.TokenLogprobs(out, None, None)
-            got.append(sampling.TokenLogprobs(*(None if x is None else x.detach() for x in out)))
+                out = scoring.TokenLogprobs(out, None, None)
+            got.append(scoring.TokenLogprobs(*(None if x is None else x.detach() for x in out)))
     finally:
         policy.train(was_training)
     order = torch.cat(parts).to(rollout.ids.device)        # the rows in the parts' order (length_buckets)
@@ -333,7 +333,7 @@ def training_logprobs(policy: Policy, rollout: sampling.Rollout, cfg, autocast=c
     back[order] = torch.arange(order.numel(), device=order.device)
     cat = (lambda xs: None if xs[0] is None else xs[0] if len(xs) == 1 else torch.cat(xs)[back])
     logp = cat([g.logp for g in got])
-    return sampling.TokenLogprobs(logp, cat([g.logp_full for g in got]) if full else logp,
+    return scoring.TokenLogprobs(logp, cat([g.logp_full for g in got]) if full else logp,
                                   cat([g.entropy for g in got]))
 
 

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from rlvr import config as config_mod, sampling
+from rlvr import config as config_mod, scoring
 from rlvr.learn import make_optimizer
 from rlvr.tasks import Example
 from rlvr.tokenizer import encode_example
@@ -249,7 +249,7 @@ def masked_nll(logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def sft_loss(model, ids: torch.Tensor, am: torch.Tensor, Lp: int, mask: torch.Tensor,
              chunk_rows=None) -> torch.Tensor:
     """The cross-entropy of the trained tokens under `model` (temperature 1), with gradient."""
-    logp = sampling.sequence_token_logprobs(model, (ids, am, Lp), temperature=1.0, top_p=1.0,
+    logp = scoring.sequence_token_logprobs(model, (ids, am, Lp), temperature=1.0, top_p=1.0,
                                             chunk_rows=chunk_rows)                               # (B, T)
     return masked_nll(logp, mask.to(logp.device))
 

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from rlvr import (build as build_mod, config as config_mod, costs, losses, numerics as numerics_mod, run_price,
-                  sampling, setup_types)
+                  sampling, scoring, setup_types)
 from rlvr.distributed import resolved_numerics, staleness
 from rlvr.learn import Learner, learn, make_optimizer, make_scheduler
 from rlvr.rollout import Batch, Groups, recompute_logp_old, rollout, sample_and_score
@@ -60,7 +60,7 @@ def training_forward_logp(setup, roll) -> torch.Tensor:
     """(B, T) log-probs of a fresh no-grad forward under the run's training numerics."""
     cfg = setup.cfg
     with torch.no_grad(), setup.numerics.context():
-        return sampling.sequence_token_logprobs(
+        return scoring.sequence_token_logprobs(
             setup.model, roll, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
             group_size=cfg.train.samples_per_prompt if cfg.model.share_prompt_forward else None)
 
@@ -305,7 +305,7 @@ def test_recompute_runs_the_learners_forward_on_the_learners_parts(monkeypatch):
     as the learner's forward (a no-gradient forward takes other products; on SmolLM2 under CPU bf16
     those give other numbers), so the first ratio is exactly 1 with micro-batches too."""
     seen = []
-    real = sampling.sequence_token_logprobs
+    real = scoring.sequence_token_logprobs
 
     def spy(model, roll, **kw):
         seen.append((roll.ids.size(0), torch.is_grad_enabled(), model.training))
@@ -313,7 +313,7 @@ def test_recompute_runs_the_learners_forward_on_the_learners_parts(monkeypatch):
 
     setup = tiny_setup("--model.autocast=bf16", "--train.micro_batches=2",     # logp_old = auto: recompute,
                        "--algorithm.top_entropy_quantile=0.5")                  # in the rollout stage
-    monkeypatch.setattr(sampling, "sequence_token_logprobs", spy)
+    monkeypatch.setattr(scoring, "sequence_token_logprobs", spy)
     batch = sample(setup)
     assert seen == [(8, True, True), (8, True, True)] and batch.logp_old_version == 0
     for part in (torch.arange(8), torch.arange(8, 16)):
@@ -374,7 +374,7 @@ def test_the_is_weight_folds_into_delta_by_hand(monkeypatch):
         calls.append((torch.is_autocast_enabled("cpu"), torch.is_grad_enabled(), model.training))
         return train_p.log() * mask
 
-    monkeypatch.setattr(sampling, "sequence_token_logprobs", train_forward)
+    monkeypatch.setattr(scoring, "sequence_token_logprobs", train_forward)
     setup = SimpleNamespace(cfg=cfg, numerics=numerics_mod.Numerics(True, "bf16", "cpu"))
     policy = SimpleNamespace(training=False)
     policy.train = lambda mode=True: setattr(policy, "training", mode)
@@ -513,7 +513,7 @@ def test_logp_old_of_later_minibatches_is_a_hand_made_forward_before_the_first_u
             for groups in order.chunk(2):
                 rows = (groups[:, None] * 4 + torch.arange(4)).reshape(-1)
                 with torch.enable_grad(), setup.numerics.context():
-                    lp = sampling.sequence_token_logprobs(
+                    lp = scoring.sequence_token_logprobs(
                         model, batch.rollout.select(rows), temperature=cfg.sampling.temperature,
                         top_p=cfg.sampling.top_p,
                         group_size=cfg.train.samples_per_prompt if cfg.model.share_prompt_forward else None).detach()
@@ -560,9 +560,9 @@ def test_every_minibatchs_ratio_is_exactly_1_where_the_forward_depends_on_its_ro
 
 
 def _row_count_dependent(monkeypatch) -> None:
-    """sampling.sequence_token_logprobs plus an offset computed from the rows' ids and order (the
+    """scoring.sequence_token_logprobs plus an offset computed from the rows' ids and order (the
     stand-in for bf16 products that depend on the rows computed together)."""
-    real = sampling.sequence_token_logprobs
+    real = scoring.sequence_token_logprobs
 
     def shifted(model, roll, **kw):
         out = real(model, roll, **kw)
@@ -570,10 +570,10 @@ def _row_count_dependent(monkeypatch) -> None:
         shift = 1e-4 * float((roll.ids * order).sum() % 97 + 1)
         if isinstance(out, torch.Tensor):
             return out + shift
-        return sampling.TokenLogprobs(out.logp + shift, None if out.logp_full is None else out.logp_full + shift,
+        return scoring.TokenLogprobs(out.logp + shift, None if out.logp_full is None else out.logp_full + shift,
                                       out.entropy)
 
-    monkeypatch.setattr(sampling, "sequence_token_logprobs", shifted)
+    monkeypatch.setattr(scoring, "sequence_token_logprobs", shifted)
 
 
 @pytest.mark.parametrize("micro_batches", [1, 2])

@@ -12,7 +12,7 @@ import torch  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
 
-from rlvr import sampling  # noqa: E402
+from rlvr import sampling, scoring  # noqa: E402
 from rlvr.models.hf import HFLoadError, HFPolicy, LoraSpec, export_hf, load_policy  # noqa: E402
 
 from hf_models import CHARS, SPECIALS, make_model_dir, make_tokenizer  # noqa: E402,F401
@@ -73,13 +73,13 @@ def test_generate_logp_equals_recomputed(llama, temperature, top_p):
                           top_p=top_p, eos_id=tok.eos_id, pad_id=tok.pad_id, generator=g)
     assert r.ids.shape[0] == 12 and r.mask.sum() > 0
     with torch.no_grad():
-        lp = sampling.sequence_token_logprobs(policy, r)
-        lp_chunked = sampling.sequence_token_logprobs(policy, r, chunk_rows=5)
+        lp = scoring.sequence_token_logprobs(policy, r)
+        lp_chunked = scoring.sequence_token_logprobs(policy, r, chunk_rows=5)
     torch.testing.assert_close(lp, r.logp, atol=1e-5, rtol=0)
     torch.testing.assert_close(lp_chunked, r.logp, atol=1e-5, rtol=0)
     # the chunked path also carries gradient
     policy.zero_grad()
-    sampling.sequence_token_logprobs(policy, r, chunk_rows=5).sum().backward()
+    scoring.sequence_token_logprobs(policy, r, chunk_rows=5).sum().backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.parameters())
     policy.zero_grad()
     assert isinstance(tok.decode(r.response_ids[0]), str)
@@ -107,7 +107,7 @@ def test_lora_trains_adapter_only_and_reference_is_base(llama_dir, llama):
                           pad_id=tok.pad_id, generator=torch.Generator().manual_seed(1))
     policy.train()
     opt = torch.optim.AdamW(policy.trainable_params(), lr=1e-2)
-    (-(sampling.sequence_token_logprobs(policy, r) * r.mask).sum()).backward()
+    (-(scoring.sequence_token_logprobs(policy, r) * r.mask).sum()).backward()
     opt.step()
     policy.eval()
     changed = {n for n, p in policy.named_parameters() if not torch.equal(p, before[n])}
@@ -118,11 +118,11 @@ def test_lora_trains_adapter_only_and_reference_is_base(llama_dir, llama):
         live = policy(ids, attention_mask=am)
         with policy.adapter_disabled():
             ref = policy(ids, attention_mask=am)
-            lp_ref = sampling.sequence_token_logprobs(policy, r, top_p=1.0)
+            lp_ref = scoring.sequence_token_logprobs(policy, r, top_p=1.0)
         base_logits = base(ids, attention_mask=am)
         assert not torch.allclose(live, base_logits, atol=1e-4)
         torch.testing.assert_close(ref[am.bool()], base_logits[am.bool()], atol=1e-5, rtol=0)
-        torch.testing.assert_close(lp_ref, sampling.sequence_token_logprobs(base, r, top_p=1.0), atol=1e-5, rtol=0)
+        torch.testing.assert_close(lp_ref, scoring.sequence_token_logprobs(base, r, top_p=1.0), atol=1e-5, rtol=0)
         torch.testing.assert_close(policy(ids, attention_mask=am), live)   # adapter is back on
     with pytest.raises(ValueError, match="no LoRA adapter"):
         with base.adapter_disabled():
@@ -315,7 +315,7 @@ def test_shared_prompt_forward_equals_full_forward(llama, temperature, top_p):
     grads = []
     for G in (None, 3):
         policy.zero_grad()
-        lp = sampling.sequence_token_logprobs(policy, roll, group_size=G)
+        lp = scoring.sequence_token_logprobs(policy, roll, group_size=G)
         (lp * torch.linspace(-1, 1, lp.numel()).view_as(lp)).sum().backward()
         grads.append((lp.detach(), [p.grad.clone() for p in policy.parameters() if p.grad is not None]))
     (full, gf), (shared, gs) = grads
@@ -340,13 +340,13 @@ def test_scoring_the_shared_prompt_blocks_apart_equals_scoring_them_joined(llama
     out = []
     for joined in (False, True):
         if joined:
-            blocks = sampling._response_logits(policy, roll.ids, roll.attention_mask, Lp, T, 3)
+            blocks = scoring._response_logits(policy, roll.ids, roll.attention_mask, Lp, T, 3)
             assert [b.size(1) for b in blocks] == [1, T - 1]
-            lp, full, ent = sampling._score(torch.cat(blocks, dim=1), roll.ids[:, Lp:], roll.attention_mask[:, Lp:] == 0,
+            lp, full, ent = scoring._score(torch.cat(blocks, dim=1), roll.ids[:, Lp:], roll.attention_mask[:, Lp:] == 0,
                                             temperature=0.8, top_p=top_p, top_k=0, min_p=0.0, chunk_rows=chunk_rows,
                                             entropy=True)
         else:
-            lp, full, ent = sampling.sequence_token_logprobs(policy, roll, group_size=3, chunk_rows=chunk_rows,
+            lp, full, ent = scoring.sequence_token_logprobs(policy, roll, group_size=3, chunk_rows=chunk_rows,
                                                              return_full=True, return_entropy=True)
         grads = torch.autograd.grad((lp * w).sum() + (full * w).sum() + (ent * w).sum(), params)
         out.append((lp.detach(), full.detach(), ent.detach(), grads))
@@ -595,7 +595,7 @@ def test_fast_generate_and_shared_prompt_grads_match_transformers(fast_variant, 
                              top_p=top_p, eos_id=tok.eos_id, pad_id=tok.pad_id,
                              generators=sampling.prompt_generators(0, 0, len(prompts)))  # as rlvr.rollout
     with torch.no_grad(), transformers_path(policy):
-        lp_slow = sampling.sequence_token_logprobs(policy, roll)
+        lp_slow = scoring.sequence_token_logprobs(policy, roll)
     torch.testing.assert_close(roll.logp, lp_slow, atol=1e-5, rtol=0)
 
     params = [p for p in policy.parameters() if p.requires_grad]
@@ -605,7 +605,7 @@ def test_fast_generate_and_shared_prompt_grads_match_transformers(fast_variant, 
         policy.fast_path = fast
         policy.zero_grad()
         try:
-            lp = sampling.sequence_token_logprobs(policy, roll, group_size=group)
+            lp = scoring.sequence_token_logprobs(policy, roll, group_size=group)
         finally:
             policy.fast_path = True
         (lp * weights).sum().backward()
@@ -931,8 +931,8 @@ def test_scoring_rows_that_all_end_early_gives_the_full_forwards_numbers(fast_va
     lengths = [1, 12, 12, 2, 12, 3, 5, 6, 1]             # no row reaches column 14
     roll = _ragged_rollout(tok, lengths, G, T, temperature, top_p)
     widths = []
-    real = sampling._response_logits
-    monkeypatch.setattr(sampling, "_response_logits", lambda *a: widths.append(a[4]) or real(*a))
+    real = scoring._response_logits
+    monkeypatch.setattr(scoring, "_response_logits", lambda *a: widths.append(a[4]) or real(*a))
     params = [p for p in policy.parameters() if p.requires_grad]
     weights = torch.linspace(-1, 1, roll.logp.numel()).view_as(roll.logp)
     results = []
@@ -940,10 +940,10 @@ def test_scoring_rows_that_all_end_early_gives_the_full_forwards_numbers(fast_va
         policy.fast_path = fast
         policy.zero_grad()
         try:
-            out = sampling.sequence_token_logprobs(policy, roll, group_size=group, return_full=True,
+            out = scoring.sequence_token_logprobs(policy, roll, group_size=group, return_full=True,
                                                    return_entropy=True)
             with torch.no_grad():
-                nograd = sampling.sequence_token_logprobs(policy, roll, group_size=group)
+                nograd = scoring.sequence_token_logprobs(policy, roll, group_size=group)
         finally:
             policy.fast_path = True
         (out.logp * weights + 0.1 * out.entropy).sum().backward()
@@ -1447,10 +1447,10 @@ def test_float_logits_false_keeps_the_heads_dtype_and_its_values(llama, fast, mo
         r = sampling.generate(policy, [tok.encode(s) for s in PROMPTS], samples_per_prompt=2, max_new_tokens=3,
                               temperature=1.0, eos_id=None, pad_id=tok.pad_id, generators=[torch.Generator().manual_seed(1)] * 4)
         seen = []
-        real = sampling._score
-        monkeypatch.setattr(sampling, "_score", lambda logits, *a, **kw: seen.append(logits.dtype) or real(logits, *a, **kw))
+        real = scoring._score
+        monkeypatch.setattr(scoring, "_score", lambda logits, *a, **kw: seen.append(logits.dtype) or real(logits, *a, **kw))
         with autocast_context(True, "cpu"):
-            sampling.sequence_token_logprobs(policy, r, group_size=2)
+            scoring.sequence_token_logprobs(policy, r, group_size=2)
         assert seen == [torch.bfloat16] * 2          # the group's shared prompt position, then the responses
     finally:
         policy.fast_path = was

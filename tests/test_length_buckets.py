@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from rlvr import build as build_mod, config as config_mod, sampling
+from rlvr import build as build_mod, config as config_mod, sampling, scoring
 from rlvr.learn import Learner, learn, make_optimizer, make_scheduler, padding_positions, part_rows
 from rlvr.rollout import Batch, length_sorted, micro_rows, training_logprobs
 from test_stage_options import sort_setup
@@ -42,7 +42,7 @@ def long_batch(setup, kl: bool = False) -> Batch:
     ro = sampling.Rollout(ids=ids, attention_mask=am, prompt_len=LP, mask=mask, logp=torch.zeros(B, T),
                           truncated=lengths == T)
     with torch.no_grad():
-        logp_old = sampling.sequence_token_logprobs(setup.model, ro)                       # (B, T)
+        logp_old = scoring.sequence_token_logprobs(setup.model, ro)                       # (B, T)
     ro = dataclasses.replace(ro, logp=logp_old)
     delta = (torch.arange(B) % 2 * 2 - 1).float().view(-1, G)                               # (P, G) ±1
     return Batch(groups=types.SimpleNamespace(rollout=ro, examples=[None] * (B // G)), parts=[], delta=delta,
@@ -87,8 +87,8 @@ def test_buckets_compute_fewer_positions_and_count_them(monkeypatch):
     learn_padding_frac is the share of the response positions past their row's end, by hand. (Row
     buckets inside a part never pay here, BUCKET_CALL_TOKENS set too high for a cut: the parts'
     sorting alone, PADDING_CAP lifted; tests/test_row_buckets.py counts the row buckets.)"""
-    monkeypatch.setattr(sampling, "BUCKET_CALL_TOKENS", 10 ** 6)
-    monkeypatch.setattr(sampling, "PADDING_CAP", 1.0)
+    monkeypatch.setattr(scoring, "BUCKET_CALL_TOKENS", 10 ** 6)
+    monkeypatch.setattr(scoring, "PADDING_CAP", 1.0)
     setup = tiny_setup()
     batch = long_batch(setup)
     B = batch.rollout.ids.size(0)

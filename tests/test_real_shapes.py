@@ -13,7 +13,7 @@ pytest.importorskip("peft")
 
 import torch  # noqa: E402
 
-from rlvr import cli, sampling  # noqa: E402
+from rlvr import cli, sampling, scoring  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
 
@@ -77,7 +77,7 @@ def test_sampler_logprobs_equal_the_training_forward_at_real_shapes(model_dir):
         ro = sampling.generate(policy, prompts, samples_per_prompt=4, max_new_tokens=12, temperature=1.0,
                                eos_id=None, pad_id=tok.pad_id,
                                generators=sampling.prompt_generators(7, 0, len(prompts)))
-        again = sampling.sequence_token_logprobs(policy, ro, temperature=1.0, group_size=4)
+        again = scoring.sequence_token_logprobs(policy, ro, temperature=1.0, group_size=4)
         again = again if isinstance(again, torch.Tensor) else again.logp
     m = ro.mask.bool()
     assert ro.mask.shape == (16, 12) and m.all()

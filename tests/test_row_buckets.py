@@ -1,4 +1,4 @@
-"""Length buckets inside a forward (train.length_buckets, rlvr.sampling.length_buckets): rows of a
+"""Length buckets inside a forward (train.length_buckets, rlvr.scoring.length_buckets): rows of a
 scoring or training forward split into buckets of similar length, each forwarded to its own longest
 row, the prompts still once per group where they are shared. The cut is the exact optimum (checked
 against enumeration), the log-probs and gradients are those of one forward over every row, and the
@@ -12,7 +12,7 @@ import itertools
 import pytest
 import torch
 
-from rlvr import sampling
+from rlvr import sampling, scoring
 from rlvr.models.hf import load_policy
 from hf_models import make_model_dir
 from rlvr.learn import learn
@@ -40,12 +40,12 @@ def bucket_cost(ext: torch.Tensor, buckets: list[torch.Tensor], call: int) -> in
 def test_length_buckets_by_hand():
     ext = torch.tensor([200, 10, 200, 10])
     # one bucket: 4 x 200 + 64 = 864; two: 2 x 10 + 64 + 2 x 200 + 64 = 548; four: 2 x 10 + 2 x 200 + 4 x 64 = 676
-    got = sampling.length_buckets(ext, call_tokens=64, padding_cap=1.0)
+    got = scoring.length_buckets(ext, call_tokens=64, padding_cap=1.0)
     assert [b.tolist() for b in got] == [[1, 3], [0, 2]]
-    assert [b.tolist() for b in sampling.length_buckets(ext, call_tokens=1000, padding_cap=1.0)] == [[1, 3, 0, 2]]
-    assert [b.tolist() for b in sampling.length_buckets(torch.tensor([5, 0, 5]), call_tokens=0)] == [[1], [0, 2]]
-    assert sampling.bucket_positions(ext, False) == (800, 800 - 420)
-    assert sampling.bucket_positions(ext, True) == (20 + 400, 0)
+    assert [b.tolist() for b in scoring.length_buckets(ext, call_tokens=1000, padding_cap=1.0)] == [[1, 3, 0, 2]]
+    assert [b.tolist() for b in scoring.length_buckets(torch.tensor([5, 0, 5]), call_tokens=0)] == [[1], [0, 2]]
+    assert scoring.bucket_positions(ext, False) == (800, 800 - 420)
+    assert scoring.bucket_positions(ext, True) == (20 + 400, 0)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -53,7 +53,7 @@ def test_length_buckets_by_hand():
 def test_length_buckets_is_the_enumerated_optimum(seed, call):
     gen = torch.Generator().manual_seed(seed)
     ext = torch.randint(0, 60, (9,), generator=gen)
-    got = sampling.length_buckets(ext, call_tokens=call, padding_cap=1.0)
+    got = scoring.length_buckets(ext, call_tokens=call, padding_cap=1.0)
     assert sorted(torch.cat(got).tolist()) == list(range(9))                          # every row once
     assert all(int(ext[a].max()) <= int(ext[b].min()) for a, b in zip(got, got[1:]))   # runs of the sorted rows
     assert bucket_cost(ext, got, call) == enumerated_best(ext.tolist(), call)
@@ -62,12 +62,12 @@ def test_length_buckets_is_the_enumerated_optimum(seed, call):
 def test_length_buckets_padding_cap_by_hand():
     ext = torch.tensor([200, 10, 200, 10, 180])
     # at a call cost of 1000 the DP keeps one bucket: 5 x 200 = 1000 positions, 400 of them padding
-    assert [b.tolist() for b in sampling.length_buckets(ext, call_tokens=1000, padding_cap=1.0)] == [[1, 3, 4, 0, 2]]
+    assert [b.tolist() for b in scoring.length_buckets(ext, call_tokens=1000, padding_cap=1.0)] == [[1, 3, 4, 0, 2]]
     # 40% > 10%: halved to 500 (still one bucket), then 250: {10, 10} | {180, 200, 200}, 620 positions, 20 padding (3.2%)
-    got = sampling.length_buckets(ext, call_tokens=1000, padding_cap=0.10)
+    got = scoring.length_buckets(ext, call_tokens=1000, padding_cap=0.10)
     assert [b.tolist() for b in got] == [[1, 3], [4, 0, 2]]
     # a 3% cap cuts the 180 row off too (halved down to a call cost of 15: 600 positions, no padding)
-    assert [b.tolist() for b in sampling.length_buckets(ext, call_tokens=1000, padding_cap=0.03)] == [[1, 3], [4], [0, 2]]
+    assert [b.tolist() for b in scoring.length_buckets(ext, call_tokens=1000, padding_cap=0.03)] == [[1, 3], [4], [0, 2]]
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -76,17 +76,17 @@ def test_length_buckets_never_exceed_the_padding_cap(seed):
     padding at or under PADDING_CAP of the positions computed, every row once, in runs of the sorted rows."""
     gen = torch.Generator().manual_seed(seed)
     ext = torch.clamp((-torch.log(torch.rand(16, generator=gen)) * 80).long() + 1, max=256)
-    got = sampling.length_buckets(ext)
+    got = scoring.length_buckets(ext)
     assert sorted(torch.cat(got).tolist()) == list(range(16))
     assert all(int(ext[a].max()) <= int(ext[b].min()) for a, b in zip(got, got[1:]))
-    total, padding = sampling.bucket_positions(ext, True)
-    assert padding <= sampling.PADDING_CAP * total
+    total, padding = scoring.bucket_positions(ext, True)
+    assert padding <= scoring.PADDING_CAP * total
     assert total == sum(b.numel() * int(ext[b].max()) for b in got)
 
 
 def scores_and_grads(policy, roll, params, **kw):
     policy.zero_grad()
-    out = sampling.sequence_token_logprobs(policy, roll, return_full=True, return_entropy=True, **kw)
+    out = scoring.sequence_token_logprobs(policy, roll, return_full=True, return_entropy=True, **kw)
     w = torch.linspace(-1, 1, out.logp.numel()).view_as(out.logp)
     ((out.logp * w).sum() + (out.entropy * w).sum()).backward()
     return [x.detach() for x in out], [p.grad.clone() for p in params]
@@ -120,7 +120,7 @@ def test_bucketed_forward_equals_one_forward_on_a_llama(llama, group, monkeypatc
     widths = []
     real = policy.forward
     monkeypatch.setattr(policy, "forward", lambda ids, **kw: widths.append(tuple(ids.shape)) or real(ids, **kw))
-    monkeypatch.setattr(sampling, "BUCKET_CALL_TOKENS", 0)
+    monkeypatch.setattr(scoring, "BUCKET_CALL_TOKENS", 0)
     got, got_g = scores_and_grads(policy, roll, params, group_size=group, buckets=True)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
@@ -141,9 +141,9 @@ def test_learn_with_row_buckets_gives_the_same_update_and_counts_less_padding(mo
     row's own length (plus the prompt) and train/learn_padding_frac is 0, by hand."""
     setup = tiny_setup(algorithm__kl_coef=0.1, algorithm__entropy_coef=0.01)
     batch = long_batch(setup, kl=True)
-    monkeypatch.setattr(sampling, "PADDING_CAP", 1.0)          # each part one bucket (no cut pays at 32)
+    monkeypatch.setattr(scoring, "PADDING_CAP", 1.0)          # each part one bucket (no cut pays at 32)
     want, want_stats, _ = one_learn(setup, batch, 4, True)
-    monkeypatch.setattr(sampling, "BUCKET_CALL_TOKENS", 0)
+    monkeypatch.setattr(scoring, "BUCKET_CALL_TOKENS", 0)
     got, stats, positions = one_learn(setup, batch, 4, True)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
@@ -180,8 +180,8 @@ def test_a_learner_group_rank_never_buckets_its_rows(monkeypatch):
     setup = tiny_setup(train__length_buckets="true", train__micro_batches=2)
     batch = long_batch(setup)
     asked = []
-    real = sampling.sequence_token_logprobs
-    monkeypatch.setattr(sampling, "sequence_token_logprobs",
+    real = scoring.sequence_token_logprobs
+    monkeypatch.setattr(scoring, "sequence_token_logprobs",
                         lambda *a, **kw: asked.append(kw.get("buckets")) or real(*a, **kw))
     for shard in (None, "rank"):
         policy = copy.deepcopy(setup.model)

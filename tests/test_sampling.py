@@ -12,16 +12,10 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from rlvr.models.tiny import KVCache as TinyKVCache, TinyConfig, TinyTransformer
-from rlvr import sampling
-from rlvr.sampling import (
-    OUTSIDE_NUCLEUS_LOGP,
-    Rollout,
-    concat,
-    generate,
-    nucleus_mask,
-    sampling_logprobs,
-    sequence_token_logprobs,
-)
+from rlvr import sampling, scoring
+from rlvr.draws import nucleus_mask
+from rlvr.sampling import Rollout, concat, generate, sampling_logprobs
+from rlvr.scoring import OUTSIDE_NUCLEUS_LOGP, sequence_token_logprobs
 
 PAD, BOS, EOS = 0, 1, 2
 
@@ -344,7 +338,7 @@ def test_rollout_invariants_random_shapes(lengths, G, T, temperature, top_p, see
 
 
 def test_response_extent_by_hand():
-    assert sampling.response_extent(torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0], [0, 0, 0, 0]])).tolist() == [2, 3, 0]
+    assert scoring.response_extent(torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0], [0, 0, 0, 0]])).tolist() == [2, 3, 0]
 
 
 # ---------------------------------------------------------------------- the blocked draw of a decode step

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from rlvr import build as build_mod, config as config_mod, losses, run_price, sampling, setup_types
+from rlvr import build as build_mod, config as config_mod, losses, run_price, scoring, setup_types
 from rlvr.learn import learn
 from rlvr.rollout import rollout
 from rlvr.value import LearnedBaseline
@@ -140,10 +140,10 @@ def test_nucleus_and_full_logprobs_come_from_one_forward():
     batch = rollout(setup, setup.model, None, lambda: list(setup.task.train[:4]), version=0, generator=gen)
     roll = batch.rollout
     assert roll.logp_full is not None and not torch.equal(roll.logp_full, roll.logp)
-    out = sampling.sequence_token_logprobs(setup.model, roll, return_full=True)
+    out = scoring.sequence_token_logprobs(setup.model, roll, return_full=True)
     # the nucleus log-prob, derived from the full one, is the sampler's; the full one is top_p = 1's
     torch.testing.assert_close(out.logp.detach(), roll.logp, atol=1e-5, rtol=0)
-    plain = sampling.sequence_token_logprobs(setup.model, roll, top_p=1.0)
+    plain = scoring.sequence_token_logprobs(setup.model, roll, top_p=1.0)
     torch.testing.assert_close(out.logp_full.detach(), plain.detach(), atol=1e-6, rtol=0)
     torch.testing.assert_close(roll.logp_full, plain.detach(), atol=1e-5, rtol=0)
     # in the nucleus, log p_nucleus - log p_full = -log(nucleus mass) > 0

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from rlvr import advantages, build as build_mod, config as config_mod, sampling
+from rlvr import advantages, build as build_mod, config as config_mod, sampling, scoring
 from rlvr.learn import Learner, learn, lr_at, make_optimizer, make_scheduler
 from rlvr.rollout import Batch, Groups, rollout
 from rlvr.tasks import Example
@@ -236,7 +236,7 @@ def test_temperature_reaches_logp_old_and_kl_builds_a_reference():
     gen = torch.Generator().manual_seed(0)
     batch = rollout(setup, setup.model, setup.model, lambda: list(setup.task.train[:4]), version=0, generator=gen)
     assert batch.rollout.temperature == 0.5
-    again = sampling.sequence_token_logprobs(setup.model, batch.rollout, temperature=0.5, top_p=1.0)
+    again = scoring.sequence_token_logprobs(setup.model, batch.rollout, temperature=0.5, top_p=1.0)
     torch.testing.assert_close(batch.logp_old, again.detach(), atol=1e-5, rtol=0)
     # the reference here is the policy itself, scored at the same temperature: logp_ref = logp_old
     torch.testing.assert_close(batch.logp_ref, batch.logp_old, atol=1e-5, rtol=0)

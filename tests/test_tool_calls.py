@@ -235,7 +235,7 @@ def test_an_episode_keeps_its_sampled_ids_under_a_template_that_rewrites_earlier
     those ids (the template's rendering of the same messages differs), and the learner's log-probs of the
     sampled tokens equal the sampler's across the tool turns. Valid calls of both tools and malformed ones
     are answered as the template's tool role."""
-    from rlvr import sampling
+    from rlvr import sampling, scoring
     from rlvr.tasks import Example
     from rlvr.tokenizer import PromptFormat, encode_examples
 
@@ -267,7 +267,7 @@ def test_an_episode_keeps_its_sampled_ids_under_a_template_that_rewrites_earlier
     text = tok.tok.decode(r.ids.view(-1), skip_special_tokens=False)
     for answer in ("5", '{"upper": "HI"}', "error: no tool named 'mul'; the tools are add, upper"):
         assert f"<|im_start|>user\n<tool_response>\n{answer}\n</tool_response><|im_end|>" in text
-    lp = sampling.sequence_token_logprobs(policy, r)
+    lp = scoring.sequence_token_logprobs(policy, r)
     assert torch.allclose(lp * r.mask, r.logp, atol=1e-5), (lp * r.mask - r.logp).abs().max()
     rewritten = 0
     for b, row in enumerate(rows):                  # the template renders the same turns otherwise

@@ -15,7 +15,8 @@ import torch
 
 from rlvr import build as build_mod, config as config_mod, setup_types, tools
 from rlvr.rollout import sample_and_score
-from rlvr.sampling import StopStrings, generate, sequence_token_logprobs
+from rlvr.sampling import StopStrings, generate
+from rlvr.scoring import sequence_token_logprobs
 from rlvr.tasks.arith import Calculator, arith_task, calculate, calculator_tool
 from test_sampling import BOS, EOS, PAD, MarkovMock
 

@@ -27,7 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlvr import advantages, build as build_mod, config as config_mod, losses, sampling
+from rlvr import advantages, build as build_mod, config as config_mod, losses, sampling, scoring
 from rlvr.cli import main
 from rlvr.models.tiny import TinyConfig, TinyTransformer
 
@@ -269,7 +269,7 @@ def test_first_pass_ratio_is_one_and_logp_old_is_a_constant(temperature, top_p):
     assert not roll.logp.requires_grad and roll.logp.grad_fn is None
     assert roll.mask.sum() > 0
     model.train()
-    logp = sampling.sequence_token_logprobs(model, roll)
+    logp = scoring.sequence_token_logprobs(model, roll)
     assert logp.requires_grad
     loss, stats = losses.policy_loss(logp, roll.logp, delta, roll.mask)
     assert abs(stats["ratio_min"] - 1) < 1e-4 and abs(stats["ratio_max"] - 1) < 1e-4
@@ -286,7 +286,7 @@ def test_later_pass_after_an_optimizer_step_sees_ratios_away_from_one():
     logp_old = roll.logp.detach()
     ratios = []
     for _ in range(3):  # μ = 3 passes over the same rollout
-        logp = sampling.sequence_token_logprobs(model, roll)
+        logp = scoring.sequence_token_logprobs(model, roll)
         loss, stats = losses.policy_loss(logp, logp_old, delta, roll.mask)
         ratios.append((stats["ratio_min"], stats["ratio_max"]))
         opt.zero_grad()

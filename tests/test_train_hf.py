@@ -275,7 +275,7 @@ def test_gradient_checkpointing_recomputes_the_layers_for_the_same_gradient(tmp_
     import dataclasses
 
     import rlvr.models.lean_llama as lean
-    from rlvr import build as build_mod, config as config_mod, memory_model, numerics as numerics_mod, run_price, sampling
+    from rlvr import build as build_mod, config as config_mod, memory_model, numerics as numerics_mod, run_price, scoring
 
     from rlvr.distributed.fsdp import blocks
 
@@ -300,7 +300,7 @@ def test_gradient_checkpointing_recomputes_the_layers_for_the_same_gradient(tmp_
         try:
             setup.model.train()
             with setup.numerics.context():                      # bf16: the recompute runs under it too
-                lp = sampling.sequence_token_logprobs(setup.model, (ids, am, 3), temperature=1.0, top_p=1.0,
+                lp = scoring.sequence_token_logprobs(setup.model, (ids, am, 3), temperature=1.0, top_p=1.0,
                                                       group_size=2)
             forward = list(calls)
             lp.sum().backward()

@@ -367,7 +367,7 @@ class TrainConfig:
     length_buckets: bool = False
     """Do not compute padding at long, uneven response lengths. Every scoring and training forward
     (logp_old, logp_ref, the learn stage's) splits its rows into length buckets, each forwarded to
-    its own longest row (rlvr.sampling.length_buckets; a group's prompt still computed once where
+    its own longest row (rlvr.scoring.length_buckets; a group's prompt still computed once where
     model.share_prompt_forward shares it), so one long row no longer makes its whole part compute
     its length; and with train.micro_batches > 1 each minibatch's groups are sorted by their
     longest response before splitting it into its parts (rlvr.rollout.micro_rows). Rows never move

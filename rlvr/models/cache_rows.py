@@ -173,7 +173,7 @@ def takes_rows(cache) -> bool:
 def take_rows(cache: LeanCache, rows: torch.Tensor) -> LeanCache:
     """A new cache holding ``rows`` (n,) long of ``cache`` (``takes_rows``; rows may repeat), its keys
     and values indexed out of place so gradients reach the source's (a training forward's buckets
-    over their rows' shared prompts, rlvr.sampling.sequence_token_logprobs)."""
+    over their rows' shared prompts, rlvr.scoring.sequence_token_logprobs)."""
     out = LeanCache(len(cache.k), rows.numel(), cache.max_len, rows.device)
     out.k = [None if t is None else t[rows] for t in cache.k]
     out.v = [None if t is None else t[rows] for t in cache.v]

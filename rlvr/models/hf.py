@@ -21,7 +21,7 @@ Loading (everything local; nothing is downloaded)::
 ``HFPolicy`` has the surface ``rlvr.sampling`` uses: ``forward(ids, *, attention_mask,
 positions, cache, logits_to_keep) -> float32 logits``, ``new_cache(batch_size, max_len)``,
 ``config.block_size``, ``num_params()``, ``flops_per_token()``, ``save_pretrained()``. So
-``sampling.generate`` and ``sampling.sequence_token_logprobs`` work unchanged, and the logp
+``sampling.generate`` and ``scoring.sequence_token_logprobs`` work unchanged, and the logp
 stored at sampling time equals the trainer's recomputation (to float rounding; tested at 1e-5).
 In bf16 the cached decode and the one-shot forward round differently (measured |Δlogp| up to
 ~2e-3 on a tiny Llama), so the first-pass ratio is 1 only to ~0.2%; a bf16 trainer that wants it
@@ -48,7 +48,7 @@ Reference policy with LoRA: the base model with the adapter switched off, no
 second copy::
 
     with torch.no_grad(), policy.adapter_disabled():
-        logp_ref = sampling.sequence_token_logprobs(policy, rollout, temperature=T, top_p=1.0, top_k=0, min_p=0.0)
+        logp_ref = scoring.sequence_token_logprobs(policy, rollout, temperature=T, top_p=1.0, top_k=0, min_p=0.0)
 
 The reference is then always the *initial* model; a "refresh the reference" schedule has no
 meaning (``ref.load_state_dict(model.state_dict())`` must be skipped for LoRA policies).

@@ -3,7 +3,7 @@
 ``HFPolicy`` has the surface ``rlvr.sampling`` uses: ``forward(ids, *, attention_mask,
 positions, cache, logits_to_keep) -> float32 logits``, ``new_cache(batch_size, max_len)``,
 ``config.block_size``, ``num_params()``, ``flops_per_token()``, ``save_pretrained()``. So
-``sampling.generate`` and ``sampling.sequence_token_logprobs`` work unchanged, and the logp
+``sampling.generate`` and ``scoring.sequence_token_logprobs`` work unchanged, and the logp
 stored at sampling time equals the trainer's recomputation (to float rounding; tested at 1e-5).
 
 A plain ``LlamaForCausalLM`` (or Mistral, Qwen 2, Qwen 3: ``lean_families``) runs through the
@@ -92,7 +92,7 @@ class HFPolicy(nn.Module):
 
     differentiable_cache = True
     """Its KV cache (``LeanCache`` or DynamicCache, both grown with torch.cat) carries gradients, so
-    the trainer may run a group's shared prompt once (``rlvr.sampling.sequence_token_logprobs(group_size=G)``)."""
+    the trainer may run a group's shared prompt once (``rlvr.scoring.sequence_token_logprobs(group_size=G)``)."""
 
     takes_float_logits = True
     """``forward`` takes ``float_logits`` (False: the head's own dtype, upcast later by the caller)."""
@@ -128,7 +128,7 @@ class HFPolicy(nn.Module):
         self.compile_layers = False
         """The lean forward's calls of more than one token a row (prefills, training and scoring
         forwards) run each Llama-type decoder layer compiled (``torch.compile``; model.compile), and
-        ``rlvr.sampling.sequence_token_logprobs`` the token log-probs."""
+        ``rlvr.scoring.sequence_token_logprobs`` the token log-probs."""
         self.static_decode_off_gpu = False
         """Run ``static_decoder``'s fixed-shape step eagerly off a GPU too (for tests: the step a
         graph captures, compared with the eager decode on a CPU)."""
@@ -157,7 +157,7 @@ class HFPolicy(nn.Module):
                 shared_prompt: tuple[int, int] | None = None) -> torch.Tensor:
         """Float32 logits (B, L, V), or (B, logits_to_keep, V) for the last positions only;
         ``float_logits=False`` leaves them in the dtype the head computed (bf16 under autocast), for
-        a caller that upcasts them a chunk at a time (rlvr.sampling.sequence_token_logprobs: the
+        a caller that upcasts them a chunk at a time (rlvr.scoring.sequence_token_logprobs: the
         same log-probs and gradients, without a float32 copy of every logit and of its gradient).
 
         ``attention_mask`` (B, L) marks real tokens (None = all real). With ``cache`` the mask
