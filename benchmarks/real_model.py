@@ -224,6 +224,7 @@ class RlvrRun:
         self.cfg = rlvr_config(mdir, steps, eval_prompts, threads, numerics, compile_layers)
         self.setup = build(self.cfg, log=lambda *a: None)
         self.state = new_state(self.setup)
+        self.tokens: list[int] = []                  # response tokens each step sampled
 
     def step(self) -> float:
         from rlvr.learn import learn
@@ -234,7 +235,9 @@ class RlvrRun:
         batch = rollout(s.setup, s.policy, s.reference, s.draw, version=s.version, generator=s.sample_gen)
         learn(s.learner, batch)
         s.version += 1
-        return time.perf_counter() - t
+        took = time.perf_counter() - t
+        self.tokens.append(int(batch.groups.rollout.mask.sum()))
+        return took
 
     def accuracy(self, prompts: int) -> float:
         return heldout_accuracy(self.state.policy, self.setup, prompts)
@@ -249,6 +252,7 @@ class TrlRun:
     def __init__(self, mdir: Path, setup, max_steps: int, threads: int, numerics: str = "fp32", seed: int = 0):
         self.mdir, self.setup, self.max_steps, self.threads, self.seed = mdir, setup, max_steps, threads, seed
         self.bf16 = numerics == "bf16"
+        self.tokens: list[float] = []                # response tokens each step sampled (its logged mean x rows)
 
     def run(self, budget_s: float, eval_at: list[float], on_eval, on_step=None) -> list[float]:
         """Train; `on_eval(train_s, steps, model)` at the `eval_at` marks of training seconds, and
@@ -269,6 +273,7 @@ class TrlRun:
             return [float(self.setup.task.goal(None, t, a)) for t, a in zip(texts, answer)]   # the task's own check
 
         times: list[float] = []
+        run = self
         pending = list(eval_at)
         evaluated: list[int] = []       # step counts at which on_eval ran
         user_eval = on_eval
@@ -294,6 +299,10 @@ class TrlRun:
                     on_eval(spent, len(times), model)
                 if spent >= budget_s:
                     control.should_training_stop = True
+
+            def on_log(self, args, state, control, logs=None, **kw):
+                if logs and "completions/mean_length" in logs:       # one log a step (logging_steps=1)
+                    run.tokens.append(float(logs["completions/mean_length"]) * P * G)
 
             def on_train_end(self, args, state, control, model=None, **kw):
                 if eval_at and (not evaluated or evaluated[-1] != len(times)):
@@ -498,6 +507,7 @@ def phase_times(run: RlvrRun, rate: float, bandwidth: float, say: bool = False) 
 def step_times(mdir: Path, a, setup) -> dict:
     """Alternated blocks of fresh runs; the warm-up block of each is dropped."""
     got: dict[str, list[float]] = {"rlvr": [], "trl": []}
+    tokens: dict[str, list[float]] = {"rlvr": [], "trl": []}
 
     def block(lib: str, keep: bool) -> None:
         gc.collect()  # the other library's last run, kept alive by reference cycles, freed before this one
@@ -505,7 +515,10 @@ def step_times(mdir: Path, a, setup) -> dict:
             r = RlvrRun(mdir, a.block_steps, a.eval_prompts, a.threads, a.numerics, a.compile == "on")
             times = [r.step() for _ in range(a.block_steps)]
         else:
-            times = TrlRun(mdir, setup, a.block_steps, a.threads, a.numerics).run(float("inf"), [], lambda *x: None)
+            r = TrlRun(mdir, setup, a.block_steps, a.threads, a.numerics)
+            times = r.run(float("inf"), [], lambda *x: None)
+        if keep and len(r.tokens) == len(times):
+            tokens[lib] += r.tokens
         print(f"  {lib} block: " + ", ".join(f"{t:.1f}" for t in times) + " s/step" + ("" if keep else " (warm-up)"),
               flush=True)
         if keep:
@@ -517,7 +530,9 @@ def step_times(mdir: Path, a, setup) -> dict:
     for r in range(a.blocks):
         for lib in (("trl", "rlvr") if r % 2 == 0 else ("rlvr", "trl")):
             block(lib, True)
-    return {k: statistics.median(v) for k, v in got.items()} | {"all": got}
+    # sampled tokens per second of training step, over the kept steps (each library's own responses)
+    rate = {k: sum(tokens[k]) / sum(got[k]) for k in got if tokens[k] and len(tokens[k]) == len(got[k])}
+    return {k: statistics.median(v) for k, v in got.items()} | {"all": got, "tokens": tokens, "tokens_per_s": rate}
 
 
 def accuracy_curves(mdir: Path, a, setup) -> dict:
@@ -646,6 +661,10 @@ def main(argv: list[str] | None = None) -> int:
     st = step_times(mdir, a, setup)
     print(f"  median step: rlvr {st['rlvr']:.2f} s, TRL {st['trl']:.2f} s, TRL / rlvr = {st['trl'] / st['rlvr']:.2f}",
           flush=True)
+    if len(st["tokens_per_s"]) == 2:
+        print(f"  sampled tokens per second of step: rlvr {st['tokens_per_s']['rlvr']:.0f}, TRL {st['tokens_per_s']['trl']:.0f} "
+              f"(mean response rlvr {statistics.fmean(st['tokens']['rlvr']) / (P * G):.0f}, TRL "
+              f"{statistics.fmean(st['tokens']['trl']) / (P * G):.0f} tokens)", flush=True)
 
     what = f"{a.curve_steps} steps" if a.curve_steps else f"{a.minutes:g} minutes"
     print(f"held-out greedy accuracy ({a.eval_prompts} prompts) against training wall time, {what} each:", flush=True)
