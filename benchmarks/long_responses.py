@@ -77,8 +77,8 @@ class Positions:
     """Response positions the scoring forwards computed, and how many of them were padding: wraps
     rlvr.scoring.sequence_token_logprobs; `full` runs each call to its full response width."""
 
-    def __init__(self, sampling, full: bool):
-        self.sampling, self.full, self.real = sampling, full, scoring.sequence_token_logprobs
+    def __init__(self, scoring, full: bool):
+        self.scoring, self.full, self.real = scoring, full, scoring.sequence_token_logprobs
         self.computed = self.padding = 0
 
     def __enter__(self):
@@ -91,7 +91,7 @@ class Positions:
     def call(self, model, rollout, **kw):
         import torch
 
-        s = self.sampling
+        s = self.scoring
         ids, am, Lp = (rollout.ids, rollout.attention_mask, rollout.prompt_len) if hasattr(rollout, "ids") else rollout
         ext = s.response_extent(am[:, Lp:])                                                   # (B,)
         if self.full:
@@ -131,7 +131,7 @@ def run_mode(mode: str, a, out: Path) -> dict:
     default = sampling.COMPACT_FINISHED
     sampling.COMPACT_FINISHED = None if before else default
     try:
-        with Positions(sampling, full=before) as pos:
+        with Positions(scoring, full=before) as pos:
             rc = cli.main(argv)
     finally:
         sampling.COMPACT_FINISHED = default

@@ -65,3 +65,42 @@ def test_the_real_model_benchmark_sets_its_figures_against_its_targets():
     curves["rlvr"][-1] = (602.0, 94, 0.574)                                   # +39.9 points, below TRL
     got = rm.targets(profile, {"rlvr": 1.0, "trl": 4.0}, curves)
     assert got[1].startswith("missed held-out gain") and "+39.9 points" in got[1] and got[2].startswith("missed")
+
+
+def test_long_responses_counts_the_scoring_positions_and_their_padding():
+    """benchmarks/long_responses.py's Positions wraps rlvr.scoring.sequence_token_logprobs: every call is
+    counted (rows x response width "before", each row's length bucket "after") and "before" really
+    forwards every row to the full width (the same log-probs: the columns past a row's end are masked)."""
+    import importlib.util
+
+    import torch
+
+    from rlvr import scoring
+    from rlvr.models.tiny import TinyConfig, TinyTransformer
+
+    spec = importlib.util.spec_from_file_location("long_responses", ROOT / "benchmarks" / "long_responses.py")
+    lr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lr)
+    torch.manual_seed(0)
+    model = TinyTransformer(TinyConfig(vocab_size=11, n_layer=1, n_head=2, n_embd=16, block_size=16)).eval()
+    Lp, T = 2, 6
+    ids = torch.randint(3, 11, (3, Lp + T))
+    am = torch.ones_like(ids)
+    am[0, Lp + 2:] = 0                                                   # response lengths 2, 6, 4
+    am[2, Lp + 4:] = 0
+    kw = {"temperature": 1.0, "top_p": 1.0}
+    want = scoring.sequence_token_logprobs(model, (ids, am, Lp), **kw)
+    widths = []
+    model.register_forward_pre_hook(lambda m, args: widths.append(args[0].size(1)))
+    with lr.Positions(scoring, full=True) as pos:
+        assert scoring.sequence_token_logprobs is not pos.real          # the wrapper is in place
+        got = scoring.sequence_token_logprobs(model, (ids, am, Lp), **kw)
+    assert scoring.sequence_token_logprobs is pos.real                  # and gone after
+    assert (pos.computed, pos.padding) == (3 * T, 3 * T - 12)
+    assert widths == [Lp + T - 1]                                       # one forward of every row to the full width
+    torch.testing.assert_close(got, want)
+    widths.clear()
+    with lr.Positions(scoring, full=False) as pos:
+        scoring.sequence_token_logprobs(model, (ids, am, Lp), buckets=True, **kw)
+    assert pos.computed == 2 + 4 + 6 and pos.padding == 0               # each row its own bucket here
+    assert sorted(widths) == [Lp + 2 - 1, Lp + 4 - 1, Lp + 6 - 1]
