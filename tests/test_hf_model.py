@@ -501,15 +501,18 @@ def test_fast_cached_decoding_matches_transformers(fast_variant, attention_kind,
         stepped = torch.cat(parts, 1)                                         # (B, T, V): logits at Lp-1 ...
         assert torch.isfinite(stepped).all()
         # without gradient the cache writes in place: every layer's keys are the first columns of one
-        # buffer allocated at repeat_interleave (grouped: prompt columns once, then G per step, the
-        # keys transposed) or at prefill (repeated once for the G rows), so a decode step copies its
-        # new columns only
+        # buffer allocated at repeat_interleave (grouped: prompt columns once, then G per step) or at
+        # prefill (repeated once for the G rows), so a decode step copies its new columns only; on a
+        # CPU the keys' buffers are transposed in both layouts, (rows, Hkv, D, cols)
         Lp = pids.size(1)
         grouped = layout != "repeated"
         assert cache.group == (G if grouped else 1)
+        assert cache.keys_t
         cols = Lp + G * (cache.max_len - Lp) if grouped else cache.max_len
-        col_dim = 3 if grouped else 2                                         # grouped keys: (P, Hkv, D, cols)
-        assert all(k.data_ptr() == buf.data_ptr() and buf.size(col_dim) == cols == vb.size(2)
+        col_dim = 3 if grouped else 2                     # of k[li]: grouped (P, Hkv, D, S), plain (B, Hkv, S, D)
+        assert all(buf.shape[2:] == ((k.size(2), cols) if grouped else (k.size(3), cols)) for k, buf in
+                   zip(cache.k, cache._kbuf))
+        assert all(k.data_ptr() == buf.data_ptr() and buf.size(3) == cols == vb.size(2)
                    and k.size(0) == (pids.size(0) if grouped else ids.size(0)) and k.size(col_dim) == v.size(2)
                    for k, buf, v, vb in zip(cache.k, cache._kbuf, cache.v, cache._vbuf))
         with transformers_path(policy):

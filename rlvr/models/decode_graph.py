@@ -71,7 +71,8 @@ def decode_step(hf_model: nn.Module, ids: torch.Tensor, positions: torch.Tensor,
 
     ``ids`` (B, 1) the tokens fed; ``positions`` (B, 1) their positions; ``attend`` (B, max_len) bool
     the columns each row's query attends to (this step's column included); ``col`` (1,) long the
-    column this step's keys / values are written to in ``cache``'s (B, Hkv, max_len, D) buffers;
+    column this step's keys / values are written to in ``cache``'s buffers (as (B, Hkv, max_len, D)
+    views: ``LeanCache.key_view``);
     ``block_size`` the rotary tables' length (``RopeTable``: above every position). The layers as
     ``lean_forward``'s usual path computes them (``_qkv_in``, ``_layer_out``), with the whole
     buffers attended through ``attend``."""
@@ -86,7 +87,7 @@ def decode_step(hf_model: nn.Module, ids: torch.Tensor, positions: torch.Tensor,
     for li, layer in enumerate(inner.layers):
         cos, sin = tables[keys[li]]
         q, k, v = _qkv_in(layer, h, cos, sin, H, Hkv)                            # (B, 1, H, D), (B, Hkv, 1, D) x 2
-        kb, vb = cache._kbuf[li], cache._vbuf[li]                                # (B, Hkv, max_len, D)
+        kb, vb = cache.key_view(li, cache.max_len), cache._vbuf[li]             # (B, Hkv, max_len, D)
         kb.index_copy_(2, col, k.to(kb.dtype))
         vb.index_copy_(2, col, v.to(vb.dtype))
         h = _layer_out(layer, h, q, kb, vb, att)
@@ -122,9 +123,9 @@ class StaticDecode:
         self.col = torch.full((1,), self.start, dtype=torch.long, device=dev)
         self.attend = torch.zeros(B, M, dtype=torch.bool, device=dev)
         self.attend[:, :self.start] = cache.mask.bool()
-        for kb, vb in zip(cache._kbuf, cache._vbuf):     # the columns not written yet: uninitialised memory,
-            kb[:, :, self.start:].zero_()                # and a masked column's zero weight times a NaN
-            vb[:, :, self.start:].zero_()                # there is NaN
+        for li, vb in enumerate(cache._vbuf):             # the columns not written yet: uninitialised memory,
+            cache.key_view(li, M)[:, :, self.start:].zero_()  # and a masked column's zero weight times a
+            vb[:, :, self.start:].zero_()                # NaN there is NaN
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
 
@@ -191,5 +192,5 @@ class StaticDecode:
         c.mask = self.attend[:, :S].long()
         c.next_pos = self.pos.squeeze(1).clone()
         for li in range(len(c.k)):
-            c.k[li], c.v[li] = c._kbuf[li][:, :, :S], c._vbuf[li][:, :, :S]
+            c.k[li], c.v[li] = c.key_view(li, S), c._vbuf[li][:, :, :S]
         self.graph = self.out = None

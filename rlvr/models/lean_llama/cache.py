@@ -29,7 +29,11 @@ class LeanCache:
     ``torch.cat`` (so gradients flow through the cache: the training forward's shared prompt);
     without gradient (sampling) the first append allocates (B, Hkv, max_len, D) buffers and every
     later one writes its columns in place, so a decode step copies one column, not the whole cache.
-    ``k[li]`` / ``v[li]`` are then views of the first S columns of those buffers.
+    ``k[li]`` / ``v[li]`` are then views of the first S columns of those buffers. On a CPU the keys'
+    buffer holds them transposed, (B, Hkv, D, max_len) (``keys_t``), and ``k[li]`` is a transposed
+    view of its first S columns, still (B, Hkv, S, D): the scores' product takes each (D, S) block
+    as a plain strided matrix, where a (S, D) view would be copied into its transpose, the whole
+    cache at every layer of every decode step (at 256 new tokens most of a step's attention).
 
     Grouped layout (``group`` = G > 1, see ``repeat_interleave``): the P prompts' keys / values are
     kept once, not G times, and the G rows of a prompt append theirs after them, step by step:
@@ -50,6 +54,13 @@ class LeanCache:
         """G > 1 in the grouped layout: rows b*G ... b*G+G-1 share the first ``prefix`` columns."""
         self.prefix = 0
         """Columns stored once per group (the prompt's) in the grouped layout."""
+        self.keys_t = torch.device(device).type == "cpu"
+        """Plain layout, buffers allocated: the keys' buffers are (B, Hkv, D, max_len) (class docstring)."""
+
+    def key_view(self, li: int, S: int) -> torch.Tensor:
+        """Layer ``li``'s first S key columns of its buffer as (B, Hkv, S, D) (plain layout)."""
+        kb = self._kbuf[li]
+        return kb[..., :S].transpose(2, 3) if self.keys_t else kb[:, :, :S]
 
     length = property(lambda self: self.mask.size(1))
     batch_size = property(lambda self: self.mask.size(0))
@@ -71,16 +82,19 @@ class LeanCache:
             kb, vb = self._kbuf[li], self._vbuf[li]
             if kb is None:              # the first append without gradient (the forward checks max_len)
                 B, Hkv, _, D = k.shape
-                kb = k.new_empty(B, Hkv, self.max_len, D)
-                vb = v.new_empty(kb.shape)
-                if past:
-                    kb[:, :, :past] = self.k[li]
-                    vb[:, :, :past] = self.v[li]
+                kb = k.new_empty(B, Hkv, D, self.max_len) if self.keys_t else k.new_empty(B, Hkv, self.max_len, D)
+                vb = v.new_empty(B, Hkv, self.max_len, D)
                 self._kbuf[li], self._vbuf[li] = kb, vb
+                if past:
+                    self.key_view(li, past).copy_(self.k[li])
+                    vb[:, :, :past] = self.v[li]
             S = past + k.size(2)
-            kb[:, :, past:S] = k
+            self.key_view(li, S)[:, :, past:].copy_(k)
             vb[:, :, past:S] = v
-            k, v = kb[:, :, :S], vb[:, :, :S]
+            self.k[li], self.v[li] = self.key_view(li, S), vb[:, :, :S]
+            # a first call (a prefill) attends with its keys as computed: the same values, in the
+            # layout SDPA reads without a copy
+            return (self.k[li] if past else k), self.v[li]
         self.k[li], self.v[li] = k, v
         return k, v
 
@@ -139,7 +153,7 @@ class LeanCache:
                 self._kbuf[li] = self._kbuf[li].repeat_interleave(repeats, dim=0)
                 self._vbuf[li] = self._vbuf[li].repeat_interleave(repeats, dim=0)
                 S = t.size(2)
-                self.k[li], self.v[li] = self._kbuf[li][:, :, :S], self._vbuf[li][:, :, :S]
+                self.k[li], self.v[li] = self.key_view(li, S), self._vbuf[li][:, :, :S]
             else:
                 self.k[li] = t.repeat_interleave(repeats, dim=0)
                 self.v[li] = self.v[li].repeat_interleave(repeats, dim=0)
