@@ -55,8 +55,10 @@ from dataclasses import asdict, dataclass, replace
 
 from rlvr import price_lines
 from rlvr.lengths import (  # noqa: F401  (the price's length model; rlvr.costs.* are the callers' names)
+    decode_row_columns,
     decode_rows_per_step,
     decode_split,
+    expected_buckets,
     expected_decode_seconds,
     expected_longest,
     learn_part_widths,
@@ -135,8 +137,18 @@ class Price:
     """The parts each gradient step runs its forwards and backwards in (`learn_part_s` each)."""
     optimizer_step_s: float = 0.0
     """Measured seconds of one optimizer step over the trainable parameters (rlvr.learn.learn_part_seconds)."""
+    learn_call_s: float = 0.0
+    """Measured seconds of one learn forward and backward call whatever its positions
+    (rlvr.learn.learn_part_seconds): each length bucket pays it; 0 = not measured."""
+    learn_buckets_per_part: float = 0.0
+    """At an expected length with train.length_buckets: the mean buckets a part's forward is cut
+    into (rlvr.costs.expected_buckets); 0 = one call a part."""
+    decode_cell_s: float = 0.0
+    """Measured seconds more a decode step costs per row for each column the row has cached past its
+    prompt (rlvr.probes.decode_column_seconds); 0 = not measured."""
     wall_seconds_expected: float = 0.0
     """The run's compute time with sampling's decode at `decode_step_s`: steps x (T - 1) x decode_step_s
+    (+ `decode_cell_s` per row and cached column)
     + (when measured) every gradient step's parts at `learn_part_s` and its optimizer step at
     `optimizer_step_s` + the other FLOPs (prefill, log-prob forwards; training when not measured) at
     the matmul rate. Evaluation, rewards and checkpoints come on top. 0 = not measured."""
@@ -417,10 +429,16 @@ class Measured:
     with `decode_step_s` it splits a step's cost into a fixed part and a part per row (`decode_split`),
     for an expected response length; 0 = not measured (the whole step then counts as fixed)."""
     decode_small_prompts: int = 0
+    decode_cell_s: float = 0.0
+    """Seconds more a decode step costs per row for each column the row has cached past its prompt
+    (rlvr.probes.decode_column_seconds); 0 = not measured (a step costs the same at every column)."""
+    learn_call_s: float = 0.0
+    """Seconds of one learn forward and backward call whatever its positions (the line through two
+    widths, rlvr.learn.learn_part_seconds): what each length bucket of a part pays."""
 
-    def with_learn(self, learn_part_s: float, optimizer_step_s: float) -> Measured:
+    def with_learn(self, learn_part_s: float, optimizer_step_s: float, learn_call_s: float = 0.0) -> Measured:
         """These figures with the learn stage's measured times."""
-        return replace(self, learn_part_s=learn_part_s, optimizer_step_s=optimizer_step_s)
+        return replace(self, learn_part_s=learn_part_s, optimizer_step_s=optimizer_step_s, learn_call_s=learn_call_s)
 
 
 @dataclass(frozen=True)
@@ -472,26 +490,39 @@ class _Expected:
     per_row_s: float                # and per row
     parts: float                    # a gradient step's parts in full-length parts (`learn_part_widths`)
     part_tokens: float              # the mean response columns of a part
+    buckets: float                  # the mean length buckets of a part (0: one call)
 
 
 def _expected_lengths(run: RunShape, m: Measured, so: ScaleOut, parts: int) -> _Expected:
     """The decode and the learn parts of `run` at its expected response length: decode over the rows
     the probe measured (all P x G, or a rollout worker's share), E[longest] - 1 steps at the fixed
-    part plus the rows each step computes at the part per row; each learn part at its rows' expected
-    columns (`learn_part_widths`), as a fraction of the measured part at T (time taken as
-    proportional to the positions a row computes, its prompt's share included)."""
+    part plus the rows each step computes at the part per row, plus `decode_cell_s` a row for each
+    column it has cached (`decode_row_columns`); each learn part at its rows' expected columns
+    (`learn_part_widths`; with length buckets the mean of `expected_buckets`' cuts, their padding
+    counted), as a fraction of the measured part at T: the part's time less one call's fixed cost
+    `learn_call_s` taken as proportional to the positions a row computes (its prompt's share
+    included), plus that fixed cost once a bucket."""
     G, T, Lp = run.samples_per_prompt, run.max_new_tokens, run.prompt_tokens
     survival = length_survival(run.priced_response_tokens, T)
     rows = (so.decode_share[0] if so.decode_share else run.prompts_per_step) * G
     fixed, per_row = decode_split(m.decode_step_s, rows, m.decode_small_step_s, m.decode_small_prompts * G)
     decode_s, steps, computed = expected_decode_seconds(survival, rows, fixed, per_row, run.compact_finished)
+    decode_s += m.decode_cell_s * decode_row_columns(survival, rows, run.compact_finished)
     groups = -(-run.prompts_per_step // run.minibatches) if so.learn_share is None else so.learn_share[0]
     widths = learn_part_widths(survival, max(1, groups), G, parts, run.length_buckets)
+    buckets = 0.0
+    if run.length_buckets:
+        part_rows = -(-max(1, groups) // parts) * G
+        buckets, positions = expected_buckets(survival, part_rows)
+        widths = [positions / part_rows] * parts
     prompt = Lp / G if run.shared_prompt else Lp          # a row's prompt positions (once a group where shared)
+    call = min(m.learn_call_s, m.learn_part_s)
+    share = [(prompt + w - 1) / (prompt + T - 1) for w in widths]
+    if m.learn_part_s > 0:
+        share = [(call * max(buckets, 1.0) + (m.learn_part_s - call) * f) / m.learn_part_s for f in share]
     return _Expected(decode_s=decode_s, decode_steps=steps, decode_rows=computed / max(steps, 1e-9),
-                     fixed_s=fixed, per_row_s=per_row,
-                     parts=sum((prompt + w - 1) / (prompt + T - 1) for w in widths),
-                     part_tokens=sum(widths) / len(widths))
+                     fixed_s=fixed, per_row_s=per_row, parts=sum(share),
+                     part_tokens=sum(widths) / len(widths), buckets=buckets)
 
 
 def _expected_fields(e: _Expected, m: Measured) -> dict:
@@ -499,7 +530,7 @@ def _expected_fields(e: _Expected, m: Measured) -> dict:
     return dict(decode_steps_per_batch=e.decode_steps, decode_rows_per_step=e.decode_rows,
                 decode_fixed_s=e.fixed_s, decode_row_s=e.per_row_s, decode_small_step_s=m.decode_small_step_s,
                 decode_small_prompts=m.decode_small_prompts if m.decode_small_step_s else 0,
-                learn_part_tokens=e.part_tokens, learn_part_fraction=e.parts)
+                learn_part_tokens=e.part_tokens, learn_part_fraction=e.parts, learn_buckets_per_part=e.buckets)
 
 
 def _learn_parts(run: RunShape, so: ScaleOut) -> int:
@@ -554,11 +585,14 @@ def price(run: RunShape, measured: Measured = Measured(), mem: MemoryInputs | No
     # decode positions a batch, as counted above: L - 1 per row in the first round, T per continuation
     decode_positions = rows * (L - 1) + run.tool_calls * rows * T
     e = _expected_lengths(run, m, so, parts) if L < T else None
+    decode_rows = (so.decode_share[0] if so.decode_share else P) * G   # the rows the decode probes measured
+    # at the cap: every row caches 1 ... T - 1 columns past its prompt over the first round's steps
+    growth = m.decode_cell_s * decode_row_columns([1.0] * T, decode_rows, run.compact_finished) if e is None else 0.0
     expected = expected_wall_seconds(flops_per_run, steps * decode_positions * fwd,
                                      steps * (rounds - (e is not None)) * (T - 1),
                                      m.matmul_flops_per_s, m.decode_step_s, float(tok.trained * trn * steps),
                                      steps * grad_steps, parts if e is None else e.parts, m.learn_part_s,
-                                     m.optimizer_step_s, 0.0 if e is None else steps * e.decode_s)
+                                     m.optimizer_step_s, steps * (growth if e is None else e.decode_s))
     measured_learn = expected > 0 and m.learn_part_s > 0
     policy = run.n_params * run.bytes_per_param
     return Price(
@@ -579,6 +613,8 @@ def price(run: RunShape, measured: Measured = Measured(), mem: MemoryInputs | No
         learn_part_s=float(m.learn_part_s) if measured_learn else 0.0,
         learn_parts_per_step=parts if measured_learn else 0,
         optimizer_step_s=float(m.optimizer_step_s) if measured_learn else 0.0,
+        learn_call_s=float(m.learn_call_s) if measured_learn else 0.0,
+        decode_cell_s=float(m.decode_cell_s) if expected else 0.0,
         flops_logp_old_per_batch=float(tok.logp_old * fwd), entropy_forward=run.entropy_forward,
         logp_old_recomputed=run.recompute_logp_old, logp_old_note=run.logp_old_note,
         logp_old_from_learner=run.logp_old_from_learner, numerics=m.numerics, matmul_kind=m.matmul_kind,

@@ -401,9 +401,10 @@ OPTIMIZER_PROBE_ELEMENTS = 1 << 22
 step's time then scales with the trainable parameter count: it is bound by memory bandwidth)."""
 
 
-def learn_part_seconds(setup: Setup) -> tuple[float, float]:
+def learn_part_seconds(setup: Setup) -> tuple[float, float, float]:
     """(seconds of one `train.micro_batches` part's training forward and backward, seconds of one
-    optimizer step), measured on this run's policy before it trains, to price the learn stage.
+    optimizer step, seconds of one forward and backward call whatever its positions), measured on
+    this run's policy before it trains, to price the learn stage.
 
     The part: ceil(groups per minibatch / parts) groups of G rows at the longest prompt's length
     and the full response bound T (every token in the loss, as the price counts them), through the
@@ -418,6 +419,10 @@ def learn_part_seconds(setup: Setup) -> tuple[float, float]:
     The optimizer step: the run's optimizer (rlvr.learn.make_optimizer) over a scratch parameter of
     min(trainable parameters, OPTIMIZER_PROBE_ELEMENTS) elements, its state allocated by a first
     step, the best of three steps, scaled to the trainable parameter count.
+    The call's fixed cost (what each length bucket of a forward pays, train.length_buckets): one
+    group timed at T // 4 response columns as well as at T (each the best of two), the line
+    through the two at no columns (its prompt's share counted as positions, as the price counts
+    them); 0 where T < 8 or the line does not rise.
     With a learner group (distributed.learners > 1) on this machine: one rank's share of a
     minibatch at a learner actor's threads (rlvr.probes.learn_probe_share; this process's threads
     restored after); the ranks' gradient all-reduce is not timed.
@@ -428,7 +433,7 @@ def learn_part_seconds(setup: Setup) -> tuple[float, float]:
     params = model.trainable_params()
     share = learn_probe_share(setup)
     if share is None or not params:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     per_mb, threads = share                                            # groups in a (rank's) minibatch
     per_part = -(-per_mb // min(tc.micro_batches, per_mb))             # groups in one of its parts
     timed = _part_timer(setup, params)
@@ -444,18 +449,41 @@ def learn_part_seconds(setup: Setup) -> tuple[float, float]:
                 # make the larger part the shorter: the pair again
                 one, two = ordered_pair(lambda: timed(1), lambda: timed(2), LEARN_PROBE_RETRIES, rounds=2)
                 part = one + max(two - one, 0.0) * (per_part - 1)
+            call = 0.0
+            if setup.limits.max_new_tokens >= 8:     # a call's fixed cost, from one group at T and at T // 4
+                one = one if per_part > 2 else part if per_part == 1 else min(timed(1), timed(1), timed(1))
+                call = _call_seconds(setup, params, one)
         step = _optimizer_step_seconds(params, tc, device)
     finally:
         model.train(was)
         torch.set_num_threads(was_threads)
-    return part, step
+    return part, step, call
 
 
-def _probe_batch(setup: Setup, groups: int) -> Batch:
+def _call_seconds(setup: Setup, params: list, at_t: float) -> float:
+    """The fixed seconds of a learn forward and backward call (`learn_part_seconds`): one group at
+    the response bound T (`at_t` seconds) and at T // 4 columns, the line through them in the positions a
+    row computes (its prompt's share, its columns; rlvr.costs counts a part's the same way) taken
+    at none."""
+    T = setup.limits.max_new_tokens
+    short = _part_timer(setup, params, T // 4)
+    short(1)                                                         # warm-up at the new shape
+    at_short = min(short(1), short(1))
+    G = setup.cfg.train.samples_per_prompt
+    shared = setup.cfg.model.share_prompt_forward and setup.model.differentiable_cache   # rlvr.run_price.shares_prompt
+    prompt = setup.limits.prompt_tokens / G if shared else setup.limits.prompt_tokens
+    long_pos, short_pos = prompt + T - 1, prompt + T // 4 - 1
+    if at_t <= at_short:
+        return 0.0
+    per_pos = (at_t - at_short) / (long_pos - short_pos)
+    return min(max(at_short - per_pos * short_pos, 0.0), at_short)
+
+
+def _probe_batch(setup: Setup, groups: int, T: int) -> Batch:
     """`groups` groups of G synthetic rows for `learn_part_seconds`: pad prompts of the longest
     prompt's length, every one of the T response tokens in the loss, Δ = ±1."""
     cfg, device = setup.cfg, setup.device
-    G, T = cfg.train.samples_per_prompt, setup.limits.max_new_tokens
+    G = cfg.train.samples_per_prompt
     Lp, pad = max(1, setup.limits.prompt_tokens), setup.tokenizer.pad_id
     B = groups * G
     ro = sampling.Rollout(
@@ -469,18 +497,19 @@ def _probe_batch(setup: Setup, groups: int) -> Batch:
                  logp_ref=ro.logp.clone() if cfg.algorithm.kl_coef > 0 else None, version=0)
 
 
-def _part_timer(setup: Setup, params: list) -> Callable[[int], float]:
+def _part_timer(setup: Setup, params: list, T: int | None = None) -> Callable[[int], float]:
     """groups -> seconds of one `accumulate` (forward, loss, backward) over a synthetic batch of that
-    many groups (`_probe_batch`, built once per size), the gradients dropped after."""
+    many groups of T response columns (None: the run's bound; `_probe_batch`, built once per size),
+    the gradients dropped after."""
     cfg, device = setup.cfg, setup.device
-    G, T = cfg.train.samples_per_prompt, setup.limits.max_new_tokens
+    G, T = cfg.train.samples_per_prompt, T or setup.limits.max_new_tokens
     one_part = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batches=1))
     learner = Learner(setup.model, None, None, one_part, torch.Generator(device=device), T, (0, 0),
                       autocast=setup.numerics.context)
     made = {}
 
     def timed(groups: int) -> float:
-        b = made.setdefault(groups, _probe_batch(setup, groups))
+        b = made.setdefault(groups, _probe_batch(setup, groups, T))
         dt = time_calls(lambda: accumulate(learner, b, torch.arange(groups * G, device=device), b.delta_rows),
                         device)
         for p in params:

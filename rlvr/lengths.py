@@ -6,8 +6,9 @@ A response's length L = min(X, cap), X geometric on 1, 2, ... (``length_ratio``,
 A batch decodes until its longest row ends (``expected_longest``); each decode step computes the
 rows still in the batch (``decode_rows_per_step``: finished rows leave it, rlvr.sampling's rule),
 at a fixed cost plus a cost per row (``decode_split``, from decode steps measured at two row
-counts; ``expected_decode_seconds``); each learn part runs to its rows' expected columns
-(``learn_part_widths``).
+counts; ``expected_decode_seconds``), and a cost per row for each column a row has cached
+(``decode_row_columns``: its attention reads them); each learn part runs to its rows' expected
+columns (``learn_part_widths``), in the buckets the learn stage cuts (``expected_buckets``).
 """
 
 from __future__ import annotations
@@ -87,6 +88,41 @@ def expected_decode_seconds(survival: list[float], rows: int, fixed_s: float, pe
     steps = expected_longest(survival, rows) - 1
     computed = sum(decode_rows_per_step(survival, rows, compact))
     return fixed_s * steps + per_row_s * computed, steps, computed
+
+
+def decode_row_columns(survival: list[float], rows: int, compact: float | None) -> float:
+    """Expected sum over a batch's decode steps t = 1 .. cap - 1 of the rows step t computes times
+    t, the columns each has cached past its prompt (``decode_rows_per_step``): what a decode priced
+    per row and cached column costs above one priced at the prompt alone. At the cap (survival all
+    1): rows x cap (cap - 1) / 2."""
+    return sum(n * t for t, n in enumerate(decode_rows_per_step(survival, rows, compact), start=1))
+
+
+BUCKET_DRAWS = 64
+"""Parts `expected_buckets` draws: the mean bucket count of a 16-row part at SmolLM2's lengths moved
+by under 0.1 between seeds at this many."""
+
+
+def expected_buckets(survival: list[float], rows: int, draws: int = BUCKET_DRAWS, seed: int = 0) -> tuple[float, float]:
+    """(mean buckets, mean response positions) of a learn part of `rows` rows cut in length buckets
+    (train.length_buckets) at lengths with survival `survival`: `draws` parts of lengths drawn from
+    the model (inverse CDF, a generator seeded with `seed`: the same figures every time), each cut
+    by rlvr.scoring.length_buckets as the learn stage cuts its forwards (positions: each bucket's
+    rows x its longest row, the buckets' own padding counted)."""
+    import random
+
+    import torch
+
+    from rlvr.scoring import length_buckets
+
+    rng = random.Random(seed)
+    buckets = positions = 0
+    for _ in range(draws):
+        ext = torch.tensor([1 + sum(1 for s in survival[1:] if s > u) for u in (rng.random() for _ in range(rows))])
+        cut = length_buckets(ext)
+        buckets += len(cut)
+        positions += sum(len(b) * int(ext[b].max()) for b in cut)
+    return buckets / draws, positions / draws
 
 
 def learn_part_widths(survival: list[float], groups: int, G: int, parts: int, length_buckets: bool) -> list[float]:

@@ -106,6 +106,8 @@ def wall_line(p: Price) -> str:
                + (f" ({rounds} sampling rounds: the first and {p.tool_calls} tool continuation(s))"
                   if p.tool_calls else ""))
             + f" at the measured {p.decode_step_s * 1e3:,.3g} ms "
+            + (f"+ {p.decode_cell_s * 1e6:,.3g} us a row for each column it has cached (measured after a longer "
+               "prompt) " if p.decode_cell_s else "")
             + (f"({_probe_rows(p)} rows)" if not p.rollout_workers else
                f"(a rollout worker's largest share, {p.decode_prompts} prompts x {p.samples_per_prompt} = "
                f"{p.decode_prompts * p.samples_per_prompt} rows at {p.decode_threads} torch thread(s); "
@@ -116,7 +118,10 @@ def wall_line(p: Price) -> str:
                f"{' of each part' if p.learn_parts_per_step > 1 else ''}"
                + (f" at {p.max_new_tokens:,} response tokens; at the expected length a row computes "
                   f"{p.learn_part_tokens:,.0f} response columns on average (its part's longest row, or with "
-                  f"train.length_buckets its own), so {p.learn_part_fraction:.2f} such parts"
+                  f"train.length_buckets its bucket's, {p.learn_buckets_per_part:.1f} buckets a part), so "
+                  f"{p.learn_part_fraction:.2f} such parts"
+                  + (f" with {p.learn_call_s * 1e3:,.3g} ms a call whatever its positions (measured at two widths)"
+                     if p.learn_call_s else "")
                   if p.expected_response_tokens and p.learn_part_fraction else "")
                + (f" of one learner rank's share at {p.learn_threads} torch thread(s); the {p.learner_ranks} "
                   f"ranks side by side; their gradient all-reduce not counted" if p.learner_ranks > 1 else "")

@@ -10,11 +10,16 @@ import torch
 
 from rlvr import config as config_mod, sampling
 from rlvr.machine import actor_threads, ordered_pair, time_calls
+from rlvr.models.lean_llama import grouped_layout, LeanCache
 from rlvr.setup_types import Setup
 
 
 DECODE_PROBE_STEPS = 3
 """Decode steps `decode_step_seconds` times (after a warm-up call) to price a run's sampling."""
+DECODE_PROBE_DEPTH = 128
+"""The most columns past the prompt `decode_column_seconds` measures a decode step at (its prompt
+that much longer); a step's cost grows about linearly with the columns cached, so the slope
+measured there prices the rest."""
 DECODE_PROBE_RETRIES = 2
 """Timed pairs `decode_step_seconds` adds while the longer call measured no longer than the shorter
 (noise on a tiny model's millisecond calls); if it still does, a step is priced at the longer
@@ -73,7 +78,7 @@ def decode_small_prompts(setup: Setup) -> int:
     return -(-share[0] // 4)
 
 
-def decode_step_seconds(setup: Setup, prompts: int | None = None) -> float:
+def decode_step_seconds(setup: Setup, prompts: int | None = None, depth: int = 0, reserve: int = 0) -> float:
     """Seconds of one decode step of this run's sampling, measured on its own policy: the P x G rows
     of a step after a prompt of the longest prompt's length, through `rlvr.sampling.generate` (the
     forward, the tempered log-softmax and the draw) under the run's numerics. P copies of one
@@ -86,24 +91,32 @@ def decode_step_seconds(setup: Setup, prompts: int | None = None) -> float:
     responses may have 3 tokens or more, else 1: a call of 2 tokens decodes one step, so both calls
     pay what a sampling call pays once for its decode steps (the capture of a graphed decode,
     model.cuda_graphs) and the difference is the steps alone. No gradient; the run's generators
-    untouched. With rollout workers: a worker's largest share at a worker's threads
-    (``decode_probe_share``; this process's threads restored after). 0.0 when the workers' decode
-    cannot be measured here (``decode_probe_share`` None) or a response has a single token. `prompts`:
-    measure a step of that many prompts instead (G rows each; ``decode_small_prompts``), at the same threads."""
+    untouched. Each call's cache holds the run's columns (the response bound T, each row cut after
+    the tokens timed: ``budgets``), so it takes the run's layout (``LeanCache``). With rollout
+    workers: a worker's largest share at a worker's threads (``decode_probe_share``; this process's
+    threads restored after). 0.0 when the workers' decode cannot be measured here
+    (``decode_probe_share`` None) or a response has a single token. `prompts`: measure a step of
+    that many prompts instead (G rows each; ``decode_small_prompts``), at the same threads. `depth`:
+    the prompt that many columns longer (its cache's columns as many more, ``decode_column_seconds``),
+    and `reserve` columns more in its cache (the layout it takes)."""
     cfg, model, device = setup.cfg, setup.model, setup.device
-    base = 2 if setup.limits.max_new_tokens >= 3 else 1
-    n = min(DECODE_PROBE_STEPS, setup.limits.max_new_tokens - base)
+    T = setup.limits.max_new_tokens
+    base = 2 if T >= 3 else 1
+    n = min(DECODE_PROBE_STEPS, T - base)
     share = decode_probe_share(setup)
     if share is None or n < 1:
         return 0.0
-    prompt = [setup.tokenizer.pad_id] * max(1, setup.limits.prompt_tokens)
+    Lp = max(1, setup.limits.prompt_tokens)
+    prompt = [setup.tokenizer.pad_id] * (Lp + depth)
     P, threads = share
     P = P if prompts is None else prompts
+    G = cfg.train.samples_per_prompt
 
     def generate(tokens: int) -> None:
         with torch.no_grad(), setup.numerics.context():
-            sampling.generate(model, [prompt] * P, samples_per_prompt=cfg.train.samples_per_prompt,
-                              max_new_tokens=tokens, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
+            sampling.generate(model, [prompt] * P, samples_per_prompt=G, max_new_tokens=T - depth,
+                              budgets=[tokens] * P, reserve=reserve,
+                              temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
                               top_k=cfg.sampling.top_k, min_p=cfg.sampling.min_p,
                               eos_id=None, pad_id=setup.tokenizer.pad_id,
                               generators=sampling.prompt_generators(0, 0, P, device=device))
@@ -122,3 +135,29 @@ def decode_step_seconds(setup: Setup, prompts: int | None = None) -> float:
         model.train(was)
         torch.set_num_threads(was_threads)
     return (more - one) / n if more > one else more / (base + n)
+
+
+def decode_column_seconds(setup: Setup, step_s: float) -> float:
+    """Seconds more one decode step of the measured rows costs per row for each column a row has
+    cached past its prompt (each step's attention reads every cached column of its rows): a step
+    measured after a prompt min(T // 2, DECODE_PROBE_DEPTH) columns longer (``decode_step_seconds``
+    with ``depth``), less `step_s` (the step after the run's prompt), over the rows and those
+    columns. 0.0 where it is not measured: `step_s` 0, fewer than 16 columns of depth, or a lean
+    cache (``LeanCache``, on a CPU) in its grouped layout at the run's lengths, where the prompt's
+    columns are read once per prompt, so a longer prompt does not stand for longer responses."""
+    T, G = setup.limits.max_new_tokens, setup.cfg.train.samples_per_prompt
+    depth = min(T // 2, DECODE_PROBE_DEPTH)
+    share = decode_probe_share(setup)
+    if step_s <= 0 or depth < 16 or share is None:
+        return 0.0
+    lean = isinstance(setup.model.new_cache(1, 2), LeanCache) and setup.device.type == "cpu"
+    Lp = max(1, setup.limits.prompt_tokens)
+    if lean and grouped_layout(Lp, T, G):
+        return 0.0
+    # the deeper prompt leaves fewer columns to decode: as many more reserved, so that the lean cache
+    # takes the run's plain layout
+    reserve = 0
+    if lean and grouped_layout(Lp + depth, T - depth, G):
+        reserve = next(r for r in range(1, 64 * T) if not grouped_layout(Lp + depth, T - depth + r, G))
+    deep = decode_step_seconds(setup, depth=depth, reserve=reserve)
+    return max(deep - step_s, 0.0) / (share[0] * G * depth)

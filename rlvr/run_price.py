@@ -35,13 +35,14 @@ def eval_rows(setup: Setup) -> int:
 
 
 def price_of(setup: Setup, rate: float | None = None, decode_s: float | None = None,
-             learn_s: tuple[float, float] | None = None, probe_learn: bool = False,
+             learn_s: tuple[float, ...] | None = None, probe_learn: bool = False,
              decode_small: tuple[float, int] | None = None) -> costs.Price:
     """The price of the run `setup` describes (rlvr.costs), before it starts, with a wall-time
     estimate against `rate` FLOP/s (default: `matmul_rate` measured on the run's device) and an
     expected wall time with every decode step at `decode_s` seconds (default: `decode_step_seconds`
     measured on the run's policy) and the learn stage at `learn_s` (a part's forward and backward,
-    an optimizer step; with `probe_learn`, as the trainer and `rlvr price` ask, measured by
+    an optimizer step, and optionally a call's fixed cost; with `probe_learn`, as the trainer and
+    `rlvr price` ask, measured by
     rlvr.learn.learn_part_seconds only where the run's predicted memory fits, `check_memory` and
     `check_device_memory`, so a run that will be refused computes nothing more; without it, or
     (0, 0): the training FLOPs at the rate). `train.price_probes = false` runs neither default probe:
@@ -51,7 +52,9 @@ def price_of(setup: Setup, rate: float | None = None, decode_s: float | None = N
     With sampling.expected_response_tokens below the bound the price assumes that mean response
     length (rlvr.costs.length_survival), and a second decode step of fewer rows is measured with the
     first (`decode_small`: its (seconds, prompts) given instead; probes.decode_small_prompts) to split a
-    step's cost into a fixed part and a part per row."""
+    step's cost into a fixed part and a part per row. With the decode step measured here, a step
+    after a longer prompt is measured too (probes.decode_column_seconds): what each column a row has
+    cached adds to a step."""
     cfg, model = setup.cfg, setup.model
     T, expected_len = setup.limits.max_new_tokens, cfg.sampling.expected_response_tokens
     at_expected = 0 < expected_len < T
@@ -82,14 +85,16 @@ def price_of(setup: Setup, rate: float | None = None, decode_s: float | None = N
         expected_response_tokens=expected_len if at_expected else 0, length_buckets=cfg.train.length_buckets,
         compact_finished=compact_finished(cfg, setup.limits.tool_calls),
     )
+    probing = decode_s is None and cfg.train.price_probes
     decode_s = (probes.decode_step_seconds(setup) if cfg.train.price_probes else 0.0) if decode_s is None else decode_s
+    cell = probes.decode_column_seconds(setup, decode_s) if probing else 0.0
     if decode_small is None and at_expected and decode_s and cfg.train.price_probes:
         few = probes.decode_small_prompts(setup)
         decode_small = (probes.decode_step_seconds(setup, prompts=few), few) if few else None
     measured = costs.Measured(
         matmul_flops_per_s=(machine.matmul_rate(setup.device) if rate is None else rate) * speedup,
         matmul_kind="bf16 autocast" if speedup != 1.0 else "fp32", threads=torch.get_num_threads(),
-        decode_step_s=decode_s, numerics=setup.numerics.describe(),
+        decode_step_s=decode_s, numerics=setup.numerics.describe(), decode_cell_s=cell,
         **({} if decode_small is None else dict(decode_small_step_s=decode_small[0],
                                                 decode_small_prompts=decode_small[1])),
     )

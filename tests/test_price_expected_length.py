@@ -171,3 +171,58 @@ def test_price_of_measures_a_smaller_decode_step_at_an_expected_length(monkeypat
     e = run_price.price_of(setup, rate=1e9, learn_s=(0.5, 0.01))
     assert calls == [None, -(-P // 4)] and e.decode_small_prompts == -(-P // 4) and e.decode_small_step_s == 0.04
     assert e.expected_response_tokens == max(1, T // 2) and e.wall_seconds_expected < cap.wall_seconds_expected
+
+
+def test_expected_buckets_cut_drawn_parts_as_the_learn_stage_does(monkeypatch):
+    from rlvr import scoring
+
+    # every row at the cap, or every row one token: one bucket of rows x that length
+    assert costs.expected_buckets([1.0] * 8, 16) == (1.0, 128.0)
+    assert costs.expected_buckets([1.0] + [0.0] * 7, 16) == (1.0, 16.0)
+    # lengths 2 or 4, each with probability 1/2 (P(L > t) = 1, 1, 1/2, 1/2); a bucket per distinct
+    # length (no call cost): two buckets unless all 16 rows drew one length (2 x 0.5^16), no padding,
+    # so positions are the rows' lengths, 16 x 3 on average (their sum's deviation over 64 draws ~0.5)
+    monkeypatch.setattr(scoring, "BUCKET_CALL_TOKENS", 0)
+    buckets, positions = costs.expected_buckets([1.0, 1.0, 0.5, 0.5], 16)
+    assert 1.9 < buckets <= 2.0 and positions == pytest.approx(48, abs=2.5)
+    assert costs.expected_buckets([1.0, 1.0, 0.5, 0.5], 16) == (buckets, positions)   # seeded: the same draws
+    # a call cost above the padding: one bucket at the longest row (4 unless all drew 2)
+    monkeypatch.setattr(scoring, "BUCKET_CALL_TOKENS", 1000)
+    monkeypatch.setattr(scoring, "PADDING_CAP", 1.0)
+    assert costs.expected_buckets([1.0, 1.0, 0.5, 0.5], 16) == pytest.approx((1.0, 64.0), abs=1e-3)
+
+
+def test_a_learn_calls_fixed_cost_is_paid_once_a_bucket():
+    base = {**BASE, "prompts_per_step": 8, "samples_per_prompt": 8, "max_new_tokens": 256, "prompt_tokens": 64,
+            "steps": 2, "epochs_per_batch": 1, "minibatches": 1, "micro_batches": 4, "n_params": 135_000_000,
+            "matmul_flops_per_s": 1e11, "decode_step_s": 0.15, "learn_part_s": 8.0, "compact_finished": 0.25,
+            "length_buckets": True, "expected_response_tokens": 87, "shared_prompt": False}
+    plain, called = pricing.price(**base), pricing.price(**base, learn_call_s=0.5)
+    s = costs.length_survival(87, 256)
+    buckets, positions = costs.expected_buckets(s, 16)            # 2 groups of 8 a part
+    assert called.learn_buckets_per_part == pytest.approx(buckets) and buckets > 2
+    assert called.learn_part_tokens == pytest.approx(positions / 16)   # the buckets' padding counted
+    share = (64 + positions / 16 - 1) / (64 + 255)                  # a row's positions: its prompt + columns - 1
+    assert plain.learn_part_fraction == pytest.approx(4 * share)
+    # 0.5 s a bucket, the rest of the 8 s part in proportion to the positions
+    assert called.learn_part_fraction == pytest.approx(4 * (0.5 * buckets + 7.5 * share) / 8.0)
+    assert called.wall_seconds_expected - plain.wall_seconds_expected == pytest.approx(
+        2 * 8.0 * (called.learn_part_fraction - plain.learn_part_fraction))
+    assert "0.5 s a call" not in called.wall_line() and "500 ms a call whatever its positions" in called.wall_line()
+
+
+def test_a_decode_steps_cost_per_cached_column_is_priced_over_the_rows_and_their_columns():
+    base = {**BASE, "prompts_per_step": 8, "samples_per_prompt": 8, "max_new_tokens": 256, "prompt_tokens": 64,
+            "steps": 2, "epochs_per_batch": 1, "minibatches": 1, "micro_batches": 4, "n_params": 135_000_000,
+            "matmul_flops_per_s": 1e11, "decode_step_s": 0.08, "learn_part_s": 8.0, "compact_finished": 0.0}
+    # at the cap: 64 rows hold 1 ... 255 columns past the prompt over the 255 steps: 64 x 255 x 256 / 2
+    at_cap, grown = pricing.price(**base), pricing.price(**base, decode_cell_s=2e-6)
+    assert grown.wall_seconds_expected - at_cap.wall_seconds_expected == pytest.approx(2 * 2e-6 * 64 * 255 * 256 / 2)
+    assert grown.decode_cell_s == 2e-6 and "+ 2 us a row for each column it has cached" in grown.wall_line()
+    # at an expected length: the rows each step computes, times the columns they hold then
+    at_e = {**base, "expected_response_tokens": 87}
+    s = costs.length_survival(87, 256)
+    cells = sum(n * t for t, n in enumerate(costs.decode_rows_per_step(s, 64, 0.0), start=1))
+    assert costs.decode_row_columns(s, 64, 0.0) == pytest.approx(cells) and cells < 64 * 255 * 256 / 2
+    assert (pricing.price(**at_e, decode_cell_s=2e-6).wall_seconds_expected
+            - pricing.price(**at_e).wall_seconds_expected) == pytest.approx(2 * 2e-6 * cells)

@@ -229,8 +229,9 @@ def test_the_learn_probe_runs_the_learn_stage_on_full_length_parts_and_leaves_th
     model.eval()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     rng = torch.get_rng_state()
-    part, opt = learn_mod.learn_part_seconds(setup)
-    assert part > 0 and opt > 0
+    assert setup.limits.max_new_tokens < 8                          # too short to time a call's fixed cost
+    part, opt, call = learn_mod.learn_part_seconds(setup)
+    assert part > 0 and opt > 0 and call == 0.0
     assert not model.training                                       # its mode restored
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())   # no update
     assert all(p.grad is None for p in model.trainable_params())     # its gradients dropped
@@ -272,7 +273,7 @@ def test_the_learn_probe_runs_the_learn_stage_on_full_length_parts_and_leaves_th
         was = getattr(d, key)
         setattr(d, key, value)
         assert probes.learn_probe_share(group) is None
-        assert learn_mod.learn_part_seconds(group) == (0.0, 0.0) and calls == []
+        assert learn_mod.learn_part_seconds(group) == (0.0, 0.0, 0.0) and calls == []
         setattr(d, key, was)
 
 
@@ -287,8 +288,32 @@ def test_a_larger_part_is_extrapolated_from_one_and_two_groups(monkeypatch):
     monkeypatch.setattr(rlvr.learn, "accumulate", lambda *a, **kw: {})
     ticks = iter([t for d in (0.3, 0.5, 0.2, 0.35, 0.03, 0.01, 0.02) for t in (0.0, d)])
     monkeypatch.setattr(machine_mod.time, "perf_counter", lambda: next(ticks))
-    part, opt = learn_mod.learn_part_seconds(setup)
+    part, opt, _ = learn_mod.learn_part_seconds(setup)
     assert part == pytest.approx(0.65) and opt == pytest.approx(0.01)
+
+
+def test_a_learn_calls_fixed_cost_is_the_line_through_two_widths_at_none(monkeypatch):
+    """Clock readings scripted, a part of one group at T = 16 and at T // 4 = 4 columns: one group
+    at T 0.5 then 0.4 s (the part, its best), then at 4 columns a warm-up and 0.25, 0.2 s (best
+    0.2). A row's positions: its prompt's share p + T - 1 (15 + p) and p + 3; the line through
+    (p + 15, 0.4) and (p + 3, 0.2) at 0 positions: 0.2 - (0.2 / 12) (p + 3)."""
+    import rlvr.learn
+    from test_autocast import tiny_setup
+
+    setup = tiny_setup("--sampling.max_new_tokens=16", "--train.prompts_per_step=1")
+    assert setup.limits.max_new_tokens == 16
+    shapes = []
+    monkeypatch.setattr(rlvr.learn, "accumulate", lambda learner, b, *a, **kw: shapes.append(
+        tuple(b.groups.rollout.mask.shape)) or {})
+    ticks = iter([t for d in (9.0, 0.5, 0.4, 9.0, 0.25, 0.2, 0.03, 0.01, 0.02) for t in (0.0, d)])
+    monkeypatch.setattr(machine_mod.time, "perf_counter", lambda: next(ticks))
+    part, opt, call = learn_mod.learn_part_seconds(setup)
+    G = setup.cfg.train.samples_per_prompt
+    assert shapes == [(G, 16)] * 3 + [(G, 4)] * 3                  # one group at T, then at T // 4
+    shared = setup.cfg.model.share_prompt_forward and setup.model.differentiable_cache
+    p = setup.limits.prompt_tokens / G if shared else setup.limits.prompt_tokens
+    assert part == pytest.approx(0.4) and opt == pytest.approx(0.01)
+    assert call == pytest.approx(0.2 - 0.2 / 12 * (p + 3))
 
 
 def test_a_run_its_memory_refuses_is_not_probed_and_a_given_learn_time_reaches_the_price(monkeypatch):
@@ -328,8 +353,11 @@ def test_decode_step_is_measured_on_the_runs_policy_or_a_rollout_workers_share(m
     assert P > 1 and G > 1
     assert setup.limits.max_new_tokens >= 3                       # b = 2: both timed calls decode
     n = min(probes.DECODE_PROBE_STEPS, setup.limits.max_new_tokens - 2)
-    tokens = [kw["max_new_tokens"] for _, kw in calls]
+    tokens = [kw["budgets"][0] for _, kw in calls]
     assert tokens[:3] == [2, 2, 2 + n] and tokens[3:] in ([], [2, 2 + n], [2, 2 + n] * 2)  # warm-up, 2, 2 + n; retries
+    # each call's cache as long as the run's (its rows cut after the tokens timed): the run's layout
+    assert all(kw["max_new_tokens"] == setup.limits.max_new_tokens and kw["reserve"] == 0
+               and kw["budgets"] == [kw["budgets"][0]] * P for _, kw in calls)
     # a real step's shape: P prompts of G samples each (the grouped cache layout), not one prompt x P*G
     assert all(kw["samples_per_prompt"] == G and len(p) == P
                and all(len(x) == setup.limits.prompt_tokens for x in p) and kw["eos_id"] is None for p, kw in calls)
@@ -389,9 +417,42 @@ def test_a_decode_probe_whose_longer_call_ran_shorter_times_the_pair_again(monke
     assert probes.decode_step_seconds(setup) == pytest.approx(0.4 / 5)
     short = tiny_setup("--sampling.max_new_tokens=2")
     calls = []
-    monkeypatch.setattr(sampling, "generate", lambda *a, **kw: calls.append(kw["max_new_tokens"]))
+    monkeypatch.setattr(sampling, "generate", lambda *a, **kw: calls.append(kw["budgets"][0]))
     clock([0.1, 0.2, 0.5])
     assert probes.decode_step_seconds(short) == pytest.approx(0.3) and calls == [2, 1, 2]
+
+
+def test_a_decode_steps_cost_per_cached_column_is_measured_after_a_longer_prompt(monkeypatch):
+    """decode_column_seconds: a step after a prompt min(T // 2, DECODE_PROBE_DEPTH) columns longer,
+    less the step after the run's prompt, over the rows and those columns; its calls keep the run's
+    columns (T - depth more to decode) and, for a lean cache whose deeper call would take the grouped
+    layout where the run's takes the plain one, reserve columns until it takes the plain one too."""
+    from test_autocast import tiny_setup
+
+    from rlvr.models import lean_llama
+
+    setup = tiny_setup("--sampling.max_new_tokens=64")
+    P, G, T = setup.cfg.train.prompts_per_step, setup.cfg.train.samples_per_prompt, setup.limits.max_new_tokens
+    Lp = setup.limits.prompt_tokens
+    seen = []
+    monkeypatch.setattr(probes, "decode_step_seconds", lambda st, prompts=None, depth=0, reserve=0: seen.append(
+        (depth, reserve)) or 0.5)
+    assert probes.decode_column_seconds(setup, 0.3) == pytest.approx((0.5 - 0.3) / (P * G * 32))
+    assert seen == [(32, 0)]                                     # T // 2 deeper; the built-in cache: no layouts
+    assert probes.decode_column_seconds(setup, 0.0) == 0.0        # no step measured: nothing to compare
+    assert probes.decode_column_seconds(tiny_setup("--sampling.max_new_tokens=16"), 0.3) == 0.0  # 8 columns: too few
+    # a lean (CPU) cache: at G = 4 and 4x the score FLOPs allowed, the run's columns (Lp + G x 64 against
+    # Lp + 64) take the plain layout, the deeper call's (Lp + 32, 32 to decode) the grouped one
+    monkeypatch.setattr(setup.model, "new_cache", lambda b, m: lean_llama.LeanCache(1, b, m, "cpu"))
+    monkeypatch.setattr(lean_llama, "GROUP_ATTENTION_FLOPS", 3.5)
+    assert not lean_llama.grouped_layout(Lp, T, G) and lean_llama.grouped_layout(Lp + 32, T - 32, G)
+    seen.clear()
+    probes.decode_column_seconds(setup, 0.3)
+    (depth, reserve), = seen
+    assert not lean_llama.grouped_layout(Lp + 32, T - 32 + reserve, G)
+    assert lean_llama.grouped_layout(Lp + 32, T - 32 + reserve - 1, G)   # the fewest columns that do
+    monkeypatch.setattr(lean_llama, "GROUP_ATTENTION_FLOPS", 4.0)      # the run's own cache grouped: not measured
+    assert lean_llama.grouped_layout(Lp, T, G) and probes.decode_column_seconds(setup, 0.3) == 0.0
 
 
 def cli(*argv) -> tuple[int, str]:

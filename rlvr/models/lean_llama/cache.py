@@ -21,6 +21,14 @@ def repeat_rows(cache, repeats: int) -> None:
     cache.next_pos = cache.next_pos.repeat_interleave(repeats, dim=0)
 
 
+def grouped_layout(prefix: int, new: int, G: int) -> bool:
+    """Whether a CPU cache of ``prefix`` columns repeated for G samples with ``new`` columns left to
+    decode takes the grouped layout (``LeanCache.repeat_interleave``): letting a prompt's G rows
+    attend to each other's columns costs at most ``GROUP_ATTENTION_FLOPS`` times the score FLOPs
+    of each row attending to its own, (prefix + G * new) / (prefix + new)."""
+    return G > 1 and (prefix + G * new) <= GROUP_ATTENTION_FLOPS * (prefix + new)
+
+
 class LeanCache:
     """The lean path's KV cache: per-layer key/value tensors (B, Hkv, S, D), rotary already applied,
     plus the running attention mask and each row's next position (see ``init_rows``).
@@ -121,8 +129,7 @@ class LeanCache:
             return False
         if any(t is None for t in self.k) or any(b is None for b in self._kbuf):
             return False
-        S0, new = self.length, self.max_len - self.length
-        return (S0 + repeats * new) <= GROUP_ATTENTION_FLOPS * (S0 + new)
+        return grouped_layout(self.length, self.max_len - self.length, repeats)
 
     def repeat_interleave(self, repeats: int) -> "LeanCache":
         """Row b becomes rows b*repeats ... b*repeats+repeats-1 (out of place per tensor, so the
