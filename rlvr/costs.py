@@ -453,11 +453,6 @@ class MemoryInputs:
     export_copy: bool = False  # Export merges LoRA into a copy.
     weight_copy_bytes: int = 0  # The bf16 weight copies of a forward phase (CPU bf16 autocast).
     kept_copy_bytes: int = 0  # The bf16 copies kept for the whole run.
-    bf16_activations: bool = False  # The forwards run under bf16 autocast: the layers' products write bf16.
-    scores_limit: int = 0
-    """Queries x keys up to which the training forward's attention holds its probabilities (the lean
-    forward's explicit products on a CPU, SMALL_ATTENTION); above, a fused kernel keeps a
-    log-sum-exp per head. 0: always held."""
 
 
 @dataclass(frozen=True)
@@ -555,8 +550,7 @@ def _memory_prediction(run: RunShape, mem: MemoryInputs) -> Memory:
         bytes_per_param=run.bytes_per_param, shared_prompt=run.shared_prompt,
         logprob_chunk_rows=mem.logprob_chunk_rows, logit_bytes=mem.logit_bytes, eval_rows=mem.eval_rows,
         export_copy=mem.export_copy, weight_copy_bytes=mem.weight_copy_bytes, kept_copy_bytes=mem.kept_copy_bytes,
-        cache_reserve=2 * T * run.tool_calls, bf16_activations=mem.bf16_activations,
-        scores_held=not mem.scores_limit or T * (run.prompt_tokens + T) <= mem.scores_limit)
+        cache_reserve=2 * T * run.tool_calls)
 
 
 def _check_run(run: RunShape) -> None:

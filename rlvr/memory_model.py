@@ -1,9 +1,8 @@
 """The memory model of a run: the peak resident set it reaches, predicted from the model's shape and
 the run's sizes before it starts (the price's memory line, rlvr.costs.price).
 
-Memory (`memory(...)`, the peak resident set a run reaches, in bytes; `b` = bytes of a parameter and
-of the residual stream, 4 in fp32 and 2 in bf16; `a` = bytes of what the layers' products write, `b`,
-or 2 under bf16 autocast; logits are float32 unless said):
+Memory (`memory(...)`, the peak resident set a run reaches, in bytes; `b` = bytes of an activation,
+4 in fp32 and 2 in bf16; logits are always float32):
 
     held all run    = baseline (the process before the run: torch, transformers, tokenizer, task;
                       measured, not derived) + policy + reference copy (kl_coef > 0 without LoRA)
@@ -12,19 +11,15 @@ or 2 under bf16 autocast; logits are float32 unless said):
     plus the largest of four phases:
     training        = activations + logits
       activations   = trained tokens of one minibatch (of one of its train.micro_batches parts)
-                      x layers x (2d b + (4d + 4f + 2 Hkv D) a + scores)
-                      per layer and token: the two RMSNorms' inputs (the residual stream, 2d b) and
-                      their outputs as the products read them (2d a), q after RoPE (d), k and v
-                      (2 Hkv D), the attention output (d); gate and up outputs (2f), SiLU(gate) and
-                      SiLU(gate) * up (2f); scores: where the training forward's attention is
-                      explicit products (queries x keys T x S within the lean forward's
-                      SMALL_ATTENTION on the CPU, or always for other forwards) the softmax
-                      probabilities over S = Lp + T keys, float32 and their copy in a where a < 4
-                      (H S (4 + a); the score matrix is materialised as a full rectangle), else a
-                      fused kernel's log-sum-exp per head (4 H); tokens = rows x (Lp + T), or
+                      x layers x b x (6d + 4f + 2 Hkv D + H S)
+                      per layer and token: the attention block's RMSNorm input and output (2d), q
+                      after RoPE (d), k and v (2 Hkv D), the softmax probabilities over S = Lp + T
+                      keys (H S; the score matrix is materialised as a full rectangle), the attention
+                      output (d); the MLP block's RMSNorm input and output (2d), gate and up outputs
+                      (2f), SiLU(gate) and SiLU(gate) * up (2f); tokens = rows x (Lp + T), or
                       P x Lp + rows x T with the prompt shared by its group; with gradient
-                      checkpointing tokens x (layers x (d b + (d + 2 Hkv D) a) + that sum): each
-                      layer's input, q, k and v, and one layer recomputed at a time
+                      checkpointing tokens x b x (layers x (2d + 2 Hkv D) + that sum): each layer's
+                      input, q, k and v, and one layer recomputed at a time
       logits        = 4 x rows x T x V x 4 bytes (lm_head output, its copy joined with the prompt's
                       last position, the tempered copy, the saved log-softmax), or with
                       `model.logprob_chunk_rows` = c < rows x T: 2 x rows x T x V x b_logit + 3 x c x V x 4
@@ -109,21 +104,15 @@ def kv_cache_bytes(shape: ModelShape, rows: int, prompt_len: int, response_len: 
     return per_layer * (shape.layers + 1) + 4 * rows * shape.vocab * 4
 
 
-def activation_bytes(shape: ModelShape, tokens: int, keys: int, act_bytes: int, stream_bytes: int | None = None,
-                     scores_held: bool = True) -> int:
-    """Tensors the backward needs, over `tokens` trained tokens attending `keys` keys (module
-    docstring): tokens x layers x (2d `stream_bytes` + (4d + 4f + 2 Hkv D) `act_bytes` + scores),
-    scores H keys (4 + `act_bytes` where below 4) with `scores_held`, else 4 H; checkpointed
-    (`shape.checkpointed`), each layer's input (d `stream_bytes`), q, k and v ((d + 2 Hkv D)
-    `act_bytes`) and one layer's activations. `stream_bytes` None: `act_bytes`."""
-    s, a = shape, act_bytes
-    b = a if stream_bytes is None else stream_bytes
-    kv = 2 * s.kv_heads * s.head_dim
-    scores = s.heads * keys * (4 + (a if a < 4 else 0)) if scores_held else 4 * s.heads
-    per_token_layer = 2 * s.hidden * b + (4 * s.hidden + 4 * s.mlp + kv) * a + scores
+def activation_bytes(shape: ModelShape, tokens: int, keys: int, act_bytes: int) -> int:
+    """Tensors the backward needs, over `tokens` trained tokens attending `keys` keys:
+    tokens x layers x b x (6d + 4f + 2 Hkv D + H keys); checkpointed (`shape.checkpointed`), each
+    layer's input, q, k and v (tokens x layers x b x (2d + 2 Hkv D)) and one layer's activations."""
+    s = shape
+    per_token_layer = 6 * s.hidden + 4 * s.mlp + 2 * s.kv_heads * s.head_dim + s.heads * keys
     if s.checkpointed:
-        return tokens * (s.layers * (s.hidden * b + (s.hidden + kv) * a) + per_token_layer)
-    return tokens * s.layers * per_token_layer
+        return tokens * act_bytes * (s.layers * (2 * s.hidden + 2 * s.kv_heads * s.head_dim) + per_token_layer)
+    return tokens * s.layers * act_bytes * per_token_layer
 
 
 def logits_bytes(shape: ModelShape, rows: int, response_len: int, chunk_rows: int = 0, logit_bytes: int = 4) -> int:
@@ -141,14 +130,12 @@ def memory(shape: ModelShape, *, prompts: int, group: int, prompt_len: int, resp
            n_params: int, trainable_params: int, has_reference_copy: bool, baseline: int = 0,
            bytes_per_param: int = 4, shared_prompt: bool = False, logprob_chunk_rows: int = 0, logit_bytes: int = 4,
            eval_rows: int = 0, export_copy: bool = False, weight_copy_bytes: int = 0, cache_reserve: int = 0,
-           kept_copy_bytes: int = 0, bf16_activations: bool = False, scores_held: bool = True) -> Memory:
+           kept_copy_bytes: int = 0) -> Memory:
     """Predicted peak bytes of a run of P = `prompts` x G = `group` rows (module docstring), trained in
     `minibatches` forward/backward parts a batch (train.minibatches x train.micro_batches);
     `weight_copy_bytes`: the bf16 weight copies each forward phase holds (CPU bf16 autocast), and
     `kept_copy_bytes` those held for the whole run;
-    `cache_reserve`: columns the sampling caches hold beyond Lp + T (tool continuations, rlvr.tools);
-    `bf16_activations`: the forwards run under bf16 autocast (a = 2); `scores_held`: the training
-    forward's attention holds its probabilities (explicit products; else a fused kernel's)."""
+    `cache_reserve`: columns the sampling caches hold beyond Lp + T (tool continuations, rlvr.tools)."""
     P, G, Lp, T, b = prompts, group, prompt_len, response_len, bytes_per_param
     rows = P * G // minibatches                                          # rows of one minibatch
     tokens = (max(1, P // minibatches) * Lp + rows * T) if shared_prompt else rows * (Lp + T)
@@ -156,7 +143,7 @@ def memory(shape: ModelShape, *, prompts: int, group: int, prompt_len: int, resp
     return Memory(
         baseline=baseline, policy=policy, reference=policy if has_reference_copy else 0,
         optimizer=2 * 4 * trainable_params, gradients=4 * trainable_params,
-        activations=activation_bytes(shape, tokens, Lp + T, 2 if bf16_activations else b, b, scores_held),
+        activations=activation_bytes(shape, tokens, Lp + T, b),
         logits=logits_bytes(shape, rows, T, logprob_chunk_rows, logit_bytes),
         kv_cache=kv_cache_bytes(shape, P * G, Lp, T + cache_reserve, b),
         eval_kv_cache=kv_cache_bytes(shape, eval_rows, Lp, T + cache_reserve, b) if eval_rows else 0,

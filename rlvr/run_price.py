@@ -103,7 +103,6 @@ def price_of(setup: Setup, rate: float | None = None, decode_s: float | None = N
         shape, baseline_bytes=baseline, logprob_chunk_rows=priced_chunk_rows(cfg.model.logprob_chunk_rows, shape),
         logit_bytes=2 if bf16_forwards(cfg, setup.numerics) else 4, eval_rows=eval_rows(setup),
         export_copy=model.has_adapter, kept_copy_bytes=kept_copies, weight_copy_bytes=phase_copies,
-        bf16_activations=setup.numerics.bf16, scores_limit=scores_limit(model),
     )
     first = costs.price(run_shape, measured, mem, so)
     if learn_s is None and probe_learn and cfg.train.price_probes:
@@ -212,15 +211,6 @@ def check_device_memory(cfg: config_mod.Config, price: costs.Price, device: torc
             f"{free * gib:.2f} GiB are free there (policy {price.policy_bytes * gib:.2f} GiB already loaded). "
             "Train a LoRA adapter (model.lora_r), set model.dtype = bf16, use a GPU with more memory or shard "
             "over several (distributed.sharding = fsdp2), or set train.memory_check = false to start anyway")
-
-
-def scores_limit(model: Policy) -> int:
-    """Queries x keys up to which the training forward's attention holds its probabilities: the lean
-    forward's SMALL_ATTENTION where the policy takes it (above, SDPA's fused kernel), else 0 (always
-    held: the built-in model's and transformers' eager attention, an upper estimate for its SDPA)."""
-    from rlvr.models import lean_llama
-
-    return lean_llama.SMALL_ATTENTION if getattr(model, "uses_fast_path", False) else 0
 
 
 def shares_prompt(cfg: config_mod.Config, model: Policy) -> bool:
