@@ -130,3 +130,40 @@ def test_a_long_row_in_a_group_does_not_keep_its_finished_rows(llama, monkeypatc
     groups_only = roll(default)
     assert torch.equal(groups_only.ids, every.ids)
     assert dropped.finished_row_frac < groups_only.finished_row_frac
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_the_plain_caches_spare_columns_grow_without_changing_a_row(llama, monkeypatch, grouped):
+    """The plain layout's buffers start CACHE_GROW columns past the prompt and grow by as many when
+    full, every call attending over their whole width with the spare columns masked
+    (LeanCache.attend_width): with 1 or 3 spare columns (a growth every step or every third, rows
+    dropping out between, and from the grouped layout by ungroup) each row gets the tokens and
+    log-probs (to float rounding) it gets with every column allocated up front."""
+    from rlvr.models import lean_llama
+
+    policy, tok = llama
+    model = EndBiased(policy, tok.eos_id, 2.0)
+    prompts = [tok.encode(s) for s in PROMPTS]
+    monkeypatch.setattr(lean_llama, "GROUP_ATTENTION_FLOPS", 100.0 if grouped else 0.0)
+    widths = []
+    real = lean_llama.LeanCache.attend_width
+    monkeypatch.setattr(lean_llama.LeanCache, "attend_width",
+                        lambda self, S: widths.append((S, real(self, S))) or widths[-1][1])
+
+    def roll(grow):
+        monkeypatch.setattr(lean_llama, "CACHE_GROW", grow)
+        widths.clear()
+        out = sampling.generate(model, prompts, samples_per_prompt=4, max_new_tokens=20, temperature=1.0,
+                                eos_id=tok.eos_id, pad_id=tok.pad_id,
+                                generators=sampling.prompt_generators(5, 0, len(prompts)))
+        return out, list(widths)
+
+    whole, _ = roll(10**6)
+    lengths = whole.response_lengths.float()
+    assert lengths.max() - lengths.min() >= 8                               # rows end at different steps
+    for grow in (1, 3):
+        got, seen = roll(grow)
+        plain = [(S, W) for S, W in seen if W != S]
+        assert plain and all(S < W <= S + grow for S, W in plain)           # spare columns, at most `grow`
+        assert torch.equal(got.ids, whole.ids) and torch.equal(got.mask, whole.mask)
+        torch.testing.assert_close(got.logp, whole.logp, atol=1e-5, rtol=0)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from rlvr.models import lean_llama
 from rlvr.models.lean_llama import LeanCache
 
 
@@ -143,8 +144,9 @@ def ungroup(cache: LeanCache, rows: torch.Tensor) -> torch.Tensor:
     """Keep ``rows`` (n,) long ascending of a ``LeanCache`` in the grouped layout as rows 0 ... n-1 of
     its plain layout, in place; returns ``rows``. Each kept row gets its own copy of its prompt's
     columns followed by its own (column ``prefix + s * G + g`` of its group's is its step s), in
-    new buffers of the plain layout (values (n, Hkv, max_len, D), keys (n, Hkv, D, max_len): the
-    grouped layout is a CPU one, where the plain layout's keys are transposed, ``LeanCache.keys_t``);
+    new buffers of the plain layout (values (n, Hkv, cols, D), keys (n, Hkv, D, cols), ``CACHE_GROW``
+    columns to spare: the grouped layout is a CPU one, where the plain layout's keys are transposed,
+    ``LeanCache.keys_t``);
     the grouped ones are let go. What lets a row leave its group: a decode step then attends as
     with a cache repeated G times from the start."""
     G, pre = cache.group, cache.prefix
@@ -153,8 +155,9 @@ def ungroup(cache: LeanCache, rows: torch.Tensor) -> torch.Tensor:
     for li, kT in enumerate(cache.k):
         v = cache.v[li]                                        # (P, Hkv, pre + G * n_steps, D)
         P, Hkv, D, _ = kT.shape
-        kb = kT.new_empty(rows.numel(), Hkv, D, cache.max_len)  # (n, Hkv, D, max_len)
-        vb = v.new_empty(rows.numel(), Hkv, cache.max_len, D)
+        cols = min(cache.max_len, pre + n_steps + lean_llama.CACHE_GROW)   # LeanCache.keys_t's spare columns
+        kb = kT.new_zeros(rows.numel(), Hkv, D, cols)          # (n, Hkv, D, cols)
+        vb = v.new_zeros(rows.numel(), Hkv, cols, D)
         kb[..., :pre] = kT[p, :, :, :pre]
         vb[:, :, :pre] = v[p, :, :pre]
         own_k = kT[..., pre:].view(P, Hkv, D, n_steps, G)      # step s, row g at s * G + g

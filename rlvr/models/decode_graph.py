@@ -123,6 +123,7 @@ class StaticDecode:
         self.col = torch.full((1,), self.start, dtype=torch.long, device=dev)
         self.attend = torch.zeros(B, M, dtype=torch.bool, device=dev)
         self.attend[:, :self.start] = cache.mask.bool()
+        cache.grow(M)                                     # every column's buffer (a CPU cache's grow by steps)
         for li, vb in enumerate(cache._vbuf):             # the columns not written yet: uninitialised memory,
             cache.key_view(li, M)[:, :, self.start:].zero_()  # and a masked column's zero weight times a
             vb[:, :, self.start:].zero_()                # NaN there is NaN

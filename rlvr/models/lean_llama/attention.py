@@ -148,7 +148,7 @@ def _grouped_attention(q: torch.Tensor, kT: torch.Tensor, v: torch.Tensor, gmask
 
 
 def _attention_masks(full_am: torch.Tensor, cache: LeanCache | None, past: int, L: int, Hkv: int, rep: int,
-                     dtype: torch.dtype, small: bool, window: int | None = None) -> tuple:
+                     dtype: torch.dtype, small: bool, window: int | None = None, width: int = 0) -> tuple:
     """(grouped, gmask, gchunks, addmask, sdpa_mask): the masks the layers of a forward with sliding
     ``window`` (None: none) share, one kind set, the others None (grouped False). A cache in the
     grouped layout: its boolean (P, G, L, prefix + G * steps) mask and query chunks
@@ -158,10 +158,14 @@ def _attention_masks(full_am: torch.Tensor, cache: LeanCache | None, past: int, 
     if cache is not None and cache.group > 1:
         gmask = _group_attend_mask(full_am, cache.prefix, cache.group, past, L, window)
         return True, gmask, _group_chunks(gmask, Hkv, rep, dtype), None, None
+    mask = _attend_mask(full_am, past, L, window)                                 # (B, L|1, S)
+    if width > S:       # the cache's columns past S (LeanCache.attend_width): masked
+        mask = torch.cat([mask, mask.new_zeros(*mask.shape[:2], width - S)], dim=2)
+        S = width
     if small:
-        addmask = _additive(_attend_mask(full_am, past, L, window), dtype)        # (B, L|1, S)
+        addmask = _additive(mask, dtype)
         return False, None, None, addmask[:, None, None].expand(B, Hkv, rep, L, S).reshape(B * Hkv, rep * L, S), None
-    return False, None, None, None, _attend_mask(full_am, past, L, window)[:, None]  # (B, 1, L|1, S)
+    return False, None, None, None, mask[:, None]                                # (B, 1, L|1, S)
 
 
 def _explicit_attention(cfg, device: torch.device, L: int, S: int) -> bool:
@@ -171,11 +175,11 @@ def _explicit_attention(cfg, device: torch.device, L: int, S: int) -> bool:
 
 
 def _layer_masks(hf_model: nn.Module, full_am: torch.Tensor, cache: LeanCache | None, past: int, L: int, Hkv: int,
-                 rep: int, dtype: torch.dtype, small: bool) -> tuple[list, dict]:
+                 rep: int, dtype: torch.dtype, small: bool, width: int = 0) -> tuple[list, dict]:
     """(each layer's window key, {key: ``_attention_masks``}): a window at least as wide as the
     sequence masks nothing, so those layers share the unwindowed masks (key None)."""
     windows = [None if w is None or w >= full_am.size(1) else w for w in layer_windows(hf_model)]
-    return windows, {w: _attention_masks(full_am, cache, past, L, Hkv, rep, dtype, small, w) for w in set(windows)}
+    return windows, {w: _attention_masks(full_am, cache, past, L, Hkv, rep, dtype, small, w, width) for w in set(windows)}
 
 
 def _attend_parts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, P: int, Lp: int, G: int, scaling: float,

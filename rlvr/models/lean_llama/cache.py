@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .limits import GROUP_ATTENTION_FLOPS
+from .limits import CACHE_GROW, GROUP_ATTENTION_FLOPS
 
 
 def init_rows(cache, batch_size: int, max_len: int, device) -> None:
@@ -41,7 +41,11 @@ class LeanCache:
     buffer holds them transposed, (B, Hkv, D, max_len) (``keys_t``), and ``k[li]`` is a transposed
     view of its first S columns, still (B, Hkv, S, D): the scores' product takes each (D, S) block
     as a plain strided matrix, where a (S, D) view would be copied into its transpose, the whole
-    cache at every layer of every decode step (at 256 new tokens most of a step's attention).
+    cache at every layer of every decode step (at 256 new tokens most of a step's attention). Those
+    buffers are ``CACHE_GROW`` columns wider than the columns filled (grown by as many when full,
+    the new columns zero), and a no-gradient call attends over their whole width
+    (``attend_width``): a view of the first S columns of a wider buffer is not one contiguous
+    tensor, and oneDNN's batched bf16 product copies any operand that is not.
 
     Grouped layout (``group`` = G > 1, see ``repeat_interleave``): the P prompts' keys / values are
     kept once, not G times, and the G rows of a prompt append theirs after them, step by step:
@@ -63,7 +67,38 @@ class LeanCache:
         self.prefix = 0
         """Columns stored once per group (the prompt's) in the grouped layout."""
         self.keys_t = torch.device(device).type == "cpu"
-        """Plain layout, buffers allocated: the keys' buffers are (B, Hkv, D, max_len) (class docstring)."""
+        """Plain layout, buffers allocated: the keys' buffers are (B, Hkv, D, cols) (class docstring)."""
+        self.width = 0
+        """Columns the current no-gradient call attends over (``attend_width``); 0: those filled."""
+
+    def attend_width(self, S: int) -> int:
+        """Columns a no-gradient call that fills the first S columns attends over, the buffers grown
+        first where they are narrower: in the plain layout with transposed keys and its buffers
+        allocated, their whole width (S to max_len; class docstring); else S (a first call, the
+        grouped layout, gradient, a GPU). The columns past S hold zeros or an earlier row's finite
+        values; the caller masks them (``_attention_masks``' ``width``)."""
+        self.width = 0
+        if torch.is_grad_enabled() or self.group > 1 or not self.keys_t or any(b is None for b in self._kbuf):
+            return S
+        if S > self._kbuf[0].size(3):
+            self.grow(min(self.max_len, S + CACHE_GROW))
+        self.width = self._kbuf[0].size(3)
+        return self.width
+
+    def grow(self, cols: int) -> None:
+        """Widen every layer's plain-layout buffers (``keys_t``) to ``cols`` columns, the filled ones
+        copied, the new ones zero; nothing for other buffers (they hold max_len columns)."""
+        if not self.keys_t or self.group > 1:
+            return
+        for li, (kb, vb) in enumerate(zip(self._kbuf, self._vbuf)):
+            if kb is None or kb.size(3) >= cols:
+                continue
+            S = self.v[li].size(2)
+            nk, nv = kb.new_zeros(*kb.shape[:3], cols), vb.new_zeros(vb.size(0), vb.size(1), cols, vb.size(3))
+            nk[..., :S] = kb[..., :S]
+            nv[:, :, :S] = vb[:, :, :S]
+            self._kbuf[li], self._vbuf[li] = nk, nv
+            self.k[li], self.v[li] = self.key_view(li, S), nv[:, :, :S]
 
     def key_view(self, li: int, S: int) -> torch.Tensor:
         """Layer ``li``'s first S key columns of its buffer as (B, Hkv, S, D) (plain layout)."""
@@ -88,21 +123,29 @@ class LeanCache:
             self._kbuf[li] = self._vbuf[li] = None
         else:
             kb, vb = self._kbuf[li], self._vbuf[li]
+            S = past + k.size(2)
             if kb is None:              # the first append without gradient (the forward checks max_len)
                 B, Hkv, _, D = k.shape
-                kb = k.new_empty(B, Hkv, D, self.max_len) if self.keys_t else k.new_empty(B, Hkv, self.max_len, D)
-                vb = v.new_empty(B, Hkv, self.max_len, D)
+                if self.keys_t:         # CACHE_GROW columns to spare, zero: attended whole (class docstring)
+                    cols = min(self.max_len, S + CACHE_GROW)
+                    kb, vb = k.new_zeros(B, Hkv, D, cols), v.new_zeros(B, Hkv, cols, D)
+                else:
+                    kb, vb = k.new_empty(B, Hkv, self.max_len, D), v.new_empty(B, Hkv, self.max_len, D)
                 self._kbuf[li], self._vbuf[li] = kb, vb
                 if past:
                     self.key_view(li, past).copy_(self.k[li])
                     vb[:, :, :past] = self.v[li]
-            S = past + k.size(2)
+            elif self.keys_t and S > kb.size(3):   # a call that did not ask attend_width first
+                self.grow(min(self.max_len, S + CACHE_GROW))
+                vb = self._vbuf[li]
             self.key_view(li, S)[:, :, past:].copy_(k)
             vb[:, :, past:S] = v
             self.k[li], self.v[li] = self.key_view(li, S), vb[:, :, :S]
-            # a first call (a prefill) attends with its keys as computed: the same values, in the
-            # layout SDPA reads without a copy
-            return (self.k[li] if past else k), self.v[li]
+            if not past:        # a first call (a prefill) attends with its keys as computed: the same
+                return k, self.v[li]   # values, in the layout SDPA reads without a copy
+            if self.width >= S:         # attend_width: the buffers whole
+                return self.key_view(li, self.width), vb[:, :, :self.width]
+            return self.k[li], self.v[li]
         self.k[li], self.v[li] = k, v
         return k, v
 

@@ -112,9 +112,10 @@ def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, 
     # queries and the cached keys are cast once when made instead of at every layer's product (the
     # same values: a cast is elementwise), so a decode step does not re-cast the whole key cache.
     att_bf16 = _cpu_bf16_autocast(ids.device)
+    width = past + L if cache is None else cache.attend_width(past + L)          # columns attended
     windows, atts = _layer_masks(hf_model, full_am, cache, past, L, Hkv, H // Hkv,
                                  torch.bfloat16 if att_bf16 else h.dtype,
-                                 small=_explicit_attention(cfg, ids.device, L, past + L))
+                                 small=_explicit_attention(cfg, ids.device, L, width), width=width)
     wm = _weight_major(h)                               # the products' dtype, or None: not weight-major
     checkpoint = checkpoint and torch.is_grad_enabled() and wm is None and live is None
     p = _Pass(H, Hkv, B, wm, kv_bf16=att_bf16 and cache is not None and not torch.is_grad_enabled(),

@@ -29,6 +29,12 @@ whatever the number of rows computed with it (bf16; fp32 from 12 rows up, see ``
 live row's numbers do not depend on how many others have finished, except in fp32 with 2-11 live
 rows, where MKL rounds differently."""
 
+CACHE_GROW = 32
+"""A CPU cache's plain-layout buffers (``LeanCache.keys_t``) are allocated this many columns past
+those filled, and grown by as many when full: a no-gradient call attends over their whole width
+(``LeanCache.attend_width``), so its products read whole contiguous tensors (oneDNN's batched
+bf16 product copies any other operand) at the price of up to this many masked columns a row."""
+
 GROUP_SCORES = 1 << 22
 """Grouped attention computes its score matrix (P * Hkv, G * L * rep, S) in query chunks of at most
 about this many elements (a decode step is one chunk; a many-token call is split)."""
