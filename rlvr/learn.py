@@ -22,7 +22,7 @@ from rlvr.rollout import Batch, forward_tokens, micro_rows
 from rlvr.scoring import bucket_positions, response_extent
 from rlvr.machine import ordered_pair, time_calls
 from rlvr.probes import learn_probe_share
-from rlvr.setup_types import Setup
+from rlvr.setup_types import Setup, shares_prompt
 
 
 def lr_at(cfg: config_mod.TrainConfig, opt_step: int, total: int) -> float:
@@ -470,8 +470,7 @@ def _call_seconds(setup: Setup, params: list, at_t: float) -> float:
     short(1)                                                         # warm-up at the new shape
     at_short = min(short(1), short(1))
     G = setup.cfg.train.samples_per_prompt
-    shared = setup.cfg.model.share_prompt_forward and setup.model.differentiable_cache   # rlvr.run_price.shares_prompt
-    prompt = setup.limits.prompt_tokens / G if shared else setup.limits.prompt_tokens
+    prompt = setup.limits.prompt_tokens / G if shares_prompt(setup.cfg, setup.model) else setup.limits.prompt_tokens
     long_pos, short_pos = prompt + T - 1, prompt + T // 4 - 1
     if at_t <= at_short:
         return 0.0

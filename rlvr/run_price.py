@@ -10,8 +10,7 @@ import torch
 from rlvr import config as config_mod, costs, learn, logprobs, machine, memory_model, probes, sampling
 from rlvr.models.lean_llama import decode_reads_packs
 from rlvr.numerics import model_shape
-from rlvr.policy import Policy
-from rlvr.setup_types import RunError, Setup, bf16_forwards, logp_old_note
+from rlvr.setup_types import RunError, Setup, bf16_forwards, logp_old_note, shares_prompt
 
 
 
@@ -213,7 +212,3 @@ def check_device_memory(cfg: config_mod.Config, price: costs.Price, device: torc
             "over several (distributed.sharding = fsdp2), or set train.memory_check = false to start anyway")
 
 
-def shares_prompt(cfg: config_mod.Config, model: Policy) -> bool:
-    """True when log-prob forwards run each prompt once per group (`model.share_prompt_forward` on a
-    model whose cache is differentiable)."""
-    return cfg.model.share_prompt_forward and model.differentiable_cache

@@ -73,6 +73,12 @@ class Setup:
         return self.recompute_logp_old and logp_old_in_learn(self.cfg)
 
 
+def shares_prompt(cfg: config_mod.Config, model: Policy) -> bool:
+    """True when log-prob forwards run each prompt once per group (`model.share_prompt_forward` on a
+    model whose cache is differentiable)."""
+    return cfg.model.share_prompt_forward and model.differentiable_cache
+
+
 def bf16_forwards(cfg: config_mod.Config, numerics: Numerics) -> bool:
     """Whether the policy's forwards compute in bf16: under bf16 autocast, or a Hugging Face model
     loaded with bf16 weights (model.dtype)."""

@@ -41,7 +41,7 @@ class LeanCache:
     buffer holds them transposed, (B, Hkv, D, max_len) (``keys_t``), and ``k[li]`` is a transposed
     view of its first S columns, still (B, Hkv, S, D): the scores' product takes each (D, S) block
     as a plain strided matrix, where a (S, D) view would be copied into its transpose, the whole
-    cache at every layer of every decode step (at 256 new tokens most of a step's attention). Those
+    cache at every layer of every decode step (at chain-of-thought lengths most of its attention). Those
     buffers are ``CACHE_GROW`` columns wider than the columns filled (grown by as many when full,
     the new columns zero), and a no-gradient call attends over their whole width
     (``attend_width``): a view of the first S columns of a wider buffer is not one contiguous
