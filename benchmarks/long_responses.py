@@ -26,7 +26,8 @@ per second (response tokens / sampling seconds), the mean response length, the s
 forwards' rows spent on finished rows (train/decode_finished_row_frac) and the share of the scoring
 and training forwards' response positions spent on padding (counted around every
 rlvr.scoring.sequence_token_logprobs call; train/learn_padding_frac's mean and largest step), the
-peak RSS against the price's predicted peak, and the run's step seconds against the price's
+peak RSS (the whole process's, the price's probes included, and its steps' own, the largest
+memory/step_peak_mib) against the price's predicted peak and against the count of tensors alone, and the run's step seconds against the price's
 expected wall time (at ``--expected-tokens`` a response where given, else at the cap); then the
 ratio of the median step times before / after, and the checkpointed run's time and memory against
 the run without it. E.g. ``--max-new 1024 --micro-batches 8 --modes checkpointed --expected-tokens 100``
@@ -149,6 +150,8 @@ def run_mode(mode: str, a, out: Path) -> dict:
     return {"mode": mode, "step_s": step, "sample_share": sample / step,
             "run_s": sum(r["time/step_s"] for r in rows), "expected_s": price.get("wall_seconds_expected"),
             "predicted_peak": price.get("memory_peak_bytes"),
+            "counted_peak": price.get("memory_counted_peak_bytes") or price.get("memory_peak_bytes"),
+            "steps_peak": max(r.get("memory/step_peak_mib", 0.0) for r in rows) * 2**20,
             "max_learn_padding_frac": max(r.get("train/learn_padding_frac", float("nan")) for r in rows),
             "tokens_per_s": statistics.median(t / r["time/sample_s"] for t, r in zip(tokens, timed)),
             "mean_len": statistics.mean(t / (a.prompts * a.group) for t in per_step),
@@ -243,8 +246,10 @@ def main(argv: list[str] | None = None) -> int:
               f"scoring/training positions on padding {g['padding_frac']:.0%}"
               + (f" (train/learn_padding_frac mean {g['learn_padding_frac']:.1%}, most {g['max_learn_padding_frac']:.1%})"
                  if g["mode"] != "before" else ""))
-        print(f"  {'':>12}  peak RSS {g['peak_rss'] / gib:.2f} GiB, the price's peak {g['predicted_peak'] / gib:.2f} GiB "
-              f"(predicted / measured {g['predicted_peak'] / g['peak_rss']:.2f}); the run's steps {g['run_s']:.0f} s, "
+        print(f"  {'':>12}  peak RSS {g['peak_rss'] / gib:.2f} GiB (its steps' {g['steps_peak'] / gib:.2f}), the price's "
+              f"peak {g['predicted_peak'] / gib:.2f} GiB (predicted / measured {g['predicted_peak'] / g['peak_rss']:.2f}, "
+              f"/ the steps' {g['predicted_peak'] / max(g['steps_peak'], 1):.2f}; the count of tensors alone "
+              f"{g['counted_peak'] / gib:.2f} GiB, {g['counted_peak'] / g['peak_rss']:.2f}); the run's steps {g['run_s']:.0f} s, "
               f"the price's expected wall time {g['expected_s']:.0f} s (run / expected {g['run_s'] / g['expected_s']:.2f})")
     by = {g["mode"]: g for g in got}
     if "before" in by and "after" in by:

@@ -168,6 +168,12 @@ class Price:
     memory_peak_bytes: int = 0
     """Predicted peak resident bytes (0 = not predicted: no model shape given)."""
     memory_peak_phase: str = ""
+    memory_counted_peak_bytes: int = 0
+    """The peak the count of tensors alone predicts (`memory`), before any measurement."""
+    memory_learn_measured_bytes: int = 0
+    """The resident set measured at the peak of a learn part at the cap (rlvr.learn.learn_part_seconds):
+    the training phase's figure instead of the count where measured, the C library's free-but-kept
+    memory included; 0 = not measured."""
     flops_logp_old_per_batch: float = 0.0
     """FLOPs of the training forward (no backward) of a batch (algorithm.logp_old = recompute, or the
     entropies of algorithm.top_entropy_quantile < 1; 0 = none: the sampler's log-probs)."""
@@ -303,15 +309,20 @@ def _check_counts(prompt_tokens, **counts: int) -> None:
         raise ValueError(f"cannot price the run: prompt_tokens must be a known number, got {prompt_tokens!r}")
 
 
-def _memory_fields(mem) -> dict:
-    """The `Price` fields of a `memory(...)` prediction."""
+def _memory_fields(mem, learn_peak: int = 0) -> dict:
+    """The `Price` fields of a `memory(...)` prediction; `learn_peak` (measured resident bytes of a learn
+    part at the cap, 0 = none) stands for the training phase and what is held with it."""
+    phases, peak, phase = mem.phases, mem.peak, max(mem.phases, key=mem.phases.get)
+    if learn_peak:
+        rest = max((k for k in phases if k != "training"), key=phases.get)
+        peak, phase = max((learn_peak, "training"), (mem.held + phases[rest], rest))
     return dict(
         memory_baseline_bytes=mem.baseline, memory_gradient_bytes=mem.gradients,
         memory_activation_bytes=mem.activations, memory_logits_bytes=mem.logits,
         memory_kv_cache_bytes=mem.kv_cache, memory_eval_kv_cache_bytes=mem.eval_kv_cache,
         memory_export_bytes=mem.export_copy, memory_weight_copy_bytes=mem.weight_copies,
-        memory_kept_copy_bytes=mem.kept_copies, memory_peak_bytes=mem.peak,
-        memory_peak_phase=max(mem.phases, key=mem.phases.get))
+        memory_kept_copy_bytes=mem.kept_copies, memory_peak_bytes=peak, memory_peak_phase=phase,
+        memory_counted_peak_bytes=mem.peak, memory_learn_measured_bytes=learn_peak)
 
 
 def expected_wall_seconds(flops: float, decode_flops: float, decode_steps: int, rate: float,
@@ -436,10 +447,14 @@ class Measured:
     learn_call_s: float = 0.0
     """Seconds of one learn forward and backward call whatever its positions (the line through two
     widths, rlvr.learn.learn_part_seconds): what each length bucket of a part pays."""
+    learn_peak_bytes: int = 0
+    """The process's resident bytes at the peak of a learn part at the cap (rlvr.learn.learn_part_seconds)."""
 
-    def with_learn(self, learn_part_s: float, optimizer_step_s: float, learn_call_s: float = 0.0) -> Measured:
-        """These figures with the learn stage's measured times."""
-        return replace(self, learn_part_s=learn_part_s, optimizer_step_s=optimizer_step_s, learn_call_s=learn_call_s)
+    def with_learn(self, learn_part_s: float, optimizer_step_s: float, learn_call_s: float = 0.0,
+                   learn_peak_bytes: int = 0) -> Measured:
+        """These figures with the learn stage's measured times and peak."""
+        return replace(self, learn_part_s=learn_part_s, optimizer_step_s=optimizer_step_s, learn_call_s=learn_call_s,
+                       learn_peak_bytes=learn_peak_bytes)
 
 
 @dataclass(frozen=True)
@@ -572,4 +587,4 @@ def price(run: RunShape, measured: Measured = Measured(), mem: MemoryInputs | No
         expected_response_tokens=L if L < T else 0,
         **(_expected_fields(e, m) if e is not None and expected else {}),
         learn_threads=so.learn_share[1] if so.learn_share and so.learner_ranks > 1 and measured_learn else 0,
-        **({} if mem is None else _memory_fields(_memory_prediction(run, mem))))
+        **({} if mem is None else _memory_fields(_memory_prediction(run, mem), m.learn_peak_bytes)))

@@ -22,6 +22,7 @@ from rlvr.rollout import Batch, forward_tokens, micro_rows
 from rlvr.scoring import bucket_positions, response_extent
 from rlvr.machine import ordered_pair, time_calls
 from rlvr.probes import learn_probe_share
+from rlvr.procmem import ResidentPeak
 from rlvr.setup_types import Setup, shares_prompt
 
 
@@ -401,10 +402,11 @@ OPTIMIZER_PROBE_ELEMENTS = 1 << 22
 step's time then scales with the trainable parameter count: it is bound by memory bandwidth)."""
 
 
-def learn_part_seconds(setup: Setup) -> tuple[float, float, float]:
+def learn_part_seconds(setup: Setup) -> tuple[float, float, float, int]:
     """(seconds of one `train.micro_batches` part's training forward and backward, seconds of one
-    optimizer step, seconds of one forward and backward call whatever its positions), measured on
-    this run's policy before it trains, to price the learn stage.
+    optimizer step, seconds of one forward and backward call whatever its positions, this process's
+    peak resident bytes while a whole part ran), measured on this run's policy before it trains, to
+    price the learn stage's time and memory.
 
     The part: ceil(groups per minibatch / parts) groups of G rows at the longest prompt's length
     and the full response bound T (every token in the loss, as the price counts them), through the
@@ -426,25 +428,33 @@ def learn_part_seconds(setup: Setup) -> tuple[float, float, float]:
     With a learner group (distributed.learners > 1) on this machine: one rank's share of a
     minibatch at a learner actor's threads (rlvr.probes.learn_probe_share; this process's threads
     restored after); the ranks' gradient all-reduce is not timed.
-    (0.0, 0.0) where the learners cannot be timed here (a cluster, another kind of device) or there
-    is nothing to train."""
+    The peak (rlvr.procmem.ResidentPeak over the part's calls): where the probe runs a whole part
+    (one or two groups) on the CPU in this process (no learner group), the resident set at the part's
+    peak: everything the process holds then, the allocator's free-but-kept memory included, which
+    the price's count of tensors does not see; 0 where not measured.
+    (0.0, 0.0, 0.0, 0) where the learners cannot be timed here (a cluster, another kind of device)
+    or there is nothing to train."""
     cfg, model, device = setup.cfg, setup.model, setup.device
     tc = cfg.train
     params = model.trainable_params()
     share = learn_probe_share(setup)
     if share is None or not params:
-        return 0.0, 0.0, 0.0
+        return 0.0, 0.0, 0.0, 0
     per_mb, threads = share                                            # groups in a (rank's) minibatch
     per_part = -(-per_mb // min(tc.micro_batches, per_mb))             # groups in one of its parts
     timed = _part_timer(setup, params)
     was, was_threads = model.training, torch.get_num_threads()
     model.train()
     torch.set_num_threads(threads)
+    peak = 0
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             if per_part <= 2:
-                timed(per_part)                                        # warm-up: allocation, kernel choice
-                part = min(timed(per_part), timed(per_part))
+                with ResidentPeak() as resident:
+                    timed(per_part)                                    # warm-up: allocation, kernel choice
+                    part = min(timed(per_part), timed(per_part))
+                if device.type == "cpu" and cfg.distributed.learners <= 1:
+                    peak = resident.peak
             else:   # each size's best of two (the first call of each is its warm-up); a busy core can
                 # make the larger part the shorter: the pair again
                 one, two = ordered_pair(lambda: timed(1), lambda: timed(2), LEARN_PROBE_RETRIES, rounds=2)
@@ -457,7 +467,7 @@ def learn_part_seconds(setup: Setup) -> tuple[float, float, float]:
     finally:
         model.train(was)
         torch.set_num_threads(was_threads)
-    return part, step, call
+    return part, step, call, peak
 
 
 def _call_seconds(setup: Setup, params: list, at_t: float) -> float:

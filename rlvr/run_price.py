@@ -145,10 +145,14 @@ def bf16_copy_bytes(model, reference_copy: bool) -> tuple[int, int]:
     return kept, 2 * trainable
 
 
-def check_memory(cfg: config_mod.Config, price: costs.Price, available: int | None = None) -> None:
+def check_memory(cfg: config_mod.Config, price: costs.Price, available: int | None = None,
+                 resident: int | None = None) -> None:
     """Refuse (RunError naming the numbers) a run whose predicted peak (`price.memory_peak_bytes`)
     needs more memory than the machine has available (MemAvailable; `available` overrides it).
-    What the process already holds (the baseline and the loaded policy) is not asked for again.
+    What the process already holds is not asked for again: the baseline and the loaded policy, or,
+    where the peak is a measured resident set (`price.memory_learn_measured_bytes`), which counts
+    everything the process held then, its resident set now where larger (`resident` overrides it:
+    what the C library kept of the probes' memory, which MemAvailable no longer counts).
     `train.memory_check = false` turns the check off; so does a price without a memory prediction."""
     if not cfg.train.memory_check or not price.memory_peak_bytes:
         return
@@ -156,6 +160,9 @@ def check_memory(cfg: config_mod.Config, price: costs.Price, available: int | No
     if available is None:
         return
     held = price.memory_baseline_bytes + price.policy_bytes
+    if price.memory_learn_measured_bytes:
+        resident = costs.resident_bytes() if resident is None else resident
+        held = max(held, min(resident, price.memory_peak_bytes))
     needed = price.memory_peak_bytes - held
     if needed > available:
         gib = 1 / 2**30

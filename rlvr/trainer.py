@@ -59,6 +59,7 @@ from rlvr.diagnostics import Watch, exploration_levers
 from rlvr.distributed import Distributed, open_distributed
 from rlvr.evaluate import evaluate
 from rlvr.hostmem import set_host_memory
+from rlvr.procmem import ResidentPeak
 from rlvr.learn import Learner, learn, make_optimizer, make_scheduler
 from rlvr.machine import set_threads
 from rlvr.policy import Policy
@@ -464,8 +465,10 @@ def loop(run_dir: RunDir, state: RunState, log, stop: Interrupts | None = None) 
         if stop is not None and stop.signum is not None:  # SIGINT / SIGTERM came during the last step
             return interrupted(run_dir, state, state.wall_before + time.perf_counter() - t_start, log, stop.signum)
         t0 = time.perf_counter()
-        batch, stats = advance(state, step)
+        with ResidentPeak() as resident:          # the step's peak, for memory/step_peak_mib
+            batch, stats = advance(state, step)
         row = step_row(step, batch, stats, state.cost["sampled_tokens"], t0)
+        row["memory/step_peak_mib"] = resident.peak / 2**20
         state.cost["step_seconds"] += row["time/step_s"]
         record(run_dir, state.watch, step, batch, row, cfg.log.rollouts_per_step)
         check_updates(run_dir, state, step, stats)

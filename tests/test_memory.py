@@ -4,6 +4,7 @@ that would not fit (rlvr.run_price.check_memory)."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -82,6 +83,54 @@ def test_price_carries_the_memory_line():
     plain = pricing.price(prompts_per_step=2, samples_per_prompt=3, max_new_tokens=2, prompt_tokens=4, steps=1,
                         epochs_per_batch=1, minibatches=1, n_params=1000, has_reference=False)
     assert plain.memory_peak_bytes == 0 and not any("memory peak" in line for line in plain.lines())
+
+
+def test_a_measured_learn_peak_stands_for_the_training_phase():
+    """The count above: held 1000 + 4000 + 800 + 400 = 6,200 bytes, training 58,368, sampling's KV
+    cache 4,416 (10,616 with what is held). A learn part's measured resident peak stands for training
+    and everything held with it; the other phases keep their counts; the count's peak stays said."""
+    kw = dict(prompts_per_step=2, samples_per_prompt=3, max_new_tokens=2, prompt_tokens=4, steps=1,
+              epochs_per_batch=1, minibatches=1, n_params=1000, trainable_params=100, has_reference=False,
+              shape=SHAPE, baseline_bytes=1000, eval_rows=5)
+    p = pricing.price(**kw, learn_peak_bytes=20_000)
+    assert (p.memory_peak_bytes, p.memory_peak_phase) == (20_000, "training")
+    assert (p.memory_counted_peak_bytes, p.memory_learn_measured_bytes) == (64_568, 20_000)
+    assert "a learn part at the cap measured 0 MiB resident at its peak" in p.memory_line()
+    assert "the count of tensors says ~0 MiB = process" in p.memory_line()
+    p = pricing.price(**kw, learn_peak_bytes=9_000)                  # below what sampling needs
+    assert (p.memory_peak_bytes, p.memory_peak_phase) == (10_616, "sampling")
+    p = pricing.price(**kw)                                          # none measured: the count
+    assert (p.memory_peak_bytes, p.memory_counted_peak_bytes, p.memory_learn_measured_bytes) == (64_568, 64_568, 0)
+    assert "the count of tensors" not in p.memory_line()
+
+
+def test_the_check_does_not_ask_again_for_what_the_process_holds(monkeypatch):
+    """A measured peak of 8 GiB, 0.5 GiB held by the price's baseline, 2 GiB available: refused. With
+    6.5 GiB already resident (memory the C library kept after the price's probes, which MemAvailable
+    no longer counts), 1.5 GiB more fits; what is resident counts up to the peak at most."""
+    cfg = config_mod.load(None, [])
+    monkeypatch.setattr(costs, "available_bytes", lambda: 2 * 2**30)
+    measured = _price(8.0)
+    measured.memory_learn_measured_bytes = measured.memory_peak_bytes
+    with pytest.raises(setup_types.RunError, match="0.50 GiB already held, 7.50 GiB more"):
+        run_price.check_memory(cfg, measured, resident=2**30 // 4)
+    run_price.check_memory(cfg, measured, resident=int(6.5 * 2**30))
+    run_price.check_memory(cfg, measured, resident=20 * 2**30)
+    # a counted peak counts the baseline the price measured, whatever is resident now
+    with pytest.raises(setup_types.RunError, match="0.50 GiB already held, 7.50 GiB more"):
+        run_price.check_memory(cfg, _price(8.0), resident=int(6.5 * 2**30))
+
+
+def test_the_resident_peak_covers_what_the_block_allocated_and_freed():
+    from rlvr.procmem import ResidentPeak, resident_bytes
+
+    before = resident_bytes()
+    with ResidentPeak(interval=0.001) as peak:
+        x = torch.ones(64 * 2**20 // 4)                               # 64 MiB, written so that it is resident
+        time.sleep(0.05)
+        del x
+    assert peak.peak >= before + 48 * 2**20
+    assert resident_bytes() < peak.peak
 
 
 def _price(peak_gib: float) -> costs.Price:

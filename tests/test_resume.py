@@ -14,7 +14,7 @@ TINY = ["--model.n_embd=32", "--model.n_layer=1", "--model.n_head=2", "--train.p
 
 def train_rows(run):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows if "train/reward" in r]
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "memory/"))} for r in rows if "train/reward" in r]
 
 
 def test_resumed_run_equals_the_uninterrupted_one(tmp_path):

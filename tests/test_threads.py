@@ -230,8 +230,9 @@ def test_the_learn_probe_runs_the_learn_stage_on_full_length_parts_and_leaves_th
     before = {k: v.clone() for k, v in model.state_dict().items()}
     rng = torch.get_rng_state()
     assert setup.limits.max_new_tokens < 8                          # too short to time a call's fixed cost
-    part, opt, call = learn_mod.learn_part_seconds(setup)
+    part, opt, call, peak = learn_mod.learn_part_seconds(setup)
     assert part > 0 and opt > 0 and call == 0.0
+    assert peak == 0                                                # no whole part ran: no peak of one
     assert not model.training                                       # its mode restored
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())   # no update
     assert all(p.grad is None for p in model.trainable_params())     # its gradients dropped
@@ -245,8 +246,9 @@ def test_the_learn_probe_runs_the_learn_stage_on_full_length_parts_and_leaves_th
     # two parts a minibatch: a part of 2 groups timed as it is (a warm-up, then the best of two)
     calls.clear()
     two = tiny_setup("--train.micro_batches=2")
-    learn_mod.learn_part_seconds(two)
+    peak = learn_mod.learn_part_seconds(two)[3]
     assert [rows for rows, *_ in calls] == [2 * G] * 3
+    assert peak >= costs.resident_bytes() * 0.5 > 0                  # the process's resident set at the part's peak
     # a learner group on this machine: one rank's share of the minibatch (2 of its 4 groups, as it
     # is), at a learner actor's threads, this process's restored after; the price says whose step it is
     calls.clear()
@@ -259,7 +261,8 @@ def test_the_learn_probe_runs_the_learn_stage_on_full_length_parts_and_leaves_th
     monkeypatch.setattr(learn_mod, "accumulate", lambda *a, **kw: threads.append(torch.get_num_threads())
                         or real_spy(*a, **kw))
     assert probes.learn_probe_share(group) == (2, 1)
-    assert learn_mod.learn_part_seconds(group)[0] > 0 and torch.get_num_threads() == 2
+    part, _, _, peak = learn_mod.learn_part_seconds(group)
+    assert part > 0 and peak == 0 and torch.get_num_threads() == 2   # a rank's memory is not this process's
     assert [rows for rows, *_ in calls] == [2 * G] * 3 and set(threads) == {1}
     price = run_price.price_of(group, rate=1e9, decode_s=0.25, learn_s=(0.5, 0.01))
     assert (price.learner_ranks, price.learn_threads, price.learn_parts_per_step) == (2, 1, 1)
@@ -273,7 +276,7 @@ def test_the_learn_probe_runs_the_learn_stage_on_full_length_parts_and_leaves_th
         was = getattr(d, key)
         setattr(d, key, value)
         assert probes.learn_probe_share(group) is None
-        assert learn_mod.learn_part_seconds(group) == (0.0, 0.0, 0.0) and calls == []
+        assert learn_mod.learn_part_seconds(group) == (0.0, 0.0, 0.0, 0) and calls == []
         setattr(d, key, was)
 
 
@@ -288,7 +291,7 @@ def test_a_larger_part_is_extrapolated_from_one_and_two_groups(monkeypatch):
     monkeypatch.setattr(rlvr.learn, "accumulate", lambda *a, **kw: {})
     ticks = iter([t for d in (0.3, 0.5, 0.2, 0.35, 0.03, 0.01, 0.02) for t in (0.0, d)])
     monkeypatch.setattr(machine_mod.time, "perf_counter", lambda: next(ticks))
-    part, opt, _ = learn_mod.learn_part_seconds(setup)
+    part, opt, _, _ = learn_mod.learn_part_seconds(setup)
     assert part == pytest.approx(0.65) and opt == pytest.approx(0.01)
 
 
@@ -307,7 +310,7 @@ def test_a_learn_calls_fixed_cost_is_the_line_through_two_widths_at_none(monkeyp
         tuple(b.groups.rollout.mask.shape)) or {})
     ticks = iter([t for d in (9.0, 0.5, 0.4, 9.0, 0.25, 0.2, 0.03, 0.01, 0.02) for t in (0.0, d)])
     monkeypatch.setattr(machine_mod.time, "perf_counter", lambda: next(ticks))
-    part, opt, call = learn_mod.learn_part_seconds(setup)
+    part, opt, call, _ = learn_mod.learn_part_seconds(setup)
     G = setup.cfg.train.samples_per_prompt
     assert shapes == [(G, 16)] * 3 + [(G, 4)] * 3                  # one group at T, then at T // 4
     shared = setup.cfg.model.share_prompt_forward and setup.model.differentiable_cache

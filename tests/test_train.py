@@ -82,7 +82,7 @@ def eval_rows(run: Path) -> list[dict]:
 
 
 def without_time(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "memory/"))} for r in rows]
 
 
 def checkpoint(run: Path) -> dict[str, torch.Tensor]:
@@ -232,7 +232,8 @@ def test_same_seed_same_run(main_run, same_seed_run):
                 "cost/step_seconds", "cost/eval_seconds"):
         sa.pop(key), sb.pop(key)
     for s in (sa, sb):  # measured, not seeded: the resident set and a decode step's time when the run was priced
-        for key in ("memory_baseline_bytes", "memory_peak_bytes", "decode_step_s", "learn_part_s", "optimizer_step_s", "wall_seconds_expected"):
+        for key in ("memory_baseline_bytes", "memory_peak_bytes", "memory_counted_peak_bytes", "memory_learn_measured_bytes",
+                    "decode_step_s", "learn_part_s", "optimizer_step_s", "wall_seconds_expected"):
             s["price"].pop(key)
     assert sa == sb
 
@@ -611,3 +612,10 @@ def test_a_goal_that_raises_is_counted_not_fatal(tmp_path):
     assert "reward or goal calls failed" in stdout and "goal exploded" in stdout
     evals = [r for r in rows if "eval/goal_failures" in r]
     assert evals and evals[-1]["eval/goal_failures"] > 0
+
+
+def test_each_step_records_the_resident_peak_it_reached(main_run):
+    """memory/step_peak_mib: the process's resident set at the step's peak (rlvr.procmem.ResidentPeak),
+    at least what it holds after the step (torch alone is well above 64 MiB)."""
+    rows = train_rows(main_run[0])
+    assert rows and all(r["memory/step_peak_mib"] > 64 for r in rows)
