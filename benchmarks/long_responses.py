@@ -192,7 +192,8 @@ def vs_trl(a) -> int:
                             str(a.eval_prompts), "--numerics", a.numerics, "--threads", str(a.threads or 2),
                             "--compile", "off", "--blocks", str(a.blocks), "--block-steps", str(a.block_steps),
                             "--warmup", str(a.warmup), "--profile-reps", str(a.profile_reps),
-                            *(["--json", a.json] if a.json else []), *(["--quick"] if a.quick else [])])
+                            *(["--json", a.json] if a.json else []), *(["--quick"] if a.quick else []),
+                            *(["--profile-only"] if a.profile_only else [])])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--numerics", choices=["bf16", "fp32"], default="bf16", help="--vs-trl: both libraries'")
     ap.add_argument("--json", default="", help="--vs-trl: the figures as JSON here")
     ap.add_argument("--quick", action="store_true", help="--vs-trl: real_model's smoke run (2 steps each, 20 prompts)")
+    ap.add_argument("--profile-only", action="store_true", help="--vs-trl: stop after rlvr's phase profile")
     ap.add_argument("--blocks", type=int, default=2, help="--vs-trl: alternated rounds of step timings")
     ap.add_argument("--block-steps", type=int, default=3, help="--vs-trl: steps a round, each library")
     ap.add_argument("--warmup", type=int, default=1, help="--vs-trl: 1 = a dropped warm-up block of each first")

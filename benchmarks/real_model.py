@@ -477,13 +477,19 @@ def phase_times(run: RlvrRun, rate: float, bandwidth: float, say: bool = False) 
     trained_tokens = (P * Lp + int(ro.mask[:, 1:].sum()) if PROFILE_ENDS    # the prompt once per group, real tokens
                       else costs.logp_forward_tokens(P * G, G, Lp, T, shared_prompt=True))
     bwd_flops = trained_tokens * (2 * n_all + 2 * n_train + 8 * layers * d * keys)
-    decode_bound = sum(max(weight_bytes / bandwidth, int(n) * fwd_tok / rate) for n in live)
+    # what each live row's step reads of its cache: K and V at every layer over its Lp + t cached columns
+    hc = policy.hf_config
+    kv_col = layers * 2 * hc.num_key_value_heads * (d // hc.num_attention_heads) * (2 if bf16 else 4)
+    step_bytes = [weight_bytes + int(n) * kv_col * (Lp + t) for t, n in enumerate(live.tolist())]
+    decode_bound = sum(max(b / bandwidth, int(n) * fwd_tok / rate) for b, n in zip(step_bytes, live))
+    weights_bound = sum(max(weight_bytes / bandwidth, int(n) * fwd_tok / rate) for n in live)
     decoded = int(live.sum())
     rated = f"{'bf16' if bf16 else 'fp32'} matmul rate"
     rows = [
         ("sampling prefill", prefill, P * Lp, P * Lp * fwd_tok / rate, rated),
         ("sampling decode", decode, decoded, decode_bound,
-         "sum over decode steps of max(weight bytes / copy bandwidth, the live rows' FLOPs / matmul rate)"),
+         "sum over decode steps of max((weight bytes + the live rows' cached K and V bytes) / copy bandwidth, "
+         "the live rows' FLOPs / matmul rate)"),
         ("decode products", products, decoded, decode_bound,
          "decode's bound; its matrix products alone on the mean live rows, every weight read once a step, "
          "no attention/norms/sampling"),
@@ -497,6 +503,9 @@ def phase_times(run: RlvrRun, rate: float, bandwidth: float, say: bool = False) 
               f"{float(ro.mask.sum()) / (P * G):.0f} tokens); rows computed {ro.decode_rows:,}, of them on "
               f"finished rows {ro.finished_row_frac:.1%}")
     if say:
+        print(f"  decode: {decode / weights_bound:.1f}x the bound of the weights alone ({weights_bound:.2f} s; the "
+              f"live rows' caches add {sum(step_bytes) / len(step_bytes) / 2**20 - weight_bytes / 2**20:,.0f} MiB a step "
+              f"on average to the {weight_bytes / 2**20:,.0f} MiB of weights: {decode_bound:.2f} s)")
         print(f"  decode step: {weight_bytes / 2**20:,.0f} MiB of weights read = {weight_bytes / bandwidth * 1e3:.0f} ms at "
               f"the copy bandwidth; {P * G * fwd_tok:.3g} FLOP = {P * G * fwd_tok / rate * 1e3:.0f} ms at the matmul rate")
     return [{"phase": name, "seconds": sec, "tokens_or_params": n, "per_s": n / sec, "bound_s": b,

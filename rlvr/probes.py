@@ -141,8 +141,11 @@ def decode_column_seconds(setup: Setup, step_s: float) -> float:
     """Seconds more one decode step of the measured rows costs per row for each column a row has
     cached past its prompt (each step's attention reads every cached column of its rows): a step
     measured after a prompt min(T // 2, DECODE_PROBE_DEPTH) columns longer (``decode_step_seconds``
-    with ``depth``), less `step_s` (the step after the run's prompt), over the rows and those
-    columns. 0.0 where it is not measured: `step_s` 0, fewer than 16 columns of depth, or a lean
+    with ``depth``), less the step after the run's prompt measured again right before it (the pair
+    timed again, each one's best kept, while the deeper measured no longer: DECODE_PROBE_RETRIES; a
+    machine whose speed drifts between the price's probes would otherwise swamp the difference),
+    over the rows and those columns. 0.0 where it is not measured: `step_s` (the run's decode step,
+    measured before) 0, fewer than 16 columns of depth, or a lean
     cache (``LeanCache``, on a CPU) in its grouped layout at the run's lengths, where the prompt's
     columns are read once per prompt, so a longer prompt does not stand for longer responses."""
     T, G = setup.limits.max_new_tokens, setup.cfg.train.samples_per_prompt
@@ -159,5 +162,6 @@ def decode_column_seconds(setup: Setup, step_s: float) -> float:
     reserve = 0
     if lean and grouped_layout(Lp + depth, T - depth, G):
         reserve = next(r for r in range(1, 64 * T) if not grouped_layout(Lp + depth, T - depth + r, G))
-    deep = decode_step_seconds(setup, depth=depth, reserve=reserve)
-    return max(deep - step_s, 0.0) / (share[0] * G * depth)
+    base, deep = ordered_pair(lambda: decode_step_seconds(setup),
+                              lambda: decode_step_seconds(setup, depth=depth, reserve=reserve), DECODE_PROBE_RETRIES)
+    return max(deep - base, 0.0) / (share[0] * G * depth)

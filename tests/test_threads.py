@@ -438,10 +438,16 @@ def test_a_decode_steps_cost_per_cached_column_is_measured_after_a_longer_prompt
     P, G, T = setup.cfg.train.prompts_per_step, setup.cfg.train.samples_per_prompt, setup.limits.max_new_tokens
     Lp = setup.limits.prompt_tokens
     seen = []
+    times = {0: [0.3], 32: [0.5]}
     monkeypatch.setattr(probes, "decode_step_seconds", lambda st, prompts=None, depth=0, reserve=0: seen.append(
-        (depth, reserve)) or 0.5)
-    assert probes.decode_column_seconds(setup, 0.3) == pytest.approx((0.5 - 0.3) / (P * G * 32))
-    assert seen == [(32, 0)]                                     # T // 2 deeper; the built-in cache: no layouts
+        (depth, reserve)) or times[depth][min(sum(d == depth for d, _ in seen), len(times[depth])) - 1])
+    assert probes.decode_column_seconds(setup, 0.25) == pytest.approx((0.5 - 0.3) / (P * G * 32))
+    assert seen == [(0, 0), (32, 0)]      # the run's step again, then T // 2 deeper; the built-in cache: no layouts
+    # the machine slowed between the two: the deeper no longer than the step; the pair again, each's best
+    seen.clear()
+    times.update({0: [0.6, 0.4, 0.3], 32: [0.55, 0.38, 0.5]})
+    assert probes.decode_column_seconds(setup, 0.25) == pytest.approx((0.38 - 0.3) / (P * G * 32))
+    assert seen == [(0, 0), (32, 0)] * 3
     assert probes.decode_column_seconds(setup, 0.0) == 0.0        # no step measured: nothing to compare
     assert probes.decode_column_seconds(tiny_setup("--sampling.max_new_tokens=16"), 0.3) == 0.0  # 8 columns: too few
     # a lean (CPU) cache: at G = 4 and 4x the score FLOPs allowed, the run's columns (Lp + G x 64 against
@@ -450,8 +456,10 @@ def test_a_decode_steps_cost_per_cached_column_is_measured_after_a_longer_prompt
     monkeypatch.setattr(lean_llama, "GROUP_ATTENTION_FLOPS", 3.5)
     assert not lean_llama.grouped_layout(Lp, T, G) and lean_llama.grouped_layout(Lp + 32, T - 32, G)
     seen.clear()
+    times.update({0: [0.3], 32: [0.5]})
     probes.decode_column_seconds(setup, 0.3)
-    (depth, reserve), = seen
+    assert seen[0] == (0, 0)
+    (depth, reserve), = seen[1:]
     assert not lean_llama.grouped_layout(Lp + 32, T - 32 + reserve, G)
     assert lean_llama.grouped_layout(Lp + 32, T - 32 + reserve - 1, G)   # the fewest columns that do
     monkeypatch.setattr(lean_llama, "GROUP_ATTENTION_FLOPS", 4.0)      # the run's own cache grouped: not measured
