@@ -159,6 +159,7 @@ def test_installed_console_command_prices_a_run():
     assert all(got.pop(k) > 0 and want.pop(k) > 0 for k in measured)
     # a learn part's resident peak: measured in both or in neither (a part of more than two groups)
     assert (got.pop("memory_learn_measured_bytes") > 0) == (want.pop("memory_learn_measured_bytes") > 0)
+    got.pop("memory_peak_phase"), want.pop("memory_peak_phase")    # a measured peak can tip it either way
     assert got["numerics"] == "fp32 (model.autocast = off)" and got["memory_weight_copy_bytes"] == 0
     assert got == want
 

@@ -95,13 +95,28 @@ def test_the_direct_measurement_is_used_when_there_is_one(monkeypatch):
     assert machine_mod.oversubscribed(2, 0.6, 2, "x", 0.5) is not None and machine_mod.oversubscribed(2, 0.4, 2, "x", 0.5) is None
 
 
-def test_the_measurement_leaves_this_process_out(monkeypatch):
-    # this process spins for the whole interval in another thread: other processes are not charged for it
+def test_the_measurement_leaves_this_process_out(monkeypatch, tmp_path):
+    """_proc_stat_busy charges this process's own CPU time (time.process_time: every thread of it) to
+    no one: /proc/stat's busy fields grow by 150 jiffies (1.5 s at 100 a second) over 0.5 s, 0.5 s of
+    it this process's, so others kept (1.5 - 0.5) / 0.5 = 2 cores busy (scripted readings: a live
+    reading moves with whatever else the machine runs). And process_time does count another thread's
+    spinning, which is what leaves a run's own threads out."""
     import threading
 
-    monkeypatch.setattr(machine_mod, "PROC_STAT", "/proc/stat")
-    if not Path("/proc/stat").is_file():
-        pytest.skip("no /proc/stat on this platform")
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  1000 10 200 5000 50 5 5 0 0 0\n")
+    monkeypatch.setattr(machine_mod, "PROC_STAT", str(stat))
+    clock = {"cpu": 0.0, "wall": 0.0}
+
+    def sleep(s):                       # the interval passes: the machine's counters and this process's move
+        stat.write_text("cpu  1100 10 240 5900 90 10 10 0 0 0\n")
+        clock["cpu"], clock["wall"] = clock["cpu"] + 0.5, clock["wall"] + s
+
+    monkeypatch.setattr(machine_mod.time, "sleep", sleep)
+    monkeypatch.setattr(machine_mod.time, "process_time", lambda: clock["cpu"])
+    monkeypatch.setattr(machine_mod.time, "monotonic", lambda: clock["wall"])
+    assert machine_mod._proc_stat_busy(0.5) == pytest.approx(2.0)
+    monkeypatch.undo()
     stop = threading.Event()
 
     def spin():
@@ -109,15 +124,14 @@ def test_the_measurement_leaves_this_process_out(monkeypatch):
             pass
 
     t = threading.Thread(target=spin)
-    base = machine_mod._proc_stat_busy(0.3)
+    p0 = time.process_time()
     t.start()
     try:
-        spinning = machine_mod._proc_stat_busy(0.3)
+        time.sleep(0.3)
     finally:
         stop.set()
         t.join()
-    assert base is not None and spinning is not None
-    assert spinning < base + 0.5                     # the spinning core (1.0) is this process's own
+    assert time.process_time() - p0 > 0.05                   # the main thread slept: the spinner's time
 
 
 def test_no_load_average_no_warning(monkeypatch):
