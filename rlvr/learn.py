@@ -242,7 +242,7 @@ def prepass_logp_old(learner: Learner, batch: Batch, minibatches: list[torch.Ten
                 learner_logp_old(learner, batch, part, logp.detach(), delta_rows, keep)
                 del logp
             del out                                                                    # the graph, dropped
-        tokens += forward_tokens(batch.rollout.select(idx), G, shared)
+        tokens += forward_tokens(batch.rollout, G, shared, row_buckets(learner), part_rows(learner, batch, idx))
     return tokens
 
 
@@ -377,7 +377,7 @@ def learn(learner: Learner, batch: Batch, *, delta_rows: torch.Tensor | None = N
             lr_used = learner.sched.get_last_lr()[0]
             if not step_if_finite(learner, stats["loss"], gnorm):  # no update (train/skipped_updates)
                 skipped += 1
-            trained += forward_tokens(batch.rollout.select(idx), G, shared)
+            trained += forward_tokens(batch.rollout, G, shared, row_buckets(view), part_rows(view, batch, idx))
             stats["grad_norm"] = float(gnorm)
             absdiff = stats.pop("logp_old_absdiff")
             if keep is not None:  # logp_old and Δ·w of the first pass, for the passes after it

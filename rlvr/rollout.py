@@ -151,8 +151,7 @@ def sampling_cost(parts: list[Groups], fwd_flops: float) -> dict:
     `fwd_flops` per forward token."""
     cost = {"sampled_tokens": 0, "forward_tokens": 0, "flops": 0.0}
     for p in parts:
-        n_fwd = (p.tools.forward_tokens if p.tools is not None else
-                 costs.sampling_forward_tokens(len(p.examples), p.rollout.prompt_len, *p.rollout.mask.shape))
+        n_fwd = p.tools.forward_tokens if p.tools is not None else sampled_positions(p.rollout, len(p.examples))
         cost["sampled_tokens"] += int(p.rollout.mask.sum())
         charge_forward(cost, n_fwd, fwd_flops)
     return cost
@@ -205,7 +204,7 @@ def rollout(setup, policy: Policy, reference: Policy | None, examples_fn, *, ver
                                       chunk_rows=logprobs.chunk_setting(cfg.model.logprob_chunk_rows),
                                       group_size=G if cfg.model.share_prompt_forward else None,
                                       autocast=setup.numerics.context, buckets=cfg.train.length_buckets)
-        charge_forward(cost, forward_tokens(groups.rollout, G, shared), fwd_flops)
+        charge_forward(cost, forward_tokens(groups.rollout, G, shared, cfg.train.length_buckets), fwd_flops)
     recompute, pick = setup.recompute_logp_old, ac.top_entropy_quantile < 1
     in_learn = recompute and logp_old_in_learn(cfg) and (policy_version is None or policy_version == version)
     recompute = recompute and not in_learn            # the learn stage's first forward gives it (no extra one)
@@ -213,7 +212,10 @@ def rollout(setup, policy: Policy, reference: Policy | None, examples_fn, *, ver
     if recompute or pick:  # one training forward (no backward) serves both; before Δ: kl_in = "reward" reads it
         train_fwd = training_logprobs(policy, groups.rollout, cfg, setup.numerics.context,
                                       full=recompute and ac.kl_in == "reward" and logp_ref is not None, entropy=pick)
-        charge_forward(cost, forward_tokens(groups.rollout, G, shared), fwd_flops)
+        tc = cfg.train
+        in_parts = micro_rows(torch.arange(groups.rollout.ids.size(0)), G, tc.minibatches * tc.micro_batches,
+                              groups.rollout.mask if tc.length_buckets else None)   # training_logprobs' parts
+        charge_forward(cost, forward_tokens(groups.rollout, G, shared, tc.length_buckets, in_parts), fwd_flops)
     delta, delta_tokens, stats = batch_delta(setup, groups, logp_ref, value,
                                              logp_full=train_fwd.logp_full if recompute else None)
     # the share of the decode forwards' rows spent on rows that had already ended (rlvr.sampling.COMPACT_FINISHED)
@@ -497,7 +499,30 @@ def token_texts(tok: Tokenizer, roll: sampling.Rollout, stop_at_eos: bool) -> li
     return out
 
 
-def forward_tokens(rollout: sampling.Rollout, G: int, shared_prompt: bool) -> int:
-    """Token positions a log-prob forward over `rollout` computes (rlvr.costs.logp_forward_tokens)."""
-    B, L = rollout.ids.shape
-    return costs.logp_forward_tokens(B, G, rollout.prompt_len, L - rollout.prompt_len, shared_prompt=shared_prompt)
+def forward_tokens(rollout: sampling.Rollout, G: int, shared_prompt: bool, buckets: bool = False,
+                   parts: list[torch.Tensor] | None = None) -> int:
+    """Token positions log-prob forwards over `rollout` compute: each of `parts` (row indices, whole
+    groups; None: every row in one forward) runs its rows' prompts (each prompt once with
+    `shared_prompt`) and their responses but the last token, to the part's longest row, or with
+    `buckets` (train.length_buckets) each length bucket to its own longest
+    (rlvr.scoring.bucket_positions). Where every row runs to the mask's width this is
+    rlvr.costs.logp_forward_tokens, the price's count at the cap."""
+    ext = scoring.response_extent(rollout.mask)                                       # (B,)
+    n = 0
+    for p in [None] if parts is None else parts:
+        e = ext if p is None else ext[p.to(ext.device)]
+        rows = e.numel()
+        cols, _ = scoring.bucket_positions(e, buckets)
+        n += (rows // G if shared_prompt else rows) * rollout.prompt_len + cols - rows
+    return n
+
+
+def sampled_positions(rollout: sampling.Rollout, prompts: int) -> int:
+    """Token positions a sampling call over `prompts` prompts computed: each prompt once (prefill),
+    then the rows each decode step computed (`Rollout.decode_rows`: finished rows that left the batch
+    not counted). A rollout that does not say (decode_rows 0 over more than one column): every row
+    but its last token (rlvr.costs.sampling_forward_tokens, the price's count at the cap)."""
+    B, T = rollout.mask.shape
+    if rollout.decode_rows or T <= 1:
+        return prompts * rollout.prompt_len + rollout.decode_rows
+    return costs.sampling_forward_tokens(prompts, rollout.prompt_len, B, T)
