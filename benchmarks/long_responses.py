@@ -147,7 +147,8 @@ def run_mode(mode: str, a, out: Path) -> dict:
     sample = statistics.median(r["time/sample_s"] for r in timed)
     tokens = per_step[1:] or per_step
     price = json.loads((out / mode / "price.json").read_text())
-    return {"mode": mode, "step_s": step, "sample_share": sample / step,
+    summary = json.loads((out / mode / "summary.json").read_text())
+    return {"mode": mode, "speed_vs_start": summary.get("machine/matmul_rate_vs_start"), "step_s": step, "sample_share": sample / step,
             "run_s": sum(r["time/step_s"] for r in rows), "expected_s": price.get("wall_seconds_expected"),
             "predicted_peak": price.get("memory_peak_bytes"),
             "counted_peak": price.get("memory_counted_peak_bytes") or price.get("memory_peak_bytes"),
@@ -252,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
               f"peak {g['predicted_peak'] / gib:.2f} GiB (predicted / measured {g['predicted_peak'] / g['peak_rss']:.2f}, "
               f"/ the steps' {g['predicted_peak'] / max(g['steps_peak'], 1):.2f}; the count of tensors alone "
               f"{g['counted_peak'] / gib:.2f} GiB, {g['counted_peak'] / g['peak_rss']:.2f}); the run's steps {g['run_s']:.0f} s, "
-              f"the price's expected wall time {g['expected_s']:.0f} s (run / expected {g['run_s'] / g['expected_s']:.2f})")
+              f"the price's expected wall time {g['expected_s']:.0f} s (run / expected {g['run_s'] / g['expected_s']:.2f})"
+              + (f"; the matmul rate at the end {g['speed_vs_start']:.2f}x the start's" if g.get("speed_vs_start") else ""))
     by = {g["mode"]: g for g in got}
     if "before" in by and "after" in by:
         print(f"  step time before / after: {by['before']['step_s'] / by['after']['step_s']:.2f}x")

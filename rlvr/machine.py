@@ -168,10 +168,16 @@ def matmul_rate(device: torch.device, seconds: float = 1.0) -> float:
     what a model reaches: a small model's products are smaller and sampling adds per-token overhead."""
     key = (str(device), torch.get_num_threads())
     if key not in _MATMUL_RATES:
-        n = 2048 if device.type == "cuda" else 512
-        a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-        a @ b  # warm-up
-        device_sync(device)()
-        count, elapsed = time_until(lambda: a @ b, device, seconds)
-        _MATMUL_RATES[key] = 2 * n**3 * count / elapsed
+        _MATMUL_RATES[key] = measure_matmul_rate(device, seconds)
     return _MATMUL_RATES[key]
+
+
+def measure_matmul_rate(device: torch.device, seconds: float) -> float:
+    """`matmul_rate` measured now, not cached: FLOP/s of about `seconds` of square fp32 products
+    (512 on a CPU, 2048 on a GPU) at torch's current thread count."""
+    n = 2048 if device.type == "cuda" else 512
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    a @ b  # warm-up
+    device_sync(device)()
+    count, elapsed = time_until(lambda: a @ b, device, seconds)
+    return 2 * n**3 * count / elapsed

@@ -53,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-from rlvr import config as config_mod, costs
+from rlvr import config as config_mod, costs, machine as machine_mod
 from rlvr.build import build
 from rlvr.diagnostics import Watch, exploration_levers
 from rlvr.distributed import Distributed, open_distributed
@@ -519,9 +519,26 @@ def wall_line(wall: float, cost: dict, price: costs.Price) -> str:
             f"saves and logging {max(0.0, wall - steps_s - eval_s):.1f} s")
 
 
+RATE_RECHECK_S = 0.2
+"""Seconds of matrix products `machine_speed` times at the end of a run."""
+
+
+def machine_speed(state: RunState) -> float | None:
+    """The machine's fp32 matmul rate at the end of the run over the rate the price measured at its
+    start (rlvr.machine.matmul_rate, cached in this process at the run's threads): where it moved, so
+    did every step's time, and the steps' ratio to the expected wall time with it. None where the
+    price measured no rate in this process (a rate given to it, a resumed run's earlier session)."""
+    device = state.setup.device
+    then = machine_mod._MATMUL_RATES.get((str(device), torch.get_num_threads()))
+    if not then:
+        return None
+    return machine_mod.measure_matmul_rate(device, RATE_RECHECK_S) / then
+
+
 def finish(run_dir: RunDir, state: RunState, wall: float, log) -> dict:
     """Final state, evaluation, checkpoint and summary."""
     steps, cost, price = state.setup.cfg.train.steps, state.cost, state.price
+    speed = machine_speed(state)
     save(state, run_dir, wall)
     last = run_eval(run_dir, state, steps)
     log(f"final eval: goal {last['eval/goal']:.4f} reward {last['eval/reward']:.4f} "
@@ -543,13 +560,15 @@ def finish(run_dir: RunDir, state: RunState, wall: float, log) -> dict:
         "cost/wall_vs_estimate": wall / price.wall_seconds_estimate if price.wall_seconds_estimate else None,
         "cost/steps_vs_expected": (cost["step_seconds"] / price.wall_seconds_expected
                                    if price.wall_seconds_expected else None),
+        "machine/matmul_rate_vs_start": speed,
     }
     run_dir.finish(state.policy, state.setup.tokenizer, summary, steps)
     worst = f", worst case {price.sampled_tokens_per_run_worst:,}" if price.sampling_rounds > 1 else ""
     log(f"cost: sampled {cost['sampled_tokens']:,} tokens (price {price.sampled_tokens_per_run:,}{worst}), "
         f"forward {cost['forward_tokens']:,} (price {price.forward_tokens_per_run:,}), "
         f"trained {cost['trained_tokens']:,} (price {price.trained_tokens_per_run:,}), "
-        f"{cost['flops']:.3g} FLOP (price {price.flops_per_run:.3g}), {wall_line(wall, cost, price)}")
+        f"{cost['flops']:.3g} FLOP (price {price.flops_per_run:.3g}), {wall_line(wall, cost, price)}"
+        + (f"; this machine's matmul rate at the end: {speed:.2f}x the one measured at the start" if speed else ""))
     return summary
 
 

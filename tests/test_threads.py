@@ -538,6 +538,8 @@ def test_the_cost_line_splits_the_wall_time_and_sets_the_steps_against_the_expec
             f"steps {steps_s:.1f} s (expected ~{price['wall_seconds_expected']:.1f} s: "
             f"{steps_s / price['wall_seconds_expected']:.2f}x), evaluation {summary['cost/eval_seconds']:.1f} s, "
             f"saves and logging ") in cost
+    # the rate was given, not measured in this process: no end-of-run comparison
+    assert summary["machine/matmul_rate_vs_start"] is None and "matmul rate at the end" not in cost
     rep = {name: (p, c) for name, p, c in report.cost_rows(report.load_run_records(tmp_path / "r"))}
     assert rep["step_seconds"] == (price["wall_seconds_expected"], summary["cost/step_seconds"])
     assert "wall_seconds_expected" not in rep and rep["eval_seconds"] == (None, summary["cost/eval_seconds"])
@@ -562,3 +564,20 @@ def test_price_command_prints_the_estimate(monkeypatch):
     assert rc == 0 and "GFLOP/s with 1 threads" in out and "warning" not in out
     rc, out = cli("price", EXAMPLE, "--json")
     assert rc == 0 and json.loads(out)["matmul_flops_per_s"] == 2e9
+
+
+def test_the_cost_line_says_how_the_machines_speed_moved_over_the_run(tmp_path, monkeypatch):
+    """The price's matmul rate, measured once at the start (cached in the process), against the same
+    products timed again at the end: scripted at half (a machine that slowed), the summary's
+    machine/matmul_rate_vs_start is 0.5 and the cost line says so."""
+    machine(monkeypatch, cores=2, load=0.0)
+    monkeypatch.setattr(machine_mod, "_MATMUL_RATES", {})
+    monkeypatch.setattr(machine_mod, "measure_matmul_rate",
+                        lambda device, seconds: 2e9 if not machine_mod._MATMUL_RATES else 1e9)
+    monkeypatch.setattr(probes, "decode_step_seconds", lambda setup, **kw: 0.01)
+    rc, out = cli("train", EXAMPLE, "--out", tmp_path / "r", *TINY, "--train.steps=1")
+    assert rc == 0, out
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["machine/matmul_rate_vs_start"] == pytest.approx(0.5)
+    cost = next(line for line in out.splitlines() if line.startswith("cost: "))
+    assert cost.endswith("; this machine's matmul rate at the end: 0.50x the one measured at the start")
