@@ -517,6 +517,7 @@ def test_the_cost_line_splits_the_wall_time_and_sets_the_steps_against_the_expec
     counted apart (the step-0 one and eval.every's), and the cost line names all three parts."""
     machine(monkeypatch, cores=2, load=0.0)
     monkeypatch.setattr(machine_mod, "matmul_rate", lambda device: 1e9)
+    monkeypatch.setattr(machine_mod, "_MATMUL_RATES", {})          # none measured in this process
     monkeypatch.setattr(probes, "decode_step_seconds", lambda setup: 0.01)
     evals = []
     real_eval = trainer.run_eval
