@@ -27,7 +27,7 @@ from rlvr.state import StateError, find_complete, find_state, load_policy_weight
 from rlvr.tasks import Task, load_task, resolve_weights
 from rlvr.tokenizer import CharTokenizer, PromptFormat, encode_examples
 from rlvr.tool_calls import JsonTools, takes_tools
-from rlvr.trust import refuse_run_task, run_config_guard
+from rlvr.trust import refuse_links_out, refuse_run_task, run_config_guard
 
 
 def check_group_by(cfg: config_mod.Config, task: Task) -> None:
@@ -259,6 +259,7 @@ def load_run(run_dir: Path, overrides: Sequence[str] = (), *, trusted: bool = Fa
     rebuilds the model from the config, so a task file is imported only under `refuse_run_task`'s
     rule); `note` is told which. `overrides` are --section.key=value applied to the run's config."""
     run_dir = Path(run_dir)
+    refuse_links_out(run_dir, trusted=trusted)          # nothing read outside it through a link
     if not (run_dir / "config.toml").is_file():
         raise RunError(f"{run_dir} is not a finished run: {run_dir / 'config.toml'} is missing")
     cfg = config_mod.load(run_dir / "config.toml", list(overrides))

@@ -106,7 +106,7 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
     from rlvr.setup_types import RunError
     from rlvr.state import StateError
     from rlvr.tasks import TaskError, load_task
-    from rlvr.trust import refuse_run_task, run_config_guard
+    from rlvr.trust import refuse_links_out, refuse_run_task, run_config_guard
 
     try:
         overrides = _split_overrides(extra)
@@ -115,6 +115,7 @@ def cmd_eval(args: argparse.Namespace, extra: list[str]) -> int:
         run_dir = Path(args.run_dir)
         if not run_dir.is_dir():
             raise RunError(f"{run_dir} is not a finished run: no such directory")
+        refuse_links_out(run_dir, trusted=args.trust_run_config)      # before its config.toml is read
         cfg_file = run_dir / "config.toml"
         if cfg_file.is_file():  # the task is imported below: never code the run directory names
             refuse_run_task(config.load(cfg_file, overrides), cfg_file,
@@ -248,7 +249,8 @@ def _add_run_commands(sub) -> None:
     e.add_argument("--prompts", type=int, default=None, help="held-out prompts (default: the run's eval.prompts)")
     e.add_argument("--trust-run-config", action="store_true",
                    help="run the code the run's config.toml names (a task file or module, files or modules in "
-                        "task.options); by default only the project's task factories (rlvr.tasks.*) load")
+                        "task.options) and follow its symbolic links outside it; by default only the project's task "
+                        "factories (rlvr.tasks.*) load and no link may point outside the run directory")
     e.set_defaults(func=cmd_eval)
 
     pr = sub.add_parser("price", allow_abbrev=False, help="price a run before it starts (sampled tokens per gradient step)")

@@ -2,7 +2,8 @@
 the project's own task factories (rlvr.tasks.*) when a run directory's config.toml names the task or
 a file or module in its options (someone else's run directory would run their code), and
 `run_config_guard` holds every import made while the task is built to the same rule, unless the user
-names the task again (`--task.path=...`) or passes `--trust-run-config`. Training (rlvr.trainer),
+names the task again (`--task.path=...`) or passes `--trust-run-config`. `refuse_links_out` keeps
+them from reading outside a run directory through a symbolic link in it. Training (rlvr.trainer),
 evaluation and the probe share these, so each rule lives in one place.
 """
 
@@ -102,3 +103,21 @@ def run_config_guard(cfg: config_mod.Config, config_file: Path, *, overrides: Se
         if keys is None or _options_key(key) in keys:
             allow.add(names_code(value))
     return untrusted_config(str(config_file), allow=sorted(allow))
+
+
+def refuse_links_out(run_dir: Path, *, trusted: bool = False) -> None:
+    """RunError naming the first symbolic link under `run_dir` (files and folders, links not followed
+    into) whose target lies outside it: someone else's run directory could link its config.toml or
+    a weights or tokenizer file to a private file of the user's, and loading the run would read it
+    (and a parse error could print part of it). rlvr itself writes no links. `trusted`
+    (--trust-run-config) allows them: a user's own directory may link large weights to another disk."""
+    if trusted:
+        return
+    root = Path(run_dir).resolve()
+    for where, dirs, files in os.walk(run_dir):
+        for name in sorted(dirs + files):
+            p = Path(where) / name
+            if p.is_symlink() and not p.resolve().is_relative_to(root):
+                raise RunError(f"{p} is a symbolic link to {os.readlink(p)}, outside the run directory {run_dir}: "
+                               f"loading a run reads only its own files; copy the file in, or pass --trust-run-config "
+                               f"if the directory is yours")

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+from rlvr import config as config_mod
 from rlvr.cli import main
 from rlvr.isolation import python_argv
 from rlvr.reward_pool import WORKER_ENV_NAMES, Limits, RewardPool, env_allowed, worker_env
@@ -236,6 +237,38 @@ def test_report_never_reads_a_linked_file_of_the_run(tmp_path):
     (run / "metrics.jsonl").symlink_to(tmp_path / "metrics.jsonl")
     rc, _, err = cli("report", run)
     assert rc == 2 and f"{run / 'metrics.jsonl'} is a symbolic link" in err, err
+
+
+def test_loading_a_run_never_reads_through_a_link_out_of_it(trained, tmp_path):
+    """A copy of a finished run whose config.toml links to a file outside it (someone else's run
+    directory pointing at a private file): eval and probe refuse before reading it, naming the link;
+    --trust-run-config (the user's own directory) follows it; a link inside the directory is fine."""
+    run = tmp_path / "linked"
+    shutil.copytree(trained, run)
+    outside = tmp_path / "elsewhere.toml"
+    (run / "config.toml").rename(outside)
+    (run / "config.toml").symlink_to(outside)
+    reads = []
+    real_load = config_mod.load
+    config_mod.load = lambda path, *a, **kw: reads.append(Path(path)) or real_load(path, *a, **kw)
+    try:
+        for argv in (["eval", run, "--prompts=4"], ["probe", EXAMPLE, *TINY[:3], "--prompts=2", "--samples=2",
+                                                     "--checkpoint", run]):
+            reads.clear()
+            rc, _, err = cli(*argv)
+            assert rc == 2, (argv, err)
+            assert f"{run / 'config.toml'} is a symbolic link to {outside}, outside the run directory" in err, err
+            assert all(p.resolve() != outside for p in reads), reads               # refused before reading it
+        rc, out, err = cli("eval", run, "--prompts=4", "--trust-run-config")
+        assert rc == 0, err
+    finally:
+        config_mod.load = real_load
+    inside = tmp_path / "inside"
+    shutil.copytree(trained, inside)
+    (inside / "config.toml").rename(inside / "kept.toml")
+    (inside / "config.toml").symlink_to(inside / "kept.toml")
+    rc, _, err = cli("eval", inside, "--prompts=4")
+    assert rc == 0, err
 
 
 # --------------------------------------------------------------------------- --overwrite
