@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rlvr.rewards import Reward, RewardCard
-from rlvr.tasks import Example, Task, TaskError, check_import, import_file, is_file
+from rlvr.tasks import Example, Task, TaskError, check_import, import_file, is_file, limits
 from rlvr.tasks.answers import Answer, accepts_meta, unwrap, wrap_meta  # re-exported
 
 __all__ = ["Answer", "jsonl_task", "read_rows", "resolve_reward", "wrap_meta", "exact_match",
@@ -244,6 +244,10 @@ def read_rows(path: str | os.PathLike) -> list[tuple[str, dict]]:
         raise TaskError(f"data file {str(p)!r} is a directory, not a file")
     if not p.is_file():
         raise TaskError(f"data file {str(p)!r} does not exist")
+    try:
+        limits.check_file("data file", p)                  # before reading a file larger than the machine
+    except ValueError as e:
+        raise TaskError(str(e)) from None
     fmt = DATASETS_FORMATS.get(p.suffix.lower())
     rows: list[tuple[str, dict]] = []
     if fmt is not None:

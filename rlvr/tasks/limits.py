@@ -45,3 +45,26 @@ def check_memory(factory: str, examples: int, chars: int, available: int | None 
         gib = 2**30
         raise ValueError(f"{factory}: {examples:,} examples of {chars:,} characters need about {need / gib:.1f} GiB, "
                          f"but the machine has {available / gib:.1f} GiB available; ask for fewer (train, heldout)")
+
+
+FILE_BYTES_FACTOR = 4
+"""Memory a data file's rows take once read, per byte of the file (an upper estimate: each row's
+decoded text, its dict and strings, and the examples made from them)."""
+
+
+def check_file(factory: str, path, available: int | None = None) -> None:
+    """ValueError when the data file at `path` would take more memory once read (`FILE_BYTES_FACTOR`
+    times its size) than the machine has available (MemAvailable; `available` overrides it), before
+    any of it is read."""
+    from pathlib import Path
+
+    if available is None:
+        from rlvr.procmem import available_bytes
+
+        available = available_bytes()
+    size = Path(path).stat().st_size
+    if available is not None and size * FILE_BYTES_FACTOR > available:
+        gib = 2**30
+        raise ValueError(f"{factory}: data file {str(path)!r} holds {size / gib:.1f} GiB; read whole it needs about "
+                         f"{size * FILE_BYTES_FACTOR / gib:.1f} GiB, but the machine has {available / gib:.1f} GiB "
+                         f"available; use a smaller file (a sample of its rows)")

@@ -274,6 +274,10 @@ def _latex(q: Fraction) -> str:
     return f"{sign}\\frac{{{abs(q.numerator)}}}{{{q.denominator}}}"
 
 
+BUILTIN_PROBLEMS = 9 ** 4 * 3
+"""Distinct built-in problems: a/b op c/d with a, b, c, d in 1..9 and op one of +, -, x."""
+
+
 def math_task(
     problems: str | None = None,
     heldout: str | int | None = None,
@@ -302,6 +306,9 @@ def math_task(
     n_held = 200 if heldout is None else heldout
     if isinstance(n_held, bool) or not isinstance(n_held, int) or n_held < 1 or train < 1:
         raise TaskError(f"math_task: train and heldout must be positive ints, got {train!r}, {heldout!r}")
+    if train + n_held > BUILTIN_PROBLEMS:
+        raise TaskError(f"math_task: train + heldout = {train + n_held:,} asks for more than the {BUILTIN_PROBLEMS:,} "
+                        f"distinct built-in problems; ask for fewer, or give a problems file")
     rng = random.Random(seed)
     seen: dict[str, Example] = {}
     for _ in range(50 * (train + n_held)):

@@ -50,7 +50,7 @@ import re
 from typing import Any
 
 from rlvr.rewards import Reward, RewardCard
-from rlvr.tasks import Example, Task, TaskError
+from rlvr.tasks import Example, Task, TaskError, limits
 from rlvr.tasks.answers import Answer, unwrap
 
 __all__ = ["rgym_task", "extract_answer", "dataset_names", "INSTRUCTION"]
@@ -242,6 +242,8 @@ def rgym_task(
     put measured numbers on the ``score`` card (0 skips it). Unknown ``name`` → TaskError with
     the close matches. Tokenizer-agnostic: ``alphabet=None``, ``fixed_length=False``.
     """
+    limits.check_count("rgym_task", "size", size)
+    limits.check_count("rgym_task", "heldout", heldout)
     ds = _create_dataset(name, size, heldout, seed, extract, max_new_tokens, config)
     held, train_ex = _split([ds[i] for i in range(len(ds))], name, heldout, instruction)
     score, solved, goal = _scorers(ds, extract)
