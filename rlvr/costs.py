@@ -315,7 +315,8 @@ def _memory_fields(mem, learn_peak: int = 0) -> dict:
     phases, peak, phase = mem.phases, mem.peak, max(mem.phases, key=mem.phases.get)
     if learn_peak:
         rest = max((k for k in phases if k != "training"), key=phases.get)
-        peak, phase = max((learn_peak, "training"), (mem.held + phases[rest], rest))
+        other = mem.held + phases[rest]                   # the largest other phase, with what is held
+        peak, phase = (learn_peak, "training") if learn_peak >= other else (other, rest)
     return dict(
         memory_baseline_bytes=mem.baseline, memory_gradient_bytes=mem.gradients,
         memory_activation_bytes=mem.activations, memory_logits_bytes=mem.logits,

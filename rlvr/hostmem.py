@@ -5,21 +5,18 @@ An RL step on the CPU allocates the same large temporaries again and again: a de
 SmolLM2's 49,152 tokens), the training forward's logits blocks and activations (tens to hundreds
 of MB). glibc's malloc serves blocks above a threshold with fresh ``mmap`` pages and hands them
 back to the kernel on free, and trims the heap's free top; every step then faults its temporaries
-in again, page by page, each page zeroed by the kernel. Measured on SmolLM2-135M with LoRA (P = 8,
-G = 8, 2 cores): ~390,000 page faults a step (1.5 GB of fresh pages) and 1.2 s of kernel time.
+in again, page by page, each page zeroed by the kernel.
 
 ``keep``: ask glibc to serve every block from its heap (``M_MMAP_MAX = 0``) and never trim that
 heap (``M_TRIM_THRESHOLD = -1``), so freed blocks are reused by the next step without touching the
-kernel: a few page faults a step once the heap has reached its peak, the step 0.93-0.95x the
-time. The process's resident set then stays at its peak (as a GPU caching allocator does) and that
-peak was ~8% above glibc's own (3,714 against 3,446 MiB). ``system``: glibc's defaults.
+kernel: a few page faults a step once the heap has reached its peak, and a shorter step. The
+process's resident set then stays at its peak (as a GPU caching allocator does), somewhat above
+glibc's own. ``system``: glibc's defaults.
 
 ``auto`` (the default): ``keep``, except in a run with gradient checkpointing, which takes
 ``system``. Such a run chose recomputation to save memory, and under ``keep`` the heap it leaves
-behind ate most of the saving: SmolLM2 with checkpointing (reasoning-gym leg_counting, 64 new
-tokens, 8 x 8 rows, fp32) peaked at 8,315 MiB under ``keep`` against 6,015 MiB under ``system``
-(12,191 MiB without checkpointing), and the price's prediction (5,119 MiB, which has no term for
-a heap kept past its use) holds only for the latter.
+behind ate most of the saving. The figures are in docs/benchmarks.md ("Figures behind the code's
+rules", "Memory").
 
 Only glibc has these knobs (``mallopt``); elsewhere ``keep`` does nothing and says so. A process
 keeps the setting once made (glibc's dynamic defaults cannot be restored), so ``system`` after

@@ -450,11 +450,11 @@ def learn_part_seconds(setup: Setup) -> tuple[float, float, float, int]:
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             if per_part <= 2:
-                with ResidentPeak() as resident:
+                resident = ResidentPeak() if device.type == "cpu" and cfg.distributed.learners <= 1 else None
+                with resident or contextlib.nullcontext():
                     timed(per_part)                                    # warm-up: allocation, kernel choice
                     part = min(timed(per_part), timed(per_part))
-                if device.type == "cpu" and cfg.distributed.learners <= 1:
-                    peak = resident.peak
+                peak = resident.peak if resident else 0
             else:   # each size's best of two (the first call of each is its warm-up); a busy core can
                 # make the larger part the shorter: the pair again
                 one, two = ordered_pair(lambda: timed(1), lambda: timed(2), LEARN_PROBE_RETRIES, rounds=2)

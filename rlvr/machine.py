@@ -172,6 +172,11 @@ def matmul_rate(device: torch.device, seconds: float = 1.0) -> float:
     return _MATMUL_RATES[key]
 
 
+def cached_matmul_rate(device: torch.device) -> float | None:
+    """`matmul_rate` as this process measured it at torch's current thread count; None where it has not."""
+    return _MATMUL_RATES.get((str(device), torch.get_num_threads()))
+
+
 def measure_matmul_rate(device: torch.device, seconds: float) -> float:
     """`matmul_rate` measured now, not cached: FLOP/s of about `seconds` of square fp32 products
     (512 on a CPU, 2048 on a GPU) at torch's current thread count."""

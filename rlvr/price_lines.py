@@ -11,13 +11,11 @@ if TYPE_CHECKING:
 def memory_line(p: Price) -> str:
     """The predicted peak and its parts, in MiB."""
     mib = 1 / 2**20
-    head = f"price: memory peak ~{p.memory_peak_bytes * mib:,.0f} MiB (during {p.memory_peak_phase}) = "
-    if p.memory_learn_measured_bytes:
-        head = (f"price: memory peak ~{p.memory_peak_bytes * mib:,.0f} MiB (during {p.memory_peak_phase}; a learn "
-                f"part at the cap measured {p.memory_learn_measured_bytes * mib:,.0f} MiB resident at its peak, "
-                f"the C library's free-but-kept memory included); the count of tensors says "
-                f"~{p.memory_counted_peak_bytes * mib:,.0f} MiB = ")
-    return (head + f"process {p.memory_baseline_bytes * mib:,.0f} + policy {p.policy_bytes * mib:,.0f} + "
+    measured = (f"; a learn part at the cap measured {p.memory_learn_measured_bytes * mib:,.0f} MiB resident at its "
+                f"peak, the C library's free-but-kept memory included); the count of tensors says "
+                f"~{p.memory_counted_peak_bytes * mib:,.0f} MiB" if p.memory_learn_measured_bytes else ")")
+    return (f"price: memory peak ~{p.memory_peak_bytes * mib:,.0f} MiB (during {p.memory_peak_phase}{measured} = "
+            f"process {p.memory_baseline_bytes * mib:,.0f} + policy {p.policy_bytes * mib:,.0f} + "
             f"reference {p.reference_bytes * mib:,.0f} + AdamW {p.optimizer_bytes * mib:,.1f} + "
             f"gradients {p.memory_gradient_bytes * mib:,.1f} + "
             + (f"bf16 copies of the frozen weights {p.memory_kept_copy_bytes * mib:,.0f} + "

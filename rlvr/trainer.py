@@ -529,10 +529,8 @@ def machine_speed(state: RunState) -> float | None:
     did every step's time, and the steps' ratio to the expected wall time with it. None where the
     price measured no rate in this process (a rate given to it, a resumed run's earlier session)."""
     device = state.setup.device
-    then = machine_mod._MATMUL_RATES.get((str(device), torch.get_num_threads()))
-    if not then:
-        return None
-    return machine_mod.measure_matmul_rate(device, RATE_RECHECK_S) / then
+    then = machine_mod.cached_matmul_rate(device)
+    return machine_mod.measure_matmul_rate(device, RATE_RECHECK_S) / then if then else None
 
 
 def finish(run_dir: RunDir, state: RunState, wall: float, log) -> dict:

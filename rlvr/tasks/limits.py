@@ -9,6 +9,8 @@ into a TaskError naming ``task.path``).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 MAX_PROMPT_CHARS = 8192
 """Longest prompt or answer, in characters, a built-in task makes: the built-in model's whole context
 (rlvr.config.MAX_BUILTIN_CONTEXT tokens, one a character); a Hugging Face tokenizer gives these ASCII
@@ -36,10 +38,7 @@ def check_length(factory: str, option: str, value: int, chars: int, limit: int =
 def check_memory(factory: str, examples: int, chars: int, available: int | None = None) -> None:
     """ValueError when `examples` examples of about `chars` characters of text each (prompt and answer)
     would not fit in the memory the machine has available (MemAvailable; `available` overrides it)."""
-    if available is None:
-        from rlvr.procmem import available_bytes
-
-        available = available_bytes()
+    available = _available(available)
     need = examples * (chars + EXAMPLE_BYTES)
     if available is not None and need > available:
         gib = 2**30
@@ -56,15 +55,19 @@ def check_file(factory: str, path, available: int | None = None) -> None:
     """ValueError when the data file at `path` would take more memory once read (`FILE_BYTES_FACTOR`
     times its size) than the machine has available (MemAvailable; `available` overrides it), before
     any of it is read."""
-    from pathlib import Path
-
-    if available is None:
-        from rlvr.procmem import available_bytes
-
-        available = available_bytes()
+    available = _available(available)
     size = Path(path).stat().st_size
     if available is not None and size * FILE_BYTES_FACTOR > available:
         gib = 2**30
         raise ValueError(f"{factory}: data file {str(path)!r} holds {size / gib:.1f} GiB; read whole it needs about "
                          f"{size * FILE_BYTES_FACTOR / gib:.1f} GiB, but the machine has {available / gib:.1f} GiB "
                          f"available; use a smaller file (a sample of its rows)")
+
+
+def _available(given: int | None) -> int | None:
+    """`given`, or the machine's MemAvailable where None (None where it cannot be read)."""
+    if given is not None:
+        return given
+    from rlvr.procmem import available_bytes
+
+    return available_bytes()
