@@ -1054,18 +1054,24 @@ def test_bf16_weight_copies_give_autocasts_numbers_bit_for_bit(fast_variant, mon
                 packs = scope.made(f"pack {lean_llama.PACK_ROWS}") & mine
                 held = (scope.made("copy") | packs) & mine   # the head prepacked where oneDNN has it
                 wm_ok = lean_llama._weight_major_bf16_ok()
-                if not wm_ok:                                # row-major decode: the LoRA factors run under autocast
-                    base = [m for n, m in policy._hf_model().named_modules() if type(m) is torch.nn.Linear
-                            and ".lora_" not in n]
+                if not wm_ok:   # row-major decode: the LoRA factors run under autocast, but the A factors of
+                    # q/k/v and gate/up join their stacked pack where oneDNN's packed linear serves (a copy each)
+                    hf = policy._hf_model()
+                    base = [m for n, m in hf.named_modules() if type(m) is torch.nn.Linear and ".lora_" not in n]
+                    stacked = [m for layer in hf.model.layers for m in lean_llama._qkv_mods(layer.self_attn)
+                               + (lean_llama._gate_up_mods(layer.mlp) if lean_llama._stock_mlp(layer.mlp) else ())]
+                    factors = [A.weight for m in stacked if hasattr(m, "lora_A") for A in m.lora_A.values()]
                     tensors = [t for m in base for t in (m.weight, m.bias) if t is not None]
+                    tensors += factors if lean_llama._packed_linear_ok() else []
                     mine = {(id(t),) for t in tensors}
                 assert len(held) == len(tensors) > 0 and mine == held
                 # prepacked where oneDNN has it: the head, and row-major decode's frozen weights too (q/k/v
                 # and gate/up in one pack each where their stacked product gives autocast's bits)
                 frozen = {(id(m.weight),) for m in linears if not m.weight.requires_grad}
                 head = {(id(policy._hf_model().lm_head.weight),)}
-                stack_packs = scope.made(f"stack pack {lean_llama.PACK_ROWS}")
-                packed = packs | ({(w,) for k in stack_packs for w in k} & mine)
+                stack_packs = scope.made(f"stack pack {lean_llama.PACK_ROWS}") | {   # with the A factors: the bases'
+                    tuple(w for w in k if (w,) in frozen) for k in scope.made(f"stack+ pack {lean_llama.PACK_ROWS}")}
+                packed = (packs | {(w,) for k in stack_packs for w in k}) & (frozen | head)
                 assert packed == ((head | (set() if wm_ok else frozen)) if lean_llama._packed_linear_ok() else set())
                 layer_ids = {id(t) for t in tensors} | {id(t) for m in linears for t in (m.weight,)}
                 stacks = {k for k in scope.made("stack") if set(k) <= layer_ids} - stack_packs  # weight-major decode's
@@ -1188,7 +1194,9 @@ def test_bf16_decode_stacks_and_packed_head_keep_autocasts_numbers(fast_variant,
             mine = {id(t) for t in hf.parameters()}
             if scope is None:
                 return roll, None
-            stack_packs = scope.made(f"stack pack {lean_llama.PACK_ROWS}")     # row-major decode's
+            frozen_ids = {id(t) for t in hf.parameters() if not t.requires_grad}
+            stack_packs = scope.made(f"stack pack {lean_llama.PACK_ROWS}") | {   # row-major decode's (the bases
+                tuple(w for w in k if w in frozen_ids) for k in scope.made(f"stack+ pack {lean_llama.PACK_ROWS}")}
             stacks = {k for k in scope.made("stack") if set(k) <= mine} - stack_packs  # weight-major decode's
             packed = {w for k in scope.made(f"pack {lean_llama.PACK_ROWS}") | stack_packs if set(k) <= mine for w in k}
             return roll, (len(stacks), len(packed))
@@ -1249,7 +1257,9 @@ def test_row_major_bf16_decode_reads_stacked_packs_with_autocasts_numbers(fast_v
             bases = [m if type(m) is torch.nn.Linear else m.base_layer for m in mods]
             key = (tuple(m.weight.size(0) for m in bases), x.size(-1), x.numel() // x.size(-1),
                    tuple(m.bias is not None for m in bases))
-            calls.append((outs is not None, key))
+            rs = tuple(A.weight.size(0) for m in mods if hasattr(m, "lora_A") for A in m.lora_A.values())
+            with_factors = (key[0] + rs, key[1], key[2], key[3] + (False,) * len(rs)) if rs else None
+            calls.append((outs is not None, key, with_factors))
         return outs
 
     monkeypatch.setattr(lean_llama, "_stacked_linear", checked)
@@ -1265,9 +1275,15 @@ def test_row_major_bf16_decode_reads_stacked_packs_with_autocasts_numbers(fast_v
     assert torch.equal(r1.ids, r2.ids) and torch.equal(r1.logp, r2.logp)
     frozen_bases = not any(p.requires_grad for n, p in policy._hf_model().named_parameters() if "lora_" not in n)
     assert calls
-    for taken, key in calls:    # in rlvr's context where the bases are frozen: probed, and taken where it passed
-        assert (key in lean_llama._PACK_OK_AT) == frozen_bases
-        assert taken == (frozen_bases and lean_llama._PACK_OK_AT[key])
+    ok = lean_llama._PACK_OK_AT
+    for taken, key, with_factors in calls:   # in rlvr's context where the bases are frozen: probed, and taken
+        # where it passed; the bases with the LoRA A factors first, the bases alone where that failed
+        if with_factors is not None and frozen_bases:
+            assert with_factors in ok and (ok[with_factors] or key in ok)
+            assert taken == (ok[with_factors] or ok[key])
+        else:
+            assert (key in ok) == frozen_bases
+            assert taken == (frozen_bases and ok[key])
 
 
 def test_decode_plans_are_made_once_a_region_and_again_when_what_they_rest_on_changes(tmp_path, monkeypatch):

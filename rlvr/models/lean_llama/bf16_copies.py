@@ -235,6 +235,25 @@ class _Bf16Weights:
         stack = self.stacked(ws)
         return None if stack is None else store.put(kind, ws, torch.ops.mkldnn._reorder_linear_weight(stack, rows))
 
+    def packed_stack_with(self, ws: tuple[torch.Tensor, ...], factors: tuple[torch.Tensor, ...],
+                          rows: int) -> torch.Tensor | None:
+        """``packed_stack`` of ``ws`` with the bf16 copies of ``factors`` (each (r, K): a LoRA policy's A
+        factors, which read the same input) stacked after them: one prepacked product for the frozen
+        base weights and the factors. Factors that train change between regions, so such a pack is
+        made in each region and freed at its end (kept, like ``packed_stack``, where every weight is
+        frozen); the kept stack of ``ws`` is its source, and no pack of ``ws`` alone is made."""
+        if not _packed_linear_ok() or any(w.requires_grad and torch.is_grad_enabled() for w in ws + factors):
+            return None
+        store, kind = self._store(ws + factors), f"stack+ pack {rows}"
+        hit = store.find(kind, ws + factors)
+        if hit is not None:
+            return hit
+        stack, copies = self.stacked(ws), [self.get(A) for A in factors]
+        if stack is None or any(c is None or c.size(1) != stack.size(1) for c in copies):
+            return None
+        return store.put(kind, ws + factors,
+                         torch.ops.mkldnn._reorder_linear_weight(torch.cat([stack, *copies]), rows))
+
 
 @contextlib.contextmanager
 def bf16_weights():

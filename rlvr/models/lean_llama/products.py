@@ -25,9 +25,12 @@ def decode_reads_packs() -> bool:
 
 
 def _stacked_plan(scope: "_Bf16Weights", mods: tuple[nn.Module, ...], rows: int) -> tuple | None:
-    """(the stacked pack, its stacked bias or None, each module's output width, [(base weight, base
-    bias, [(A, B, scaling), ...]) per module]) that ``_stacked_linear`` reads for ``mods`` at
-    ``rows`` rows, or None where it does not serve (see there)."""
+    """(the stacked pack, its stacked bias or None, each output block's width, [(base weight, base
+    bias, [(A, B, scaling), ...]) per module], whether the LoRA A factors are in the pack) that
+    ``_stacked_linear`` reads for ``mods`` at ``rows`` rows, or None where it does not serve (see
+    there). The A factors read the same input as the bases, so they join the stack (their products
+    the last blocks, in the adapters' order) where ``_pack_ok`` says that product rounds as each
+    factor's own; else the pack holds the bases alone."""
     plans = []
     for m in mods:
         plan = (m.weight, m.bias, []) if type(m) is nn.Linear and not _hooked(m) else _plain_lora(m, torch.float32)
@@ -35,14 +38,29 @@ def _stacked_plan(scope: "_Bf16Weights", mods: tuple[nn.Module, ...], rows: int)
             return None
         plans.append(plan)
     ws, bs = tuple(W for W, _, _ in plans), tuple(b for _, b, _ in plans)
-    sizes = tuple(W.size(0) for W in ws)
-    Wp = scope.packed_stack(ws, PACK_ROWS)
-    bb = scope.stacked_bias(bs, sizes) if any(b is not None for b in bs) else None
+    factors = tuple(A for _, _, adapters in plans for A, _, _ in adapters)
+    for extra in ((factors, ()) if factors else ((),)):
+        packed = _stack_pack(scope, ws, bs, extra, rows)
+        if packed is not None:
+            return packed + (plans, bool(extra))
+    return None
+
+
+def _stack_pack(scope: "_Bf16Weights", ws: tuple[torch.Tensor, ...], bs: tuple[torch.Tensor | None, ...],
+                factors: tuple[torch.Tensor, ...], rows: int) -> tuple | None:
+    """(pack, stacked bias or None, each block's width) of the base weights ``ws`` (biases ``bs``)
+    stacked with the bias-free ``factors``, where the pack's product on ``rows`` rows gives each
+    weight's own ``F.linear`` bits (``_pack_ok``); None elsewhere."""
+    sizes = tuple(W.size(0) for W in ws + factors)
+    biases = bs + (None,) * len(factors)
+    Wp = scope.packed_stack_with(ws, factors, PACK_ROWS) if factors else scope.packed_stack(ws, PACK_ROWS)
+    bb = scope.stacked_bias(biases, sizes) if any(b is not None for b in bs) else None
     if Wp is None or (bb is None and any(b is not None for b in bs)):
         return None
-    if not _pack_ok(Wp, tuple(map(scope.get, ws)), tuple(None if b is None else scope.get(b) for b in bs), rows):
+    if not _pack_ok(Wp, tuple(map(scope.get, ws + factors)), tuple(None if b is None else scope.get(b) for b in biases),
+                    rows):
         return None
-    return Wp, bb, sizes, plans
+    return Wp, bb, sizes
 
 
 def _stacked_linear(mods: tuple[nn.Module, ...], x: torch.Tensor) -> list[torch.Tensor] | None:
@@ -51,10 +69,12 @@ def _stacked_linear(mods: tuple[nn.Module, ...], x: torch.Tensor) -> list[torch.
     CPU bf16 autocast in a ``bf16_weights()`` region), from ONE product with the prepacked stack of
     their frozen base weights (``_Bf16Weights.packed_stack``, kept across regions), each output a
     column block of it; LoRA terms then added per module as ``linear`` adds them (the factors under
-    autocast, as peft calls them). The same bits as ``linear``'s products where ``_pack_ok`` says
-    the stacked product gives them; None elsewhere (a module not a plain Linear or plain LoRA
-    Linear, a base weight that trains, no pack): the caller runs ``linear``. One stacked product
-    saves a little of a decode step over one per module (see docs/performance.md)."""
+    autocast, as peft calls them), the A factors' products read from the same product where they
+    joined the stack (``_Bf16Weights.packed_stack_with``, made once a region). The same bits as
+    ``linear``'s products where ``_pack_ok`` says the stacked product gives them; None elsewhere (a
+    module not a plain Linear or plain LoRA Linear, a base weight that trains, no pack): the caller
+    runs ``linear``. One stacked product saves a little of a decode step over one per module, and
+    the A factors in it two small products and two casts of x a layer (see docs/performance.md)."""
     scope = getattr(_SCOPE, "weights", None)
     rows = x.numel() // x.size(-1)
     if (scope is None or torch.is_grad_enabled() or rows > HEAD_ROWS or not _cpu_bf16_autocast(x.device)
@@ -63,13 +83,16 @@ def _stacked_linear(mods: tuple[nn.Module, ...], x: torch.Tensor) -> list[torch.
     plan = scope.decode_plan(mods, rows, _stacked_plan)
     if plan is None:
         return None
-    Wp, bb, sizes, plans = plan
-    out = _packed_linear(x.reshape(rows, x.size(-1)).to(torch.bfloat16), Wp, bb)   # (rows, sum N)
+    Wp, bb, sizes, plans, factored = plan
+    out = _packed_linear(x.reshape(rows, x.size(-1)).to(torch.bfloat16), Wp, bb)   # (rows, sum of sizes)
+    blocks = out.split(sizes, dim=1)
+    down = iter(blocks[len(plans):])                # the A factors' products (factored), adapters' order
     outs = []
-    for block, (_, _, adapters) in zip(out.split(sizes, dim=1), plans):
+    for block, (_, _, adapters) in zip(blocks, plans):
         block = block.view(*x.shape[:-1], block.size(1))
         for A, B, scaling in adapters:   # as linear adds them: x cast by autocast, as peft calls them
-            block = block + F.linear(F.linear(x, A), B) * scaling
+            h = next(down).view(*x.shape[:-1], A.size(0)) if factored else F.linear(x, A)
+            block = block + F.linear(h, B) * scaling
         outs.append(block)
     return outs
 
