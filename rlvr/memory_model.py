@@ -37,8 +37,10 @@ Memory (`memory(...)`, the peak resident set a run reaches, in bytes; `b` = byte
     and under bf16 autocast on the CPU bf16 copies of the weights, 2 bytes a parameter
     (rlvr.models.lean_llama.bf16_weights: made once instead of at every product): the frozen weights'
     (a LoRA policy's base, a reference model) kept for the whole run, with a prepacked copy of each
-    more where decode reads them packed, and the trainable ones' in each forward phase (training,
-    sampling, evaluation), freed at its end
+    more where decode reads them packed (counted as kept: the q/k/v and gate/up packs that hold a
+    LoRA policy's A factors too are made in each sampling phase instead, the same bytes then and
+    fewer between), and the trainable ones' in each forward phase (training, sampling, evaluation),
+    freed at its end
 """
 
 from __future__ import annotations
