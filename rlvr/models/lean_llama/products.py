@@ -90,7 +90,7 @@ def _stacked_linear(mods: tuple[nn.Module, ...], x: torch.Tensor) -> list[torch.
     outs = []
     for block, (_, _, adapters) in zip(blocks, plans):
         block = block.view(*x.shape[:-1], block.size(1))
-        for A, B, scaling in adapters:   # as linear adds them: x cast by autocast, as peft calls them
+        for A, B, scaling in adapters:   # as linear adds them (the products under autocast, as peft calls them)
             h = next(down).view(*x.shape[:-1], A.size(0)) if factored else F.linear(x, A)
             block = block + F.linear(h, B) * scaling
         outs.append(block)
