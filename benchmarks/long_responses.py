@@ -39,7 +39,10 @@ times of rlvr and TRL's GRPOTrainer alternated in one process, held-out accuracy
 wall time for each (``--minutes``; greedy, ``--eval-prompts`` held-out prompts, scored by the task's
 own goal for both). Same model, prompts, P, G, ``--max-new``, LoRA, temperature 0.7, learning rate;
 rlvr with ``--micro-batches`` and length buckets, TRL with as many gradient-accumulation parts; ``--numerics`` for both (default bf16, each
-library's fastest on a CPU with bf16 units). E.g.
+library's fastest on a CPU with bf16 units). Then this length's targets, held or missed
+(``TARGET_STEP_RATIO``, ``GAIN_STANDARD_ERRORS``): TRL's step time at least 6x rlvr's, rlvr's held-out
+gain over its step 0 beyond two standard errors of that difference at ``--eval-prompts``, above TRL
+at the last evaluation (how many standard errors said), every phase within 2x its bound. E.g.
 
     python benchmarks/long_responses.py --vs-trl --minutes 10 --max-new 256
 
@@ -57,6 +60,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "smollm2_cot.toml"
+TARGET_STEP_RATIO, GAIN_STANDARD_ERRORS = 6.0, 2.0
+"""``--vs-trl``'s targets at chain-of-thought lengths (real_model.py's ``targets``): TRL's step time /
+rlvr's at least 6, and rlvr's held-out gain over its step 0 at least two standard errors of that
+difference at ``--eval-prompts`` (the other targets as real_model.py's: above TRL at the last
+evaluation, every phase within 2x its bound)."""
 
 
 def task_options(heldout: int, max_new: int) -> dict:
@@ -189,6 +197,8 @@ def vs_trl(a) -> int:
     real_model.RLVR_EXTRA = [f"--train.micro_batches={a.micro_batches}", "--train.length_buckets=true"]
     real_model.TRL_MICRO = a.micro_batches            # TRL's gradient accumulation over the same parts
     real_model.PROFILE_ENDS = True                     # the profile at real lengths, bounds over live rows
+    # this length's targets: 6x TRL's step rate, and a held-out gain beyond two standard errors
+    real_model.TARGET_STEP_RATIO, real_model.GAIN_STANDARD_ERRORS = TARGET_STEP_RATIO, GAIN_STANDARD_ERRORS
     return real_model.main(["--minutes", str(a.minutes), "--eval-every", str(a.eval_every), "--eval-prompts",
                             str(a.eval_prompts), "--numerics", a.numerics, "--threads", str(a.threads or 2),
                             "--compile", "off", "--blocks", str(a.blocks), "--block-steps", str(a.block_steps),

@@ -83,6 +83,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -110,29 +111,52 @@ forward's and backward's over the real tokens; False: every row to MAX_NEW (no e
 short task's profile."""
 TARGET_STEP_RATIO, TARGET_GAIN, TARGET_X_BOUND = 4.0, 0.40, 2.0
 """The targets: TRL's step time / rlvr's; held-out accuracy points over step 0; a phase's time / its bound."""
+GAIN_STANDARD_ERRORS: float | None = None
+"""Where set (benchmarks/long_responses.py: 2), the held-out gain's target is this many standard errors
+of the difference between rlvr's step-0 and last evaluations at the evaluation's prompt count
+(``standard_error``) instead of ``TARGET_GAIN``: a gain beyond the evaluation's noise."""
 PARTS = ("decode products",)
 """Profile rows that time a part of a phase (decode's products alone), not a phase of the step."""
 
 
-def targets(profile: list[dict], step_s: dict, curves: dict) -> list[str]:
+def standard_error(p0: float, p1: float, prompts: int) -> float:
+    """The standard error of the difference between two accuracies ``p0`` and ``p1``, each the share of
+    ``prompts`` greedy answers that were right (binomial, taken as independent):
+    sqrt((p0 (1 - p0) + p1 (1 - p1)) / prompts)."""
+    return math.sqrt((p0 * (1 - p0) + p1 * (1 - p1)) / prompts)
+
+
+def targets(profile: list[dict], step_s: dict, curves: dict, prompts: int | None = None) -> list[str]:
     """One line per target, "held" or "missed" with the figures: the step ratio (``step_s``: median
     seconds of "rlvr" and "trl"), rlvr's gain from step 0 to its last evaluation, whether its last
     evaluation is above TRL's (``curves``: (seconds, steps, accuracy) points of each at the same
     training times; the line also says whether it is above at every evaluation), and every phase of
-    ``profile`` (its ``x_bound``; not the ``PARTS`` rows) against its bound."""
+    ``profile`` (its ``x_bound``; not the ``PARTS`` rows) against its bound. With the evaluation's
+    ``prompts`` the two accuracy lines also say how many standard errors (``standard_error``) their
+    differences are, and the gain's target is ``GAIN_STANDARD_ERRORS`` of them where that is set."""
     def verdict(ok: bool) -> str:
         return "held  " if ok else "missed"
+
+    def noise(p0: float, p1: float) -> str:
+        se = standard_error(p0, p1, prompts) if prompts else 0.0
+        return f", {(p1 - p0) / se:.1f} standard errors of the difference at {prompts} prompts" if se > 0 else ""
 
     ratio = step_s["trl"] / step_s["rlvr"]
     lines = [f"{verdict(ratio >= TARGET_STEP_RATIO)} step rate: TRL / rlvr = {ratio:.2f} (target >= {TARGET_STEP_RATIO:g})"]
     mine, theirs = curves["rlvr"], curves["trl"]
-    gain = mine[-1][2] - mine[0][2]
-    lines.append(f"{verdict(gain >= TARGET_GAIN - 1e-9)} held-out gain: {mine[0][2]:.3f} at step 0 -> {mine[-1][2]:.3f} "
-                 f"after {mine[-1][0]:.0f} s ({gain * 100:+.1f} points; target >= {TARGET_GAIN * 100:+.0f})")
+    p0, p1 = mine[0][2], mine[-1][2]
+    gain = p1 - p0
+    need, why = TARGET_GAIN, f"{TARGET_GAIN * 100:+.0f}"
+    if GAIN_STANDARD_ERRORS is not None and prompts:
+        need = GAIN_STANDARD_ERRORS * standard_error(p0, p1, prompts)
+        why = f"{need * 100:+.1f}, {GAIN_STANDARD_ERRORS:g} standard errors"
+    lines.append(f"{verdict(gain >= need - 1e-9)} held-out gain: {p0:.3f} at step 0 -> {p1:.3f} "
+                 f"after {mine[-1][0]:.0f} s ({gain * 100:+.1f} points{noise(p0, p1)}; target >= {why})")
     later = list(zip(mine[1:], theirs[1:]))
     below = [f"{a[0]:.0f} s: {a[2]:.3f} vs {b[2]:.3f}" for a, b in later if not a[2] > b[2]]
-    last = f"{mine[-1][2]:.3f} after {mine[-1][0]:.0f} s against TRL's {theirs[-1][2]:.3f} after {theirs[-1][0]:.0f} s"
-    lines.append(f"{verdict(mine[-1][2] > theirs[-1][2])} above TRL at the last evaluation: {last}; "
+    last = (f"{p1:.3f} after {mine[-1][0]:.0f} s against TRL's {theirs[-1][2]:.3f} after {theirs[-1][0]:.0f} s"
+            + (f" ({(p1 - theirs[-1][2]) * 100:+.1f} points{noise(theirs[-1][2], p1)})" if prompts else ""))
+    lines.append(f"{verdict(p1 > theirs[-1][2])} above TRL at the last evaluation: {last}; "
                  + (f"not at every evaluation ({'; '.join(below)})" if below else
                     f"above at each of the {len(later)} evaluations after step 0"))
     phases = [p for p in profile if p["phase"] not in PARTS]
@@ -684,7 +708,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(during) == 2:
         print(f"  median step during the curves (first step of each dropped): rlvr {during['rlvr']:.2f} s, "
               f"TRL {during['trl']:.2f} s, TRL / rlvr = {during['trl'] / during['rlvr']:.2f}", flush=True)
-    verdicts = targets(profile, st, curves)
+    verdicts = targets(profile, st, curves, a.eval_prompts)
     print("targets:")
     for line in verdicts:
         print(f"  {line}", flush=True)

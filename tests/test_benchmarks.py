@@ -104,3 +104,33 @@ def test_long_responses_counts_the_scoring_positions_and_their_padding():
         scoring.sequence_token_logprobs(model, (ids, am, Lp), buckets=True, **kw)
     assert pos.computed == 2 + 4 + 6 and pos.padding == 0               # each row its own bucket here
     assert sorted(widths) == [Lp + 2 - 1, Lp + 4 - 1, Lp + 6 - 1]
+
+
+def test_the_chain_of_thought_comparison_sets_its_gain_against_the_evaluations_noise(monkeypatch):
+    """long_responses.py --vs-trl's targets: 6x TRL's step rate, and a held-out gain of at least two
+    standard errors of the difference between rlvr's step-0 and last evaluations at the evaluation's
+    prompt count, sqrt((p0 (1 - p0) + p1 (1 - p1)) / n); the lead over TRL is said in standard errors
+    too. Figures of a 200-prompt run: 0.095 -> 0.270 is 17.5 points, se = sqrt((0.095 * 0.905 +
+    0.27 * 0.73) / 200) = 0.0376, so 4.7 of them against a target of 2 x 0.0376 = 7.5 points; 0.270
+    against TRL's 0.210 is 6.0 points, se = sqrt((0.21 * 0.79 + 0.27 * 0.73) / 200) = 0.0426, 1.4."""
+    import importlib.util
+    mods = {}
+    for name in ("real_model", "long_responses"):
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+        mods[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mods[name])
+    rm, lr = mods["real_model"], mods["long_responses"]
+    monkeypatch.setattr(rm, "TARGET_STEP_RATIO", lr.TARGET_STEP_RATIO)
+    monkeypatch.setattr(rm, "GAIN_STANDARD_ERRORS", lr.GAIN_STANDARD_ERRORS)
+    curves = {"rlvr": [(0.0, 0, 0.095), (339.7, 8, 0.215), (604.0, 17, 0.270)],
+              "trl": [(0.0, 0, 0.095), (364.3, 3, 0.170), (646.9, 5, 0.210)]}
+    got = rm.targets([{"phase": "sampling decode", "x_bound": 4.9}], {"rlvr": 38.02, "trl": 165.33}, curves, 200)
+    assert got[0] == "missed step rate: TRL / rlvr = 4.35 (target >= 6)"
+    assert got[1] == ("held   held-out gain: 0.095 at step 0 -> 0.270 after 604 s (+17.5 points, 4.7 standard errors "
+                      "of the difference at 200 prompts; target >= +7.5, 2 standard errors)")
+    assert got[2] == ("held   above TRL at the last evaluation: 0.270 after 604 s against TRL's 0.210 after 647 s "
+                      "(+6.0 points, 1.4 standard errors of the difference at 200 prompts); above at each of the 2 "
+                      "evaluations after step 0")
+    # 0.095 -> 0.150 at 200 prompts: 5.5 points, under two standard errors (2 x 0.0326 = 6.5 points)
+    curves["rlvr"][-1] = (604.0, 17, 0.150)
+    assert rm.targets([], {"rlvr": 1.0, "trl": 6.0}, curves, 200)[1].startswith("missed held-out gain")
