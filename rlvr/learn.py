@@ -474,7 +474,11 @@ def _call_seconds(setup: Setup, params: list, at_t: float) -> float:
     """The fixed seconds of a learn forward and backward call (`learn_part_seconds`): one group at
     the response bound T (`at_t` seconds) and at T // 4 columns, the line through them in the positions a
     row computes (its prompt's share, its columns; rlvr.costs counts a part's the same way) taken
-    at none."""
+    at none; where that is above 0, at most what a call of one response column takes beyond its
+    positions on that line (a fixed cost is no more than its smallest call). The two widths are
+    timed a while apart, and a machine whose speed moves between them moves the line's value at
+    none by about four thirds of the move at T // 4 (docs/benchmarks.md has a run it misled); the
+    one-column call, timed next to the T // 4 one, bounds it."""
     T = setup.limits.max_new_tokens
     short = _part_timer(setup, params, T // 4)
     short(1)                                                         # warm-up at the new shape
@@ -485,7 +489,12 @@ def _call_seconds(setup: Setup, params: list, at_t: float) -> float:
     if at_t <= at_short:
         return 0.0
     per_pos = (at_t - at_short) / (long_pos - short_pos)
-    return min(max(at_short - per_pos * short_pos, 0.0), at_short)
+    call = min(max(at_short - per_pos * short_pos, 0.0), at_short)
+    if call > 0:
+        tiny = _part_timer(setup, params, 1)
+        tiny(1)                                                      # warm-up at the new shape
+        call = min(call, max(min(tiny(1), tiny(1)) - per_pos * prompt, 0.0))
+    return call
 
 
 def _probe_batch(setup: Setup, groups: int, T: int) -> Batch:

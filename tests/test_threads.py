@@ -322,15 +322,41 @@ def test_a_learn_calls_fixed_cost_is_the_line_through_two_widths_at_none(monkeyp
     shapes = []
     monkeypatch.setattr(rlvr.learn, "accumulate", lambda learner, b, *a, **kw: shapes.append(
         tuple(b.groups.rollout.mask.shape)) or {})
-    ticks = iter([t for d in (9.0, 0.5, 0.4, 9.0, 0.25, 0.2, 0.03, 0.01, 0.02) for t in (0.0, d)])
-    monkeypatch.setattr(machine_mod.time, "perf_counter", lambda: next(ticks))
-    part, opt, call, _ = learn_mod.learn_part_seconds(setup)
     G = setup.cfg.train.samples_per_prompt
-    assert shapes == [(G, 16)] * 3 + [(G, 4)] * 3                  # one group at T, then at T // 4
     shared = setup.cfg.model.share_prompt_forward and setup.model.differentiable_cache
     p = setup.limits.prompt_tokens / G if shared else setup.limits.prompt_tokens
+    assert 0.2 - 0.2 / 12 * (p + 3) > 0                              # the line's value at none is above 0
+    # then one column (its positions: p): a warm-up, 0.19 and 0.18 s, above the line (0.18 - p / 60
+    # is more than 0.15 - p / 60), so the line's value stands
+    ticks = iter([t for d in (9.0, 0.5, 0.4, 9.0, 0.25, 0.2, 9.0, 0.19, 0.18, 0.03, 0.01, 0.02) for t in (0.0, d)])
+    monkeypatch.setattr(machine_mod.time, "perf_counter", lambda: next(ticks))
+    part, opt, call, _ = learn_mod.learn_part_seconds(setup)
+    assert shapes == [(G, 16)] * 3 + [(G, 4)] * 3 + [(G, 1)] * 3  # one group at T, then at T // 4, then 1
     assert part == pytest.approx(0.4) and opt == pytest.approx(0.01)
     assert call == pytest.approx(0.2 - 0.2 / 12 * (p + 3))
+
+
+def test_a_learn_calls_fixed_cost_is_at_most_its_one_column_call_beyond_its_positions(monkeypatch):
+    """The same probe on a machine that slowed while the T // 4 width was timed: one group at T = 16
+    0.5 then 0.4 s; at 4 columns 0.35, 0.33 s (best 0.33), so the line's slope is (0.4 - 0.33) / 12
+    a position and its value at none 0.33 - 0.07 / 12 (p + 3), far above what a call of one column
+    takes: 0.12 then 0.1 s, of which its p positions take 0.07 / 12 p. The fixed cost is then
+    0.1 - 0.07 / 12 p."""
+    import rlvr.learn
+    from test_autocast import tiny_setup
+
+    setup = tiny_setup("--sampling.max_new_tokens=16", "--train.prompts_per_step=1")
+    shapes = []
+    monkeypatch.setattr(rlvr.learn, "accumulate", lambda learner, b, *a, **kw: shapes.append(
+        tuple(b.groups.rollout.mask.shape)) or {})
+    ticks = iter([t for d in (9.0, 0.5, 0.4, 9.0, 0.35, 0.33, 9.0, 0.12, 0.1, 0.03, 0.01, 0.02) for t in (0.0, d)])
+    monkeypatch.setattr(machine_mod.time, "perf_counter", lambda: next(ticks))
+    _, _, call, _ = learn_mod.learn_part_seconds(setup)
+    G = setup.cfg.train.samples_per_prompt
+    shared = setup.cfg.model.share_prompt_forward and setup.model.differentiable_cache
+    p = setup.limits.prompt_tokens / G if shared else setup.limits.prompt_tokens
+    assert shapes == [(G, 16)] * 3 + [(G, 4)] * 3 + [(G, 1)] * 3
+    assert call == pytest.approx(0.1 - 0.07 / 12 * p) and call < 0.33 - 0.07 / 12 * (p + 3)
 
 
 def test_a_run_its_memory_refuses_is_not_probed_and_a_given_learn_time_reaches_the_price(monkeypatch):
