@@ -1286,6 +1286,54 @@ def test_row_major_bf16_decode_reads_stacked_packs_with_autocasts_numbers(fast_v
             assert taken == (frozen_bases and ok[key])
 
 
+def test_row_major_bf16_decode_packs_the_bases_alone_where_the_factors_stacked_product_does_not_round_alike(
+        tmp_path, monkeypatch):
+    """Where ``_pack_ok`` says a stack of the frozen bases with the LoRA A factors does not give each
+    weight's own bits (forced here for every stack of four weights or more: q/k/v with their three
+    factors, gate/up with their two), row-major decode packs the bases alone and runs the factors
+    under autocast: each stacked call's outputs still equal the per-module ``linear`` products, no
+    stack with factors is read, and the sampled tokens and log-probs equal plain torch.autocast's."""
+    from rlvr.models import lean_llama
+    from rlvr.models.lean_llama import products
+    from rlvr.numerics import autocast_context
+
+    if not lean_llama._packed_linear_ok():
+        pytest.skip("no oneDNN packed bf16 linear with autocast's numbers")
+    llama_kw, lora = FAST_VARIANTS["lora"]
+    policy, tok = load_policy(make_model_dir(tmp_path, "llama", seed=3, **llama_kw), lora=lora)
+    with torch.no_grad():                                    # a non-zero adapter (B starts at 0)
+        for n, p in policy.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(lean_llama, "_WM_BF16_OK", [False])
+    monkeypatch.setattr(lean_llama, "_PACK_OK_AT", {})
+    real_ok, real = products._pack_ok, lean_llama._stacked_linear
+    monkeypatch.setattr(products, "_pack_ok", lambda Wp, Wbs, bbs, rows: len(Wbs) < 4 and real_ok(Wp, Wbs, bbs, rows))
+    taken = []
+
+    def checked(mods, x):
+        outs = real(mods, x)
+        if outs is not None:
+            assert all(torch.equal(a, b) for a, b in zip(outs, [lean_llama.linear(m, x) for m in mods]))
+        taken.append(outs is not None)
+        return outs
+
+    monkeypatch.setattr(lean_llama, "_stacked_linear", checked)
+    plans, real_plan = [], products._stacked_plan
+    monkeypatch.setattr(products, "_stacked_plan", lambda *a: plans.append(real_plan(*a)) or plans[-1])
+
+    def sample(ctx):
+        with ctx(), torch.no_grad():
+            return sampling.generate(policy, [tok.encode("ab"), tok.encode("hello")], samples_per_prompt=3,
+                                     max_new_tokens=5, temperature=0.7, eos_id=tok.eos_id, pad_id=tok.pad_id,
+                                     generators=sampling.prompt_generators(2, 0, 2))
+
+    r1, r2 = sample(lambda: torch.autocast("cpu", dtype=torch.bfloat16)), sample(lambda: autocast_context(True, "cpu"))
+    assert torch.equal(r1.ids, r2.ids) and torch.equal(r1.logp, r2.logp)
+    assert any(taken) and plans and all(p is not None for p in plans)   # the bases' stacked pack served
+    assert not any(p[4] for p in plans)                                 # never one with the A factors
+
+
 def test_decode_plans_are_made_once_a_region_and_again_when_what_they_rest_on_changes(tmp_path, monkeypatch):
     """A no-gradient decode call of ``linear`` / ``_stacked_linear`` reads what a plan made at its
     first call in the region says (copies, packs, LoRA factors), served to later calls; an in-place
