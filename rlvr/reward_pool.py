@@ -3,7 +3,7 @@
 Why
 ---
 A reward is user code. In the trainer's own process a reward that hangs hangs the run, one that calls
-``os._exit`` or segfaults ends it without a word, and a slow one (50 ms) is paid once per response, one
+``os._exit`` or segfaults ends it without a word, and a slow one is paid once per response, one
 after the other. A :class:`RewardPool` runs the calls in ``workers`` long-lived child processes instead:
 
 * in parallel: a batch is cut into chunks (about ``CHUNKS_PER_WORKER`` per worker) handed to whichever

@@ -159,8 +159,8 @@ def encode_example(tok, example) -> list[int]:
 
 def encode_examples(tok, examples) -> list[list[int]]:
     """``encode_example`` of each example, in one batched call where the tokenizer has one
-    (``encode_prompts``: Hugging Face renders the chat templates and tokenizes them together, ~2.5x
-    faster than one call a prompt over the ~8,000 prompts of a task's train and held-out sets);
+    (``encode_prompts``: Hugging Face renders the chat templates and tokenizes them together,
+    faster than one call a prompt over a task's train and held-out sets; see docs/performance.md);
     the same ids either way."""
     prompts = [example_prompt(tok, ex) for ex in examples]
     batched = getattr(tok, "encode_prompts", None)
