@@ -424,7 +424,8 @@ def learn_part_seconds(setup: Setup) -> tuple[float, float, float, int]:
     The call's fixed cost (what each length bucket of a forward pays, train.length_buckets): one
     group timed at T // 4 response columns as well as at T (each the best of two), the line
     through the two at no columns (its prompt's share counted as positions, as the price counts
-    them); 0 where T < 8 or the line does not rise.
+    them), at most a one-column call beyond its positions (`_call_seconds`); 0 where T < 8 or the
+    line does not rise.
     With a learner group (distributed.learners > 1) on this machine: one rank's share of a
     minibatch at a learner actor's threads (rlvr.probes.learn_probe_share; this process's threads
     restored after); the ranks' gradient all-reduce is not timed.
