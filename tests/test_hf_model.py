@@ -1055,12 +1055,14 @@ def test_bf16_weight_copies_give_autocasts_numbers_bit_for_bit(fast_variant, mon
                 held = (scope.made("copy") | packs) & mine   # the head prepacked where oneDNN has it
                 wm_ok = lean_llama._weight_major_bf16_ok()
                 if not wm_ok:   # row-major decode: the LoRA factors run under autocast, but the A factors of
-                    # q/k/v and gate/up join their stacked pack where oneDNN's packed linear serves (a copy each)
+                    # q/k/v and gate/up join their stacked pack where oneDNN's packed linear serves (a copy each),
+                    # and their B factors' products then read a copy each
                     hf = policy._hf_model()
                     base = [m for n, m in hf.named_modules() if type(m) is torch.nn.Linear and ".lora_" not in n]
                     stacked = [m for layer in hf.model.layers for m in lean_llama._qkv_mods(layer.self_attn)
                                + (lean_llama._gate_up_mods(layer.mlp) if lean_llama._stock_mlp(layer.mlp) else ())]
-                    factors = [A.weight for m in stacked if hasattr(m, "lora_A") for A in m.lora_A.values()]
+                    factors = [f.weight for m in stacked if hasattr(m, "lora_A")
+                               for f in (*m.lora_A.values(), *m.lora_B.values())]
                     tensors = [t for m in base for t in (m.weight, m.bias) if t is not None]
                     tensors += factors if lean_llama._packed_linear_ok() else []
                     mine = {(id(t),) for t in tensors}

@@ -70,6 +70,9 @@ class LeanCache:
         """Plain layout, buffers allocated: the keys' buffers are (B, Hkv, D, cols) (class docstring)."""
         self.width = 0
         """Columns the current no-gradient call attends over (``attend_width``); 0: those filled."""
+        self._whole: list[tuple | None] = [None] * n_layers
+        """Per layer (keys' buffer, values' buffer, both whole as (B, Hkv, cols, D) views): made once
+        per buffer, not at every decode step (``append``)."""
 
     def attend_width(self, S: int) -> int:
         """Columns a no-gradient call that fills the first S columns attends over, the buffers grown
@@ -137,17 +140,31 @@ class LeanCache:
                     vb[:, :, :past] = self.v[li]
             elif self.keys_t and S > kb.size(3):   # a call that did not ask attend_width first
                 self.grow(min(self.max_len, S + CACHE_GROW))
-                vb = self._vbuf[li]
-            self.key_view(li, S)[:, :, past:].copy_(k)
+                kb, vb = self._kbuf[li], self._vbuf[li]
+            if self.keys_t:
+                kb[..., past:S].copy_(k.transpose(2, 3))
+            else:
+                kb[:, :, past:S] = k
             vb[:, :, past:S] = v
             self.k[li], self.v[li] = self.key_view(li, S), vb[:, :, :S]
             if not past:        # a first call (a prefill) attends with its keys as computed: the same
                 return k, self.v[li]   # values, in the layout SDPA reads without a copy
             if self.width >= S:         # attend_width: the buffers whole
+                if self.width == kb.size(3) == vb.size(2):
+                    return self._whole_views(li)
                 return self.key_view(li, self.width), vb[:, :, :self.width]
             return self.k[li], self.v[li]
         self.k[li], self.v[li] = k, v
         return k, v
+
+    def _whole_views(self, li: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``li``'s buffers whole, keys and values (B, Hkv, cols, D): the views made again only
+        where a buffer was replaced (grown, rows dropped), so a decode step makes none."""
+        kb, vb = self._kbuf[li], self._vbuf[li]
+        hit = self._whole[li]
+        if hit is None or hit[0] is not kb or hit[1] is not vb:
+            hit = self._whole[li] = (kb, vb, self.key_view(li, kb.size(3)), vb[:, :, :vb.size(2)])
+        return hit[2], hit[3]
 
     def _append_grouped(self, li: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Grouped layout: the G rows' L new columns of each prompt written after its n steps."""
