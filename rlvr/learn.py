@@ -424,8 +424,8 @@ def learn_part_seconds(setup: Setup) -> tuple[float, float, float, int]:
     The call's fixed cost (what each length bucket of a forward pays, train.length_buckets): one
     group timed at T // 4 response columns as well as at T (each the best of two), the line
     through the two at no columns (its prompt's share counted as positions, as the price counts
-    them), at most a one-column call beyond its positions (`_call_seconds`); 0 where T < 8 or the
-    line does not rise.
+    them), at most a one-column call beyond its positions, that call's excess alone where the line
+    is at or below 0 at none (`_call_seconds`); 0 where T < 8 or the line does not rise.
     With a learner group (distributed.learners > 1) on this machine: one rank's share of a
     minibatch at a learner actor's threads (rlvr.probes.learn_probe_share; this process's threads
     restored after); the ranks' gradient all-reduce is not timed.
@@ -475,11 +475,13 @@ def _call_seconds(setup: Setup, params: list, at_t: float) -> float:
     """The fixed seconds of a learn forward and backward call (`learn_part_seconds`): one group at
     the response bound T (`at_t` seconds) and at T // 4 columns, the line through them in the positions a
     row computes (its prompt's share, its columns; rlvr.costs counts a part's the same way) taken
-    at none; where that is above 0, at most what a call of one response column takes beyond its
-    positions on that line (a fixed cost is no more than its smallest call). The two widths are
-    timed a while apart, and a machine whose speed moves between them moves the line's value at
-    none by about four thirds of the move at T // 4 (docs/benchmarks.md has a run it misled); the
-    one-column call, timed next to the T // 4 one, bounds it."""
+    at none, at most what a call of one response column takes beyond its positions on that line (a
+    fixed cost is no more than its smallest call); where the line's value at none is 0 or less, that
+    one-column call's excess alone (the line then overstates the cost a position: a call costs
+    something whatever its positions). The two widths are timed a while apart, and a machine whose
+    speed moves between them moves the line's value at none by about four thirds of the move at
+    T // 4, either way (docs/benchmarks.md has runs it misled both ways); the one-column call,
+    timed next to the T // 4 one, bounds it and stands in for it."""
     T = setup.limits.max_new_tokens
     short = _part_timer(setup, params, T // 4)
     short(1)                                                         # warm-up at the new shape
@@ -490,12 +492,11 @@ def _call_seconds(setup: Setup, params: list, at_t: float) -> float:
     if at_t <= at_short:
         return 0.0
     per_pos = (at_t - at_short) / (long_pos - short_pos)
-    call = min(max(at_short - per_pos * short_pos, 0.0), at_short)
-    if call > 0:
-        tiny = _part_timer(setup, params, 1)
-        tiny(1)                                                      # warm-up at the new shape
-        call = min(call, max(min(tiny(1), tiny(1)) - per_pos * prompt, 0.0))
-    return call
+    line = at_short - per_pos * short_pos                            # the line at no positions
+    tiny = _part_timer(setup, params, 1)
+    tiny(1)                                                          # warm-up at the new shape
+    beyond = max(min(tiny(1), tiny(1)) - per_pos * prompt, 0.0)      # one column's call past its positions
+    return min(line if line > 0 else beyond, beyond, at_short)
 
 
 def _probe_batch(setup: Setup, groups: int, T: int) -> Batch:

@@ -359,6 +359,32 @@ def test_a_learn_calls_fixed_cost_is_at_most_its_one_column_call_beyond_its_posi
     assert call == pytest.approx(0.1 - 0.07 / 12 * p) and call < 0.33 - 0.07 / 12 * (p + 3)
 
 
+def test_a_learn_calls_fixed_cost_is_its_one_column_calls_excess_where_the_line_falls_below_none(monkeypatch):
+    """The same probe where the T // 4 width ran fast (or the T one slow): one group at T = 16 0.5
+    then 0.4 s, at 4 columns 0.06, 0.05 s, so the line's slope is 0.35 / 12 a position and its value
+    at none 0.05 - 0.35 / 12 (p + 3), below 0: not 0 (a call costs something whatever its positions)
+    but what a call of one column takes beyond its p positions on that line, here timed at
+    0.03 + 0.35 / 12 p (best of two): 0.03 s."""
+    import rlvr.learn
+    from test_autocast import tiny_setup
+
+    setup = tiny_setup("--sampling.max_new_tokens=16", "--train.prompts_per_step=1")
+    shapes = []
+    monkeypatch.setattr(rlvr.learn, "accumulate", lambda learner, b, *a, **kw: shapes.append(
+        tuple(b.groups.rollout.mask.shape)) or {})
+    G = setup.cfg.train.samples_per_prompt
+    shared = setup.cfg.model.share_prompt_forward and setup.model.differentiable_cache
+    p = setup.limits.prompt_tokens / G if shared else setup.limits.prompt_tokens
+    assert 0.05 - 0.35 / 12 * (p + 3) < 0                              # the line's value at none
+    tiny = 0.03 + 0.35 / 12 * p
+    ticks = iter([t for d in (9.0, 0.5, 0.4, 9.0, 0.06, 0.05, 9.0, tiny + 0.01, tiny, 0.03, 0.01, 0.02)
+                  for t in (0.0, d)])
+    monkeypatch.setattr(machine_mod.time, "perf_counter", lambda: next(ticks))
+    _, _, call, _ = learn_mod.learn_part_seconds(setup)
+    assert shapes == [(G, 16)] * 3 + [(G, 4)] * 3 + [(G, 1)] * 3
+    assert call == pytest.approx(0.03)
+
+
 def test_a_run_its_memory_refuses_is_not_probed_and_a_given_learn_time_reaches_the_price(monkeypatch):
     from test_autocast import tiny_setup
 
