@@ -1288,6 +1288,17 @@ def test_row_major_bf16_decode_reads_stacked_packs_with_autocasts_numbers(fast_v
             assert taken == (frozen_bases and ok[key])
 
 
+def _lora_policy(tmp_path):
+    """The "lora" fast variant's policy and tokenizer, its adapter made non-zero (B starts at 0)."""
+    llama_kw, lora = FAST_VARIANTS["lora"]
+    policy, tok = load_policy(make_model_dir(tmp_path, "llama", seed=3, **llama_kw), lora=lora)
+    with torch.no_grad():
+        for n, p in policy.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(0))
+    return policy, tok
+
+
 def test_row_major_bf16_decode_packs_the_bases_alone_where_the_factors_stacked_product_does_not_round_alike(
         tmp_path, monkeypatch):
     """Where ``_pack_ok`` says a stack of the frozen bases with the LoRA A factors does not give each
@@ -1301,12 +1312,7 @@ def test_row_major_bf16_decode_packs_the_bases_alone_where_the_factors_stacked_p
 
     if not lean_llama._packed_linear_ok():
         pytest.skip("no oneDNN packed bf16 linear with autocast's numbers")
-    llama_kw, lora = FAST_VARIANTS["lora"]
-    policy, tok = load_policy(make_model_dir(tmp_path, "llama", seed=3, **llama_kw), lora=lora)
-    with torch.no_grad():                                    # a non-zero adapter (B starts at 0)
-        for n, p in policy.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(0))
+    policy, tok = _lora_policy(tmp_path)
     monkeypatch.setattr(lean_llama, "_WM_BF16_OK", [False])
     monkeypatch.setattr(lean_llama, "_PACK_OK_AT", {})
     real_ok, real = products._pack_ok, lean_llama._stacked_linear
@@ -1344,12 +1350,7 @@ def test_decode_plans_are_made_once_a_region_and_again_when_what_they_rest_on_ch
     from rlvr.models import lean_llama
     from rlvr.numerics import autocast_context
 
-    llama_kw, lora = FAST_VARIANTS["lora"]
-    policy, _ = load_policy(make_model_dir(tmp_path, "llama", seed=3, **llama_kw), lora=lora)
-    with torch.no_grad():                                    # a non-zero adapter (B starts at 0)
-        for n, p in policy.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(0))
+    policy, _ = _lora_policy(tmp_path)
     assert policy.uses_fast_path
     hf = policy._hf_model()
     attn = hf.model.layers[0].self_attn

@@ -309,11 +309,12 @@ def test_a_larger_part_is_extrapolated_from_one_and_two_groups(monkeypatch):
     assert part == pytest.approx(0.65) and opt == pytest.approx(0.01)
 
 
-def test_a_learn_calls_fixed_cost_is_the_line_through_two_widths_at_none(monkeypatch):
-    """Clock readings scripted, a part of one group at T = 16 and at T // 4 = 4 columns: one group
-    at T 0.5 then 0.4 s (the part, its best), then at 4 columns a warm-up and 0.25, 0.2 s (best
-    0.2). A row's positions: its prompt's share p + T - 1 (15 + p) and p + 3; the line through
-    (p + 15, 0.4) and (p + 3, 0.2) at 0 positions: 0.2 - (0.2 / 12) (p + 3)."""
+def _call_probe(monkeypatch):
+    """(G, a row's prompt positions p, ``probe(durations)``) for the learn call's fixed cost at
+    T = 16 on one group: ``probe`` scripts the clock's readings (each call ``d`` seconds long),
+    runs ``learn_part_seconds`` with its forwards and backwards left out, checks it timed one group
+    at T, then at T // 4, then at one column (a warm-up and two timed calls each), and returns its
+    (part, optimizer step, call)."""
     import rlvr.learn
     from test_autocast import tiny_setup
 
@@ -325,13 +326,26 @@ def test_a_learn_calls_fixed_cost_is_the_line_through_two_widths_at_none(monkeyp
     G = setup.cfg.train.samples_per_prompt
     shared = setup.cfg.model.share_prompt_forward and setup.model.differentiable_cache
     p = setup.limits.prompt_tokens / G if shared else setup.limits.prompt_tokens
+
+    def probe(durations):
+        ticks = iter([t for d in durations for t in (0.0, d)])
+        monkeypatch.setattr(machine_mod.time, "perf_counter", lambda: next(ticks))
+        part, opt, call, _ = learn_mod.learn_part_seconds(setup)
+        assert shapes == [(G, 16)] * 3 + [(G, 4)] * 3 + [(G, 1)] * 3  # one group at T, then at T // 4, then 1
+        return part, opt, call
+    return G, p, probe
+
+
+def test_a_learn_calls_fixed_cost_is_the_line_through_two_widths_at_none(monkeypatch):
+    """Clock readings scripted, a part of one group at T = 16 and at T // 4 = 4 columns: one group
+    at T 0.5 then 0.4 s (the part, its best), then at 4 columns a warm-up and 0.25, 0.2 s (best
+    0.2). A row's positions: its prompt's share p + T - 1 (15 + p) and p + 3; the line through
+    (p + 15, 0.4) and (p + 3, 0.2) at 0 positions: 0.2 - (0.2 / 12) (p + 3)."""
+    _, p, probe = _call_probe(monkeypatch)
     assert 0.2 - 0.2 / 12 * (p + 3) > 0                              # the line's value at none is above 0
     # then one column (its positions: p): a warm-up, 0.19 and 0.18 s, above the line (0.18 - p / 60
     # is more than 0.15 - p / 60), so the line's value stands
-    ticks = iter([t for d in (9.0, 0.5, 0.4, 9.0, 0.25, 0.2, 9.0, 0.19, 0.18, 0.03, 0.01, 0.02) for t in (0.0, d)])
-    monkeypatch.setattr(machine_mod.time, "perf_counter", lambda: next(ticks))
-    part, opt, call, _ = learn_mod.learn_part_seconds(setup)
-    assert shapes == [(G, 16)] * 3 + [(G, 4)] * 3 + [(G, 1)] * 3  # one group at T, then at T // 4, then 1
+    part, opt, call = probe((9.0, 0.5, 0.4, 9.0, 0.25, 0.2, 9.0, 0.19, 0.18, 0.03, 0.01, 0.02))
     assert part == pytest.approx(0.4) and opt == pytest.approx(0.01)
     assert call == pytest.approx(0.2 - 0.2 / 12 * (p + 3))
 
@@ -342,20 +356,8 @@ def test_a_learn_calls_fixed_cost_is_at_most_its_one_column_call_beyond_its_posi
     a position and its value at none 0.33 - 0.07 / 12 (p + 3), far above what a call of one column
     takes: 0.12 then 0.1 s, of which its p positions take 0.07 / 12 p. The fixed cost is then
     0.1 - 0.07 / 12 p."""
-    import rlvr.learn
-    from test_autocast import tiny_setup
-
-    setup = tiny_setup("--sampling.max_new_tokens=16", "--train.prompts_per_step=1")
-    shapes = []
-    monkeypatch.setattr(rlvr.learn, "accumulate", lambda learner, b, *a, **kw: shapes.append(
-        tuple(b.groups.rollout.mask.shape)) or {})
-    ticks = iter([t for d in (9.0, 0.5, 0.4, 9.0, 0.35, 0.33, 9.0, 0.12, 0.1, 0.03, 0.01, 0.02) for t in (0.0, d)])
-    monkeypatch.setattr(machine_mod.time, "perf_counter", lambda: next(ticks))
-    _, _, call, _ = learn_mod.learn_part_seconds(setup)
-    G = setup.cfg.train.samples_per_prompt
-    shared = setup.cfg.model.share_prompt_forward and setup.model.differentiable_cache
-    p = setup.limits.prompt_tokens / G if shared else setup.limits.prompt_tokens
-    assert shapes == [(G, 16)] * 3 + [(G, 4)] * 3 + [(G, 1)] * 3
+    _, p, probe = _call_probe(monkeypatch)
+    _, _, call = probe((9.0, 0.5, 0.4, 9.0, 0.35, 0.33, 9.0, 0.12, 0.1, 0.03, 0.01, 0.02))
     assert call == pytest.approx(0.1 - 0.07 / 12 * p) and call < 0.33 - 0.07 / 12 * (p + 3)
 
 
@@ -365,23 +367,10 @@ def test_a_learn_calls_fixed_cost_is_its_one_column_calls_excess_where_the_line_
     at none 0.05 - 0.35 / 12 (p + 3), below 0: not 0 (a call costs something whatever its positions)
     but what a call of one column takes beyond its p positions on that line, here timed at
     0.03 + 0.35 / 12 p (best of two): 0.03 s."""
-    import rlvr.learn
-    from test_autocast import tiny_setup
-
-    setup = tiny_setup("--sampling.max_new_tokens=16", "--train.prompts_per_step=1")
-    shapes = []
-    monkeypatch.setattr(rlvr.learn, "accumulate", lambda learner, b, *a, **kw: shapes.append(
-        tuple(b.groups.rollout.mask.shape)) or {})
-    G = setup.cfg.train.samples_per_prompt
-    shared = setup.cfg.model.share_prompt_forward and setup.model.differentiable_cache
-    p = setup.limits.prompt_tokens / G if shared else setup.limits.prompt_tokens
+    _, p, probe = _call_probe(monkeypatch)
     assert 0.05 - 0.35 / 12 * (p + 3) < 0                              # the line's value at none
     tiny = 0.03 + 0.35 / 12 * p
-    ticks = iter([t for d in (9.0, 0.5, 0.4, 9.0, 0.06, 0.05, 9.0, tiny + 0.01, tiny, 0.03, 0.01, 0.02)
-                  for t in (0.0, d)])
-    monkeypatch.setattr(machine_mod.time, "perf_counter", lambda: next(ticks))
-    _, _, call, _ = learn_mod.learn_part_seconds(setup)
-    assert shapes == [(G, 16)] * 3 + [(G, 4)] * 3 + [(G, 1)] * 3
+    _, _, call = probe((9.0, 0.5, 0.4, 9.0, 0.06, 0.05, 9.0, tiny + 0.01, tiny, 0.03, 0.01, 0.02))
     assert call == pytest.approx(0.03)
 
 

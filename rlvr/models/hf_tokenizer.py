@@ -88,7 +88,7 @@ class HFTokenizer:
         return ids
 
     def _ids(self, text: str) -> list[int]:
-        # the Rust backend directly: transformers' own encode costs ~100 µs of Python per call
+        # the Rust backend directly: transformers' own encode adds Python work to every call
         backend = getattr(self.tok, "backend_tokenizer", None)
         if backend is not None:
             return backend.encode(text, add_special_tokens=False).ids
