@@ -29,7 +29,7 @@ sampling decodes one token at a time, so it is bound by memory bandwidth and per
 and a small model's products run far below the rate of the large square products measured.
 Expected wall time: the same with the decode positions (P * G * (T - 1) a batch: a decode step
 feeds the token drawn before it, and the last one drawn is never fed) replaced by T - 1 decode
-steps at a measured decode-step time of the run's own policy (rlvr.run.decode_step_seconds);
+steps at a measured decode-step time of the run's own policy (rlvr.probes.decode_step_seconds);
 with tool calls (rlvr.tools) each of the `tool_calls` continuation rounds adds P * G * T decode
 positions and T - 1 decode steps more (the most a round can take, as its FLOPs are priced). The
 learn stage, where measured (rlvr.learn.learn_part_seconds: one `train.micro_batches` part's training
@@ -113,7 +113,7 @@ class Price:
     wall_seconds_estimate: float = 0.0
     """flops_per_run / matmul_flops_per_s: a lower bound on the run's wall time; 0 = not measured."""
     decode_step_s: float = 0.0
-    """Measured seconds of one decode step of a batch's P x G rows (rlvr.run.decode_step_seconds), or with
+    """Measured seconds of one decode step of a batch's P x G rows (rlvr.probes.decode_step_seconds), or with
     rollout workers of the largest worker's share at a worker's threads (`decode_prompts`,
     `decode_threads`); 0 = not measured."""
     decode_prompts: int = 0

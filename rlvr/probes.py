@@ -6,6 +6,8 @@ rlvr.machine's harness.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from rlvr import config as config_mod, sampling
@@ -15,7 +17,12 @@ from rlvr.setup_types import Setup
 
 
 DECODE_PROBE_STEPS = 3
-"""Decode steps `decode_step_seconds` times (after a warm-up call) to price a run's sampling."""
+"""Decode steps `decode_step_seconds` times first (after a warm-up call) to price a run's sampling."""
+DECODE_PROBE_SECONDS = 2.0
+"""The least time the decode steps `decode_step_seconds` times should span, where the response bound
+allows: a first pair whose DECODE_PROBE_STEPS steps took less is timed again with as many steps as
+that takes at its rate. A shared CPU's speed can move by half between one second and the next, and
+a few steps' difference of two calls then measures the moment, not the step."""
 DECODE_PROBE_DEPTH = 128
 """The most columns past the prompt `decode_column_seconds` measures a decode step at (its prompt
 that much longer); a step's cost grows about linearly with the columns cached, so the slope
@@ -86,8 +93,10 @@ def decode_step_seconds(setup: Setup, prompts: int | None = None, depth: int = 0
     columns, ``LeanCache.repeat_interleave``; one prompt with P x G samples would not take that
     layout); a warm-up call (on a GPU with as many tokens as the timed one: it pays for its first
     kernel choices per cache length, which cost far more than a step; on a CPU 2 tokens), then b and b +
-    DECODE_PROBE_STEPS tokens timed, the difference over DECODE_PROBE_STEPS (the pair timed again,
-    each call's best kept, while the difference is not positive: DECODE_PROBE_RETRIES). b = 2 where
+    n tokens timed, the difference over n (the pair timed again, each call's best kept, while the
+    difference is not positive: DECODE_PROBE_RETRIES): n = DECODE_PROBE_STEPS, then, where those
+    steps spanned less than DECODE_PROBE_SECONDS, the pair again with the steps that span it at
+    that rate (at most T - b; ``probe_steps``), whose step time is the one returned. b = 2 where
     responses may have 3 tokens or more, else 1: a call of 2 tokens decodes one step, so both calls
     pay what a sampling call pays once for its decode steps (the capture of a graphed decode,
     model.cuda_graphs) and the difference is the steps alone. No gradient; the run's generators
@@ -127,14 +136,30 @@ def decode_step_seconds(setup: Setup, prompts: int | None = None, depth: int = 0
     was, was_threads = model.training, torch.get_num_threads()
     model.eval()
     torch.set_num_threads(threads)
-    try:
-        timed(base + n if device.type == "cuda" else 2)           # warm-up: allocation, kernel choice
+    def step_seconds(n: int) -> float:
         # a busy core can make the longer call the shorter (tiny models): the pair again
         one, more = ordered_pair(lambda: timed(base), lambda: timed(base + n), DECODE_PROBE_RETRIES)
+        return (more - one) / n if more > one else more / (base + n)
+
+    try:
+        timed(base + n if device.type == "cuda" else 2)           # warm-up: allocation, kernel choice
+        step = step_seconds(n)
+        more_steps = probe_steps(step, n, T - base)
+        if more_steps > n:
+            step = step_seconds(more_steps)
     finally:
         model.train(was)
         torch.set_num_threads(was_threads)
-    return (more - one) / n if more > one else more / (base + n)
+    return step
+
+
+def probe_steps(step_s: float, steps: int, most: int) -> int:
+    """Decode steps ``decode_step_seconds`` times in its second pair: as many as span
+    DECODE_PROBE_SECONDS at `step_s` seconds a step (its first pair's `steps` at the least), at most
+    `most` (the response bound's)."""
+    if step_s <= 0:
+        return steps
+    return max(steps, min(most, math.ceil(DECODE_PROBE_SECONDS / step_s)))
 
 
 def decode_column_seconds(setup: Setup, step_s: float) -> float:

@@ -1338,15 +1338,18 @@ def test_row_major_bf16_decode_packs_the_bases_alone_where_the_factors_stacked_p
 
     r1, r2 = sample(lambda: torch.autocast("cpu", dtype=torch.bfloat16)), sample(lambda: autocast_context(True, "cpu"))
     assert torch.equal(r1.ids, r2.ids) and torch.equal(r1.logp, r2.logp)
-    assert any(taken) and plans and all(p is not None for p in plans)   # the bases' stacked pack served
-    assert not any(p[4] for p in plans)                                 # never one with the A factors
+    assert any(taken) and plans and all(p is not None for p in plans)
+    served = [o for choice, _ in plans for o in choice.at.values()]
+    assert served and all(o is not None for o in served)                 # the bases' stacked pack served
+    assert not any(factored for _, (_, _, factored, _) in served)       # never one with the A factors
 
 
 def test_decode_plans_are_made_once_a_region_and_again_when_what_they_rest_on_changes(tmp_path, monkeypatch):
     """A no-gradient decode call of ``linear`` / ``_stacked_linear`` reads what a plan made at its
     first call in the region says (copies, packs, LoRA factors), served to later calls; an in-place
     change of a weight, the adapter disabled, a forward hook or train mode inside the
-    region makes it again, and every call gives what plain torch.autocast's module call gives."""
+    region makes it again (a call at another row count does not), and every call gives what plain
+    torch.autocast's module call gives."""
     from rlvr.models import lean_llama
     from rlvr.numerics import autocast_context
 
@@ -1370,6 +1373,9 @@ def test_decode_plans_are_made_once_a_region_and_again_when_what_they_rest_on_ch
         with autocast_context(True, "cpu"), torch.no_grad():
             got = lean_llama.linear(q, x)
             assert torch.equal(lean_llama.linear(q, x), got) and len(made) == 1          # served again
+            x2 = torch.randn(2, 1, q.in_features)              # fewer rows (rows that ended left the batch)
+            at2 = lean_llama.linear(q, x2)
+            assert len(made) == 1                                                        # the same plan
             checks = []
             W = q.base_layer.weight   # (a factor's bf16 cast is autocast's own, cached for the region)
             W.mul_(2.0)                                                                  # the weight changed
@@ -1394,6 +1400,8 @@ def test_decode_plans_are_made_once_a_region_and_again_when_what_they_rest_on_ch
         assert all(torch.equal(a, b) for a, b in zip(checks, want))
         W.mul_(0.5)
         assert torch.equal(got, plain())
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+            assert torch.equal(at2, q(x2))
     finally:
         hf.train(was)
 

@@ -403,7 +403,7 @@ def test_decode_step_is_measured_on_the_runs_policy_or_a_rollout_workers_share(m
     real = sampling.generate
     monkeypatch.setattr(sampling, "generate", lambda model, prompts, **kw: calls.append((prompts, kw)) or real(
         model, prompts, **kw))
-    setup = tiny_setup()
+    setup = tiny_setup("--sampling.max_new_tokens=8")
     setup.model.train()
     got = probes.decode_step_seconds(setup)
     assert got > 0 and setup.model.training                       # measured; the model's mode restored
@@ -412,7 +412,12 @@ def test_decode_step_is_measured_on_the_runs_policy_or_a_rollout_workers_share(m
     assert setup.limits.max_new_tokens >= 3                       # b = 2: both timed calls decode
     n = min(probes.DECODE_PROBE_STEPS, setup.limits.max_new_tokens - 2)
     tokens = [kw["budgets"][0] for _, kw in calls]
-    assert tokens[:3] == [2, 2, 2 + n] and tokens[3:] in ([], [2, 2 + n], [2, 2 + n] * 2)  # warm-up, 2, 2 + n; retries
+    # warm-up, then pairs (2, 2 + n) (retries repeat one): n = DECODE_PROBE_STEPS first, then all the
+    # response bound allows (a tiny model's steps span far less than DECODE_PROBE_SECONDS)
+    assert tokens[0] == 2 and len(tokens) % 2 == 1 and tokens[1::2] == [2] * (len(tokens) // 2)
+    steps = [t - 2 for t in tokens[2::2]]
+    more = setup.limits.max_new_tokens - 2
+    assert more > n and steps[0] == n and steps[-1] == more and set(steps) == {n, more} and len(steps) <= 6
     # each call's cache as long as the run's (its rows cut after the tokens timed): the run's layout
     assert all(kw["max_new_tokens"] == setup.limits.max_new_tokens and kw["reserve"] == 0
                and kw["budgets"] == [kw["budgets"][0]] * P for _, kw in calls)
@@ -464,6 +469,7 @@ def test_a_decode_probe_whose_longer_call_ran_shorter_times_the_pair_again(monke
     setup = tiny_setup("--sampling.max_new_tokens=8")
     monkeypatch.setattr(sampling, "generate", lambda *a, **kw: None)
     monkeypatch.setattr(probes, "DECODE_PROBE_STEPS", 3)
+    monkeypatch.setattr(probes, "DECODE_PROBE_SECONDS", 0.0)      # the first pair only
 
     def clock(durations):
         ticks = iter([t for d in durations for t in (0.0, d)])
@@ -478,6 +484,36 @@ def test_a_decode_probe_whose_longer_call_ran_shorter_times_the_pair_again(monke
     monkeypatch.setattr(sampling, "generate", lambda *a, **kw: calls.append(kw["budgets"][0]))
     clock([0.1, 0.2, 0.5])
     assert probes.decode_step_seconds(short) == pytest.approx(0.3) and calls == [2, 1, 2]
+
+
+def test_a_decode_probe_whose_steps_span_too_little_time_times_more_of_them(monkeypatch):
+    """Clock readings scripted, DECODE_PROBE_SECONDS = 1: the first pair, 2 tokens 0.3 s and 2 + 3
+    tokens 0.6 s, says 0.1 s a step, 0.3 s in all; the pair again with the 10 steps that span 1 s at
+    that rate, 0.3 s and 1.5 s: 0.12 s a step, the figure returned (not the first pair's). The
+    response bound caps the steps (T - 2); steps that already span the time are not timed again."""
+    from test_autocast import tiny_setup
+
+    calls = []
+    monkeypatch.setattr(sampling, "generate", lambda *a, **kw: calls.append(kw["budgets"][0]))
+    monkeypatch.setattr(probes, "DECODE_PROBE_STEPS", 3)
+    monkeypatch.setattr(probes, "DECODE_PROBE_SECONDS", 1.0)
+
+    def clock(durations):
+        ticks = iter([t for d in durations for t in (0.0, d)])
+        monkeypatch.setattr(machine_mod.time, "perf_counter", lambda: next(ticks))
+
+    clock([0.1, 0.3, 0.6, 0.3, 1.5])
+    assert probes.decode_step_seconds(tiny_setup("--sampling.max_new_tokens=64")) == pytest.approx(0.12)
+    assert calls == [2, 2, 5, 2, 12]
+    calls.clear()
+    clock([0.1, 0.3, 0.6, 0.3, 1.0])                     # 6 steps at most: (1.0 - 0.3) / 6
+    assert probes.decode_step_seconds(tiny_setup("--sampling.max_new_tokens=8")) == pytest.approx(0.7 / 6)
+    assert calls == [2, 2, 5, 2, 8]
+    calls.clear()
+    clock([0.1, 0.3, 1.5])                               # 3 steps of 0.4 s span 1.2 s: enough
+    assert probes.decode_step_seconds(tiny_setup("--sampling.max_new_tokens=64")) == pytest.approx(0.4)
+    assert calls == [2, 2, 5]
+    assert [probes.probe_steps(s, 3, 30) for s in (0.0, 0.5, 0.25, 0.3, 0.01)] == [3, 3, 4, 4, 30]
 
 
 def test_a_decode_steps_cost_per_cached_column_is_measured_after_a_longer_prompt(monkeypatch):

@@ -117,15 +117,16 @@ class _Bf16Weights:
         self.plans: dict[tuple, tuple] = {}
         """``decode_plan``'s entries."""
 
-    def decode_plan(self, mods: tuple[nn.Module, ...], rows: int, make):
-        """``make(self, mods, rows)``: what ``linear`` / ``_stacked_linear`` read for ``mods`` in a
-        no-gradient decode step (copies, packs, LoRA factors, or None: the module runs itself), made
-        at the first step of a region and served to its later steps while the modules are the same
+    def decode_plan(self, mods: tuple[nn.Module, ...], make):
+        """``make(self, mods)``: what ``linear`` / ``_stacked_linear`` read for ``mods`` in a
+        no-gradient decode step (copies, packs, LoRA factors, or None: the module runs itself; which
+        pack serves at a row count the plan says itself, ``products._Choice``), made at the first
+        step of a region and served to its later steps, at any row count, while the modules are the same
         objects, their weights unchanged (``_stamp``) and nothing else it rests on changed
         (``_plan_state``: hooks, requires_grad, a LoRA Linear's adapter state). Making it looks each
         copy and pack up again, several Python calls a weight, a noticeable share of a decode step
         if done at every step (see docs/performance.md)."""
-        key = (make, tuple(map(id, mods)), rows)
+        key = (make, tuple(map(id, mods)))
         hit = self.plans.get(key)
         if hit is not None:
             held, subs, tensors, stamp, state, made = hit
@@ -133,7 +134,7 @@ class _Bf16Weights:
                     and _plan_state(mods, subs, tensors) == state):
                 return made
         subs, tensors = _plan_parts(mods)
-        made = make(self, mods, rows)
+        made = make(self, mods)
         self.plans[key] = (mods, subs, tensors, _stamp(tensors), _plan_state(mods, subs, tensors), made)
         return made
 

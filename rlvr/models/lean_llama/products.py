@@ -24,14 +24,35 @@ def decode_reads_packs() -> bool:
     return _packed_linear_ok() and not _weight_major_bf16_ok()
 
 
-def _stacked_plan(scope: "_Bf16Weights", mods: tuple[nn.Module, ...], rows: int) -> tuple | None:
-    """(the stacked pack, its stacked bias or None, each output block's width, [(base weight, base
-    bias, [(A, B, scaling), ...]) per module], whether the LoRA A factors are in the pack, each
-    adapter's B as its bf16 copy transposed (r, N) where they are (else None), per module) that
-    ``_stacked_linear`` reads for ``mods`` at ``rows`` rows, or None where it does not serve (see
-    there). The A factors read the same input as the bases, so they join the stack (their products
-    the last blocks, in the adapters' order) where ``_pack_ok`` says that product rounds as each
-    factor's own; else the pack holds the bases alone."""
+class _Choice:
+    """The packs a decode plan may read for its modules, in order of preference, each with the
+    arguments ``_pack_ok`` compares its product by (``options``: (pack, what serves with it,
+    ``_pack_ok``'s weights and biases)), and which one serves at a row count: the first whose product
+    gives each weight's own bits there (``_pack_ok``; None where none does), remembered per row count
+    (``at``), so that a plan made once a region serves every row count its decode steps reach
+    without being made again (rows leave a sampling call's batch as they end)."""
+
+    __slots__ = ("options", "at")
+
+    def __init__(self, options: tuple[tuple, ...]):
+        self.options, self.at = options, {}
+
+    def __call__(self, rows: int) -> tuple | None:
+        """(pack, what serves with it) at ``rows`` rows, or None."""
+        got = self.at.get(rows, self)
+        if got is self:
+            got = self.at[rows] = next((o[:2] for o in self.options if _pack_ok(o[0], *o[2], rows)), None)
+        return got
+
+
+def _stacked_plan(scope: "_Bf16Weights", mods: tuple[nn.Module, ...]) -> tuple | None:
+    """(a ``_Choice`` of stacked packs, [(base weight, base bias, [(A, B, scaling), ...]) per
+    module]) that ``_stacked_linear`` reads for ``mods``, or None where it does not serve (see
+    there). Each option serves (its stacked bias or None, each output block's width, whether the
+    LoRA A factors are in the pack, each adapter's B as its bf16 copy transposed (r, N) where they
+    are (else None), per module). The A factors read the same input as the bases, so the stack with
+    them (their products the last blocks, in the adapters' order) is preferred where ``_pack_ok``
+    says that product rounds as each factor's own at the rows; else the pack of the bases alone."""
     plans = []
     for m in mods:
         plan = (m.weight, m.bias, []) if type(m) is nn.Linear and not _hooked(m) else _plain_lora(m, torch.float32)
@@ -40,12 +61,14 @@ def _stacked_plan(scope: "_Bf16Weights", mods: tuple[nn.Module, ...], rows: int)
         plans.append(plan)
     ws, bs = tuple(W for W, _, _ in plans), tuple(b for _, b, _ in plans)
     factors = tuple(A for _, _, adapters in plans for A, _, _ in adapters)
+    options = []
     for extra in ((factors, ()) if factors else ((),)):
-        packed = _stack_pack(scope, ws, bs, extra, rows)
+        packed = _stack_pack(scope, ws, bs, extra)
         if packed is not None:
+            Wp, bb, sizes, checked = packed
             bts = tuple(tuple(_copy_t(scope, B) if extra else None for _, B, _ in adapters) for _, _, adapters in plans)
-            return packed + (plans, bool(extra), bts)
-    return None
+            options.append((Wp, (bb, sizes, bool(extra), bts), checked))
+    return (_Choice(tuple(options)), plans) if options else None
 
 
 def _copy_t(scope: "_Bf16Weights", B: torch.Tensor) -> torch.Tensor | None:
@@ -55,20 +78,17 @@ def _copy_t(scope: "_Bf16Weights", B: torch.Tensor) -> torch.Tensor | None:
 
 
 def _stack_pack(scope: "_Bf16Weights", ws: tuple[torch.Tensor, ...], bs: tuple[torch.Tensor | None, ...],
-                factors: tuple[torch.Tensor, ...], rows: int) -> tuple | None:
-    """(pack, stacked bias or None, each block's width) of the base weights ``ws`` (biases ``bs``)
-    stacked with the bias-free ``factors``, where the pack's product on ``rows`` rows gives each
-    weight's own ``F.linear`` bits (``_pack_ok``); None elsewhere."""
+                factors: tuple[torch.Tensor, ...]) -> tuple | None:
+    """(pack, stacked bias or None, each block's width, (each weight's bf16 copy, each bias's or None):
+    what ``_pack_ok`` compares the pack's product with) of the base weights ``ws`` (biases ``bs``)
+    stacked with the bias-free ``factors``; None where no pack serves."""
     sizes = tuple(W.size(0) for W in ws + factors)
     biases = bs + (None,) * len(factors)
     Wp = scope.packed_stack_with(ws, factors, PACK_ROWS) if factors else scope.packed_stack(ws, PACK_ROWS)
     bb = scope.stacked_bias(biases, sizes) if any(b is not None for b in bs) else None
     if Wp is None or (bb is None and any(b is not None for b in bs)):
         return None
-    if not _pack_ok(Wp, tuple(map(scope.get, ws + factors)), tuple(None if b is None else scope.get(b) for b in biases),
-                    rows):
-        return None
-    return Wp, bb, sizes
+    return Wp, bb, sizes, (tuple(map(scope.get, ws + factors)), tuple(None if b is None else scope.get(b) for b in biases))
 
 
 def _stacked_linear(mods: tuple[nn.Module, ...], x: torch.Tensor) -> list[torch.Tensor] | None:
@@ -92,10 +112,12 @@ def _stacked_linear(mods: tuple[nn.Module, ...], x: torch.Tensor) -> list[torch.
     if (scope is None or torch.is_grad_enabled() or rows > HEAD_ROWS or not _cpu_bf16_autocast(x.device)
             or not decode_reads_packs()):
         return None
-    plan = scope.decode_plan(mods, rows, _stacked_plan)
-    if plan is None:
+    plan = scope.decode_plan(mods, _stacked_plan)
+    served = None if plan is None else plan[0](rows)
+    if served is None:
         return None
-    Wp, bb, sizes, plans, factored, bts = plan
+    Wp, (bb, sizes, factored, bts) = served
+    plans = plan[1]
     x2 = x.reshape(rows, x.size(-1))                                             # (rows, K)
     out = _packed_linear(x2.to(torch.bfloat16), Wp, bb)                          # (rows, sum of sizes)
     blocks = out.split(sizes, dim=1)
@@ -126,11 +148,11 @@ def _packed_head(head: nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
     return _packed_linear(x.to(torch.bfloat16), Wp, None)
 
 
-def _linear_plan(scope: "_Bf16Weights", mods: tuple[nn.Module], rows: int) -> tuple | None:
-    """(W's bf16 copy, its bias's or None, W's prepacked copy where a no-gradient call on ``rows`` rows
-    reads it, else None; the LoRA adapters [(A, B, scaling), ...]) that ``linear`` computes
-    ``mods[0]`` from, or None where the module runs itself (hooks, not a plain Linear or plain LoRA
-    Linear, a weight that needs a gradient here)."""
+def _linear_plan(scope: "_Bf16Weights", mods: tuple[nn.Module], pack: bool = True) -> tuple | None:
+    """(W's bf16 copy, its bias's or None, a ``_Choice`` of W's prepacked copy where ``pack`` (a
+    no-gradient decode call) and W is frozen, else None; the LoRA adapters [(A, B, scaling), ...])
+    that ``linear`` computes ``mods[0]`` from, or None where the module runs itself (hooks, not a
+    plain Linear or plain LoRA Linear, a weight that needs a gradient here)."""
     m = mods[0]
     if _hooked(m):
         return None
@@ -141,9 +163,8 @@ def _linear_plan(scope: "_Bf16Weights", mods: tuple[nn.Module], rows: int) -> tu
     Wb, bb = scope.get(W), None if b is None else scope.get(b)
     if Wb is None or (b is not None and bb is None):
         return None
-    Wp = (scope.packed(W, PACK_ROWS) if not W.requires_grad and not torch.is_grad_enabled() and rows <= HEAD_ROWS
-          else None)
-    return Wb, bb, Wp if Wp is not None and _pack_ok(Wp, (Wb,), (bb,), rows) else None, adapters
+    Wp = scope.packed(W, PACK_ROWS) if pack and not W.requires_grad and not torch.is_grad_enabled() else None
+    return Wb, bb, None if Wp is None else _Choice(((Wp, None, ((Wb,), (bb,))),)), adapters
 
 
 def linear(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -162,12 +183,14 @@ def linear(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
             or torch.get_autocast_dtype("cpu") != torch.bfloat16):
         return m(x)
     rows = x.numel() // x.size(-1)
-    plan = (scope.decode_plan((m,), rows, _linear_plan) if rows <= HEAD_ROWS and not torch.is_grad_enabled()
-            else _linear_plan(scope, (m,), rows))
+    decode = rows <= HEAD_ROWS and not torch.is_grad_enabled()
+    plan = scope.decode_plan((m,), _linear_plan) if decode else _linear_plan(scope, (m,), pack=False)
     if plan is None:
         return m(x)
-    Wb, bb, Wp, adapters = plan
+    Wb, bb, packs, adapters = plan
+    Wp = None if packs is None else packs(rows)
     if Wp is not None:
+        Wp = Wp[0]
         out = _packed_linear(x.reshape(rows, x.size(-1)).to(torch.bfloat16), Wp, bb).view(*x.shape[:-1], -1)
     else:
         out = F.linear(x.to(torch.bfloat16), Wb, bb)
