@@ -88,7 +88,8 @@ def _stack_pack(scope: "_Bf16Weights", ws: tuple[torch.Tensor, ...], bs: tuple[t
     bb = scope.stacked_bias(biases, sizes) if any(b is not None for b in bs) else None
     if Wp is None or (bb is None and any(b is not None for b in bs)):
         return None
-    return Wp, bb, sizes, (tuple(map(scope.get, ws + factors)), tuple(None if b is None else scope.get(b) for b in biases))
+    checked = tuple(map(scope.get, ws + factors)), tuple(None if b is None else scope.get(b) for b in biases)
+    return Wp, bb, sizes, checked
 
 
 def _stacked_linear(mods: tuple[nn.Module, ...], x: torch.Tensor) -> list[torch.Tensor] | None:
@@ -188,10 +189,9 @@ def linear(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if plan is None:
         return m(x)
     Wb, bb, packs, adapters = plan
-    Wp = None if packs is None else packs(rows)
-    if Wp is not None:
-        Wp = Wp[0]
-        out = _packed_linear(x.reshape(rows, x.size(-1)).to(torch.bfloat16), Wp, bb).view(*x.shape[:-1], -1)
+    served = None if packs is None else packs(rows)                  # (W's pack, None) where it serves
+    if served is not None:
+        out = _packed_linear(x.reshape(rows, x.size(-1)).to(torch.bfloat16), served[0], bb).view(*x.shape[:-1], -1)
     else:
         out = F.linear(x.to(torch.bfloat16), Wb, bb)
     for A, B, scaling in adapters:     # x cast again by autocast, as peft calls it: the same gradient sums
