@@ -426,8 +426,9 @@ class TrainConfig:
     """Time one decode step (and, with sampling.expected_response_tokens, one of a quarter of the
     prompts) and one learn part (forward, backward, an optimizer step) on the run's own
     policy before it starts, for the price's expected wall time (rlvr.probes.decode_step_seconds,
-    rlvr.learn.learn_part_seconds; a few seconds on a 135M model, more on larger ones, also in `rlvr
-    price`); false = skip both: the price gives only its FLOP lower bound. Changes no update."""
+    rlvr.learn.learn_part_seconds; each decode timing spans rlvr.probes.DECODE_PROBE_SECONDS of steps
+    where the response bound allows, so seconds to tens of seconds, also in `rlvr price`); false =
+    skip both: the price gives only its FLOP lower bound. Changes no update."""
 
 
 @dataclass
