@@ -21,8 +21,8 @@ DECODE_PROBE_STEPS = 3
 DECODE_PROBE_SECONDS = 2.0
 """The least time the decode steps `decode_step_seconds` times should span, where the response bound
 allows: a first pair whose DECODE_PROBE_STEPS steps took less is timed again with as many steps as
-that takes at its rate. A shared CPU's speed can move by half between one second and the next, and
-a few steps' difference of two calls then measures the moment, not the step."""
+that takes at its rate. A shared CPU's speed can move from one second to the next, and a few
+steps' difference of two calls then measures the moment, not the step."""
 DECODE_PROBE_DEPTH = 128
 """The most columns past the prompt `decode_column_seconds` measures a decode step at (its prompt
 that much longer); a step's cost grows about linearly with the columns cached, so the slope
@@ -91,8 +91,9 @@ def decode_step_seconds(setup: Setup, prompts: int | None = None, depth: int = 0
     forward, the tempered log-softmax and the draw) under the run's numerics. P copies of one
     prompt, G samples each: the cache layout of a real step (on the CPU a prompt's G rows share its
     columns, ``LeanCache.repeat_interleave``; one prompt with P x G samples would not take that
-    layout); a warm-up call (on a GPU with as many tokens as the timed one: it pays for its first
-    kernel choices per cache length, which cost far more than a step; on a CPU 2 tokens), then b and b +
+    layout); a warm-up call (on a GPU before each pair, with as many tokens as its longer call: it
+    pays for its first kernel choices per cache length, which cost far more than a step; on a CPU 2
+    tokens, once), then b and b +
     n tokens timed, the difference over n (the pair timed again, each call's best kept, while the
     difference is not positive: DECODE_PROBE_RETRIES): n = DECODE_PROBE_STEPS, then, where those
     steps spanned less than DECODE_PROBE_SECONDS, the pair again with the steps that span it at
@@ -133,20 +134,23 @@ def decode_step_seconds(setup: Setup, prompts: int | None = None, depth: int = 0
     def timed(tokens: int) -> float:
         return time_calls(lambda: generate(tokens), device)
 
-    was, was_threads = model.training, torch.get_num_threads()
-    model.eval()
-    torch.set_num_threads(threads)
-    def step_seconds(n: int) -> float:
+    def step_seconds(n: int, first: bool) -> float:
+        # warm-up (allocation, kernel choice): on a GPU before each pair, as long as its longer call
+        # (first kernel choices per cache length); on a CPU 2 tokens, once
+        if device.type == "cuda" or first:
+            timed(base + n if device.type == "cuda" else 2)
         # a busy core can make the longer call the shorter (tiny models): the pair again
         one, more = ordered_pair(lambda: timed(base), lambda: timed(base + n), DECODE_PROBE_RETRIES)
         return (more - one) / n if more > one else more / (base + n)
 
+    was, was_threads = model.training, torch.get_num_threads()
+    model.eval()
+    torch.set_num_threads(threads)
     try:
-        timed(base + n if device.type == "cuda" else 2)           # warm-up: allocation, kernel choice
-        step = step_seconds(n)
+        step = step_seconds(n, first=True)
         more_steps = probe_steps(step, n, T - base)
         if more_steps > n:
-            step = step_seconds(more_steps)
+            step = step_seconds(more_steps, first=False)
     finally:
         model.train(was)
         torch.set_num_threads(was_threads)

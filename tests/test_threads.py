@@ -514,6 +514,16 @@ def test_a_decode_probe_whose_steps_span_too_little_time_times_more_of_them(monk
     assert probes.decode_step_seconds(tiny_setup("--sampling.max_new_tokens=64")) == pytest.approx(0.4)
     assert calls == [2, 2, 5]
     assert [probes.probe_steps(s, 3, 30) for s in (0.0, 0.5, 0.25, 0.3, 0.01)] == [3, 3, 4, 4, 30]
+    # on a GPU each pair has its own warm-up as long as its longer call (first kernel choices per
+    # cache length); the device faked, its synchronisation a no-op
+    gpu = tiny_setup("--sampling.max_new_tokens=64")
+    monkeypatch.setattr(gpu, "device", torch.device("cuda"))
+    monkeypatch.setattr(sampling, "prompt_generators", lambda *a, **kw: None)
+    monkeypatch.setattr(machine_mod, "device_sync", lambda device: lambda: None)
+    calls.clear()
+    clock([0.1, 0.3, 0.6, 0.1, 0.3, 1.5])
+    assert probes.decode_step_seconds(gpu) == pytest.approx(0.12)
+    assert calls == [5, 2, 5, 12, 2, 12]
 
 
 def test_a_decode_steps_cost_per_cached_column_is_measured_after_a_longer_prompt(monkeypatch):
