@@ -126,6 +126,20 @@ def standard_error(p0: float, p1: float, prompts: int) -> float:
     return math.sqrt((p0 * (1 - p0) + p1 * (1 - p1)) / prompts)
 
 
+def paired_standard_error(hits0: list[int], hits1: list[int]) -> float:
+    """The standard error of the difference between two accuracies measured on the same prompts,
+    ``hits0`` and ``hits1`` each prompt's 1 or 0 in the same order: the sample standard deviation of
+    the per-prompt differences d = hits1 - hits0 over sqrt(n), sqrt(sum (d - mean d)^2 / ((n - 1) n)).
+    Two models (or one model before and after training) tend to get the same prompts right, so this
+    is smaller than ``standard_error``, which takes the two accuracies as independent."""
+    n = len(hits0)
+    if n != len(hits1) or n < 2:
+        raise ValueError(f"paired hits need the same prompts, at least 2: got {n} and {len(hits1)}")
+    d = [b - a for a, b in zip(hits0, hits1)]
+    mean = sum(d) / n
+    return math.sqrt(sum((x - mean) ** 2 for x in d) / ((n - 1) * n))
+
+
 def targets(profile: list[dict], step_s: dict, curves: dict, prompts: int | None = None) -> list[str]:
     """One line per target, "held" or "missed" with the figures: the step ratio (``step_s``: median
     seconds of "rlvr" and "trl"), rlvr's gain from step 0 to its last evaluation, whether its last
@@ -133,13 +147,29 @@ def targets(profile: list[dict], step_s: dict, curves: dict, prompts: int | None
     training times; the line also says whether it is above at every evaluation), and every phase of
     ``profile`` (its ``x_bound``; not the ``PARTS`` rows) against its bound. With the evaluation's
     ``prompts`` the two accuracy lines also say how many standard errors (``standard_error``) their
-    differences are, and the gain's target is ``GAIN_STANDARD_ERRORS`` of them where that is set."""
+    differences are, and the gain's target is ``GAIN_STANDARD_ERRORS`` of them where that is set.
+    Where ``curves`` also holds ``"hits"`` (each library's per-prompt hits at each of its evaluations,
+    the same prompts in the same order), those standard errors are the paired ones
+    (``paired_standard_error``)."""
+    hits = curves.get("hits") or {}
+
     def verdict(ok: bool) -> str:
         return "held  " if ok else "missed"
 
-    def noise(p0: float, p1: float) -> str:
-        se = standard_error(p0, p1, prompts) if prompts else 0.0
-        return f", {(p1 - p0) / se:.1f} standard errors of the difference at {prompts} prompts" if se > 0 else ""
+    def se_of(p0: float, p1: float, h0, h1) -> float:
+        if h0 is not None and h1 is not None:
+            return paired_standard_error(h0, h1)
+        return standard_error(p0, p1, prompts) if prompts else 0.0
+
+    def noise(p0: float, p1: float, h0=None, h1=None) -> str:
+        se = se_of(p0, p1, h0, h1)
+        paired = "paired " if h0 is not None and h1 is not None else ""
+        return (f", {(p1 - p0) / se:.1f} standard errors of the {paired}difference at {prompts} prompts" if se > 0
+                else "")
+
+    def at(lib: str, i: int):
+        got = hits.get(lib)
+        return got[i] if got else None
 
     ratio = step_s["trl"] / step_s["rlvr"]
     lines = [f"{verdict(ratio >= TARGET_STEP_RATIO)} step rate: TRL / rlvr = {ratio:.2f} (target >= {TARGET_STEP_RATIO:g})"]
@@ -148,14 +178,16 @@ def targets(profile: list[dict], step_s: dict, curves: dict, prompts: int | None
     gain = p1 - p0
     need, why = TARGET_GAIN, f"{TARGET_GAIN * 100:+.0f}"
     if GAIN_STANDARD_ERRORS is not None and prompts:
-        need = GAIN_STANDARD_ERRORS * standard_error(p0, p1, prompts)
+        need = GAIN_STANDARD_ERRORS * se_of(p0, p1, at("rlvr", 0), at("rlvr", -1))
         why = f"{need * 100:+.1f}, {GAIN_STANDARD_ERRORS:g} standard errors"
     lines.append(f"{verdict(gain >= need - 1e-9)} held-out gain: {p0:.3f} at step 0 -> {p1:.3f} "
-                 f"after {mine[-1][0]:.0f} s ({gain * 100:+.1f} points{noise(p0, p1)}; target >= {why})")
+                 f"after {mine[-1][0]:.0f} s ({gain * 100:+.1f} points{noise(p0, p1, at('rlvr', 0), at('rlvr', -1))}; "
+                 f"target >= {why})")
     later = list(zip(mine[1:], theirs[1:]))
     below = [f"{a[0]:.0f} s: {a[2]:.3f} vs {b[2]:.3f}" for a, b in later if not a[2] > b[2]]
     last = (f"{p1:.3f} after {mine[-1][0]:.0f} s against TRL's {theirs[-1][2]:.3f} after {theirs[-1][0]:.0f} s"
-            + (f" ({(p1 - theirs[-1][2]) * 100:+.1f} points{noise(theirs[-1][2], p1)})" if prompts else ""))
+            + (f" ({(p1 - theirs[-1][2]) * 100:+.1f} points{noise(theirs[-1][2], p1, at('trl', -1), at('rlvr', -1))})"
+               if prompts else ""))
     lines.append(f"{verdict(p1 > theirs[-1][2])} above TRL at the last evaluation: {last}; "
                  + (f"not at every evaluation ({'; '.join(below)})" if below else
                     f"above at each of the {len(later)} evaluations after step 0"))
@@ -227,13 +259,19 @@ def rlvr_config(mdir: Path, steps: int, eval_prompts: int, threads: int, numeric
     ])
 
 
-def heldout_accuracy(policy, setup, prompts: int) -> float:
-    """Greedy exact-answer accuracy on the first `prompts` held-out prompts (rlvr.evaluate)."""
+def heldout_hits(policy, setup, prompts: int) -> list[int]:
+    """Greedy exact-answer hits (1 or 0) on the first `prompts` held-out prompts, in order (rlvr.evaluate)."""
     from rlvr.evaluate import evaluate
 
     res = evaluate(policy, setup.tokenizer, setup.task, reward_weights=setup.reward_weights, limits=setup.limits,
-                   prompts=prompts, batch_size=prompts, pass_k=0)
-    return res["goal"]
+                   prompts=prompts, batch_size=prompts, pass_k=0, hits=True)
+    return res["hits"]
+
+
+def heldout_accuracy(policy, setup, prompts: int) -> float:
+    """Greedy exact-answer accuracy on the first `prompts` held-out prompts (``heldout_hits``' mean)."""
+    got = heldout_hits(policy, setup, prompts)
+    return sum(got) / len(got)
 
 
 # ----------------------------------------------------------------------------- rlvr
@@ -265,6 +303,9 @@ class RlvrRun:
 
     def accuracy(self, prompts: int) -> float:
         return heldout_accuracy(self.state.policy, self.setup, prompts)
+
+    def hits(self, prompts: int) -> list[int]:
+        return heldout_hits(self.state.policy, self.setup, prompts)
 
 
 # ----------------------------------------------------------------------------- TRL
@@ -358,14 +399,20 @@ class TrlRun:
         return times
 
 
-def trl_accuracy(model, setup, prompts: int) -> float:
-    """The same evaluator on TRL's live (peft) model, wrapped in rlvr's policy surface."""
+def trl_hits(model, setup, prompts: int) -> list[int]:
+    """The same evaluator (``heldout_hits``) on TRL's live (peft) model, wrapped in rlvr's policy surface."""
     from rlvr.models.hf_policy import HFPolicy
 
     was = model.training
-    acc = heldout_accuracy(HFPolicy(model), setup, prompts)
+    got = heldout_hits(HFPolicy(model), setup, prompts)
     model.train(was)
-    return acc
+    return got
+
+
+def trl_accuracy(model, setup, prompts: int) -> float:
+    """``trl_hits``' mean."""
+    got = trl_hits(model, setup, prompts)
+    return sum(got) / len(got)
 
 
 # ----------------------------------------------------------------------------- phase profile
@@ -571,8 +618,14 @@ def step_times(mdir: Path, a, setup) -> dict:
 def accuracy_curves(mdir: Path, a, setup) -> dict:
     budget = a.minutes * 60
     marks = [0.0] + [m * 60 for m in frange(a.eval_every, a.minutes)]
-    curves: dict[str, list[tuple[float, int, float]]] = {"rlvr": [], "trl": []}
+    curves: dict[str, list] = {"rlvr": [], "trl": [], "hits": {"rlvr": [], "trl": []}}
     max_steps = a.curve_steps or 10**6
+
+    def point(run: RlvrRun, spent_s: float, n: int) -> None:
+        got = run.hits(a.eval_prompts)
+        curves["hits"]["rlvr"].append(got)
+        curves["rlvr"].append((spent_s, n, sum(got) / len(got)))
+        print(f"  rlvr: {spent_s:7.1f} s, {n:3d} steps, held-out {curves['rlvr'][-1][2]:.3f}", flush=True)
 
     gc.collect()
     r = RlvrRun(mdir, max_steps, a.eval_prompts, a.threads, a.numerics, a.compile == "on")
@@ -582,8 +635,7 @@ def accuracy_curves(mdir: Path, a, setup) -> dict:
         if pending and spent >= pending[0]:              # one evaluation, however many marks a step crossed
             while pending and spent >= pending[0]:
                 pending.pop(0)
-            curves["rlvr"].append((spent, steps, r.accuracy(a.eval_prompts)))
-            print(f"  rlvr: {spent:7.1f} s, {steps:3d} steps, held-out {curves['rlvr'][-1][2]:.3f}", flush=True)
+            point(r, spent, steps)
         if spent >= budget or steps >= max_steps:
             break
         took = r.step()
@@ -591,13 +643,14 @@ def accuracy_curves(mdir: Path, a, setup) -> dict:
         spent += took
         steps += 1
     if not curves["rlvr"] or curves["rlvr"][-1][1] != steps:
-        curves["rlvr"].append((spent, steps, r.accuracy(a.eval_prompts)))
-        print(f"  rlvr: {spent:7.1f} s, {steps:3d} steps, held-out {curves['rlvr'][-1][2]:.3f}", flush=True)
+        point(r, spent, steps)
     del r
     gc.collect()
 
     def on_eval(spent_s, n, model):
-        curves["trl"].append((spent_s, n, trl_accuracy(model, setup, a.eval_prompts)))
+        got = trl_hits(model, setup, a.eval_prompts)
+        curves["hits"]["trl"].append(got)
+        curves["trl"].append((spent_s, n, sum(got) / len(got)))
         print(f"  trl:  {spent_s:7.1f} s, {n:3d} steps, held-out {curves['trl'][-1][2]:.3f}", flush=True)
 
     trl_steps = TrlRun(mdir, setup, max_steps, a.threads, a.numerics).run(budget, marks, on_eval)
@@ -704,6 +757,11 @@ def main(argv: list[str] | None = None) -> int:
     curves = accuracy_curves(mdir, a, setup)
     for lib in ("rlvr", "trl"):
         print(f"  {lib:<5}" + "  ".join(f"{t:6.0f}s/{n}st: {acc:.3f}" for t, n, acc in curves[lib]))
+    last = {lib: v[-1] for lib, v in curves["hits"].items() if v}
+    if len(last) == 2:
+        pairs = list(zip(last["rlvr"], last["trl"]))
+        print(f"  the last evaluations prompt by prompt: rlvr alone right on {pairs.count((1, 0))}, TRL alone on "
+              f"{pairs.count((0, 1))}, both on {pairs.count((1, 1))} of {len(pairs)}", flush=True)
     during = {lib: statistics.median(v[1:] or v) for lib, v in curves["step_s"].items() if v}
     if len(during) == 2:
         print(f"  median step during the curves (first step of each dropped): rlvr {during['rlvr']:.2f} s, "

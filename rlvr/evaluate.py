@@ -31,13 +31,17 @@ NO_VALUE = "(none)"
 def evaluate(model: Policy, tok: Tokenizer, task: Task, *, reward_weights: dict[str, float], limits: Limits,
              prompts: int = 0, batch_size: int = 1000, pass_k: int = 0, pass_k_prompts: int = 200,
              temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, pool=None,
-             autocast=contextlib.nullcontext, top_k: int = 0, min_p: float = 0.0, group_by: str = "") -> dict:
+             autocast=contextlib.nullcontext, top_k: int = 0, min_p: float = 0.0, group_by: str = "",
+             hits: bool = False) -> dict:
     """Goal and reward of greedy responses on held-out prompts, plus pass@k when asked.
 
     ``pool``: a :class:`rlvr.reward_pool.RewardPool` holding this task scores the responses in its
     workers (time- and memory-limited, in parallel); None scores in this process. ``autocast()``: the
     context the sampling forwards run in (a training run's numerics, rlvr.numerics.Numerics.context).
-    ``group_by``: also the goal per value of that meta key (`goal_by_groups`)."""
+    ``group_by``: also the goal per value of that meta key (`goal_by_groups`). ``hits``: also each
+    prompt's greedy hit, 1 or 0 in the held-out order (``"hits"``), so that two models evaluated on
+    the same prompts can be compared prompt by prompt (a paired difference, whose noise is smaller
+    than two independent accuracies' where the models tend to get the same prompts right)."""
     was_training = model.training
     model.eval()
     examples = list(task.heldout[:prompts] if prompts else task.heldout)
@@ -53,6 +57,8 @@ def evaluate(model: Policy, tok: Tokenizer, task: Task, *, reward_weights: dict[
         "reward_failures": greedy.reward_failures,
         "goal_failures": greedy.goal_failures,
     }
+    if hits:
+        res["hits"] = [int(bool(h)) for h in greedy.hits.view(-1).tolist()]
     if group_by:
         res.update(goal_by_groups(examples, greedy.hits.view(-1).tolist(), group_by))
     if greedy.tools is not None:  # how the greedy responses used the task's tool (rlvr.tools)

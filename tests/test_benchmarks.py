@@ -4,9 +4,12 @@ the suite (they are run by hand, see benchmarks/README.md); this catches a scrip
 file that moved."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted((ROOT / "benchmarks").glob("*.py"))
@@ -134,3 +137,35 @@ def test_the_chain_of_thought_comparison_sets_its_gain_against_the_evaluations_n
     # 0.095 -> 0.150 at 200 prompts: 5.5 points, under two standard errors (2 x 0.0326 = 6.5 points)
     curves["rlvr"][-1] = (604.0, 17, 0.150)
     assert rm.targets([], {"rlvr": 1.0, "trl": 6.0}, curves, 200)[1].startswith("missed held-out gain")
+
+
+def test_the_comparisons_noise_is_paired_where_each_prompts_hits_are_kept(monkeypatch):
+    """With each evaluation's per-prompt hits (the same prompts for both libraries, in order), the
+    held-out lines count standard errors of the paired difference: sd(d) / sqrt(n) over the
+    per-prompt differences d. By hand, 10 prompts: rlvr's step 0 hits 0.2 and last 0.5 with d = 1 on
+    three prompts and 0 on seven, mean 0.3, sum of squared deviations 3 x 0.49 + 7 x 0.09 = 2.1,
+    se = sqrt(2.1 / 9 / 10) = 0.1528: 2.0 of them (1.5 taken as independent), short of the target of
+    2 x 0.1528 = 30.6 points; against TRL's 0.3, d = 1 on two prompts: mean 0.2, 2 x 0.64 + 8 x 0.04 =
+    1.6, se = sqrt(1.6 / 9 / 10) = 0.1333, 1.5 of them."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("real_model", ROOT / "benchmarks" / "real_model.py")
+    rm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rm)
+    monkeypatch.setattr(rm, "GAIN_STANDARD_ERRORS", 2.0)
+    h0 = [0, 0, 0, 0, 0, 0, 0, 0, 1, 1]
+    h1 = [1, 1, 1, 0, 0, 0, 0, 0, 1, 1]
+    t1 = [1, 0, 0, 0, 0, 0, 0, 0, 1, 1]
+    assert rm.paired_standard_error(h0, h1) == pytest.approx(math.sqrt(2.1 / 9 / 10))
+    assert rm.paired_standard_error(t1, h1) == pytest.approx(math.sqrt(1.6 / 9 / 10))
+    assert rm.paired_standard_error(h1, h1) == 0.0
+    with pytest.raises(ValueError, match="same prompts"):
+        rm.paired_standard_error(h0, h1[:-1])
+    curves = {"rlvr": [(0.0, 0, 0.2), (600.0, 20, 0.5)], "trl": [(0.0, 0, 0.2), (610.0, 6, 0.3)],
+              "hits": {"rlvr": [h0, h1], "trl": [h0, t1]}}
+    got = rm.targets([], {"rlvr": 1.0, "trl": 6.0}, curves, 10)
+    assert got[1] == ("missed held-out gain: 0.200 at step 0 -> 0.500 after 600 s (+30.0 points, 2.0 standard errors "
+                      "of the paired difference at 10 prompts; target >= +30.6, 2 standard errors)")
+    assert got[2].startswith("held   above TRL at the last evaluation: 0.500 after 600 s against TRL's 0.300 after "
+                             "610 s (+20.0 points, 1.5 standard errors of the paired difference at 10 prompts)")
+    del curves["hits"]                                             # the same figures taken as independent
+    assert "1.5 standard errors of the difference at 10 prompts" in rm.targets([], {"rlvr": 1.0, "trl": 6.0}, curves, 10)[1]

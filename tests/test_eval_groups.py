@@ -61,3 +61,28 @@ def test_a_key_no_held_out_example_has_is_refused_before_any_compute():
                                  "--task.reward=correct", "--eval.group_by=level"])
     with pytest.raises(setup_types.RunError, match="eval.group_by = 'level'.*their keys: a, b, expr, messages, op, operands, ops\\)"):
         build_mod.build(cfg, log=lambda *a: None)
+
+
+def test_evaluate_returns_each_prompts_hit_in_held_out_order_when_asked(monkeypatch):
+    """evaluate(hits=True): the greedy hit of every prompt, 1 or 0 in the held-out order (a paired
+    comparison of two models reads them prompt by prompt); not there unless asked."""
+    import torch
+
+    from rlvr import evaluate as evaluate_mod
+
+    examples = [ex(op="+") for _ in range(5)]
+    task = SimpleNamespace(heldout=examples)
+    seen = []
+
+    def fake_sample_and_score(policy, tok, task_, chosen, **kw):
+        seen.append(chosen)
+        return SimpleNamespace(hits=torch.tensor([[True], [False], [True], [True], [False]]), totals=[1.0, 0.0, 1.0, 1.0, 0.0],
+                               reward_failures=0, goal_failures=0, tools=None)
+
+    monkeypatch.setattr(evaluate_mod, "sample_and_score", fake_sample_and_score)
+    model = torch.nn.Linear(1, 1)
+    kw = dict(reward_weights={"correct": 1.0}, limits=None, prompts=5)
+    res = evaluate_mod.evaluate(model, None, task, hits=True, **kw)
+    assert seen[0] == examples
+    assert res["hits"] == [1, 0, 1, 1, 0] and res["goal"] == pytest.approx(3 / 5)
+    assert "hits" not in evaluate_mod.evaluate(model, None, task, **kw)
