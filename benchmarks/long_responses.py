@@ -42,7 +42,9 @@ rlvr with ``--micro-batches`` and length buckets, TRL with as many gradient-accu
 library's fastest on a CPU with bf16 units). Then this length's targets, held or missed
 (``TARGET_STEP_RATIO``, ``GAIN_STANDARD_ERRORS``): TRL's step time at least 6x rlvr's, rlvr's held-out
 gain over its step 0 beyond two standard errors of that difference at ``--eval-prompts``, above TRL
-at the last evaluation (how many standard errors said), every phase within 2x its bound. E.g.
+at the last evaluation (how many standard errors said), every phase within 2x its bound. Both
+libraries are evaluated on the same prompts, so those standard errors are of the paired
+difference, prompt by prompt (real_model.py's ``paired_standard_error``). E.g.
 
     python benchmarks/long_responses.py --vs-trl --minutes 10 --max-new 256
 
