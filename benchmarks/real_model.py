@@ -114,7 +114,8 @@ TARGET_STEP_RATIO, TARGET_GAIN, TARGET_X_BOUND = 4.0, 0.40, 2.0
 GAIN_STANDARD_ERRORS: float | None = None
 """Where set (benchmarks/long_responses.py: 2), the held-out gain's target is this many standard errors
 of the difference between rlvr's step-0 and last evaluations at the evaluation's prompt count
-(``standard_error``) instead of ``TARGET_GAIN``: a gain beyond the evaluation's noise."""
+(``paired_standard_error`` over the same prompts where the curves keep each prompt's hits, else
+``standard_error``) instead of ``TARGET_GAIN``: a gain beyond the evaluation's noise."""
 PARTS = ("decode products",)
 """Profile rows that time a part of a phase (decode's products alone), not a phase of the step."""
 
