@@ -204,7 +204,7 @@ def vs_trl(a) -> int:
     return real_model.main(["--minutes", str(a.minutes), "--eval-every", str(a.eval_every), "--eval-prompts",
                             str(a.eval_prompts), "--numerics", a.numerics, "--threads", str(a.threads or 2),
                             "--compile", "off", "--blocks", str(a.blocks), "--block-steps", str(a.block_steps),
-                            "--warmup", str(a.warmup), "--profile-reps", str(a.profile_reps),
+                            "--warmup", str(a.warmup), "--profile-reps", str(a.profile_reps), "--seed", str(a.seed),
                             *(["--json", a.json] if a.json else []), *(["--quick"] if a.quick else []),
                             *(["--profile-only"] if a.profile_only else [])])
 
@@ -232,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-steps", type=int, default=3, help="--vs-trl: steps a round, each library")
     ap.add_argument("--warmup", type=int, default=1, help="--vs-trl: 1 = a dropped warm-up block of each first")
     ap.add_argument("--profile-reps", type=int, default=3, help="--vs-trl: timings of each phase (median)")
+    ap.add_argument("--seed", type=int, default=0, help="--vs-trl: both libraries' training seed (the held-out prompts stay)")
     ap.add_argument("--expected-tokens", type=int, default=0,
                     help="sampling.expected_response_tokens for the price's expected wall time (0: at the cap)")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)   # one mode, run by the parent

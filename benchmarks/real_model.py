@@ -98,6 +98,10 @@ from rlvr.machine import matmul_rate
 P, G, MAX_NEW, LR, TEMPERATURE, LORA_R, LORA_ALPHA = 8, 8, 16, 3e-4, 0.7, 16, 32.0
 AUTOCAST = {"fp32": "off", "bf16": "bf16"}
 """rlvr's model.autocast for each --numerics (TRL: bf16 = (numerics == "bf16"))."""
+SEED = 0
+"""Both libraries' training seed (``--seed``; rlvr's ``train.seed``, TRL's ``seed``). The task's split and
+held-out prompts stay those of ``TASK_OPTIONS``' own seed, so every seed is evaluated on the same prompts.
+On one machine a rerun with the same seed can repeat the same curve: an independent draw needs another seed."""
 TASK_OPTIONS = {"ops": "+", "digits": 2, "heldout": 200, "seed": 0, "max_new_tokens": MAX_NEW}
 TRL_MICRO = 1
 """TRL's gradient accumulation: each step's P x G rows trained in this many parts (benchmarks/long_responses.py
@@ -253,7 +257,7 @@ def rlvr_config(mdir: Path, steps: int, eval_prompts: int, threads: int, numeric
         f"--model.compile={str(compile_layers).lower()}",
         "--task.path=rlvr.tasks.arith:arith_task", "--task.reward=correct", f"--task.options={{{opts}}}",
         f"--train.steps={steps}", f"--train.prompts_per_step={P}", f"--train.samples_per_prompt={G}",
-        f"--train.lr={LR}", f"--train.threads={threads}", "--train.seed=0",
+        f"--train.lr={LR}", f"--train.threads={threads}", f"--train.seed={SEED}",
         f"--sampling.max_new_tokens={MAX_NEW}", f"--sampling.temperature={TEMPERATURE}", "--sampling.top_p=1.0",
         "--algorithm.scheme=normalized", "--algorithm.kl_coef=0.0",
         f"--eval.prompts={eval_prompts}", "--eval.pass_k=0", *RLVR_EXTRA,
@@ -596,7 +600,7 @@ def step_times(mdir: Path, a, setup) -> dict:
             r = RlvrRun(mdir, a.block_steps, a.eval_prompts, a.threads, a.numerics, a.compile == "on")
             times = [r.step() for _ in range(a.block_steps)]
         else:
-            r = TrlRun(mdir, setup, a.block_steps, a.threads, a.numerics)
+            r = TrlRun(mdir, setup, a.block_steps, a.threads, a.numerics, seed=SEED)
             times = r.run(float("inf"), [], lambda *x: None)
         if keep and len(r.tokens) == len(times):
             tokens[lib] += r.tokens
@@ -654,7 +658,7 @@ def accuracy_curves(mdir: Path, a, setup) -> dict:
         curves["trl"].append((spent_s, n, sum(got) / len(got)))
         print(f"  trl:  {spent_s:7.1f} s, {n:3d} steps, held-out {curves['trl'][-1][2]:.3f}", flush=True)
 
-    trl_steps = TrlRun(mdir, setup, max_steps, a.threads, a.numerics).run(budget, marks, on_eval)
+    trl_steps = TrlRun(mdir, setup, max_steps, a.threads, a.numerics, seed=SEED).run(budget, marks, on_eval)
     curves["step_s"] = {"rlvr": rlvr_steps, "trl": trl_steps}        # every training step's seconds
     return curves
 
@@ -692,12 +696,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-memory", choices=["keep", "system"], default="keep",
                     help="the process's host allocator for both libraries (rlvr's train.host_memory)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--seed", type=int, default=0, help="both libraries' training seed (SEED; the held-out prompts stay)")
     a = ap.parse_args(argv)
     a.curve_steps = 0
     if a.quick:
         a.blocks, a.block_steps, a.warmup, a.eval_prompts, a.curve_steps, a.profile_reps = 1, 2, 0, 20, 2, 1
+    global SEED
+    SEED = a.seed
     torch.set_num_threads(a.threads)
-    torch.manual_seed(0)
+    torch.manual_seed(a.seed)
     print(set_host_memory(a.host_memory), flush=True)
 
     mdir = model_dir()

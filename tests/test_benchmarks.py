@@ -8,6 +8,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -169,3 +170,22 @@ def test_the_comparisons_noise_is_paired_where_each_prompts_hits_are_kept(monkey
                              "610 s (+20.0 points, 1.5 standard errors of the paired difference at 10 prompts)")
     del curves["hits"]                                             # the same figures taken as independent
     assert "1.5 standard errors of the difference at 10 prompts" in rm.targets([], {"rlvr": 1.0, "trl": 6.0}, curves, 10)[1]
+
+
+def test_the_real_model_comparison_trains_both_libraries_at_its_seed(monkeypatch, tmp_path):
+    """real_model.py --seed (SEED): rlvr's train.seed and TRL's seed; the task's split stays its own."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("real_model", ROOT / "benchmarks" / "real_model.py")
+    rm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rm)
+    assert rm.rlvr_config(tmp_path, 1, 10, 1).train.seed == 0
+    monkeypatch.setattr(rm, "SEED", 3)
+    cfg = rm.rlvr_config(tmp_path, 1, 10, 1)
+    assert cfg.train.seed == 3 and cfg.task.options["seed"] == rm.TASK_OPTIONS["seed"] == 0
+    made = []
+    monkeypatch.setattr(rm, "TrlRun", lambda *a, **kw: made.append(kw.get("seed")) or SimpleNamespace(
+        run=lambda *a, **kw: [], tokens=[]))
+    monkeypatch.setattr(rm, "RlvrRun", lambda *a, **kw: SimpleNamespace(step=lambda: 1.0, hits=lambda n: [1, 0], tokens=[]))
+    rm.accuracy_curves(tmp_path, SimpleNamespace(minutes=0.0, eval_every=1.0, curve_steps=0, eval_prompts=2, threads=1,
+                                                 numerics="fp32", compile="off"), None)
+    assert made == [3]
