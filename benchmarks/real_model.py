@@ -185,7 +185,7 @@ def targets(profile: list[dict], step_s: dict, curves: dict, prompts: int | None
     if GAIN_STANDARD_ERRORS is not None and prompts:
         need = GAIN_STANDARD_ERRORS * se_of(p0, p1, at("rlvr", 0), at("rlvr", -1))
         why = f"{need * 100:+.1f}, {GAIN_STANDARD_ERRORS:g} standard errors"
-    lines.append(f"{verdict(gain >= need - 1e-9)} held-out gain: {p0:.3f} at step 0 -> {p1:.3f} "
+    lines.append(f"{verdict(gain > 0 and gain >= need - 1e-9)} held-out gain: {p0:.3f} at step 0 -> {p1:.3f} "
                  f"after {mine[-1][0]:.0f} s ({gain * 100:+.1f} points{noise(p0, p1, at('rlvr', 0), at('rlvr', -1))}; "
                  f"target >= {why})")
     later = list(zip(mine[1:], theirs[1:]))
@@ -273,12 +273,6 @@ def heldout_hits(policy, setup, prompts: int) -> list[int]:
     return res["hits"]
 
 
-def heldout_accuracy(policy, setup, prompts: int) -> float:
-    """Greedy exact-answer accuracy on the first `prompts` held-out prompts (``heldout_hits``' mean)."""
-    got = heldout_hits(policy, setup, prompts)
-    return sum(got) / len(got)
-
-
 # ----------------------------------------------------------------------------- rlvr
 class RlvrRun:
     """One rlvr training run driven step by step (rollout, then learn), as rlvr's own loop does."""
@@ -305,9 +299,6 @@ class RlvrRun:
         took = time.perf_counter() - t
         self.tokens.append(int(batch.groups.rollout.mask.sum()))
         return took
-
-    def accuracy(self, prompts: int) -> float:
-        return heldout_accuracy(self.state.policy, self.setup, prompts)
 
     def hits(self, prompts: int) -> list[int]:
         return heldout_hits(self.state.policy, self.setup, prompts)

@@ -168,6 +168,10 @@ def test_the_comparisons_noise_is_paired_where_each_prompts_hits_are_kept(monkey
                       "of the paired difference at 10 prompts; target >= +30.6, 2 standard errors)")
     assert got[2].startswith("held   above TRL at the last evaluation: 0.500 after 600 s against TRL's 0.300 after "
                              "610 s (+20.0 points, 1.5 standard errors of the paired difference at 10 prompts)")
+    curves["hits"]["rlvr"][-1] = h0                                # no prompt changed: no gain, whatever the noise
+    curves["rlvr"][-1] = (600.0, 20, 0.2)
+    assert rm.targets([], {"rlvr": 1.0, "trl": 6.0}, curves, 10)[1].startswith("missed held-out gain")
+    curves["hits"]["rlvr"][-1], curves["rlvr"][-1] = h1, (600.0, 20, 0.5)
     del curves["hits"]                                             # the same figures taken as independent
     assert "1.5 standard errors of the difference at 10 prompts" in rm.targets([], {"rlvr": 1.0, "trl": 6.0}, curves, 10)[1]
 
