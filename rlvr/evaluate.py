@@ -50,17 +50,18 @@ def evaluate(model: Policy, tok: Tokenizer, task: Task, *, reward_weights: dict[
     greedy = sample_and_score(model, tok, task, examples, G=1, limits=limits, weights=reward_weights,
                               temperature=0.0, top_p=1.0, generator=gen, chunk_prompts=max(1, batch_size), pool=pool,
                               autocast=autocast)
+    hit = greedy.hits.view(-1).tolist()                       # each prompt's greedy hit, held-out order
     res = {
-        "goal": _mean(greedy.hits.view(-1).tolist()),
+        "goal": _mean(hit),
         "reward": _mean(greedy.totals),
         "prompts": len(examples),
         "reward_failures": greedy.reward_failures,
         "goal_failures": greedy.goal_failures,
     }
     if hits:
-        res["hits"] = [int(bool(h)) for h in greedy.hits.view(-1).tolist()]
+        res["hits"] = [int(bool(h)) for h in hit]
     if group_by:
-        res.update(goal_by_groups(examples, greedy.hits.view(-1).tolist(), group_by))
+        res.update(goal_by_groups(examples, hit, group_by))
     if greedy.tools is not None:  # how the greedy responses used the task's tool (rlvr.tools)
         res["tool_calls_per_response"] = greedy.tools.calls / len(examples)
         res["tool_errors"] = greedy.tools.errors
