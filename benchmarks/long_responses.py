@@ -44,7 +44,9 @@ library's fastest on a CPU with bf16 units). Then this length's targets, held or
 gain over its step 0 beyond two standard errors of that difference at ``--eval-prompts``, above TRL
 at the last evaluation (how many standard errors said), every phase within 2x its bound. Both
 libraries are evaluated on the same prompts, so those standard errors are of the paired
-difference, prompt by prompt (real_model.py's ``paired_standard_error``). E.g.
+difference, prompt by prompt (real_model.py's ``paired_standard_error``). ``--seed`` draws another
+run, and ``--pool`` sets the held-out targets over several runs' ``--json`` files (the mean gain and
+lead, against the larger of the evaluations' error and the runs' spread). E.g.
 
     python benchmarks/long_responses.py --vs-trl --minutes 10 --max-new 256
 
@@ -201,6 +203,8 @@ def vs_trl(a) -> int:
     real_model.PROFILE_ENDS = True                     # the profile at real lengths, bounds over live rows
     # this length's targets: 6x TRL's step rate, and a held-out gain beyond two standard errors
     real_model.TARGET_STEP_RATIO, real_model.GAIN_STANDARD_ERRORS = TARGET_STEP_RATIO, GAIN_STANDARD_ERRORS
+    if a.pool:
+        return real_model.main(["--pool", *a.pool])
     return real_model.main(["--minutes", str(a.minutes), "--eval-every", str(a.eval_every), "--eval-prompts",
                             str(a.eval_prompts), "--numerics", a.numerics, "--threads", str(a.threads or 2),
                             "--compile", "off", "--blocks", str(a.blocks), "--block-steps", str(a.block_steps),
@@ -228,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default="", help="--vs-trl: the figures as JSON here")
     ap.add_argument("--quick", action="store_true", help="--vs-trl: real_model's smoke run (2 steps each, 20 prompts)")
     ap.add_argument("--profile-only", action="store_true", help="--vs-trl: stop after rlvr's phase profile")
+    ap.add_argument("--pool", nargs="+", default=None, metavar="JSON",
+                    help="--vs-trl: no run; this length's held-out targets over these --json files' runs "
+                         "(real_model.py's pooled_targets, e.g. one run per --seed)")
     ap.add_argument("--blocks", type=int, default=2, help="--vs-trl: alternated rounds of step timings")
     ap.add_argument("--block-steps", type=int, default=3, help="--vs-trl: steps a round, each library")
     ap.add_argument("--warmup", type=int, default=1, help="--vs-trl: 1 = a dropped warm-up block of each first")

@@ -72,7 +72,14 @@ at its last evaluation at least its step-0 value + ``TARGET_GAIN`` and above TRL
 training time, except under ``--quick``, which evaluates after the same steps; the line also says
 whether rlvr is above at every evaluation); each phase within ``TARGET_X_BOUND`` times its bound
 (decode's products alone are a part of decode, not a phase). Each line says held or missed, with
-the figures.
+the figures. Before them, each library's training signal over its curve run (``training_signal``):
+the mean training reward in the first and second half of its steps and the share of groups whose
+G rewards all agreed (Δ = 0: nothing learned from those prompts).
+
+One run is one draw of training's randomness: ``--seed`` changes it (the held-out prompts stay),
+and ``--pool A.json B.json ...`` (no run) sets the held-out targets against the mean over several
+runs' ``--json`` files (``pooled_targets``), each mean judged against the larger of its
+evaluations' standard error and the runs' spread.
 
 ``--quick``: 1 block of 2 steps each for the step time, 2 training steps each for the accuracy,
 20 held-out prompts. Timings on a machine shared with other work are contended; say so with them.
@@ -204,6 +211,80 @@ def targets(profile: list[dict], step_s: dict, curves: dict, prompts: int | None
     return lines
 
 
+def training_signal(train: dict) -> list[str]:
+    """One line per library of ``train`` ({lib: {"reward": [...], "agree": [...]}}, one value a step):
+    the mean training reward over the first and the second half of its steps (the middle step in
+    the second with an odd count), and the mean share of groups whose G rewards all agreed (Δ = 0
+    there: no gradient from those prompts)."""
+    lines = []
+    for lib, got in train.items():
+        r, agree = got["reward"], got["agree"]
+        if not r:
+            continue
+        h = len(r) // 2
+        first = f"{statistics.fmean(r[:h]):.3f} over steps 1-{h} -> " if h else ""
+        lines.append(f"{lib}: {len(r)} steps, mean training reward {first}{statistics.fmean(r[h:]):.3f} over steps "
+                     f"{h + 1}-{len(r)}; groups whose rewards all agree: {statistics.fmean(agree):.2f} of them a step")
+    return lines
+
+
+def pooled_targets(runs: list[dict]) -> list[str]:
+    """The held-out targets over several runs of the comparison (each a ``--json`` file's contents,
+    e.g. one per ``--seed``, the same held-out prompts): per run, rlvr's gain from step 0 to its
+    last evaluation and its lead over TRL's last evaluation, each with the standard error of its
+    paired difference (``paired_standard_error``); then their means over the runs with two standard
+    errors of each mean: the evaluations' alone, sqrt(sum se^2) / runs, and the runs' spread,
+    sd / sqrt(runs) (two runs or more), which also holds what training's randomness moves. A mean is
+    judged against the larger of the two. The gain's target is ``GAIN_STANDARD_ERRORS`` (2 where
+    unset) of them and above zero; "above TRL" asks for a mean lead above zero and says how many
+    standard errors it is. Also the median of the runs' step-time ratios TRL / rlvr."""
+    if not runs:
+        raise ValueError("no runs to pool")
+    need = GAIN_STANDARD_ERRORS if GAIN_STANDARD_ERRORS is not None else 2.0
+    gains, leads, lines = [], [], []
+
+    def in_se(value: float, se: float) -> str:
+        return f"{value / se:.1f} paired SE" if se > 0 else "no prompt differs"
+
+    for i, run in enumerate(runs):
+        c, hits = run["curves"], run["curves"].get("hits") or {}
+        if len(hits.get("rlvr") or []) < 2 or not hits.get("trl"):
+            raise ValueError(f"run {i + 1}: no per-prompt hits at step 0 and after (a --json from before they were kept)")
+        h0, h1, t1 = hits["rlvr"][0], hits["rlvr"][-1], hits["trl"][-1]
+        p0, p1, q1 = (sum(h) / len(h) for h in (h0, h1, t1))
+        gains.append((p1 - p0, paired_standard_error(h0, h1)))
+        leads.append((p1 - q1, paired_standard_error(t1, h1)))
+        ratio = run["step_s"]["trl"] / run["step_s"]["rlvr"]
+        lines.append(f"run {i + 1} (seed {run.get('seed', '?')}): step ratio {ratio:.2f}; rlvr {p0:.3f} -> {p1:.3f} "
+                     f"after {c['rlvr'][-1][1]} steps ({(p1 - p0) * 100:+.1f} points, {in_se(*gains[-1])}); "
+                     f"TRL {q1:.3f} after {c['trl'][-1][1]} steps (rlvr {(p1 - q1) * 100:+.1f} points, {in_se(*leads[-1])})")
+    n = len(runs)
+
+    def mean_se(pairs: list[tuple[float, float]]) -> tuple[float, float, float]:
+        vals = [v for v, _ in pairs]
+        evals = math.sqrt(sum(se * se for _, se in pairs)) / n
+        spread = statistics.stdev(vals) / math.sqrt(n) if n > 1 else 0.0
+        return statistics.fmean(vals), evals, spread
+
+    def verdict(ok: bool) -> str:
+        return "held  " if ok else "missed"
+
+    ratios = [run["step_s"]["trl"] / run["step_s"]["rlvr"] for run in runs]
+    lines.append(f"{verdict(statistics.median(ratios) >= TARGET_STEP_RATIO)} step rate over {n} runs: median TRL / rlvr "
+                 f"= {statistics.median(ratios):.2f} (target >= {TARGET_STEP_RATIO:g})")
+    g, ge, gs = mean_se(gains)
+    se = max(ge, gs)
+    lines.append(f"{verdict(g > 0 and g >= need * se - 1e-9)} held-out gain over {n} runs: {g * 100:+.1f} points on average "
+                 f"(standard error {ge * 100:.1f} from the evaluations, {gs * 100:.1f} from the runs' spread: "
+                 f"{g / se if se else 0.0:.1f} of the larger; target >= {need:g} of them)")
+    d, de, ds = mean_se(leads)
+    se = max(de, ds)
+    lines.append(f"{verdict(d > 0)} above TRL at the last evaluation over {n} runs: {d * 100:+.1f} points on average "
+                 f"(standard error {de * 100:.1f} from the evaluations, {ds * 100:.1f} from the runs' spread: "
+                 f"{d / se if se else 0.0:.1f} of the larger)")
+    return lines
+
+
 # ----------------------------------------------------------------------------- machine bounds
 def copy_bandwidth(mib: int = 256, trials: int = 5) -> float:
     """Best bytes/s (read + write) of copying a `mib` MiB float32 tensor into another."""
@@ -286,6 +367,8 @@ class RlvrRun:
         self.setup = build(self.cfg, log=lambda *a: None)
         self.state = new_state(self.setup)
         self.tokens: list[int] = []                  # response tokens each step sampled
+        self.rewards: list[float] = []               # each step's mean training reward
+        self.agree: list[float] = []                 # each step's share of groups whose G rewards are all equal
 
     def step(self) -> float:
         from rlvr.learn import learn
@@ -298,6 +381,9 @@ class RlvrRun:
         s.version += 1
         took = time.perf_counter() - t
         self.tokens.append(int(batch.groups.rollout.mask.sum()))
+        rw = batch.groups.rewards                                                     # (P', G)
+        self.rewards.append(float(rw.mean()))
+        self.agree.append(float((rw.amax(1) == rw.amin(1)).float().mean()))
         return took
 
     def hits(self, prompts: int) -> list[int]:
@@ -314,6 +400,8 @@ class TrlRun:
         self.mdir, self.setup, self.max_steps, self.threads, self.seed = mdir, setup, max_steps, threads, seed
         self.bf16 = numerics == "bf16"
         self.tokens: list[float] = []                # response tokens each step sampled (its logged mean x rows)
+        self.rewards: list[float] = []               # each step's logged mean training reward
+        self.agree: list[float] = []                 # each step's logged frac_reward_zero_std (groups that agree)
 
     def run(self, budget_s: float, eval_at: list[float], on_eval, on_step=None) -> list[float]:
         """Train; `on_eval(train_s, steps, model)` at the `eval_at` marks of training seconds, and
@@ -364,6 +452,8 @@ class TrlRun:
             def on_log(self, args, state, control, logs=None, **kw):
                 if logs and "completions/mean_length" in logs:       # one log a step (logging_steps=1)
                     run.tokens.append(float(logs["completions/mean_length"]) * P * G)
+                    run.rewards.append(float(logs.get("reward", math.nan)))
+                    run.agree.append(float(logs.get("frac_reward_zero_std", math.nan)))
 
             def on_train_end(self, args, state, control, model=None, **kw):
                 if eval_at and (not evaluated or evaluated[-1] != len(times)):
@@ -640,6 +730,7 @@ def accuracy_curves(mdir: Path, a, setup) -> dict:
         steps += 1
     if not curves["rlvr"] or curves["rlvr"][-1][1] != steps:
         point(r, spent, steps)
+    curves["train"] = {"rlvr": {"reward": r.rewards, "agree": r.agree}}
     del r
     gc.collect()
 
@@ -649,7 +740,9 @@ def accuracy_curves(mdir: Path, a, setup) -> dict:
         curves["trl"].append((spent_s, n, sum(got) / len(got)))
         print(f"  trl:  {spent_s:7.1f} s, {n:3d} steps, held-out {curves['trl'][-1][2]:.3f}", flush=True)
 
-    trl_steps = TrlRun(mdir, setup, max_steps, a.threads, a.numerics, seed=SEED).run(budget, marks, on_eval)
+    trl = TrlRun(mdir, setup, max_steps, a.threads, a.numerics, seed=SEED)
+    trl_steps = trl.run(budget, marks, on_eval)
+    curves["train"]["trl"] = {"reward": trl.rewards, "agree": trl.agree}
     curves["step_s"] = {"rlvr": rlvr_steps, "trl": trl_steps}        # every training step's seconds
     return curves
 
@@ -688,7 +781,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="the process's host allocator for both libraries (rlvr's train.host_memory)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--seed", type=int, default=0, help="both libraries' training seed (SEED; the held-out prompts stay)")
+    ap.add_argument("--pool", type=Path, nargs="+", default=None, metavar="JSON",
+                    help="no run: the held-out targets over these --json files' runs (e.g. one per --seed)")
     a = ap.parse_args(argv)
+    if a.pool:
+        for line in pooled_targets([json.loads(f.read_text()) for f in a.pool]):
+            print(line)
+        return 0
     a.curve_steps = 0
     if a.quick:
         a.blocks, a.block_steps, a.warmup, a.eval_prompts, a.curve_steps, a.profile_reps = 1, 2, 0, 20, 2, 1
@@ -765,6 +864,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(during) == 2:
         print(f"  median step during the curves (first step of each dropped): rlvr {during['rlvr']:.2f} s, "
               f"TRL {during['trl']:.2f} s, TRL / rlvr = {during['trl'] / during['rlvr']:.2f}", flush=True)
+    for line in training_signal(curves.get("train", {})):
+        print(f"  {line}", flush=True)
     verdicts = targets(profile, st, curves, a.eval_prompts)
     print("targets:")
     for line in verdicts:
@@ -774,7 +875,7 @@ def main(argv: list[str] | None = None) -> int:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps({"matmul_flops": rate, "bf16_matmul_flops": rate_bf16, "copy_bytes_per_s": bandwidth,
                                       "profile": profile, "step_s": st, "curves": curves, "quick": a.quick,
-                                      "numerics": a.numerics, "targets": verdicts}, indent=2))
+                                      "numerics": a.numerics, "seed": a.seed, "targets": verdicts}, indent=2))
     return 0
 
 

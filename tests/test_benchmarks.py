@@ -188,8 +188,82 @@ def test_the_real_model_comparison_trains_both_libraries_at_its_seed(monkeypatch
     assert cfg.train.seed == 3 and cfg.task.options["seed"] == rm.TASK_OPTIONS["seed"] == 0
     made = []
     monkeypatch.setattr(rm, "TrlRun", lambda *a, **kw: made.append(kw.get("seed")) or SimpleNamespace(
-        run=lambda *a, **kw: [], tokens=[]))
-    monkeypatch.setattr(rm, "RlvrRun", lambda *a, **kw: SimpleNamespace(step=lambda: 1.0, hits=lambda n: [1, 0], tokens=[]))
+        run=lambda *a, **kw: [], tokens=[], rewards=[], agree=[]))
+    monkeypatch.setattr(rm, "RlvrRun", lambda *a, **kw: SimpleNamespace(step=lambda: 1.0, hits=lambda n: [1, 0], tokens=[],
+                                                                      rewards=[], agree=[]))
     rm.accuracy_curves(tmp_path, SimpleNamespace(minutes=0.0, eval_every=1.0, curve_steps=0, eval_prompts=2, threads=1,
                                                  numerics="fp32", compile="off"), None)
     assert made == [3]
+
+
+def _real_model():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("real_model", ROOT / "benchmarks" / "real_model.py")
+    rm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rm)
+    return rm
+
+
+def test_the_comparisons_targets_pool_several_runs_with_the_larger_of_two_errors(monkeypatch):
+    """--pool: the mean gain and lead over runs, judged against the larger of the evaluations' error
+    sqrt(sum se^2) / runs and the runs' spread sd / sqrt(runs). By hand, 10 prompts, two runs with the
+    same step 0 (0.2). Run 1 (the paired test's figures above): gain +0.3 (se sqrt(2.1 / 90)), lead
+    over TRL's 0.3 +0.2 (se sqrt(1.6 / 90)). Run 2: 0.3 after training (one prompt more), TRL 0.4 (one
+    prompt more than rlvr): gain +0.1 with se sqrt(0.9 / 90) = 0.1 (d = 1 once: 0.81 + 9 x 0.01), lead
+    -0.1, se 0.1. Mean gain +0.2: evaluations sqrt(3 / 90) / 2 = 0.0913, spread sd(0.3, 0.1) / sqrt 2 =
+    0.1, so 2.0 standard errors: held at a target of 2. Mean lead +0.05: evaluations sqrt(2.5 / 90) / 2
+    = 0.0833, spread sd(0.2, -0.1) / sqrt 2 = 0.15: 0.3 of them, above zero. Step ratios 3 and 5:
+    median 4, short of 6."""
+    rm = _real_model()
+    monkeypatch.setattr(rm, "GAIN_STANDARD_ERRORS", 2.0)
+    monkeypatch.setattr(rm, "TARGET_STEP_RATIO", 6.0)
+    h0 = [0, 0, 0, 0, 0, 0, 0, 0, 1, 1]
+
+    def run(seed, h1, t1, trl_s):
+        acc = sum(h1) / 10
+        return {"seed": seed, "step_s": {"rlvr": 1.0, "trl": trl_s},
+                "curves": {"rlvr": [(0.0, 0, 0.2), (600.0, 20, acc)], "trl": [(0.0, 0, 0.2), (610.0, 6, sum(t1) / 10)],
+                           "hits": {"rlvr": [h0, h1], "trl": [h0, t1]}}}
+
+    runs = [run(0, [1, 1, 1, 0, 0, 0, 0, 0, 1, 1], [1, 0, 0, 0, 0, 0, 0, 0, 1, 1], 3.0),
+            run(1, [1, 0, 0, 0, 0, 0, 0, 0, 1, 1], [1, 1, 0, 0, 0, 0, 0, 0, 1, 1], 5.0)]
+    got = rm.pooled_targets(runs)
+    assert got[0] == ("run 1 (seed 0): step ratio 3.00; rlvr 0.200 -> 0.500 after 20 steps (+30.0 points, 2.0 paired SE); "
+                      "TRL 0.300 after 6 steps (rlvr +20.0 points, 1.5 paired SE)")
+    assert got[1].startswith("run 2 (seed 1): step ratio 5.00; rlvr 0.200 -> 0.300 after 20 steps (+10.0 points, 1.0 paired SE); "
+                             "TRL 0.400 after 6 steps (rlvr -10.0 points, -1.0 paired SE)")
+    assert got[2] == "missed step rate over 2 runs: median TRL / rlvr = 4.00 (target >= 6)"
+    assert got[3] == ("held   held-out gain over 2 runs: +20.0 points on average (standard error 9.1 from the evaluations, "
+                      "10.0 from the runs' spread: 2.0 of the larger; target >= 2 of them)")
+    assert got[4] == ("held   above TRL at the last evaluation over 2 runs: +5.0 points on average (standard error 8.3 "
+                      "from the evaluations, 15.0 from the runs' spread: 0.3 of the larger)")
+    runs[1]["curves"]["hits"]["rlvr"][-1] = [0, 0, 0, 0, 0, 0, 0, 0, 1, 1]     # run 2 gains nothing: +0.15 < 2 x 0.15
+    assert rm.pooled_targets(runs)[3].startswith("missed held-out gain over 2 runs: +15.0 points")
+    del runs[0]["curves"]["hits"]
+    with pytest.raises(ValueError, match="run 1: no per-prompt hits"):
+        rm.pooled_targets(runs)
+
+
+def test_the_comparison_reports_each_librarys_training_reward_and_agreeing_groups(monkeypatch):
+    """RlvrRun.step keeps each step's mean reward and its share of groups whose G rewards are all equal
+    (no Δ there): 6 of 12 rewards are 1, and 2 of the 4 groups agree. training_signal prints both by
+    halves of the run (by hand: 0.1 | 0.2, 0.3 -> 0.250)."""
+    import torch
+
+    import rlvr.learn
+    import rlvr.rollout
+
+    rm = _real_model()
+    rewards = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.0, 1.0, 1.0]])   # (P, G)
+    batch = SimpleNamespace(groups=SimpleNamespace(rewards=rewards, rollout=SimpleNamespace(mask=torch.ones(12, 5))))
+    monkeypatch.setattr(rlvr.rollout, "rollout", lambda *a, **kw: batch)
+    monkeypatch.setattr(rlvr.learn, "learn", lambda *a, **kw: None)
+    run = rm.RlvrRun.__new__(rm.RlvrRun)
+    run.state = SimpleNamespace(setup=None, policy=None, reference=None, draw=None, version=0, sample_gen=None, learner=None)
+    run.tokens, run.rewards, run.agree = [], [], []
+    run.step()
+    assert run.rewards == [0.5] and run.agree == [0.5] and run.tokens == [60]
+    lines = rm.training_signal({"rlvr": {"reward": [0.1, 0.2, 0.3], "agree": [0.5, 0.25, 0.75]},
+                                "trl": {"reward": [], "agree": []}})
+    assert lines == ["rlvr: 3 steps, mean training reward 0.100 over steps 1-1 -> 0.250 over steps 2-3; "
+                     "groups whose rewards all agree: 0.50 of them a step"]
