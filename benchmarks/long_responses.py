@@ -45,8 +45,9 @@ gain over its step 0 beyond two standard errors of that difference at ``--eval-p
 at the last evaluation (how many standard errors said), every phase within 2x its bound. Both
 libraries are evaluated on the same prompts, so those standard errors are of the paired
 difference, prompt by prompt (real_model.py's ``paired_standard_error``). ``--seed`` draws another
-run, and ``--pool`` sets the held-out targets over several runs' ``--json`` files (the mean gain and
-lead, against the larger of the evaluations' error and the runs' spread). E.g.
+run, ``--rlvr-steps 3,6,9`` evaluates rlvr alone after those step counts, and ``--pool`` sets the
+held-out targets over several runs' ``--json`` files (the mean gain and lead, against the larger of
+the evaluations' error and the runs' spread). E.g.
 
     python benchmarks/long_responses.py --vs-trl --minutes 10 --max-new 256
 
@@ -210,7 +211,8 @@ def vs_trl(a) -> int:
                             "--compile", "off", "--blocks", str(a.blocks), "--block-steps", str(a.block_steps),
                             "--warmup", str(a.warmup), "--profile-reps", str(a.profile_reps), "--seed", str(a.seed),
                             *(["--json", a.json] if a.json else []), *(["--quick"] if a.quick else []),
-                            *(["--profile-only"] if a.profile_only else [])])
+                            *(["--profile-only"] if a.profile_only else []),
+                            *(["--rlvr-steps", a.rlvr_steps] if a.rlvr_steps else [])])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -232,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default="", help="--vs-trl: the figures as JSON here")
     ap.add_argument("--quick", action="store_true", help="--vs-trl: real_model's smoke run (2 steps each, 20 prompts)")
     ap.add_argument("--profile-only", action="store_true", help="--vs-trl: stop after rlvr's phase profile")
+    ap.add_argument("--rlvr-steps", default="", metavar="N,N,...",
+                    help="--vs-trl: rlvr alone (no TRL, no profile), held-out accuracy after each of these step counts")
     ap.add_argument("--pool", nargs="+", default=None, metavar="JSON",
                     help="--vs-trl: no run; this length's held-out targets over these --json files' runs "
                          "(real_model.py's pooled_targets, e.g. one run per --seed)")

@@ -61,6 +61,9 @@ Measured
    seconds) are paid once a run; the step times and the accuracy curves include them. TRL runs
    with its default, ``torch_compile`` off.
 
+``--rlvr-steps 3,6,9`` runs rlvr alone (no TRL, no profile) and evaluates it after each of those
+step counts, every step's training reward printed: the per-step view of its curve.
+
 The profile also times decode's matrix products alone ("decode products": every Linear of the
 model and the output head on the decode step's rows, each weight read once a step, nothing else)
 against decode's bound: the part of decode that no attention, norm or sampling change can remove.
@@ -747,6 +750,25 @@ def accuracy_curves(mdir: Path, a, setup) -> dict:
     return curves
 
 
+def rlvr_by_steps(mdir: Path, a, marks: list[int]) -> dict:
+    """rlvr alone, no TRL: one run of max(`marks`) steps at ``--seed``, its held-out hits after each
+    step count in `marks` (0 for step 0) and every step's seconds, training reward and groups that
+    agree: the per-step view of the comparison's rlvr curve (the same seed trains the same run)."""
+    r = RlvrRun(mdir, max(marks), a.eval_prompts, a.threads, a.numerics, a.compile == "on")
+    got: dict = {"evals": [], "step_s": []}
+    for n in range(max(marks) + 1):
+        if n:
+            got["step_s"].append(r.step())
+            print(f"  step {n:3d}: {got['step_s'][-1]:6.1f} s, training reward {r.rewards[-1]:.3f}, groups that "
+                  f"agree {r.agree[-1]:.2f}", flush=True)
+        if n in marks:
+            hits = r.hits(a.eval_prompts)
+            got["evals"].append((n, sum(hits) / len(hits), hits))
+            print(f"  after {n} steps: held-out {got['evals'][-1][1]:.3f}", flush=True)
+    got["train"] = {"rlvr": {"reward": r.rewards, "agree": r.agree}}
+    return got
+
+
 def ms(x: float, width: int = 0) -> str:
     """Seconds as milliseconds: whole ones from 0.1 s, to 0.01 ms below."""
     return f"{x * 1e3:{width}.{0 if x >= 0.1 else 2}f}"
@@ -781,6 +803,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the process's host allocator for both libraries (rlvr's train.host_memory)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--seed", type=int, default=0, help="both libraries' training seed (SEED; the held-out prompts stay)")
+    ap.add_argument("--rlvr-steps", default="", metavar="N,N,...",
+                    help="no TRL, no profile: rlvr alone, held-out accuracy after each of these step counts")
     ap.add_argument("--pool", type=Path, nargs="+", default=None, metavar="JSON",
                     help="no run: the held-out targets over these --json files' runs (e.g. one per --seed)")
     a = ap.parse_args(argv)
@@ -798,6 +822,17 @@ def main(argv: list[str] | None = None) -> int:
     print(set_host_memory(a.host_memory), flush=True)
 
     mdir = model_dir()
+    if a.rlvr_steps:
+        marks = sorted({int(x) for x in a.rlvr_steps.split(",")})
+        print(f"rlvr alone, seed {a.seed}, held-out greedy accuracy ({a.eval_prompts} prompts) after {marks} steps:",
+              flush=True)
+        got = rlvr_by_steps(mdir, a, marks)
+        for line in training_signal(got["train"]):
+            print(f"  {line}", flush=True)
+        if a.json:
+            a.json.parent.mkdir(parents=True, exist_ok=True)
+            a.json.write_text(json.dumps(got | {"seed": a.seed, "numerics": a.numerics}, indent=2))
+        return 0
     rate, bandwidth = product_rate(torch.float32), copy_bandwidth()
     rate_bf16 = product_rate(torch.bfloat16) if a.numerics == "bf16" else 0.0
     print(f"machine: fp32 matmul {rate / 1e9:.1f} GFLOP/s"

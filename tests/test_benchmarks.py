@@ -267,3 +267,32 @@ def test_the_comparison_reports_each_librarys_training_reward_and_agreeing_group
                                 "trl": {"reward": [], "agree": []}})
     assert lines == ["rlvr: 3 steps, mean training reward 0.100 over steps 1-1 -> 0.250 over steps 2-3; "
                      "groups whose rewards all agree: 0.50 of them a step"]
+
+
+def test_rlvr_alone_is_evaluated_after_the_step_counts_asked(monkeypatch, tmp_path):
+    """--rlvr-steps 0,2,3: one run of 3 steps, held-out hits at step 0 and after steps 2 and 3 (not 1),
+    each step's seconds and training figures kept."""
+    rm = _real_model()
+    calls = []
+
+    class Fake:
+        def __init__(self, mdir, steps, prompts, threads, numerics, compile_layers):
+            calls.append(("new", steps))
+            self.rewards, self.agree = [], []
+
+        def step(self):
+            calls.append(("step",))
+            self.rewards.append(0.1 * len(self.rewards))
+            self.agree.append(0.5)
+            return 2.0
+
+        def hits(self, n):
+            calls.append(("eval", len(self.rewards)))
+            return [1] * len(self.rewards) + [0] * (n - len(self.rewards))
+
+    monkeypatch.setattr(rm, "RlvrRun", Fake)
+    a = SimpleNamespace(eval_prompts=4, threads=1, numerics="fp32", compile="off")
+    got = rm.rlvr_by_steps(tmp_path, a, [0, 2, 3])
+    assert calls == [("new", 3), ("eval", 0), ("step",), ("step",), ("eval", 2), ("step",), ("eval", 3)]
+    assert [(n, acc) for n, acc, _ in got["evals"]] == [(0, 0.0), (2, 0.5), (3, 0.75)]
+    assert got["step_s"] == [2.0, 2.0, 2.0] and got["train"]["rlvr"]["reward"] == pytest.approx([0.0, 0.1, 0.2])
