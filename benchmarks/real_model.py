@@ -782,6 +782,17 @@ def frange(step: float, stop: float) -> list[float]:
     return out
 
 
+def step_counts(text: str) -> list[int]:
+    """``--rlvr-steps``' value: step counts separated by commas ("3,6,9"), sorted, each at least 0."""
+    try:
+        marks = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: step counts separated by commas, e.g. 3,6,9") from None
+    if not marks or marks[0] < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: at least one step count, none below 0")
+    return marks
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--minutes", type=float, default=10.0, help="training wall time of each library for the accuracy curve")
@@ -803,13 +814,20 @@ def main(argv: list[str] | None = None) -> int:
                     help="the process's host allocator for both libraries (rlvr's train.host_memory)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--seed", type=int, default=0, help="both libraries' training seed (SEED; the held-out prompts stay)")
-    ap.add_argument("--rlvr-steps", default="", metavar="N,N,...",
+    ap.add_argument("--rlvr-steps", type=step_counts, default=None, metavar="N,N,...",
                     help="no TRL, no profile: rlvr alone, held-out accuracy after each of these step counts")
     ap.add_argument("--pool", type=Path, nargs="+", default=None, metavar="JSON",
                     help="no run: the held-out targets over these --json files' runs (e.g. one per --seed)")
     a = ap.parse_args(argv)
     if a.pool:
-        for line in pooled_targets([json.loads(f.read_text()) for f in a.pool]):
+        try:
+            runs = [json.loads(f.read_text()) for f in a.pool]
+            lines = pooled_targets(runs)
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+            print(f"--pool {' '.join(map(str, a.pool))}: {type(e).__name__}: {e} (each file a --json of this "
+                  f"comparison with its per-prompt hits)", file=sys.stderr)
+            return 2
+        for line in lines:
             print(line)
         return 0
     a.curve_steps = 0
@@ -823,7 +841,7 @@ def main(argv: list[str] | None = None) -> int:
 
     mdir = model_dir()
     if a.rlvr_steps:
-        marks = sorted({int(x) for x in a.rlvr_steps.split(",")})
+        marks = a.rlvr_steps
         print(f"rlvr alone, seed {a.seed}, held-out greedy accuracy ({a.eval_prompts} prompts) after {marks} steps:",
               flush=True)
         got = rlvr_by_steps(mdir, a, marks)

@@ -296,3 +296,21 @@ def test_rlvr_alone_is_evaluated_after_the_step_counts_asked(monkeypatch, tmp_pa
     assert calls == [("new", 3), ("eval", 0), ("step",), ("step",), ("eval", 2), ("step",), ("eval", 3)]
     assert [(n, acc) for n, acc, _ in got["evals"]] == [(0, 0.0), (2, 0.5), (3, 0.75)]
     assert got["step_s"] == [2.0, 2.0, 2.0] and got["train"]["rlvr"]["reward"] == pytest.approx([0.0, 0.1, 0.2])
+
+
+def test_the_comparisons_step_counts_and_pooled_files_are_checked_before_any_run(tmp_path, capsys):
+    """--rlvr-steps takes sorted step counts and refuses others; --pool names a file it cannot use
+    and returns 2 without a traceback."""
+    import argparse
+
+    rm = _real_model()
+    assert rm.step_counts("9,3,6,3") == [3, 6, 9]
+    for bad in ("3,x", "", "-1,2"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            rm.step_counts(bad)
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"curves": {"rlvr": [], "trl": []}, "step_s": {"rlvr": 1.0, "trl": 2.0}}))
+    assert rm.main(["--pool", str(old)]) == 2
+    assert "no per-prompt hits" in capsys.readouterr().err
+    assert rm.main(["--pool", str(tmp_path / "missing.json")]) == 2
+    assert "missing.json" in capsys.readouterr().err
