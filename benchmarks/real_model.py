@@ -155,6 +155,11 @@ def paired_standard_error(hits0: list[int], hits1: list[int]) -> float:
     return math.sqrt(sum((x - mean) ** 2 for x in d) / ((n - 1) * n))
 
 
+def verdict(ok: bool) -> str:
+    """A target line's first word: held or missed (padded to the same width)."""
+    return "held  " if ok else "missed"
+
+
 def targets(profile: list[dict], step_s: dict, curves: dict, prompts: int | None = None) -> list[str]:
     """One line per target, "held" or "missed" with the figures: the step ratio (``step_s``: median
     seconds of "rlvr" and "trl"), rlvr's gain from step 0 to its last evaluation, whether its last
@@ -167,9 +172,6 @@ def targets(profile: list[dict], step_s: dict, curves: dict, prompts: int | None
     the same prompts in the same order), those standard errors are the paired ones
     (``paired_standard_error``)."""
     hits = curves.get("hits") or {}
-
-    def verdict(ok: bool) -> str:
-        return "held  " if ok else "missed"
 
     def se_of(p0: float, p1: float, h0, h1) -> float:
         if h0 is not None and h1 is not None:
@@ -244,7 +246,7 @@ def pooled_targets(runs: list[dict]) -> list[str]:
     if not runs:
         raise ValueError("no runs to pool")
     need = GAIN_STANDARD_ERRORS if GAIN_STANDARD_ERRORS is not None else 2.0
-    gains, leads, lines = [], [], []
+    gains, leads, ratios, lines = [], [], [], []
 
     def in_se(value: float, se: float) -> str:
         return f"{value / se:.1f} paired SE" if se > 0 else "no prompt differs"
@@ -257,8 +259,8 @@ def pooled_targets(runs: list[dict]) -> list[str]:
         p0, p1, q1 = (sum(h) / len(h) for h in (h0, h1, t1))
         gains.append((p1 - p0, paired_standard_error(h0, h1)))
         leads.append((p1 - q1, paired_standard_error(t1, h1)))
-        ratio = run["step_s"]["trl"] / run["step_s"]["rlvr"]
-        lines.append(f"run {i + 1} (seed {run.get('seed', '?')}): step ratio {ratio:.2f}; rlvr {p0:.3f} -> {p1:.3f} "
+        ratios.append(run["step_s"]["trl"] / run["step_s"]["rlvr"])
+        lines.append(f"run {i + 1} (seed {run.get('seed', '?')}): step ratio {ratios[-1]:.2f}; rlvr {p0:.3f} -> {p1:.3f} "
                      f"after {c['rlvr'][-1][1]} steps ({(p1 - p0) * 100:+.1f} points, {in_se(*gains[-1])}); "
                      f"TRL {q1:.3f} after {c['trl'][-1][1]} steps (rlvr {(p1 - q1) * 100:+.1f} points, {in_se(*leads[-1])})")
     n = len(runs)
@@ -269,10 +271,6 @@ def pooled_targets(runs: list[dict]) -> list[str]:
         spread = statistics.stdev(vals) / math.sqrt(n) if n > 1 else 0.0
         return statistics.fmean(vals), evals, spread
 
-    def verdict(ok: bool) -> str:
-        return "held  " if ok else "missed"
-
-    ratios = [run["step_s"]["trl"] / run["step_s"]["rlvr"] for run in runs]
     lines.append(f"{verdict(statistics.median(ratios) >= TARGET_STEP_RATIO)} step rate over {n} runs: median TRL / rlvr "
                  f"= {statistics.median(ratios):.2f} (target >= {TARGET_STEP_RATIO:g})")
     g, ge, gs = mean_se(gains)
