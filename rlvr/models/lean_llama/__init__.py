@@ -57,7 +57,7 @@ from .weight_major import (_add_lora_bf16, linear_t, _linear_t_bf16, _mlp_t, _mm
 from .products import decode_reads_packs, linear, _linear_plan, _packed_head, _stacked_linear, _stacked_plan  # noqa: F401
 from .layers import (_attn_residual, _head_norm_t, _layer_out, _mlp, _mlp_norm, _mlp_residual, _out_rest, _out_rest_t,
                      output_head, _prestack, _project_qkv, _qkv_in, rms_norm, _shared_attention, _shared_out)  # noqa: F401
-from .compiled_layers import (_compiled_attention, _compiled_out, compiled_plan, _compiled_qkv,
+from .compiled_layers import (_compiled_out, compiled_plan, _compiled_qkv,
                               _compiled_shared_layer, _is_silu, _lin, _out_block, _proj, _qkv_block,
                               _shared_layer_block)  # noqa: F401
 from .forward import (_all_rows, _checkpointed_layer, _layer, lean_forward, lean_forward_shared, _live_rows, _logits,

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from rlvr.compiled import compiled_call
 
-from .attention import _attend_parts, _attention
+from .attention import _attend_parts
 from .bf16_copies import _bf16_copy, _cpu_bf16_autocast
 from .layers import _out_rest, _qkv_in, _shared_out
 from .modules import _act, _hooked, _plain_lora, _sandwich, _stock_mlp
@@ -128,14 +128,6 @@ def _compiled_qkv(layer: nn.Module, h: torch.Tensor, plan: tuple, cos: torch.Ten
 def _compiled_out(layer: nn.Module, h: torch.Tensor, o: torch.Tensor, plan: tuple) -> torch.Tensor:
     """``_out_rest`` through the compiled ``_out_block``."""
     return compiled_call("out", _out_block, (h, o) + plan[3:], ((0, 1), (1, 1)), lambda: _out_rest(layer, h, o))
-
-
-def _compiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
-                        addmask: torch.Tensor | None, sdpa_mask: torch.Tensor | None,
-                        cap: float | None) -> torch.Tensor:
-    """``_attention`` through torch.compile, its rows and keys dynamic."""
-    args = (q, k, v, scaling, addmask, sdpa_mask, cap)
-    return compiled_call("attn rows", _attention, args, ((0, 2), (1, 2), (2, 2)), lambda: _attention(*args))
 
 
 def _compiled_shared_layer(layer: nn.Module, h: torch.Tensor, plan: tuple, cos: torch.Tensor, sin: torch.Tensor,

@@ -24,7 +24,7 @@ from rlvr.compiled import compile_available
 from .attention import _attention, _explicit_attention, _grouped_attention, _layer_masks, _softcap
 from .bf16_copies import _SCOPE, _cpu_bf16_autocast
 from .cache import LeanCache
-from .compiled_layers import _compiled_attention, _compiled_out, _compiled_qkv, _compiled_shared_layer, compiled_plan
+from .compiled_layers import _compiled_out, _compiled_qkv, _compiled_shared_layer, compiled_plan
 from .layers import (_layer_out, _out_rest, _out_rest_t, _prestack, _project_qkv, _qkv_in, _shared_out, output_head,
                      rms_norm)
 from .limits import LIVE_ROWS
@@ -95,8 +95,11 @@ def lean_forward(hf_model: nn.Module, ids: torch.Tensor, full_am: torch.Tensor, 
 
     ``compiled`` (model.compile): in a call of more than one token per row (a prefill, a training or
     scoring forward; not a decode step) each layer that ``compiled_plan`` covers runs through
-    compiled functions (``_compiled_qkv``, the attention unless the cache has the grouped layout,
-    ``_compiled_out``; not with ``checkpoint``).
+    compiled functions (``_compiled_qkv``, ``_compiled_out``; not with ``checkpoint``). The attention
+    between them stays eager: it is one SDPA kernel or three products, which compiling does not speed
+    up measurably, and its variants (with and without gradient, either mask kind, one row or many, keys
+    with or without gradient) would otherwise pass torch._dynamo's limit of 8 compiles of one function
+    within a training step.
     """
     inner, cfg = hf_model.model, hf_model.config
     B, L = ids.shape
@@ -147,8 +150,8 @@ def _checkpointed_layer(layer: nn.Module, li: int, h: torch.Tensor, cos: torch.T
 def _layer(layer: nn.Module, li: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, att: tuple,
            cache: LeanCache | None, p: _Pass) -> torch.Tensor:
     """A decoder layer of ``lean_forward``: q, k, v (compiled, weight-major or the usual products), the
-    cache append, attention (``att`` = (grouped, gmask, gchunks, addmask, sdpa_mask): grouped,
-    compiled or plain), then o_proj, the MLP and their residuals -> the layer's output."""
+    cache append, attention (``att`` = (grouped, gmask, gchunks, addmask, sdpa_mask): grouped
+    or plain), then o_proj, the MLP and their residuals -> the layer's output."""
     attn = layer.self_attn
     cap = getattr(attn, "attn_logit_softcapping", None)
     if p.prestack:
@@ -166,8 +169,6 @@ def _layer(layer: nn.Module, li: int, h: torch.Tensor, cos: torch.Tensor, sin: t
         k, v = cache.append(li, k, v)                                            # grouped: keys (P, Hkv, D, S)
     if att[0]:                                                                   # the grouped layout
         o = _grouped_attention(q, k, v, att[1], att[2], attn.scaling, cap)       # (B, L, H*D)
-    elif plan is not None:                                                       # compiled (model.compile)
-        o = _compiled_attention(q.transpose(1, 2), k, v, attn.scaling, att[3], att[4], cap)
     else:
         o = _attention(q.transpose(1, 2), k, v, attn.scaling, att[3], att[4], cap)  # (B, L, H*D)
     if p.live is not None:
