@@ -466,16 +466,19 @@ def test_fast_forward_left_padding_and_logits_to_keep(fast_variant, attention_ki
         torch.testing.assert_close(fp[real], sp[real], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("layout", ["grouped", "grouped_chunked", "repeated"])
+@pytest.mark.parametrize("layout", ["grouped", "grouped_chunked", "repeated", "repeated_transposed"])
 def test_fast_cached_decoding_matches_transformers(fast_variant, attention_kind, layout, monkeypatch):
     """Prefill, repeat_interleave, then token-by-token decode with a pad column in the middle (a
     finished row): the lean cache gives the transformers logits of the whole sequence, in the
     grouped layout (the prompt's keys once per prompt; also with its queries chunked one by one and
-    the last two tokens in one call) and in the repeated one (the prompt's keys copied per row)."""
+    the last two tokens in one call) and in the repeated one (the prompt's keys copied per row; its
+    keys row-major at this width, and transposed with KEYS_ROW_MAJOR at 0)."""
     import rlvr.models.lean_llama as lean
 
-    if layout == "repeated":
+    if layout.startswith("repeated"):
         monkeypatch.setattr(lean, "GROUP_ATTENTION_FLOPS", 0.0)
+    if layout == "repeated_transposed":
+        monkeypatch.setattr(lean, "KEYS_ROW_MAJOR", 0)
     if layout == "grouped_chunked":
         monkeypatch.setattr(lean, "GROUP_SCORES", 1)
     _, policy, tok = fast_variant
@@ -503,16 +506,19 @@ def test_fast_cached_decoding_matches_transformers(fast_variant, attention_kind,
         # without gradient the cache writes in place: every layer's keys are the first columns of one
         # buffer allocated at repeat_interleave (grouped: prompt columns once, then G per step) or at
         # prefill (repeated once for the G rows), so a decode step copies its new columns only; on a
-        # CPU the keys' buffers are transposed in both layouts, (rows, Hkv, D, cols)
+        # CPU the keys' buffers are transposed in the grouped layout, (P, Hkv, D, cols), and in the
+        # repeated one row-major up to KEYS_ROW_MAJOR columns, (rows, Hkv, cols, D), transposed past it
         Lp = pids.size(1)
-        grouped = layout != "repeated"
+        grouped = not layout.startswith("repeated")
+        transposed = layout != "repeated"
         assert cache.group == (G if grouped else 1)
-        assert cache.keys_t
+        assert cache.spare_cols
         cols = Lp + G * (cache.max_len - Lp) if grouped else cache.max_len
         col_dim = 3 if grouped else 2                     # of k[li]: grouped (P, Hkv, D, S), plain (B, Hkv, S, D)
-        assert all(buf.shape[2:] == ((k.size(2), cols) if grouped else (k.size(3), cols)) for k, buf in
-                   zip(cache.k, cache._kbuf))
-        assert all(k.data_ptr() == buf.data_ptr() and buf.size(3) == cols == vb.size(2)
+        for k, buf in zip(cache.k, cache._kbuf):
+            D = k.size(2) if grouped else k.size(3)
+            assert buf.shape[2:] == ((D, cols) if transposed else (cols, D))
+        assert all(k.data_ptr() == buf.data_ptr() and vb.size(2) == cols
                    and k.size(0) == (pids.size(0) if grouped else ids.size(0)) and k.size(col_dim) == v.size(2)
                    for k, buf, v, vb in zip(cache.k, cache._kbuf, cache.v, cache._vbuf))
         with transformers_path(policy):
@@ -1551,18 +1557,22 @@ def test_positions_past_the_context_are_refused_in_both_shared_prompt_paths(tmp_
     assert policy.shared_prompt_logits(ids[:, :8], am[:, :8], 4, 2)[1].shape[:2] == (2, 3)  # within: scored
 
 
-@pytest.mark.parametrize("layout", ["lean_grouped", "lean_repeated", "transformers"])
+@pytest.mark.parametrize("layout", ["lean_grouped", "lean_grouped_transposed", "lean_repeated",
+                                    "lean_repeated_transposed", "transformers"])
 def test_finished_rows_leave_the_batch_on_every_cache(llama, layout, monkeypatch):
     """Rows dropped from the batch as they end (rlvr.sampling.COMPACT_FINISHED) on the lean cache in
-    its grouped layout (whole groups leave, then the layout is left) and its repeated one, and on
+    its grouped layout (whole groups leave, then the layout is left) and its repeated one (each with
+    the plain layout's keys row-major, and transposed: KEYS_ROW_MAJOR at 0), and on
     transformers' DynamicCache:
     every row is sampled as with every row computed (tokens, masks; log-probs to float rounding),
     and fewer rows are computed."""
     import rlvr.models.lean_llama as lean
 
     policy, tok = llama
-    if layout == "lean_repeated":
+    if layout.startswith("lean_repeated"):
         monkeypatch.setattr(lean, "GROUP_ATTENTION_FLOPS", 0.0)
+    if layout.endswith("_transposed"):
+        monkeypatch.setattr(lean, "KEYS_ROW_MAJOR", 0)
     prompts = [tok.encode(s) for s in PROMPTS]
     kinds = []
     real = sampling.cache_rows.keep_rows
@@ -1578,8 +1588,9 @@ def test_finished_rows_leave_the_batch_on_every_cache(llama, layout, monkeypatch
     with (transformers_path(policy) if layout == "transformers" else contextlib.nullcontext()):
         every, dropped = roll(None), roll(0.25)
     want = {"lean_grouped": ("LeanCache", 3), "lean_repeated": ("LeanCache", 1), "transformers": ("HFCache", 1)}
+    want = want[layout.removesuffix("_transposed")]
     # the grouped layout is left for the plain one (cache_rows.ungroup) once its finished rows cost a copy
-    assert kinds and kinds[0] == want[layout] and set(kinds) <= {want[layout], ("LeanCache", 1)}
+    assert kinds and kinds[0] == want and set(kinds) <= {want, ("LeanCache", 1)}
     assert torch.equal(every.ids, dropped.ids) and torch.equal(every.mask, dropped.mask)
     torch.testing.assert_close(dropped.logp, every.logp, atol=1e-5, rtol=0)
     assert dropped.decode_rows < every.decode_rows and dropped.finished_row_frac < every.finished_row_frac

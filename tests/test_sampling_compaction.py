@@ -169,23 +169,30 @@ def test_the_plain_caches_spare_columns_grow_without_changing_a_row(llama, monke
         torch.testing.assert_close(got.logp, whole.logp, atol=1e-5, rtol=0)
 
 
-def test_an_append_past_the_buffers_width_grows_them_without_attend_width():
+@pytest.mark.parametrize("row_major", [None, "until grown"])
+def test_an_append_past_the_buffers_width_grows_them_without_attend_width(row_major, monkeypatch):
     """A no-gradient append that did not ask ``attend_width`` first (every lean forward asks; a direct
     caller need not) and runs past the buffers' CACHE_GROW spare columns: the buffers grow, and the
-    cache holds every column appended, in order, whatever the growth."""
+    cache holds every column appended, in order, whatever the growth. The keys row-major at these
+    widths (below KEYS_ROW_MAJOR); with KEYS_ROW_MAJOR at the first buffer's width, row-major until
+    the growth passes it, then transposed (the filled columns copied across)."""
+    import rlvr.models.lean_llama as lean
     from rlvr.models.lean_llama import LeanCache
     from rlvr.models.lean_llama.limits import CACHE_GROW
 
     g = torch.Generator().manual_seed(0)
     B, H, D, L0, steps = 2, 3, 4, 5, CACHE_GROW + 7
+    if row_major:
+        monkeypatch.setattr(lean, "KEYS_ROW_MAJOR", L0 + CACHE_GROW)
     cache = LeanCache(1, B, L0 + steps, "cpu")
-    assert cache.keys_t
+    assert cache.spare_cols
     ks = [torch.randn(B, H, L0, D, generator=g)] + [torch.randn(B, H, 1, D, generator=g) for _ in range(steps)]
     vs = [torch.randn(B, H, k.size(2), D, generator=g) for k in ks]
     with torch.no_grad():
         cache.append(0, ks[0], vs[0])                                   # the prefill: L0 + CACHE_GROW columns
-        assert cache._kbuf[0].size(3) == L0 + CACHE_GROW
+        assert cache._kbuf[0].shape == (B, H, L0 + CACHE_GROW, D) == cache._vbuf[0].shape   # row-major keys
         for k, v in zip(ks[1:], vs[1:]):
             keys, values = cache.append(0, k, v)
-    assert cache._kbuf[0].size(3) == L0 + steps                      # grown, to max_len at most
+    assert cache._vbuf[0].size(2) == L0 + steps                      # grown, to max_len at most
+    assert cache._kbuf[0].shape == ((B, H, D, L0 + steps) if row_major else (B, H, L0 + steps, D))
     assert torch.equal(keys, torch.cat(ks, dim=2)) and torch.equal(values, torch.cat(vs, dim=2))

@@ -130,8 +130,9 @@ def _lean_keep_rows(cache: LeanCache, rows: torch.Tensor) -> torch.Tensor:
         if cache.group > 1:                              # keys transposed: (P, Hkv, D, cols)
             cache._kbuf[li] = _move_rows(cache._kbuf[li], order, dst, src, (slice(None), slice(None), slice(0, S)))
             cache.k[li] = cache._kbuf[li][..., :S]
-        else:                                            # (B, Hkv, D, max_len) or (B, Hkv, max_len, D)
-            cols = (slice(None), slice(None), slice(0, S)) if cache.keys_t else (slice(None), slice(0, S))
+        else:                                            # (B, Hkv, D, cols) or (B, Hkv, cols, D)
+            transposed = cache.keys_transposed(cache._vbuf[li].size(2))
+            cols = (slice(None), slice(None), slice(0, S)) if transposed else (slice(None), slice(0, S))
             cache._kbuf[li] = _move_rows(cache._kbuf[li], order, dst, src, cols)
             cache.k[li] = cache.key_view(li, S)
         cache._vbuf[li] = _move_rows(cache._vbuf[li], order, dst, src, (slice(None), slice(0, S)))
@@ -144,28 +145,29 @@ def ungroup(cache: LeanCache, rows: torch.Tensor) -> torch.Tensor:
     """Keep ``rows`` (n,) long ascending of a ``LeanCache`` in the grouped layout as rows 0 ... n-1 of
     its plain layout, in place; returns ``rows``. Each kept row gets its own copy of its prompt's
     columns followed by its own (column ``prefix + s * G + g`` of its group's is its step s), in
-    new buffers of the plain layout (values (n, Hkv, cols, D), keys (n, Hkv, D, cols), ``CACHE_GROW``
-    columns to spare: the grouped layout is a CPU one, where the plain layout's keys are transposed,
-    ``LeanCache.keys_t``);
+    new buffers of the plain layout (values (n, Hkv, cols, D), keys as ``LeanCache.keys_transposed``
+    says for that width, ``CACHE_GROW`` columns to spare: the grouped layout is a CPU one);
     the grouped ones are let go. What lets a row leave its group: a decode step then attends as
     with a cache repeated G times from the start."""
     G, pre = cache.group, cache.prefix
     n_steps = cache.length - pre
     p, g = torch.div(rows, G, rounding_mode="floor"), rows % G                   # (n,) prompt, sample
+    cols = min(cache.max_len, pre + n_steps + lean_llama.CACHE_GROW)   # LeanCache.spare_cols' spare columns
+    transposed = cache.keys_transposed(cols)
     for li, kT in enumerate(cache.k):
         v = cache.v[li]                                        # (P, Hkv, pre + G * n_steps, D)
         P, Hkv, D, _ = kT.shape
-        cols = min(cache.max_len, pre + n_steps + lean_llama.CACHE_GROW)   # LeanCache.keys_t's spare columns
-        kb = kT.new_zeros(rows.numel(), Hkv, D, cols)          # (n, Hkv, D, cols)
         vb = v.new_zeros(rows.numel(), Hkv, cols, D)
-        kb[..., :pre] = kT[p, :, :, :pre]
+        kb = kT.new_zeros(rows.numel(), Hkv, D, cols) if transposed else torch.zeros_like(vb)
+        kt = kb if transposed else kb.transpose(2, 3)          # (n, Hkv, D, cols) either way
+        kt[..., :pre] = kT[p, :, :, :pre]
         vb[:, :, :pre] = v[p, :, :pre]
         own_k = kT[..., pre:].view(P, Hkv, D, n_steps, G)      # step s, row g at s * G + g
         own_v = v[:, :, pre:].view(P, Hkv, n_steps, G, D)
-        kb[..., pre:pre + n_steps] = own_k[p, :, :, :, g]      # (n, Hkv, D, n_steps)
+        kt[..., pre:pre + n_steps] = own_k[p, :, :, :, g]      # (n, Hkv, D, n_steps)
         vb[:, :, pre:pre + n_steps] = own_v[p, :, :, g]
         cache._kbuf[li], cache._vbuf[li] = kb, vb
-    cache.group, cache.prefix, cache.keys_t = 1, 0, True
+    cache.group, cache.prefix, cache.spare_cols = 1, 0, True
     for li in range(len(cache.k)):
         cache.k[li], cache.v[li] = cache.key_view(li, pre + n_steps), cache._vbuf[li][:, :, :pre + n_steps]
     cache.mask, cache.next_pos = cache.mask[rows], cache.next_pos[rows]

@@ -39,7 +39,7 @@ import types
 
 from rlvr.compiled import compile_available, compiled_call  # noqa: F401
 
-from .limits import CACHE_GROW, GROUP_ATTENTION_FLOPS, GROUP_SCORES, HEAD_CHUNK, HEAD_ROWS, LIVE_ROWS, PACK_ROWS, SMALL_ATTENTION  # noqa: F401
+from .limits import CACHE_GROW, GROUP_ATTENTION_FLOPS, GROUP_SCORES, HEAD_CHUNK, HEAD_ROWS, KEYS_ROW_MAJOR, LIVE_ROWS, PACK_ROWS, SMALL_ATTENTION  # noqa: F401
 from .cache import grouped_layout, init_rows, LeanCache, repeat_rows  # noqa: F401
 from .families import (_FAMILIES, layer_windows, lean_families, lean_llama_unsupported, peft_unsupported,
                        sliding_window, STATIC_ROPE)  # noqa: F401
@@ -64,7 +64,7 @@ from .forward import (_all_rows, _checkpointed_layer, _layer, lean_forward, lean
                       _Pass)  # noqa: F401
 
 __all__ = [
-    "CACHE_GROW", "GROUP_ATTENTION_FLOPS", "GROUP_SCORES", "HEAD_CHUNK", "HEAD_ROWS", "LIVE_ROWS", "LeanCache", "PACK_ROWS",
+    "CACHE_GROW", "GROUP_ATTENTION_FLOPS", "GROUP_SCORES", "HEAD_CHUNK", "HEAD_ROWS", "KEYS_ROW_MAJOR", "LIVE_ROWS", "LeanCache", "PACK_ROWS",
     "RopeTable", "SMALL_ATTENTION", "STATIC_ROPE", "bf16_weights", "compiled_plan", "decode_reads_packs",
     "drop_kept_copies", "grouped_layout", "init_rows", "layer_rope_types", "layer_windows", "lean_families", "lean_forward",
     "lean_forward_shared", "lean_llama_unsupported", "linear", "linear_t", "output_head", "peft_unsupported",

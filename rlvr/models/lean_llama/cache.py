@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .limits import CACHE_GROW, GROUP_ATTENTION_FLOPS
+from .limits import CACHE_GROW, GROUP_ATTENTION_FLOPS, KEYS_ROW_MAJOR
 
 
 def init_rows(cache, batch_size: int, max_len: int, device) -> None:
@@ -37,15 +37,15 @@ class LeanCache:
     ``torch.cat`` (so gradients flow through the cache: the training forward's shared prompt);
     without gradient (sampling) the first append allocates (B, Hkv, max_len, D) buffers and every
     later one writes its columns in place, so a decode step copies one column, not the whole cache.
-    ``k[li]`` / ``v[li]`` are then views of the first S columns of those buffers. On a CPU the keys'
-    buffer holds them transposed, (B, Hkv, D, max_len) (``keys_t``), and ``k[li]`` is a transposed
-    view of its first S columns, still (B, Hkv, S, D): the scores' product takes each (D, S) block
-    as a plain strided matrix, where a (S, D) view would be copied into its transpose, the whole
-    cache at every layer of every decode step (at chain-of-thought lengths most of its attention). Those
-    buffers are ``CACHE_GROW`` columns wider than the columns filled (grown by as many when full,
-    the new columns zero), and a no-gradient call attends over their whole width
-    (``attend_width``): a view of the first S columns of a wider buffer is not one contiguous
-    tensor, and oneDNN's batched bf16 product copies any operand that is not.
+    ``k[li]`` / ``v[li]`` are then views of the first S columns of those buffers. On a CPU
+    (``spare_cols``) those buffers are ``CACHE_GROW`` columns wider than the columns filled (grown by
+    as many when full, the new columns zero), and a no-gradient call attends over their whole width
+    (``attend_width``): a view of the first S columns of a wider buffer is not one contiguous tensor,
+    and oneDNN's batched bf16 product copies any operand that is not. Past ``KEYS_ROW_MAJOR``
+    columns the keys' buffer holds them transposed, (B, Hkv, D, cols) (``keys_transposed``), and
+    ``k[li]`` is a transposed view of it, still (B, Hkv, S, D): at long widths the scores' product
+    reads each (D, S) block faster as a plain matrix than through a transposed view; at short ones
+    the row-major buffer's cheaper column writes win.
 
     Grouped layout (``group`` = G > 1, see ``repeat_interleave``): the P prompts' keys / values are
     kept once, not G times, and the G rows of a prompt append theirs after them, step by step:
@@ -66,8 +66,9 @@ class LeanCache:
         """G > 1 in the grouped layout: rows b*G ... b*G+G-1 share the first ``prefix`` columns."""
         self.prefix = 0
         """Columns stored once per group (the prompt's) in the grouped layout."""
-        self.keys_t = torch.device(device).type == "cpu"
-        """Plain layout, buffers allocated: the keys' buffers are (B, Hkv, D, cols) (class docstring)."""
+        self.spare_cols = torch.device(device).type == "cpu"
+        """Plain layout without gradient: buffers ``CACHE_GROW`` columns wider than those filled, grown
+        when full and attended whole, keys transposed past ``KEYS_ROW_MAJOR`` columns (class docstring)."""
         self.width = 0
         """Columns the current no-gradient call attends over (``attend_width``); 0: those filled."""
         self._whole: list[tuple | None] = [None] * n_layers
@@ -81,32 +82,39 @@ class LeanCache:
         grouped layout, gradient, a GPU). The columns past S hold zeros or an earlier row's finite
         values; the caller masks them (``_attention_masks``' ``width``)."""
         self.width = 0
-        if torch.is_grad_enabled() or self.group > 1 or not self.keys_t or any(b is None for b in self._kbuf):
+        if torch.is_grad_enabled() or self.group > 1 or not self.spare_cols or any(b is None for b in self._kbuf):
             return S
-        if S > self._kbuf[0].size(3):
+        if S > self._vbuf[0].size(2):
             self.grow(min(self.max_len, S + CACHE_GROW))
-        self.width = self._kbuf[0].size(3)
+        self.width = self._vbuf[0].size(2)
         return self.width
 
     def grow(self, cols: int) -> None:
-        """Widen every layer's plain-layout buffers (``keys_t``) to ``cols`` columns, the filled ones
-        copied, the new ones zero; nothing for other buffers (they hold max_len columns)."""
-        if not self.keys_t or self.group > 1:
+        """Widen every layer's plain-layout buffers (``spare_cols``) to ``cols`` columns, the filled ones
+        copied (the keys transposed where ``cols`` passes ``KEYS_ROW_MAJOR``), the new ones zero;
+        nothing for other buffers (they hold max_len columns)."""
+        if not self.spare_cols or self.group > 1:
             return
         for li, (kb, vb) in enumerate(zip(self._kbuf, self._vbuf)):
-            if kb is None or kb.size(3) >= cols:
+            if kb is None or vb.size(2) >= cols:
                 continue
             S = self.v[li].size(2)
-            nk, nv = kb.new_zeros(*kb.shape[:3], cols), vb.new_zeros(vb.size(0), vb.size(1), cols, vb.size(3))
-            nk[..., :S] = kb[..., :S]
-            nv[:, :, :S] = vb[:, :, :S]
+            nv = vb.new_zeros(vb.size(0), vb.size(1), cols, vb.size(3))
+            nk = kb.new_zeros(*nv.shape[:2], nv.size(3), cols) if self.keys_transposed(cols) else torch.zeros_like(nv)
             self._kbuf[li], self._vbuf[li] = nk, nv
+            self.key_view(li, S).copy_(self.k[li])
+            nv[:, :, :S] = vb[:, :, :S]
             self.k[li], self.v[li] = self.key_view(li, S), nv[:, :, :S]
+
+    def keys_transposed(self, cols: int) -> bool:
+        """Whether plain-layout key buffers ``cols`` columns wide hold the keys transposed, (B, Hkv, D,
+        cols): on a CPU (``spare_cols``) past ``KEYS_ROW_MAJOR`` columns (class docstring)."""
+        return self.spare_cols and cols > KEYS_ROW_MAJOR
 
     def key_view(self, li: int, S: int) -> torch.Tensor:
         """Layer ``li``'s first S key columns of its buffer as (B, Hkv, S, D) (plain layout)."""
         kb = self._kbuf[li]
-        return kb[..., :S].transpose(2, 3) if self.keys_t else kb[:, :, :S]
+        return kb[..., :S].transpose(2, 3) if self.keys_transposed(self._vbuf[li].size(2)) else kb[:, :, :S]
 
     length = property(lambda self: self.mask.size(1))
     batch_size = property(lambda self: self.mask.size(0))
@@ -129,28 +137,26 @@ class LeanCache:
             S = past + k.size(2)
             if kb is None:              # the first append without gradient (the forward checks max_len)
                 B, Hkv, _, D = k.shape
-                if self.keys_t:         # CACHE_GROW columns to spare, zero: attended whole (class docstring)
+                if self.spare_cols:     # CACHE_GROW columns to spare, zero: attended whole (class docstring)
                     cols = min(self.max_len, S + CACHE_GROW)
-                    kb, vb = k.new_zeros(B, Hkv, D, cols), v.new_zeros(B, Hkv, cols, D)
+                    vb = v.new_zeros(B, Hkv, cols, D)
+                    kb = k.new_zeros(B, Hkv, D, cols) if self.keys_transposed(cols) else torch.zeros_like(vb)
                 else:
                     kb, vb = k.new_empty(B, Hkv, self.max_len, D), v.new_empty(B, Hkv, self.max_len, D)
                 self._kbuf[li], self._vbuf[li] = kb, vb
                 if past:
                     self.key_view(li, past).copy_(self.k[li])
                     vb[:, :, :past] = self.v[li]
-            elif self.keys_t and S > kb.size(3):   # a call that did not ask attend_width first
+            elif self.spare_cols and S > vb.size(2):   # a call that did not ask attend_width first
                 self.grow(min(self.max_len, S + CACHE_GROW))
                 kb, vb = self._kbuf[li], self._vbuf[li]
-            if self.keys_t:
-                kb[..., past:S].copy_(k.transpose(2, 3))
-            else:
-                kb[:, :, past:S] = k
+            self.key_view(li, S)[:, :, past:].copy_(k)
             vb[:, :, past:S] = v
             self.k[li], self.v[li] = self.key_view(li, S), vb[:, :, :S]
             if not past:        # a first call (a prefill) attends with its keys as computed: the same
                 return k, self.v[li]   # values, in the layout SDPA reads without a copy
             if self.width >= S:         # attend_width: the buffers whole
-                if self.width == kb.size(3) == vb.size(2):
+                if self.width == vb.size(2):
                     return self._whole_views(li)
                 return self.key_view(li, self.width), vb[:, :, :self.width]
             return self.k[li], self.v[li]
@@ -163,7 +169,7 @@ class LeanCache:
         kb, vb = self._kbuf[li], self._vbuf[li]
         hit = self._whole[li]
         if hit is None or hit[0] is not kb or hit[1] is not vb:
-            hit = self._whole[li] = (kb, vb, self.key_view(li, kb.size(3)), vb[:, :, :vb.size(2)])
+            hit = self._whole[li] = (kb, vb, self.key_view(li, vb.size(2)), vb[:, :, :vb.size(2)])
         return hit[2], hit[3]
 
     def _append_grouped(self, li: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

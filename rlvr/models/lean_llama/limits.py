@@ -30,10 +30,20 @@ live row's numbers do not depend on how many others have finished, except in fp3
 rows, where MKL rounds differently."""
 
 CACHE_GROW = 32
-"""A CPU cache's plain-layout buffers (``LeanCache.keys_t``) are allocated this many columns past
+"""A CPU cache's plain-layout buffers (``LeanCache.spare_cols``) are allocated this many columns past
 those filled, and grown by as many when full: a no-gradient call attends over their whole width
 (``LeanCache.attend_width``), so its products read whole contiguous tensors (oneDNN's batched
 bf16 product copies any other operand) at the price of up to this many masked columns a row."""
+
+KEYS_ROW_MAJOR = 512
+"""A CPU cache's plain-layout key buffers at most this many columns wide hold each row's keys
+row-major, (B, Hkv, cols, D) as the values, and wider ones transposed, (B, Hkv, D, cols)
+(``LeanCache.keys_transposed``; a buffer changes layout when it is grown past this width). A decode
+step writes one column a row: row-major, each row's new key is one contiguous run; transposed, D
+separate elements a row and head, each in a cache line of its own. The transposed buffer is the
+scores' product's plain (D, S) operand, where the row-major one is read through a transposed view,
+which costs more as S grows; the bound sits below where the two break even at SmolLM2's shapes
+(see docs/performance.md)."""
 
 GROUP_SCORES = 1 << 22
 """Grouped attention computes its score matrix (P * Hkv, G * L * rep, S) in query chunks of at most
