@@ -111,9 +111,9 @@ class ModelConfig:
     forward of more than one token a row (the training forward and its backward, the no-gradient
     scoring forwards of logp_old and the reference, the sampling prefill) runs each decoder layer
     through torch.compile (one compiled function a layer in the one-pass forward of a group's prompt
-    and responses; elsewhere, as in a prefill, whose cache writes sit between them, q/k/v and the rest
-    compiled apart with the attention between them eager), and the token log-probs' log-sum-exp and backward as one compiled pass each:
-    Inductor's fused kernels for the elementwise passes between the products. Decode steps stay eager. Compiling takes tens of seconds, at the first training
+    and responses; elsewhere, as in a prefill, whose cache writes sit between them, q/k/v and the
+    rest compiled apart with the attention between them eager), and the token log-probs'
+    log-sum-exp and backward as one compiled pass each: Inductor's fused kernels for the elementwise passes between the products. Decode steps stay eager. Compiling takes tens of seconds, at the first training
     step, the first prefill and the first no-gradient forward (one code for every batch length),
     which the price's wall time leaves out: it pays over runs of a few minutes or more, not in short
     ones (figures: docs/benchmarks.md). The numbers change by rounding (under bf16 Inductor keeps fused chains
