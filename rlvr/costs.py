@@ -43,8 +43,9 @@ below T) every T above but the memory's becomes that mean length, and the expect
 the lengths as geometric with that mean, cut at T (`length_survival`): a batch decodes until its
 longest row ends (`expected_longest`), each step computing the rows still in the batch
 (`decode_rows_per_step`) at a fixed cost plus a cost per row (`decode_split`, from decode steps
-measured at two row counts), and each learn part runs to its rows' expected columns
-(`learn_part_widths`; the length model is rlvr.lengths). At 0 or T: the upper bounds above, unchanged.
+measured at two row counts), and each learn part takes the time the learn probe measured for a
+part with its rows at the expected lengths (else its rows' expected columns, `learn_part_widths`,
+in proportion; the length model is rlvr.lengths). At 0 or T: the upper bounds above, unchanged.
 
 Memory: rlvr.memory_model (the peak resident set, every term's formula).
 """
@@ -63,6 +64,7 @@ from rlvr.lengths import (  # noqa: F401  (the price's length model; rlvr.costs.
     expected_decode_seconds,
     expected_longest,
     learn_part_widths,
+    part_lengths,
     length_ratio,
     length_survival,
 )
@@ -138,9 +140,9 @@ class Price:
     """The parts each gradient step runs its forwards and backwards in (`learn_part_s` each)."""
     optimizer_step_s: float = 0.0
     """Measured seconds of one optimizer step over the trainable parameters (rlvr.learn.learn_part_seconds)."""
-    learn_call_s: float = 0.0
-    """Measured seconds of one learn forward and backward call whatever its positions
-    (rlvr.learn.learn_part_seconds): each length bucket pays it; 0 = not measured."""
+    learn_expected_part_s: float = 0.0
+    """Measured seconds of a `learn_part_s` part with its rows at the expected response lengths
+    (rlvr.learn.learn_part_seconds): the learn stage's part there; 0 = not measured."""
     learn_buckets_per_part: float = 0.0
     """At an expected length with train.length_buckets: the mean buckets a part's forward is cut
     into (rlvr.costs.expected_buckets); 0 = one call a part."""
@@ -445,17 +447,17 @@ class Measured:
     decode_cell_s: float = 0.0
     """Seconds more a decode step costs per row for each column the row has cached past its prompt
     (rlvr.probes.decode_column_seconds); 0 = not measured (a step costs the same at every column)."""
-    learn_call_s: float = 0.0
-    """Seconds of one learn forward and backward call whatever its positions (the line through two
-    widths, rlvr.learn.learn_part_seconds): what each length bucket of a part pays."""
+    learn_expected_part_s: float = 0.0
+    """Seconds of that part with its rows at the expected response lengths (rlvr.lengths.part_lengths,
+    rlvr.learn.learn_part_seconds); 0 = not measured (the part at T scaled to the expected positions)."""
     learn_peak_bytes: int = 0
     """The process's resident bytes at the peak of a learn part at the cap (rlvr.learn.learn_part_seconds)."""
 
-    def with_learn(self, learn_part_s: float, optimizer_step_s: float, learn_call_s: float = 0.0,
+    def with_learn(self, learn_part_s: float, optimizer_step_s: float, learn_expected_part_s: float = 0.0,
                    learn_peak_bytes: int = 0) -> Measured:
         """These figures with the learn stage's measured times and peak."""
-        return replace(self, learn_part_s=learn_part_s, optimizer_step_s=optimizer_step_s, learn_call_s=learn_call_s,
-                       learn_peak_bytes=learn_peak_bytes)
+        return replace(self, learn_part_s=learn_part_s, optimizer_step_s=optimizer_step_s,
+                       learn_expected_part_s=learn_expected_part_s, learn_peak_bytes=learn_peak_bytes)
 
 
 @dataclass(frozen=True)
@@ -576,7 +578,7 @@ def price(run: RunShape, measured: Measured = Measured(), mem: MemoryInputs | No
         learn_part_s=float(m.learn_part_s) if measured_learn else 0.0,
         learn_parts_per_step=parts if measured_learn else 0,
         optimizer_step_s=float(m.optimizer_step_s) if measured_learn else 0.0,
-        learn_call_s=float(m.learn_call_s) if measured_learn else 0.0,
+        learn_expected_part_s=float(m.learn_expected_part_s) if measured_learn else 0.0,
         decode_cell_s=float(m.decode_cell_s) if expected else 0.0,
         flops_logp_old_per_batch=float(tok.logp_old * fwd), entropy_forward=run.entropy_forward,
         logp_old_recomputed=run.recompute_logp_old, logp_old_note=run.logp_old_note,

@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 from rlvr import config as config_mod, logprobs, losses, optim, sampling, scoring
+from rlvr.lengths import length_survival, part_lengths
 from rlvr.policy import Policy
 from rlvr.rollout import Batch, forward_tokens, micro_rows
 from rlvr.scoring import bucket_positions, response_extent
@@ -404,8 +405,8 @@ step's time then scales with the trainable parameter count: it is bound by memor
 
 def learn_part_seconds(setup: Setup) -> tuple[float, float, float, int]:
     """(seconds of one `train.micro_batches` part's training forward and backward, seconds of one
-    optimizer step, seconds of one forward and backward call whatever its positions, this process's
-    peak resident bytes while a whole part ran), measured on this run's policy before it trains, to
+    optimizer step, seconds of that part at the expected response lengths, this process's peak
+    resident bytes while a whole part ran), measured on this run's policy before it trains, to
     price the learn stage's time and memory.
 
     The part: ceil(groups per minibatch / parts) groups of G rows at the longest prompt's length
@@ -421,11 +422,12 @@ def learn_part_seconds(setup: Setup) -> tuple[float, float, float, int]:
     The optimizer step: the run's optimizer (rlvr.learn.make_optimizer) over a scratch parameter of
     min(trainable parameters, OPTIMIZER_PROBE_ELEMENTS) elements, its state allocated by a first
     step, the best of three steps, scaled to the trainable parameter count.
-    The call's fixed cost (what each length bucket of a forward pays, train.length_buckets): one
-    group timed at T // 4 response columns as well as at T (each the best of two), the line
-    through the two at no columns (its prompt's share counted as positions, as the price counts
-    them), at most a one-column call beyond its positions, that call's excess alone where the line
-    is at or below 0 at none (`_call_seconds`); 0 where T < 8 or the line does not rise.
+    The part at the expected lengths (sampling.expected_response_tokens below T; else 0): the same
+    groups with their rows at the length model's quantiles (rlvr.lengths.part_lengths), through the
+    same `accumulate`, its length buckets cut as the learn stage cuts them (train.length_buckets),
+    a warm-up call, then the best of two. The price takes it as its learn part there: a part's time
+    is not proportional to its positions (each bucket's forward and backward costs something
+    whatever its width, and narrow products run below the matmul rate).
     With a learner group (distributed.learners > 1) on this machine: one rank's share of a
     minibatch at a learner actor's threads (rlvr.probes.learn_probe_share; this process's threads
     restored after); the ranks' gradient all-reduce is not timed.
@@ -460,56 +462,35 @@ def learn_part_seconds(setup: Setup) -> tuple[float, float, float, int]:
                 # make the larger part the shorter: the pair again
                 one, two = ordered_pair(lambda: timed(1), lambda: timed(2), LEARN_PROBE_RETRIES, rounds=2)
                 part = one + max(two - one, 0.0) * (per_part - 1)
-            call = 0.0
-            if setup.limits.max_new_tokens >= 8:     # a call's fixed cost, from one group at T and at T // 4
-                one = one if per_part > 2 else part if per_part == 1 else min(timed(1), timed(1), timed(1))
-                call = _call_seconds(setup, params, one)
+            expected, T = 0.0, setup.limits.max_new_tokens
+            if 0 < cfg.sampling.expected_response_tokens < T:    # the part at the expected lengths
+                G = cfg.train.samples_per_prompt
+                at = _part_timer(setup, params, T, part_lengths(
+                    length_survival(cfg.sampling.expected_response_tokens, T), per_part, G))
+                at(per_part)                                           # warm-up at the new shapes
+                expected = min(at(per_part), at(per_part))
         step = _optimizer_step_seconds(params, tc, device)
     finally:
         model.train(was)
         torch.set_num_threads(was_threads)
-    return part, step, call, peak
+    return part, step, expected, peak
 
 
-def _call_seconds(setup: Setup, params: list, at_t: float) -> float:
-    """The fixed seconds of a learn forward and backward call (`learn_part_seconds`): one group at
-    the response bound T (`at_t` seconds) and at T // 4 columns, the line through them in the positions a
-    row computes (its prompt's share, its columns; rlvr.costs counts a part's the same way) taken
-    at none, at most what a call of one response column takes beyond its positions on that line (a
-    fixed cost is no more than its smallest call); where the line's value at none is 0 or less, that
-    one-column call's excess alone (the line then overstates the cost a position: a call costs
-    something whatever its positions). The two widths are timed a while apart, and a machine whose
-    speed moves between them moves the line's value at none by about four thirds of the move at
-    T // 4, either way (docs/benchmarks.md has runs it misled both ways); the one-column call,
-    timed next to the T // 4 one, bounds it and stands in for it."""
-    T = setup.limits.max_new_tokens
-    short = _part_timer(setup, params, T // 4)
-    short(1)                                                         # warm-up at the new shape
-    at_short = min(short(1), short(1))
-    G = setup.cfg.train.samples_per_prompt
-    prompt = setup.limits.prompt_tokens / G if shares_prompt(setup.cfg, setup.model) else setup.limits.prompt_tokens
-    long_pos, short_pos = prompt + T - 1, prompt + T // 4 - 1
-    if at_t <= at_short:
-        return 0.0
-    per_pos = (at_t - at_short) / (long_pos - short_pos)
-    line = at_short - per_pos * short_pos                            # the line at no positions
-    tiny = _part_timer(setup, params, 1)
-    tiny(1)                                                          # warm-up at the new shape
-    beyond = max(min(tiny(1), tiny(1)) - per_pos * prompt, 0.0)      # one column's call past its positions
-    return min(line if line > 0 else beyond, beyond, at_short)
-
-
-def _probe_batch(setup: Setup, groups: int, T: int) -> Batch:
+def _probe_batch(setup: Setup, groups: int, T: int, lengths: list[int] | None = None) -> Batch:
     """`groups` groups of G synthetic rows for `learn_part_seconds`: pad prompts of the longest
-    prompt's length, every one of the T response tokens in the loss, Δ = ±1."""
+    prompt's length, every one of the T response tokens in the loss, Δ = ±1; with `lengths` (a
+    length a row) row i's first lengths[i] tokens, the rest padding (attention mask 0, out of the loss)."""
     cfg, device = setup.cfg, setup.device
     G = cfg.train.samples_per_prompt
     Lp, pad = max(1, setup.limits.prompt_tokens), setup.tokenizer.pad_id
     B = groups * G
+    mask = torch.ones((B, T), device=device)
+    if lengths is not None:
+        mask = (torch.arange(T, device=device)[None] < torch.tensor(lengths, device=device)[:, None]).float()
     ro = sampling.Rollout(
         ids=torch.full((B, Lp + T), pad, dtype=torch.long, device=device),
-        attention_mask=torch.ones((B, Lp + T), dtype=torch.long, device=device), prompt_len=Lp,
-        mask=torch.ones((B, T), device=device), logp=torch.zeros((B, T), device=device),
+        attention_mask=torch.cat([torch.ones((B, Lp), dtype=torch.long, device=device), mask.long()], dim=1),
+        prompt_len=Lp, mask=mask, logp=torch.zeros((B, T), device=device),
         truncated=torch.zeros(B, dtype=torch.bool, device=device), temperature=cfg.sampling.temperature,
         top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k, min_p=cfg.sampling.min_p)
     delta = (torch.arange(B, device=device) % 2 * 2 - 1).float().view(groups, G)  # Δ = ±1
@@ -517,10 +498,11 @@ def _probe_batch(setup: Setup, groups: int, T: int) -> Batch:
                  logp_ref=ro.logp.clone() if cfg.algorithm.kl_coef > 0 else None, version=0)
 
 
-def _part_timer(setup: Setup, params: list, T: int | None = None) -> Callable[[int], float]:
+def _part_timer(setup: Setup, params: list, T: int | None = None,
+                lengths: list[int] | None = None) -> Callable[[int], float]:
     """groups -> seconds of one `accumulate` (forward, loss, backward) over a synthetic batch of that
-    many groups of T response columns (None: the run's bound; `_probe_batch`, built once per size),
-    the gradients dropped after."""
+    many groups of T response columns (None: the run's bound), its rows of `lengths` where given
+    (`_probe_batch`), the gradients dropped after."""
     cfg, device = setup.cfg, setup.device
     G, T = cfg.train.samples_per_prompt, T or setup.limits.max_new_tokens
     one_part = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batches=1))
@@ -529,7 +511,7 @@ def _part_timer(setup: Setup, params: list, T: int | None = None) -> Callable[[i
     made = {}
 
     def timed(groups: int) -> float:
-        b = made.setdefault(groups, _probe_batch(setup, groups, T))
+        b = made[groups] if groups in made else made.setdefault(groups, _probe_batch(setup, groups, T, lengths))
         dt = time_calls(lambda: accumulate(learner, b, torch.arange(groups * G, device=device), b.delta_rows),
                         device)
         for p in params:

@@ -8,7 +8,8 @@ rows still in the batch (``decode_rows_per_step``: finished rows leave it, rlvr.
 at a fixed cost plus a cost per row (``decode_split``, from decode steps measured at two row
 counts; ``expected_decode_seconds``), and a cost per row for each column a row has cached
 (``decode_row_columns``: its attention reads them); each learn part runs to its rows' expected
-columns (``learn_part_widths``), in the buckets the learn stage cuts (``expected_buckets``).
+columns (``learn_part_widths``), in the buckets the learn stage cuts (``expected_buckets``); a
+part at the expected lengths is what the learn probe times (``part_lengths``).
 """
 
 from __future__ import annotations
@@ -123,6 +124,17 @@ def expected_buckets(survival: list[float], rows: int, draws: int = BUCKET_DRAWS
         buckets += len(cut)
         positions += sum(len(b) * int(ext[b].max()) for b in cut)
     return buckets / draws, positions / draws
+
+
+def part_lengths(survival: list[float], groups: int, G: int) -> list[int]:
+    """Response lengths of a learn part of `groups` groups of G rows as the length model expects one
+    (rlvr.learn.learn_part_seconds times such a part): its n = groups x G rows at the model's
+    quantiles u = (i + 1/2) / n, i = 0 .. n - 1 (at u: 1 + the steps t >= 1 with survival[t] > u, as
+    `expected_buckets` draws), dealt to the groups in turn, so that each group spans the spread as a
+    sampled group does: row g * G + j gets quantile j * groups + g."""
+    n = groups * G
+    at = [1 + sum(1 for s in survival[1:] if s > (i + 0.5) / n) for i in range(n)]
+    return [at[j * groups + g] for g in range(groups) for j in range(G)]
 
 
 def learn_part_widths(survival: list[float], groups: int, G: int, parts: int, length_buckets: bool) -> list[float]:

@@ -34,9 +34,9 @@ def expected_lengths(run: RunShape, m: Measured, so: ScaleOut, parts: int) -> Ex
     part plus the rows each step computes at the part per row, plus `decode_cell_s` a row for each
     column it has cached (`decode_row_columns`); each learn part at its rows' expected columns
     (`learn_part_widths`; with length buckets the mean of `expected_buckets`' cuts, their padding
-    counted), as a fraction of the measured part at T: the part's time less one call's fixed cost
-    `learn_call_s` taken as proportional to the positions a row computes (its prompt's share
-    included), plus that fixed cost once a bucket."""
+    counted), as a fraction of the measured part at T: the part measured at the expected lengths
+    (`learn_expected_part_s`) where it was, else the part at T in proportion to the positions a row
+    computes (its prompt's share included)."""
     G, T, Lp = run.samples_per_prompt, run.max_new_tokens, run.prompt_tokens
     survival = length_survival(run.priced_response_tokens, T)
     rows = (so.decode_share[0] if so.decode_share else run.prompts_per_step) * G
@@ -51,10 +51,9 @@ def expected_lengths(run: RunShape, m: Measured, so: ScaleOut, parts: int) -> Ex
         buckets, positions = expected_buckets(survival, part_rows)
         widths = [positions / part_rows] * parts
     prompt = Lp / G if run.shared_prompt else Lp          # a row's prompt positions (once a group where shared)
-    call = min(m.learn_call_s, m.learn_part_s)
     share = [(prompt + w - 1) / (prompt + T - 1) for w in widths]
-    if m.learn_part_s > 0:
-        share = [(call * max(buckets, 1.0) + (m.learn_part_s - call) * f) / m.learn_part_s for f in share]
+    if m.learn_expected_part_s > 0 and m.learn_part_s > 0:
+        share = [m.learn_expected_part_s / m.learn_part_s] * parts
     return Expected(decode_s=decode_s, decode_steps=steps, decode_rows=computed / max(steps, 1e-9),
                      fixed_s=fixed, per_row_s=per_row, parts=sum(share),
                      part_tokens=sum(widths) / len(widths), buckets=buckets)

@@ -123,8 +123,8 @@ def wall_line(p: Price) -> str:
                   f"{p.learn_part_tokens:,.0f} response columns on average (its part's longest row, or with "
                   f"train.length_buckets its bucket's, {p.learn_buckets_per_part:.1f} buckets a part), so "
                   f"{p.learn_part_fraction:.2f} such parts"
-                  + (f" with {p.learn_call_s * 1e3:,.3g} ms a call whatever its positions (measured at two widths, "
-                     f"at most a one-column call, that call where the line falls to none)" if p.learn_call_s else "")
+                  + (f" (a part at the expected lengths measured at {p.learn_expected_part_s * 1e3:,.4g} ms)"
+                     if p.learn_expected_part_s else "")
                   if p.expected_response_tokens and p.learn_part_fraction else "")
                + (f" of one learner rank's share at {p.learn_threads} torch thread(s); the {p.learner_ranks} "
                   f"ranks side by side; their gradient all-reduce not counted" if p.learner_ranks > 1 else "")

@@ -192,23 +192,41 @@ def test_expected_buckets_cut_drawn_parts_as_the_learn_stage_does(monkeypatch):
     assert costs.expected_buckets([1.0, 1.0, 0.5, 0.5], 16) == pytest.approx((1.0, 64.0), abs=1e-3)
 
 
-def test_a_learn_calls_fixed_cost_is_paid_once_a_bucket():
+def test_a_part_measured_at_the_expected_lengths_prices_the_learn_stage_there():
     base = {**BASE, "prompts_per_step": 8, "samples_per_prompt": 8, "max_new_tokens": 256, "prompt_tokens": 64,
             "steps": 2, "epochs_per_batch": 1, "minibatches": 1, "micro_batches": 4, "n_params": 135_000_000,
             "matmul_flops_per_s": 1e11, "decode_step_s": 0.15, "learn_part_s": 8.0, "compact_finished": 0.25,
             "length_buckets": True, "expected_response_tokens": 87, "shared_prompt": False}
-    plain, called = pricing.price(**base), pricing.price(**base, learn_call_s=0.5)
+    plain, measured = pricing.price(**base), pricing.price(**base, learn_expected_part_s=3.0)
     s = costs.length_survival(87, 256)
     buckets, positions = costs.expected_buckets(s, 16)            # 2 groups of 8 a part
-    assert called.learn_buckets_per_part == pytest.approx(buckets) and buckets > 2
-    assert called.learn_part_tokens == pytest.approx(positions / 16)   # the buckets' padding counted
-    share = (64 + positions / 16 - 1) / (64 + 255)                  # a row's positions: its prompt + columns - 1
-    assert plain.learn_part_fraction == pytest.approx(4 * share)
-    # 0.5 s a bucket, the rest of the 8 s part in proportion to the positions
-    assert called.learn_part_fraction == pytest.approx(4 * (0.5 * buckets + 7.5 * share) / 8.0)
-    assert called.wall_seconds_expected - plain.wall_seconds_expected == pytest.approx(
-        2 * 8.0 * (called.learn_part_fraction - plain.learn_part_fraction))
-    assert "0.5 s a call" not in called.wall_line() and "500 ms a call whatever its positions" in called.wall_line()
+    assert measured.learn_buckets_per_part == pytest.approx(buckets) and buckets > 2
+    assert measured.learn_part_tokens == pytest.approx(positions / 16)   # the buckets' padding counted
+    # not measured: the 8 s part at T in proportion to a row's positions (its prompt + columns - 1)
+    share = (64 + positions / 16 - 1) / (64 + 255)
+    assert plain.learn_part_fraction == pytest.approx(4 * share) and plain.learn_expected_part_s == 0.0
+    # measured: each of the 4 parts a step takes the 3 s part at the expected lengths
+    assert measured.learn_part_fraction == pytest.approx(4 * 3.0 / 8.0) and measured.learn_expected_part_s == 3.0
+    assert measured.wall_seconds_expected - plain.wall_seconds_expected == pytest.approx(2 * 4 * (3.0 - 8.0 * share))
+    assert "(a part at the expected lengths measured at 3,000 ms)" in measured.wall_line()
+    assert "expected lengths measured" not in plain.wall_line()
+    # at the cap (no expected length) the measured part at T prices the learn stage as before
+    at_cap = {**base, "expected_response_tokens": 0}
+    assert pricing.price(**at_cap, learn_expected_part_s=3.0).wall_seconds_expected == pytest.approx(
+        pricing.price(**at_cap).wall_seconds_expected)
+
+
+def test_a_part_at_the_expected_lengths_spreads_its_rows_over_the_length_models_quantiles():
+    # P(L > t) = 1, 1, 1/2, 1/2 (lengths 2 or 4, mean 3); 4 rows at quantiles 1/8, 3/8, 5/8, 7/8:
+    # 1 + the t >= 1 with survival[t] > u: 4, 4, 2, 2; dealt to 2 groups of 2 in turn: each group 4, 2
+    assert costs.part_lengths([1.0, 1.0, 0.5, 0.5], 2, 2) == [4, 2, 4, 2]
+    assert costs.part_lengths([1.0, 1.0, 0.5, 0.5], 1, 4) == [4, 4, 2, 2]
+    assert costs.part_lengths([1.0] * 8, 2, 4) == [8] * 8                      # at the cap: every row at T
+    # the geometric model at mean 87, cap 256: 16 rows whose mean is the model's to the quantiles'
+    # resolution, the longest at the cap (P(L >= 256) = q^255 > 1/32), each group's lengths descending
+    rows = costs.part_lengths(costs.length_survival(87, 256), 2, 8)
+    assert abs(sum(rows) / 16 - 87) < 4 and max(rows) == 256 and min(rows) >= 1
+    assert rows[:8] == sorted(rows[:8], reverse=True) and rows[8:] == sorted(rows[8:], reverse=True)
 
 
 def test_a_decode_steps_cost_per_cached_column_is_priced_over_the_rows_and_their_columns():

@@ -243,9 +243,9 @@ def test_the_learn_probe_runs_the_learn_stage_on_full_length_parts_and_leaves_th
     model.eval()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     rng = torch.get_rng_state()
-    assert setup.limits.max_new_tokens < 8                          # too short to time a call's fixed cost
-    part, opt, call, peak = learn_mod.learn_part_seconds(setup)
-    assert part > 0 and opt > 0 and call == 0.0
+    assert setup.cfg.sampling.expected_response_tokens == 0          # no expected length: no part timed at it
+    part, opt, expected, peak = learn_mod.learn_part_seconds(setup)
+    assert part > 0 and opt > 0 and expected == 0.0
     assert peak == 0                                                # no whole part ran: no peak of one
     assert not model.training                                       # its mode restored
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())   # no update
@@ -309,69 +309,33 @@ def test_a_larger_part_is_extrapolated_from_one_and_two_groups(monkeypatch):
     assert part == pytest.approx(0.65) and opt == pytest.approx(0.01)
 
 
-def _call_probe(monkeypatch):
-    """(G, a row's prompt positions p, ``probe(durations)``) for the learn call's fixed cost at
-    T = 16 on one group: ``probe`` scripts the clock's readings (each call ``d`` seconds long),
-    runs ``learn_part_seconds`` with its forwards and backwards left out, checks it timed one group
-    at T, then at T // 4, then at one column (a warm-up and two timed calls each), and returns its
-    (part, optimizer step, call)."""
+def test_the_learn_probe_times_a_part_at_the_expected_lengths_and_the_price_takes_it(monkeypatch):
+    """Clock readings scripted, a part of one group at T = 16: at T a warm-up, 0.5 then 0.4 s (the
+    part, its best); then the same group with its rows at the length model's quantiles for a mean of
+    5 tokens (rlvr.lengths.part_lengths) a warm-up, 0.25 then 0.2 s (its best); the optimizer's
+    steps after. The price's learn stage at that expected length is then the 0.2 s part, not the 0.4
+    s one in proportion to its positions."""
     import rlvr.learn
     from test_autocast import tiny_setup
 
-    setup = tiny_setup("--sampling.max_new_tokens=16", "--train.prompts_per_step=1")
-    assert setup.limits.max_new_tokens == 16
-    shapes = []
-    monkeypatch.setattr(rlvr.learn, "accumulate", lambda learner, b, *a, **kw: shapes.append(
-        tuple(b.groups.rollout.mask.shape)) or {})
-    G = setup.cfg.train.samples_per_prompt
-    shared = setup.cfg.model.share_prompt_forward and setup.model.differentiable_cache
-    p = setup.limits.prompt_tokens / G if shared else setup.limits.prompt_tokens
-
-    def probe(durations):
-        ticks = iter([t for d in durations for t in (0.0, d)])
-        monkeypatch.setattr(machine_mod.time, "perf_counter", lambda: next(ticks))
-        part, opt, call, _ = learn_mod.learn_part_seconds(setup)
-        assert shapes == [(G, 16)] * 3 + [(G, 4)] * 3 + [(G, 1)] * 3  # one group at T, then at T // 4, then 1
-        return part, opt, call
-    return G, p, probe
-
-
-def test_a_learn_calls_fixed_cost_is_the_line_through_two_widths_at_none(monkeypatch):
-    """Clock readings scripted, a part of one group at T = 16 and at T // 4 = 4 columns: one group
-    at T 0.5 then 0.4 s (the part, its best), then at 4 columns a warm-up and 0.25, 0.2 s (best
-    0.2). A row's positions: its prompt's share p + T - 1 (15 + p) and p + 3; the line through
-    (p + 15, 0.4) and (p + 3, 0.2) at 0 positions: 0.2 - (0.2 / 12) (p + 3)."""
-    _, p, probe = _call_probe(monkeypatch)
-    assert 0.2 - 0.2 / 12 * (p + 3) > 0                              # the line's value at none is above 0
-    # then one column (its positions: p): a warm-up, 0.19 and 0.18 s, above the line (0.18 - p / 60
-    # is more than 0.15 - p / 60), so the line's value stands
-    part, opt, call = probe((9.0, 0.5, 0.4, 9.0, 0.25, 0.2, 9.0, 0.19, 0.18, 0.03, 0.01, 0.02))
-    assert part == pytest.approx(0.4) and opt == pytest.approx(0.01)
-    assert call == pytest.approx(0.2 - 0.2 / 12 * (p + 3))
-
-
-def test_a_learn_calls_fixed_cost_is_at_most_its_one_column_call_beyond_its_positions(monkeypatch):
-    """The same probe on a machine that slowed while the T // 4 width was timed: one group at T = 16
-    0.5 then 0.4 s; at 4 columns 0.35, 0.33 s (best 0.33), so the line's slope is (0.4 - 0.33) / 12
-    a position and its value at none 0.33 - 0.07 / 12 (p + 3), far above what a call of one column
-    takes: 0.12 then 0.1 s, of which its p positions take 0.07 / 12 p. The fixed cost is then
-    0.1 - 0.07 / 12 p."""
-    _, p, probe = _call_probe(monkeypatch)
-    _, _, call = probe((9.0, 0.5, 0.4, 9.0, 0.35, 0.33, 9.0, 0.12, 0.1, 0.03, 0.01, 0.02))
-    assert call == pytest.approx(0.1 - 0.07 / 12 * p) and call < 0.33 - 0.07 / 12 * (p + 3)
-
-
-def test_a_learn_calls_fixed_cost_is_its_one_column_calls_excess_where_the_line_falls_below_none(monkeypatch):
-    """The same probe where the T // 4 width ran fast (or the T one slow): one group at T = 16 0.5
-    then 0.4 s, at 4 columns 0.06, 0.05 s, so the line's slope is 0.35 / 12 a position and its value
-    at none 0.05 - 0.35 / 12 (p + 3), below 0: not 0 (a call costs something whatever its positions)
-    but what a call of one column takes beyond its p positions on that line, here timed at
-    0.03 + 0.35 / 12 p (best of two): 0.03 s."""
-    _, p, probe = _call_probe(monkeypatch)
-    assert 0.05 - 0.35 / 12 * (p + 3) < 0                              # the line's value at none
-    tiny = 0.03 + 0.35 / 12 * p
-    _, _, call = probe((9.0, 0.5, 0.4, 9.0, 0.06, 0.05, 9.0, tiny + 0.01, tiny, 0.03, 0.01, 0.02))
-    assert call == pytest.approx(0.03)
+    setup = tiny_setup("--sampling.max_new_tokens=16", "--train.prompts_per_step=1",
+                       "--sampling.expected_response_tokens=5")
+    rows = []
+    monkeypatch.setattr(rlvr.learn, "accumulate", lambda learner, b, *a, **kw: rows.append(
+        (b.groups.rollout.mask.sum(1).tolist(), b.groups.rollout.attention_mask.sum(1).tolist())) or {})
+    ticks = iter([t for d in (9.0, 0.5, 0.4, 9.0, 0.25, 0.2, 0.03, 0.01, 0.02) for t in (0.0, d)])
+    monkeypatch.setattr(machine_mod.time, "perf_counter", lambda: next(ticks))
+    part, opt, expected, _ = learn_mod.learn_part_seconds(setup)
+    assert (part, opt, expected) == pytest.approx((0.4, 0.01, 0.2))
+    G, Lp = setup.cfg.train.samples_per_prompt, setup.limits.prompt_tokens
+    lengths = costs.part_lengths(costs.length_survival(5, 16), 1, G)
+    assert len(set(lengths)) > 1 and max(lengths) < 16                # a spread, short of the cap
+    # three calls at T (every token in the loss), then three with each row's own length in the loss
+    # and its attention mask (the prompt's columns and its response's)
+    assert rows == [([16.0] * G, [Lp + 16] * G)] * 3 + [([float(n) for n in lengths], [Lp + n for n in lengths])] * 3
+    price = run_price.price_of(setup, rate=1e9, decode_s=0.25, learn_s=(part, opt, expected))
+    assert price.learn_expected_part_s == pytest.approx(0.2)
+    assert price.learn_part_fraction == pytest.approx(price.learn_parts_per_step * 0.2 / 0.4)
 
 
 def test_a_run_its_memory_refuses_is_not_probed_and_a_given_learn_time_reaches_the_price(monkeypatch):
