@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -66,6 +67,7 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
             from rlvr.rundir import RunDir
 
             RunDir(out).check_out(overwrite=args.overwrite)
+        _preload_allocator(cfg, args.argv)
         summary = trainer.train(cfg, out, overwrite=args.overwrite, resume=args.resume)
     except (config.ConfigError, RunError, TaskError, StateError, RewardPoolError, tracking.TrackingError) as e:
         return _fail(str(e))
@@ -74,6 +76,22 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
         return summary["exit_code"]
     print(json.dumps({k: v for k, v in summary.items() if k != "price"}, indent=2))
     return 0
+
+
+def _preload_allocator(cfg: config.Config, argv: list[str]) -> None:
+    """With train.host_memory = jemalloc, this command again (`python -m rlvr ARGV`) in this process's
+    place, jemalloc preloaded (rlvr.hostmem.preload_env), before anything is built or written."""
+    from rlvr import hostmem
+    from rlvr.setup_types import RunError
+
+    try:
+        env = hostmem.preload_env(cfg.train.host_memory, dict(os.environ))
+    except ValueError as e:
+        raise RunError(str(e)) from None
+    if env is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, [sys.executable, "-m", "rlvr", *argv], env)
 
 
 def cmd_sft(args: argparse.Namespace, extra: list[str]) -> int:
@@ -308,6 +326,7 @@ def _add_inspect_commands(sub) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)     # the command as given (_preload_allocator)
     return args.func(args, extra)
 
 

@@ -21,14 +21,25 @@ rules", "Memory").
 Only glibc has these knobs (``mallopt``); elsewhere ``keep`` does nothing and says so. A process
 keeps the setting once made (glibc's dynamic defaults cannot be restored), so ``system`` after
 ``keep`` in one process reports that.
+
+``jemalloc``: ``rlvr train`` runs itself again with jemalloc preloaded (``preload_env``; the
+system's library, else the copy Ray's wheel ships) before it builds anything. glibc serves a large
+block by best fit, walking the free blocks of a size class one by one; after a learn stage has
+freed its activations around blocks that live on, a class holds hundreds of free blocks, and every
+later allocation of a decode step or a forward walks them. jemalloc's size classes do not. Only a
+library this machine's loader finds, or Ray's own copy, is ever preloaded: never a path from a
+config.
 """
 
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
+import os
 import platform
+from pathlib import Path
 
-HOST_MEMORY = ("auto", "keep", "system")
+HOST_MEMORY = ("auto", "keep", "system", "jemalloc")
 """The values of ``train.host_memory``."""
 
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4   # glibc's mallopt parameter numbers (malloc.h)
@@ -55,6 +66,11 @@ def set_host_memory(mode: str, checkpointing: bool = False) -> str:
 
 def _apply(mode: str, why: str) -> str:
     global _kept
+    if mode == "jemalloc":
+        lib = os.environ.get(PRELOADED, "")
+        return (f"host memory: jemalloc (preloaded: {lib})" if lib and _mapped(Path(lib).name)
+                else "host memory: the C library's (train.host_memory = jemalloc: rlvr train runs itself again "
+                     "with jemalloc preloaded; this process was not started so)")
     if mode == "system":
         return ("host memory: kept by an earlier run in this process (glibc's defaults cannot be restored)"
                 if _kept else f"host memory: the C library's defaults ({why})")
@@ -72,3 +88,46 @@ def _apply(mode: str, why: str) -> str:
         return "host memory: the C library's defaults (mallopt refused)"
     _kept = True
     return "host memory: kept (glibc: no mmap, no trim)"
+
+
+PRELOADED = "RLVR_PRELOADED_ALLOCATOR"
+"""Set in the environment of the process ``preload_env`` starts: it is not started again."""
+
+
+def _mapped(name: str) -> bool:
+    """Whether a library of that file name is mapped into this process (/proc/self/maps; False elsewhere)."""
+    try:
+        return any(line.rstrip().endswith("/" + name) for line in Path("/proc/self/maps").read_text().splitlines())
+    except OSError:
+        return False
+
+
+def allocator_library() -> str | None:
+    """The jemalloc shared library this machine has: the name the loader finds it by in the system's
+    library directories (``ctypes.util.find_library``), else the copy Ray's wheel ships
+    (``ray/core/libjemalloc.so``, where Ray is installed); None where neither."""
+    name = ctypes.util.find_library("jemalloc")
+    if name:
+        return name
+    import importlib.util
+
+    spec = importlib.util.find_spec("ray")
+    lib = Path(spec.origin).parent / "core" / "libjemalloc.so" if spec and spec.origin else None
+    return str(lib) if lib is not None and lib.is_file() else None
+
+
+def preload_env(mode: str, environ: dict[str, str]) -> dict[str, str] | None:
+    """The environment ``rlvr train`` runs itself again with for ``train.host_memory = mode``: with
+    jemalloc first in LD_PRELOAD and ``PRELOADED`` set; None where nothing is to change (another
+    mode, or this process was started so). ValueError, naming the key, where jemalloc is asked for
+    on a system without LD_PRELOAD (not Linux) or none is found."""
+    if mode != "jemalloc" or environ.get(PRELOADED):
+        return None
+    if platform.system() != "Linux":
+        raise ValueError(f"train.host_memory = jemalloc needs Linux (LD_PRELOAD); this is {platform.system()}")
+    lib = allocator_library()
+    if lib is None:
+        raise ValueError("train.host_memory = jemalloc: no jemalloc library found (install the system's "
+                         "libjemalloc2, or Ray: pip install 'rlvr[distributed]'); or set it to auto")
+    preload = [lib] + [p for p in environ.get("LD_PRELOAD", "").split(":") if p and p != lib]
+    return {**environ, "LD_PRELOAD": ":".join(preload), PRELOADED: lib}

@@ -124,3 +124,70 @@ def test_a_run_with_gradient_checkpointing_hands_it_to_the_setting(tmp_path, mon
         assert rc == 0
         assert main(["eval", str(tmp_path / "run"), "--prompts", "2"]) == 0
     assert got == [("auto", True)] * 2
+
+
+def test_jemalloc_is_preloaded_by_running_the_command_again_once(monkeypatch):
+    monkeypatch.setattr(hostmem, "allocator_library", lambda: "/opt/lib/libjemalloc.so.2")
+    monkeypatch.setattr(hostmem.platform, "system", lambda: "Linux")
+    env = hostmem.preload_env("jemalloc", {"LD_PRELOAD": "libother.so", "HOME": "/h"})
+    assert env == {"LD_PRELOAD": "/opt/lib/libjemalloc.so.2:libother.so", "HOME": "/h",
+                   hostmem.PRELOADED: "/opt/lib/libjemalloc.so.2"}
+    assert hostmem.preload_env("jemalloc", env) is None                 # the process started so: not again
+    assert all(hostmem.preload_env(m, {}) is None for m in ("auto", "keep", "system"))
+    assert hostmem.resolve("jemalloc", True) == "jemalloc"
+    monkeypatch.setattr(hostmem, "allocator_library", lambda: None)
+    with pytest.raises(ValueError, match="train.host_memory = jemalloc: no jemalloc library found"):
+        hostmem.preload_env("jemalloc", {})
+    monkeypatch.setattr(hostmem.platform, "system", lambda: "Darwin")
+    with pytest.raises(ValueError, match="train.host_memory = jemalloc needs Linux"):
+        hostmem.preload_env("jemalloc", {})
+    # a process not started so says what holds: glibc's allocator
+    assert "this process was not started so" in hostmem.set_host_memory("jemalloc")
+
+
+def test_rlvr_train_runs_itself_again_with_jemalloc_before_it_builds_anything(tmp_path, monkeypatch):
+    import rlvr.cli
+
+    monkeypatch.setattr(hostmem, "allocator_library", lambda: "/opt/lib/libjemalloc.so.2")
+    monkeypatch.delenv(hostmem.PRELOADED, raising=False)
+    calls = []
+
+    def execve(path, argv, env):
+        calls.append((path, argv, env))
+        raise SystemExit(0)
+    monkeypatch.setattr(rlvr.cli.os, "execve", execve)
+    argv = ["train", str(EXAMPLE), "--out", str(tmp_path / "run"), "--train.steps=1", "--train.host_memory=jemalloc"]
+    with pytest.raises(SystemExit):
+        main(argv)
+    [(path, args, env)] = calls
+    assert path == sys.executable and args == [sys.executable, "-m", "rlvr", *argv]
+    assert env["LD_PRELOAD"].split(":")[0] == "/opt/lib/libjemalloc.so.2" and env[hostmem.PRELOADED]
+    assert not (tmp_path / "run").exists()                               # nothing built or written before
+    # none found: a clear error, nothing written
+    monkeypatch.setattr(hostmem, "allocator_library", lambda: None)
+    err = io.StringIO()
+    from contextlib import redirect_stderr
+    with redirect_stderr(err):
+        assert main(argv) == 2
+    assert "train.host_memory = jemalloc: no jemalloc library found" in err.getvalue()
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="LD_PRELOAD is the Linux loader's")
+def test_a_run_with_jemalloc_runs_with_it_mapped(tmp_path):
+    """The real command in a fresh process: it starts itself again with jemalloc preloaded where
+    this machine has one (the test extra installs Ray, whose wheel ships it) and says so; where
+    none is found it stops with the error before writing anything."""
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "rlvr", "train", str(EXAMPLE), "--out", str(out), "--model.init=",
+                           "--model.n_embd=16", "--model.n_layer=1", "--model.n_head=2", "--train.steps=1",
+                           "--train.prompts_per_step=2", "--train.samples_per_prompt=2", "--eval.every=0",
+                           "--eval.at_start=false", "--eval.prompts=4", "--eval.pass_k=0",
+                           "--task.options={n = 3, heldout = 10}", "--train.host_memory=jemalloc"],
+                          capture_output=True, text=True)
+    if hostmem.allocator_library() is None:
+        assert proc.returncode == 2 and "no jemalloc library found" in proc.stderr and not out.exists()
+        return
+    assert proc.returncode == 0, proc.stderr
+    assert "host memory: jemalloc (preloaded: " in proc.stdout
+    assert (out / "summary.json").is_file()

@@ -395,7 +395,7 @@ class TrainConfig:
     threads exceed the cores: threads that share busy cores
     wait for each other at every matmul, which makes each step many times slower
     (docs/guide/configs.md, "Threads")."""
-    host_memory: Literal["auto", "keep", "system"] = "auto"
+    host_memory: Literal["auto", "keep", "system", "jemalloc"] = "auto"
     """How the process takes memory from the C library (rlvr.hostmem). auto: keep, except with
     model.gradient_checkpointing (system: a run that recomputes to save memory does not keep a heap at
     its peak, and a kept heap eats most of what checkpointing saves; docs/benchmarks.md, "Memory").
@@ -404,7 +404,9 @@ class TrainConfig:
     memory instead of faulting in fresh zeroed pages each step (from hundreds of thousands of page
     faults a step to a few; docs/performance.md); the resident set stays at its peak. Only glibc has this; elsewhere nothing changes. system: the C
     library's defaults (memory goes back to the system between steps). rlvr eval and rlvr probe
-    apply it too."""
+    apply it too. jemalloc: rlvr train runs itself again with jemalloc preloaded (the system's
+    libjemalloc, else Ray's copy; Linux), whose size classes keep allocation fast where glibc's heap
+    fragments over a run's steps (rlvr.hostmem; docs/benchmarks.md, "Memory")."""
     device: str = "cpu"
     """Where the policy runs: cpu, cuda, cuda:N, mps, or auto (cuda when available). The seed gives
     the same run twice on the CPU; GPU kernels may not be bitwise deterministic."""
