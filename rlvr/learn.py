@@ -24,7 +24,7 @@ from rlvr.scoring import bucket_positions, response_extent
 from rlvr.machine import ordered_pair, time_calls
 from rlvr.probes import learn_probe_share
 from rlvr.procmem import ResidentPeak
-from rlvr.setup_types import Setup, shares_prompt
+from rlvr.setup_types import Setup
 
 
 def lr_at(cfg: config_mod.TrainConfig, opt_step: int, total: int) -> float:
@@ -511,7 +511,9 @@ def _part_timer(setup: Setup, params: list, T: int | None = None,
     made = {}
 
     def timed(groups: int) -> float:
-        b = made[groups] if groups in made else made.setdefault(groups, _probe_batch(setup, groups, T, lengths))
+        if groups not in made:
+            made[groups] = _probe_batch(setup, groups, T, lengths)
+        b = made[groups]
         dt = time_calls(lambda: accumulate(learner, b, torch.arange(groups * G, device=device), b.delta_rows),
                         device)
         for p in params:

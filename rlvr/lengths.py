@@ -99,6 +99,12 @@ def decode_row_columns(survival: list[float], rows: int, compact: float | None) 
     return sum(n * t for t, n in enumerate(decode_rows_per_step(survival, rows, compact), start=1))
 
 
+def length_at(survival: list[float], u: float) -> int:
+    """The length at quantile u (0 < u < 1) of the model with survival P(L > t) = survival[t]:
+    1 + the steps t >= 1 with survival[t] > u (the inverse CDF)."""
+    return 1 + sum(1 for s in survival[1:] if s > u)
+
+
 BUCKET_DRAWS = 64
 """Parts `expected_buckets` draws: the mean bucket count of a 16-row part at SmolLM2's lengths moved
 by under 0.1 between seeds at this many."""
@@ -119,7 +125,7 @@ def expected_buckets(survival: list[float], rows: int, draws: int = BUCKET_DRAWS
     rng = random.Random(seed)
     buckets = positions = 0
     for _ in range(draws):
-        ext = torch.tensor([1 + sum(1 for s in survival[1:] if s > u) for u in (rng.random() for _ in range(rows))])
+        ext = torch.tensor([length_at(survival, rng.random()) for _ in range(rows)])
         cut = length_buckets(ext)
         buckets += len(cut)
         positions += sum(len(b) * int(ext[b].max()) for b in cut)
@@ -129,11 +135,11 @@ def expected_buckets(survival: list[float], rows: int, draws: int = BUCKET_DRAWS
 def part_lengths(survival: list[float], groups: int, G: int) -> list[int]:
     """Response lengths of a learn part of `groups` groups of G rows as the length model expects one
     (rlvr.learn.learn_part_seconds times such a part): its n = groups x G rows at the model's
-    quantiles u = (i + 1/2) / n, i = 0 .. n - 1 (at u: 1 + the steps t >= 1 with survival[t] > u, as
-    `expected_buckets` draws), dealt to the groups in turn, so that each group spans the spread as a
-    sampled group does: row g * G + j gets quantile j * groups + g."""
+    quantiles u = (i + 1/2) / n, i = 0 .. n - 1 (`length_at`, as `expected_buckets` draws), dealt to
+    the groups in turn, so that each group spans the spread as a sampled group does: row g * G + j
+    gets quantile j * groups + g."""
     n = groups * G
-    at = [1 + sum(1 for s in survival[1:] if s > (i + 0.5) / n) for i in range(n)]
+    at = [length_at(survival, (i + 0.5) / n) for i in range(n)]
     return [at[j * groups + g] for g in range(groups) for j in range(G)]
 
 
