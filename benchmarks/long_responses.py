@@ -47,7 +47,9 @@ libraries are evaluated on the same prompts, so those standard errors are of the
 difference, prompt by prompt (real_model.py's ``paired_standard_error``). ``--seed`` draws another
 run, ``--rlvr-steps 3,6,9`` evaluates rlvr alone after those step counts, and ``--pool`` sets the
 held-out targets over several runs' ``--json`` files (the mean gain and lead, against the larger of
-the evaluations' error and the runs' spread). E.g.
+the evaluations' error and the runs' spread). ``--host-memory jemalloc`` runs it all again with
+jemalloc preloaded and its page decay off (real_model.py's ``JEMALLOC_CONF``): each library's
+fastest allocator at these lengths, for the step times (``--minutes 0``). E.g.
 
     python benchmarks/long_responses.py --vs-trl --minutes 10 --max-new 256
 
@@ -210,6 +212,7 @@ def vs_trl(a) -> int:
                             str(a.eval_prompts), "--numerics", a.numerics, "--threads", str(a.threads or 2),
                             "--compile", "off", "--blocks", str(a.blocks), "--block-steps", str(a.block_steps),
                             "--warmup", str(a.warmup), "--profile-reps", str(a.profile_reps), "--seed", str(a.seed),
+                            "--host-memory", a.host_memory, *(["--part", a.part] if a.part else []),
                             *(["--json", a.json] if a.json else []), *(["--quick"] if a.quick else []),
                             *(["--profile-only"] if a.profile_only else []),
                             *(["--rlvr-steps", a.rlvr_steps] if a.rlvr_steps else [])])
@@ -244,6 +247,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=1, help="--vs-trl: 1 = a dropped warm-up block of each first")
     ap.add_argument("--profile-reps", type=int, default=3, help="--vs-trl: timings of each phase (median)")
     ap.add_argument("--seed", type=int, default=0, help="--vs-trl: both libraries' training seed (the held-out prompts stay)")
+    ap.add_argument("--host-memory", choices=["keep", "system", "jemalloc", "each"], default="keep",
+                    help="--vs-trl: the process's host allocator for both libraries, or each library's own "
+                         "(real_model.py's)")
+    ap.add_argument("--part", default="", help=argparse.SUPPRESS)    # real_model.py's in_child
     ap.add_argument("--expected-tokens", type=int, default=0,
                     help="sampling.expected_response_tokens for the price's expected wall time (0: at the cap)")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)   # one mode, run by the parent

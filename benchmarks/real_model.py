@@ -28,7 +28,10 @@ What is compared
   (rlvr does not checkpoint).
 * Process: one process for both, its host allocator set once at the start as ``rlvr train`` sets it
   (``--host-memory``, default ``keep``: rlvr.hostmem, glibc reuses freed blocks instead of faulting
-  fresh pages in every step), so both libraries run under the same allocator.
+  fresh pages in every step), so both libraries run under the same allocator. ``--host-memory
+  jemalloc``: the command runs again with jemalloc preloaded (``rerun_with_jemalloc``), without its
+  page decay (``JEMALLOC_CONF``): at long responses each library's fastest (glibc's heap fragments
+  after rlvr's first learn stage; TRL is as fast as under glibc once jemalloc keeps its pages).
 
 Measured
 --------
@@ -94,7 +97,9 @@ import argparse
 import gc
 import json
 import math
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -102,6 +107,7 @@ from pathlib import Path
 
 import torch
 
+from rlvr import hostmem
 from rlvr.hostmem import set_host_memory
 from rlvr.machine import matmul_rate
 
@@ -320,6 +326,28 @@ def product_rate(dtype: torch.dtype, seconds: float = 1.0, n: int = 512) -> floa
 
 
 # ----------------------------------------------------------------------------- shared pieces
+JEMALLOC_CONF = "dirty_decay_ms:-1,muzzy_decay_ms:-1"
+"""``--host-memory jemalloc``'s MALLOC_CONF (unless the environment sets one): jemalloc never hands
+freed pages back to the kernel. Under jemalloc's default decay (unused pages returned after a few
+seconds) TRL's steps at 256 tokens ran far slower than under glibc, without it about as fast; rlvr's
+took the same time either way (docs/benchmarks.md, "SmolLM2 at chain-of-thought length"). Without
+decay the process keeps every page it ever held: it serves the step times (``--minutes 0``); over a
+ten-minute curve of each library at 256 tokens it outgrew a 24 GiB machine."""
+
+
+def rerun_with_jemalloc(conf: str | None = JEMALLOC_CONF) -> None:
+    """This command again (the interpreter's own argv) in this process's place, jemalloc preloaded
+    as ``train.host_memory = jemalloc`` preloads it (rlvr.hostmem.preload_env) and MALLOC_CONF =
+    ``conf`` where given and the environment sets none; returns where this process already runs so."""
+    env = hostmem.preload_env("jemalloc", dict(os.environ))
+    if env is None:
+        return
+    if conf:
+        env.setdefault("MALLOC_CONF", conf)
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
 def model_dir() -> Path:
     from rlvr.models.hf_source import resolve_model_dir
 
@@ -671,53 +699,68 @@ def phase_times(run: RlvrRun, rate: float, bandwidth: float, say: bool = False) 
 
 
 # ----------------------------------------------------------------------------- harness
+def block(lib: str, mdir: Path, a, setup) -> dict:
+    """One block of step times: a fresh run of ``a.block_steps`` steps of ``lib``; its steps' seconds and
+    (where each step's count was logged) sampled tokens."""
+    if lib == "rlvr":
+        r = RlvrRun(mdir, a.block_steps, a.eval_prompts, a.threads, a.numerics, a.compile == "on")
+        times = [r.step() for _ in range(a.block_steps)]
+    else:
+        r = TrlRun(mdir, setup, a.block_steps, a.threads, a.numerics, seed=SEED)
+        times = r.run(float("inf"), [], lambda *x: None)
+    return {"times": times, "tokens": list(r.tokens) if len(r.tokens) == len(times) else []}
+
+
 def step_times(mdir: Path, a, setup) -> dict:
-    """Alternated blocks of fresh runs; the warm-up block of each is dropped."""
+    """Alternated blocks of fresh runs; the warm-up block of each is dropped. Under ``--host-memory each``
+    every block is a process of its own under its library's allocator (``in_child``)."""
     got: dict[str, list[float]] = {"rlvr": [], "trl": []}
     tokens: dict[str, list[float]] = {"rlvr": [], "trl": []}
 
-    def block(lib: str, keep: bool) -> None:
+    def one(lib: str, keep: bool) -> None:
         gc.collect()  # the other library's last run, kept alive by reference cycles, freed before this one
-        if lib == "rlvr":
-            r = RlvrRun(mdir, a.block_steps, a.eval_prompts, a.threads, a.numerics, a.compile == "on")
-            times = [r.step() for _ in range(a.block_steps)]
-        else:
-            r = TrlRun(mdir, setup, a.block_steps, a.threads, a.numerics, seed=SEED)
-            times = r.run(float("inf"), [], lambda *x: None)
-        if keep and len(r.tokens) == len(times):
-            tokens[lib] += r.tokens
+        b = in_child("block", lib, a) if a.host_memory == "each" else block(lib, mdir, a, setup)
+        times = b["times"]
+        if keep and len(b["tokens"]) == len(times):
+            tokens[lib] += b["tokens"]
         print(f"  {lib} block: " + ", ".join(f"{t:.1f}" for t in times) + " s/step" + ("" if keep else " (warm-up)"),
               flush=True)
         if keep:
             got[lib] += times
 
     if a.warmup:
-        block("rlvr", False)
-        block("trl", False)
+        one("rlvr", False)
+        one("trl", False)
     for r in range(a.blocks):
         for lib in (("trl", "rlvr") if r % 2 == 0 else ("rlvr", "trl")):
-            block(lib, True)
+            one(lib, True)
     # sampled tokens per second of training step, over the kept steps (each library's own responses)
     rate = {k: sum(tokens[k]) / sum(got[k]) for k in got if tokens[k] and len(tokens[k]) == len(got[k])}
     return {k: statistics.median(v) for k, v in got.items()} | {"all": got, "tokens": tokens, "tokens_per_s": rate}
 
 
-def accuracy_curves(mdir: Path, a, setup) -> dict:
-    budget = a.minutes * 60
-    marks = [0.0] + [m * 60 for m in frange(a.eval_every, a.minutes)]
-    curves: dict[str, list] = {"rlvr": [], "trl": [], "hits": {"rlvr": [], "trl": []}}
-    max_steps = a.curve_steps or 10**6
+def curve_marks(a) -> list[float]:
+    """The training seconds at which a curve evaluates: 0, then every ``--eval-every`` minutes."""
+    return [0.0] + [m * 60 for m in frange(a.eval_every, a.minutes)]
+
+
+def rlvr_curve(mdir: Path, a) -> dict:
+    """rlvr trained for ``--minutes`` of step time (or ``curve_steps`` steps), evaluated at the marks:
+    its points (seconds, steps, accuracy), each evaluation's per-prompt hits, every step's seconds and
+    its training signal."""
+    budget, pending, max_steps = a.minutes * 60, curve_marks(a), a.curve_steps or 10**6
+    points: list = []
+    hits: list = []
 
     def point(run: RlvrRun, spent_s: float, n: int) -> None:
         got = run.hits(a.eval_prompts)
-        curves["hits"]["rlvr"].append(got)
-        curves["rlvr"].append((spent_s, n, sum(got) / len(got)))
-        print(f"  rlvr: {spent_s:7.1f} s, {n:3d} steps, held-out {curves['rlvr'][-1][2]:.3f}", flush=True)
+        hits.append(got)
+        points.append((spent_s, n, sum(got) / len(got)))
+        print(f"  rlvr: {spent_s:7.1f} s, {n:3d} steps, held-out {points[-1][2]:.3f}", flush=True)
 
-    gc.collect()
     r = RlvrRun(mdir, max_steps, a.eval_prompts, a.threads, a.numerics, a.compile == "on")
-    spent, steps, pending = 0.0, 0, list(marks)
-    rlvr_steps: list[float] = []
+    spent, steps = 0.0, 0
+    step_s: list[float] = []
     while True:
         if pending and spent >= pending[0]:              # one evaluation, however many marks a step crossed
             while pending and spent >= pending[0]:
@@ -726,26 +769,79 @@ def accuracy_curves(mdir: Path, a, setup) -> dict:
         if spent >= budget or steps >= max_steps:
             break
         took = r.step()
-        rlvr_steps.append(took)
+        step_s.append(took)
         spent += took
         steps += 1
-    if not curves["rlvr"] or curves["rlvr"][-1][1] != steps:
+    if not points or points[-1][1] != steps:
         point(r, spent, steps)
-    curves["train"] = {"rlvr": {"reward": r.rewards, "agree": r.agree}}
-    del r
-    gc.collect()
+    return {"points": points, "hits": hits, "step_s": step_s, "train": {"reward": r.rewards, "agree": r.agree}}
+
+
+def trl_curve(mdir: Path, a, setup) -> dict:
+    """``rlvr_curve`` of TRL's GRPOTrainer (evaluated by the same evaluator on its live model)."""
+    points: list = []
+    hits: list = []
 
     def on_eval(spent_s, n, model):
         got = trl_hits(model, setup, a.eval_prompts)
-        curves["hits"]["trl"].append(got)
-        curves["trl"].append((spent_s, n, sum(got) / len(got)))
-        print(f"  trl:  {spent_s:7.1f} s, {n:3d} steps, held-out {curves['trl'][-1][2]:.3f}", flush=True)
+        hits.append(got)
+        points.append((spent_s, n, sum(got) / len(got)))
+        print(f"  trl:  {spent_s:7.1f} s, {n:3d} steps, held-out {points[-1][2]:.3f}", flush=True)
 
-    trl = TrlRun(mdir, setup, max_steps, a.threads, a.numerics, seed=SEED)
-    trl_steps = trl.run(budget, marks, on_eval)
-    curves["train"]["trl"] = {"reward": trl.rewards, "agree": trl.agree}
-    curves["step_s"] = {"rlvr": rlvr_steps, "trl": trl_steps}        # every training step's seconds
+    trl = TrlRun(mdir, setup, a.curve_steps or 10**6, a.threads, a.numerics, seed=SEED)
+    step_s = trl.run(a.minutes * 60, curve_marks(a), on_eval)
+    return {"points": points, "hits": hits, "step_s": step_s, "train": {"reward": trl.rewards, "agree": trl.agree}}
+
+
+def accuracy_curves(mdir: Path, a, setup) -> dict:
+    """rlvr's curve, then TRL's (``rlvr_curve``, ``trl_curve``; each in a process of its own under
+    ``--host-memory each``), gathered by library."""
+    got = {}
+    for lib, curve in (("rlvr", lambda: rlvr_curve(mdir, a)), ("trl", lambda: trl_curve(mdir, a, setup))):
+        gc.collect()
+        got[lib] = in_child("curve", lib, a) if a.host_memory == "each" else curve()
+    curves: dict = {lib: got[lib]["points"] for lib in got}
+    for key in ("hits", "train", "step_s"):
+        curves[key] = {lib: got[lib][key] for lib in got}
     return curves
+
+
+ALLOCATORS = {"rlvr": "jemalloc", "trl": "keep"}
+"""``--host-memory each``: the host allocator each library's blocks and curve run under, each in a
+process of its own: rlvr's steps are fastest under jemalloc (glibc's heap fragments after its first
+learn stage), TRL's under glibc's ``keep`` (under jemalloc's page decay they ran far slower;
+docs/benchmarks.md, "SmolLM2 at chain-of-thought length")."""
+
+
+def in_child(part: str, lib: str, a) -> dict:
+    """``part`` (``block``: one block of step times, ``curve``: the accuracy curve) of ``lib`` in a
+    child process: this command again (the interpreter's own argv) with ``--part part:lib:FILE``,
+    jemalloc preloaded for rlvr and not for TRL (``ALLOCATORS``); the JSON it wrote to FILE."""
+    env = dict(os.environ)
+    if ALLOCATORS[lib] == "jemalloc":
+        env = hostmem.preload_env("jemalloc", env) or env
+    else:
+        lib_path = env.pop(hostmem.PRELOADED, "")
+        kept = [x for x in env.get("LD_PRELOAD", "").split(":") if x and x != lib_path]
+        env["LD_PRELOAD"] = ":".join(kept)
+    with tempfile.TemporaryDirectory(prefix="real_model_part_") as d:
+        out = Path(d) / "part.json"
+        sys.stdout.flush()
+        subprocess.run([sys.executable, *sys.orig_argv[1:], "--part", f"{part}:{lib}:{out}"], env=env, check=True)
+        return json.loads(out.read_text())
+
+
+def run_part(spec: str, a) -> int:
+    """The child's side of ``in_child``: run ``part:lib`` of spec ``part:lib:FILE`` under this process's
+    allocator, write its JSON to FILE."""
+    part, lib, path = spec.split(":", 2)
+    print(set_host_memory(ALLOCATORS[lib]) + f" ({lib}'s {part}, a process of its own)", flush=True)
+    mdir = model_dir()
+    setup = None if lib == "rlvr" else RlvrRun(mdir, 1, a.eval_prompts, a.threads, a.numerics).setup
+    got = block(lib, mdir, a, setup) if part == "block" else (rlvr_curve(mdir, a) if lib == "rlvr"
+                                                               else trl_curve(mdir, a, setup))
+    Path(path).write_text(json.dumps(got))
+    return 0
 
 
 def rlvr_by_steps(mdir: Path, a, marks: list[int]) -> dict:
@@ -808,8 +904,12 @@ def main(argv: list[str] | None = None) -> int:
                          "prefills and training / scoring forwards); TRL runs with its default (torch_compile off)")
     ap.add_argument("--quick", action="store_true", help="2 steps each, 20 held-out prompts, no warm-up")
     ap.add_argument("--profile-only", action="store_true", help="stop after the phase profile")
-    ap.add_argument("--host-memory", choices=["keep", "system"], default="keep",
-                    help="the process's host allocator for both libraries (rlvr's train.host_memory)")
+    ap.add_argument("--host-memory", choices=["keep", "system", "jemalloc", "each"], default="keep",
+                    help="the process's host allocator for both libraries (rlvr's train.host_memory; jemalloc: "
+                         "this command runs again with jemalloc preloaded, JEMALLOC_CONF; for step times, "
+                         "--minutes 0: its memory grows over long curves); each: every block and curve in a "
+                         "process of its own under its library's fastest (ALLOCATORS)")
+    ap.add_argument("--part", default="", help=argparse.SUPPRESS)     # part:lib:FILE, run by in_child
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--seed", type=int, default=0, help="both libraries' training seed (SEED; the held-out prompts stay)")
     ap.add_argument("--rlvr-steps", type=step_counts, default=None, metavar="N,N,...",
@@ -835,7 +935,14 @@ def main(argv: list[str] | None = None) -> int:
     SEED = a.seed
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
-    print(set_host_memory(a.host_memory), flush=True)
+    if a.part:
+        return run_part(a.part, a)
+    if a.host_memory in ("jemalloc", "each"):      # each: this process's profile of rlvr under rlvr's allocator
+        rerun_with_jemalloc(JEMALLOC_CONF if a.host_memory == "jemalloc" else None)
+    print(set_host_memory(ALLOCATORS["rlvr"] if a.host_memory == "each" else a.host_memory)
+          + (f", MALLOC_CONF={os.environ.get('MALLOC_CONF', '')}" if a.host_memory == "jemalloc" else "")
+          + (": rlvr's profile; each block and curve in a process of its own under its library's allocator"
+             if a.host_memory == "each" else ""), flush=True)
 
     mdir = model_dir()
     if a.rlvr_steps:

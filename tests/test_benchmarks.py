@@ -192,7 +192,7 @@ def test_the_real_model_comparison_trains_both_libraries_at_its_seed(monkeypatch
     monkeypatch.setattr(rm, "RlvrRun", lambda *a, **kw: SimpleNamespace(step=lambda: 1.0, hits=lambda n: [1, 0], tokens=[],
                                                                       rewards=[], agree=[]))
     rm.accuracy_curves(tmp_path, SimpleNamespace(minutes=0.0, eval_every=1.0, curve_steps=0, eval_prompts=2, threads=1,
-                                                 numerics="fp32", compile="off"), None)
+                                                 numerics="fp32", compile="off", host_memory="keep"), None)
     assert made == [3]
 
 
@@ -314,3 +314,104 @@ def test_the_comparisons_step_counts_and_pooled_files_are_checked_before_any_run
     assert "no per-prompt hits" in capsys.readouterr().err
     assert rm.main(["--pool", str(tmp_path / "missing.json")]) == 2
     assert "missing.json" in capsys.readouterr().err
+
+
+def test_the_comparison_under_jemalloc_runs_its_own_command_again_with_it_preloaded(monkeypatch):
+    """real_model.py --host-memory jemalloc: the interpreter's own command line again, jemalloc first in
+    LD_PRELOAD and JEMALLOC_CONF as MALLOC_CONF unless the caller set one; not again once preloaded."""
+    rm = _real_model()
+    execs = []
+    monkeypatch.setattr(rm.hostmem, "allocator_library", lambda: "/opt/lib/libjemalloc.so.2")
+    monkeypatch.setattr(rm.hostmem.platform, "system", lambda: "Linux")
+    monkeypatch.setattr(rm.os, "execve", lambda exe, argv, env: execs.append((exe, argv, env)))
+    monkeypatch.setattr(rm.sys, "orig_argv", ["python3", "-u", "benchmarks/long_responses.py", "--vs-trl",
+                                              "--host-memory", "jemalloc"])
+    for var in ("MALLOC_CONF", rm.hostmem.PRELOADED):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("LD_PRELOAD", "/opt/other.so")
+    rm.rerun_with_jemalloc()
+    (exe, argv, env), = execs
+    assert exe == sys.executable and argv == [sys.executable, "-u", "benchmarks/long_responses.py", "--vs-trl",
+                                              "--host-memory", "jemalloc"]
+    assert env["LD_PRELOAD"] == "/opt/lib/libjemalloc.so.2:/opt/other.so"
+    assert env["MALLOC_CONF"] == rm.JEMALLOC_CONF == "dirty_decay_ms:-1,muzzy_decay_ms:-1"
+    assert env[rm.hostmem.PRELOADED] == "/opt/lib/libjemalloc.so.2"
+    monkeypatch.setenv("MALLOC_CONF", "narenas:1")                   # the caller's own setting stays
+    rm.rerun_with_jemalloc()
+    assert execs[1][2]["MALLOC_CONF"] == "narenas:1"
+    monkeypatch.setenv(rm.hostmem.PRELOADED, "/opt/lib/libjemalloc.so.2")   # the process it started: no loop
+    rm.rerun_with_jemalloc()
+    assert len(execs) == 2
+
+
+def test_long_responses_passes_its_host_memory_to_the_comparison(monkeypatch):
+    """long_responses.py --vs-trl --host-memory jemalloc reaches real_model.py's --host-memory."""
+    import importlib.util
+    rm = _real_model()                        # the module long_responses imports, its globals this test's own
+    monkeypatch.setitem(sys.modules, "real_model", rm)
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("long_responses", ROOT / "benchmarks" / "long_responses.py")
+    lr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lr)
+    got = []
+    monkeypatch.setattr(rm, "main", lambda argv: got.append(argv) or 0)
+    assert lr.main(["--vs-trl", "--host-memory", "jemalloc"]) == 0
+    argv, = got
+    assert argv[argv.index("--host-memory") + 1] == "jemalloc"
+
+
+def test_each_library_runs_its_blocks_and_curve_in_a_process_of_its_own_under_its_allocator(monkeypatch, tmp_path):
+    """--host-memory each: every block of step times and each curve is this command again with --part
+    part:lib:FILE; rlvr's process has jemalloc preloaded, TRL's has it taken out of LD_PRELOAD (the
+    rest kept); what each child wrote comes back, gathered as the in-process code gathers it."""
+    rm = _real_model()
+    monkeypatch.setattr(rm.hostmem, "allocator_library", lambda: "/opt/lib/libjemalloc.so.2")
+    monkeypatch.setattr(rm.hostmem.platform, "system", lambda: "Linux")
+    monkeypatch.setattr(rm.sys, "orig_argv", ["python3", "benchmarks/long_responses.py", "--vs-trl",
+                                              "--host-memory", "each"])
+    monkeypatch.setenv(rm.hostmem.PRELOADED, "/opt/lib/libjemalloc.so.2")    # the parent runs under rlvr's
+    monkeypatch.setenv("LD_PRELOAD", "/opt/lib/libjemalloc.so.2:/opt/other.so")
+    runs = []
+
+    def child(cmd, env, check):
+        part, lib, path = cmd[cmd.index("--part") + 1].split(":", 2)
+        runs.append((cmd[:-2], part, lib, env["LD_PRELOAD"], env.get(rm.hostmem.PRELOADED)))
+        n = {"rlvr": 3, "trl": 1}[lib]
+        got = ({"times": [10.0 / n] * 2, "tokens": [100.0, 200.0]} if part == "block" else
+               {"points": [[0.0, 0, 0.1], [60.0, n, 0.2]], "hits": [[0, 1], [1, 1]], "step_s": [60.0 / n] * n,
+                "train": {"reward": [0.5] * n, "agree": [0.0] * n}})
+        Path(path).write_text(json.dumps(got))
+
+    monkeypatch.setattr(rm.subprocess, "run", child)
+    a = SimpleNamespace(host_memory="each", warmup=0, blocks=1, block_steps=2)
+    st = rm.step_times(tmp_path, a, None)
+    assert [r[1:3] for r in runs] == [("block", "trl"), ("block", "rlvr")]            # TRL first in round 0
+    assert runs[0][0] == [sys.executable, "benchmarks/long_responses.py", "--vs-trl", "--host-memory", "each"]
+    assert runs[0][3:] == ("/opt/other.so", None)                                     # TRL: glibc
+    assert runs[1][3:] == ("/opt/lib/libjemalloc.so.2:/opt/other.so", "/opt/lib/libjemalloc.so.2")
+    assert (st["rlvr"], st["trl"]) == (pytest.approx(10 / 3), 10.0)
+    assert st["tokens_per_s"]["trl"] == pytest.approx(300 / 20)
+    runs.clear()
+    curves = rm.accuracy_curves(tmp_path, a, None)
+    assert [r[1:3] for r in runs] == [("curve", "rlvr"), ("curve", "trl")]
+    assert curves["rlvr"] == [[0.0, 0, 0.1], [60.0, 3, 0.2]] and curves["trl"][-1] == [60.0, 1, 0.2]
+    assert curves["hits"]["trl"] == [[0, 1], [1, 1]] and curves["step_s"]["rlvr"] == [20.0] * 3
+    assert curves["train"]["trl"] == {"reward": [0.5], "agree": [0.0]}
+
+
+def test_a_child_part_runs_what_it_names_and_writes_it(monkeypatch, tmp_path):
+    """--part part:lib:FILE (run_part): one block or one curve of that library, its JSON in FILE,
+    under that library's allocator (ALLOCATORS)."""
+    rm = _real_model()
+    monkeypatch.setattr(rm, "model_dir", lambda: tmp_path)
+    monkeypatch.setattr(rm, "RlvrRun", lambda *a, **kw: SimpleNamespace(setup="setup"))
+    monkeypatch.setattr(rm, "set_host_memory", lambda mode: f"host memory: {mode}")
+    monkeypatch.setattr(rm, "block", lambda lib, mdir, a, setup: {"times": [1.0], "tokens": [], "lib": lib,
+                                                                  "setup": setup})
+    monkeypatch.setattr(rm, "trl_curve", lambda mdir, a, setup: {"points": [], "setup": setup})
+    a = SimpleNamespace(eval_prompts=2, threads=1, numerics="fp32")
+    assert rm.run_part(f"block:rlvr:{tmp_path / 'b.json'}", a) == 0
+    assert json.loads((tmp_path / "b.json").read_text())["lib"] == "rlvr"
+    assert rm.run_part(f"curve:trl:{tmp_path / 'c.json'}", a) == 0
+    assert json.loads((tmp_path / "c.json").read_text()) == {"points": [], "setup": "setup"}
+    assert rm.ALLOCATORS == {"rlvr": "jemalloc", "trl": "keep"}
