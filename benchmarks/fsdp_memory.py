@@ -14,7 +14,6 @@ weights of the block being computed are not counted. No timing is taken.
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 import sys
 from pathlib import Path

@@ -48,10 +48,12 @@ difference, prompt by prompt (real_model.py's ``paired_standard_error``). ``--se
 run, ``--rlvr-steps 3,6,9`` evaluates rlvr alone after those step counts, and ``--pool`` sets the
 held-out targets over several runs' ``--json`` files (the mean gain and lead, against the larger of
 the evaluations' error and the runs' spread). ``--host-memory jemalloc`` runs it all again with
-jemalloc preloaded and its page decay off (real_model.py's ``JEMALLOC_CONF``): each library's
-fastest allocator at these lengths, for the step times (``--minutes 0``). E.g.
+jemalloc preloaded and its page decay off (real_model.py's ``JEMALLOC_CONF``), for the step times
+(``--minutes 0``); ``--host-memory each`` runs every block and curve in a process of its own, rlvr's
+under jemalloc and TRL's under glibc (real_model.py's ``ALLOCATORS``): each library's fastest at
+these lengths. E.g.
 
-    python benchmarks/long_responses.py --vs-trl --minutes 10 --max-new 256
+    python benchmarks/long_responses.py --vs-trl --minutes 10 --max-new 256 --host-memory each
 
 Figures go in docs/benchmarks.md.
 """

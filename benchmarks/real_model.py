@@ -31,7 +31,10 @@ What is compared
   fresh pages in every step), so both libraries run under the same allocator. ``--host-memory
   jemalloc``: the command runs again with jemalloc preloaded (``rerun_with_jemalloc``), without its
   page decay (``JEMALLOC_CONF``): at long responses each library's fastest (glibc's heap fragments
-  after rlvr's first learn stage; TRL is as fast as under glibc once jemalloc keeps its pages).
+  after rlvr's first learn stage; TRL is as fast as under glibc once jemalloc keeps its pages), for
+  step times. ``--host-memory each``: rlvr's profile in this process under jemalloc, and every block
+  of step times and each library's curve in a process of its own (``in_child``), rlvr's under
+  jemalloc and TRL's under glibc's ``keep`` (``ALLOCATORS``).
 
 Measured
 --------
