@@ -71,6 +71,10 @@ def _apply(mode: str, why: str) -> str:
         return (f"host memory: jemalloc (preloaded: {lib})" if lib and _mapped(Path(lib).name)
                 else "host memory: the C library's (train.host_memory = jemalloc: rlvr train runs itself again "
                      "with jemalloc preloaded; this process was not started so)")
+    outside = _preloaded_from_outside()
+    if outside:
+        return (f"host memory: {Path(outside).name} (preloaded from outside rlvr, LD_PRELOAD); "
+                f"train.host_memory = {mode}'s glibc settings do not reach it")
     if mode == "system":
         return ("host memory: kept by an earlier run in this process (glibc's defaults cannot be restored)"
                 if _kept else f"host memory: the C library's defaults ({why})")
@@ -100,6 +104,22 @@ def _mapped(name: str) -> bool:
         return any(line.rstrip().endswith("/" + name) for line in Path("/proc/self/maps").read_text().splitlines())
     except OSError:
         return False
+
+
+ALLOCATOR_NAMES = ("libjemalloc", "libtcmalloc", "libmimalloc")
+"""File-name starts of malloc replacements that serve a process's allocations when preloaded."""
+
+
+def _preloaded_from_outside() -> str | None:
+    """The malloc replacement this process was started with in LD_PRELOAD (a path or name starting
+    with one of ``ALLOCATOR_NAMES``, mapped into the process) where rlvr did not preload it; else None."""
+    if os.environ.get(PRELOADED):
+        return None
+    for lib in os.environ.get("LD_PRELOAD", "").replace(" ", ":").split(":"):
+        name = Path(lib).name
+        if name.startswith(ALLOCATOR_NAMES) and _mapped(name):
+            return lib
+    return None
 
 
 def allocator_library() -> str | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -191,3 +192,22 @@ def test_a_run_with_jemalloc_runs_with_it_mapped(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "host memory: jemalloc (preloaded: " in proc.stdout
     assert (out / "summary.json").is_file()
+
+
+def test_an_allocator_preloaded_from_outside_is_named_instead_of_glibcs_settings():
+    """A process started with a malloc replacement in LD_PRELOAD (not by rlvr): glibc's mallopt still
+    answers, but the line names the library that serves the allocations instead of claiming glibc's
+    settings. Where no jemalloc is found, a name in LD_PRELOAD that is not mapped changes nothing."""
+    script = "import sys; from rlvr.hostmem import set_host_memory; print(set_host_memory(sys.argv[1]))"
+    env = {k: v for k, v in os.environ.items() if k != hostmem.PRELOADED}
+    lib = hostmem.allocator_library()
+    if lib is not None:
+        for mode in ("keep", "system"):
+            got = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, check=True,
+                                 env=env | {"LD_PRELOAD": lib}).stdout.strip().splitlines()[-1]
+            assert got == (f"host memory: {Path(lib).name} (preloaded from outside rlvr, LD_PRELOAD); "
+                           f"train.host_memory = {mode}'s glibc settings do not reach it")
+    if GLIBC:      # a replacement's name that the loader cannot map (it warns and goes on): glibc's settings hold
+        got = subprocess.run([sys.executable, "-c", script, "keep"], capture_output=True, text=True, check=True,
+                             env=env | {"LD_PRELOAD": "/nonexistent/libjemalloc.so.2"}).stdout.strip().splitlines()[-1]
+        assert got == "host memory: kept (glibc: no mmap, no trim)"
