@@ -106,6 +106,11 @@ def _mapped(name: str) -> bool:
         return False
 
 
+def _preload_list(environ) -> list[str]:
+    """The libraries LD_PRELOAD names in ``environ`` (the loader splits it at colons and spaces)."""
+    return [p for p in environ.get("LD_PRELOAD", "").replace(" ", ":").split(":") if p]
+
+
 ALLOCATOR_NAMES = ("libjemalloc", "libtcmalloc", "libmimalloc")
 """File-name starts of malloc replacements that serve a process's allocations when preloaded."""
 
@@ -115,7 +120,7 @@ def _preloaded_from_outside() -> str | None:
     with one of ``ALLOCATOR_NAMES``, mapped into the process) where rlvr did not preload it; else None."""
     if os.environ.get(PRELOADED):
         return None
-    for lib in os.environ.get("LD_PRELOAD", "").replace(" ", ":").split(":"):
+    for lib in _preload_list(os.environ):
         name = Path(lib).name
         if name.startswith(ALLOCATOR_NAMES) and _mapped(name):
             return lib
@@ -149,5 +154,5 @@ def preload_env(mode: str, environ: dict[str, str]) -> dict[str, str] | None:
     if lib is None:
         raise ValueError("train.host_memory = jemalloc: no jemalloc library found (install the system's "
                          "libjemalloc2, or Ray: pip install 'rlvr[distributed]'); or set it to auto")
-    preload = [lib] + [p for p in environ.get("LD_PRELOAD", "").split(":") if p and p != lib]
+    preload = [lib] + [p for p in _preload_list(environ) if p != lib]
     return {**environ, "LD_PRELOAD": ":".join(preload), PRELOADED: lib}
