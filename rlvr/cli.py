@@ -67,7 +67,7 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
             from rlvr.rundir import RunDir
 
             RunDir(out).check_out(overwrite=args.overwrite)
-        _preload_allocator(cfg, args.argv)
+        _preload_allocator(cfg, args.argv, args.owns_process)
         summary = trainer.train(cfg, out, overwrite=args.overwrite, resume=args.resume)
     except (config.ConfigError, RunError, TaskError, StateError, RewardPoolError, tracking.TrackingError) as e:
         return _fail(str(e))
@@ -78,14 +78,18 @@ def cmd_train(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
-def _preload_allocator(cfg: config.Config, argv: list[str]) -> None:
+def _preload_allocator(cfg: config.Config, argv: list[str], owns_process: bool) -> None:
     """With train.host_memory = jemalloc, this command again (`python -m rlvr ARGV`) in this process's
-    place, jemalloc preloaded (rlvr.hostmem.preload_env), before anything is built or written."""
+    place, jemalloc preloaded (rlvr.hostmem.preload_env), before anything is built or written; with
+    auto too where rlvr.hostmem.auto_takes_jemalloc says so, the command owns its process (`main`
+    read the command line, not a caller's list) and the library is found."""
     from rlvr import hostmem
     from rlvr.setup_types import RunError
 
+    auto = owns_process and hostmem.auto_takes_jemalloc(bool(cfg.model.path), cfg.train.device,
+                                                        cfg.model.gradient_checkpointing)
     try:
-        env = hostmem.preload_env(cfg.train.host_memory, dict(os.environ))
+        env = hostmem.preload_env(cfg.train.host_memory, dict(os.environ), auto_jemalloc=auto)
     except ValueError as e:
         raise RunError(str(e)) from None
     if env is not None:
@@ -327,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)     # the command as given (_preload_allocator)
+    args.owns_process = argv is None                             # run as a command, not called from Python
     return args.func(args, extra)
 
 

@@ -13,10 +13,14 @@ kernel: a few page faults a step once the heap has reached its peak, and a short
 process's resident set then stays at its peak (as a GPU caching allocator does), somewhat above
 glibc's own. ``system``: glibc's defaults.
 
-``auto`` (the default): ``keep``, except in a run with gradient checkpointing, which takes
+``auto`` (the default): ``jemalloc`` for a Hugging Face model trained on the CPU without gradient
+checkpointing, where the ``rlvr`` command owns its process and this machine has the library
+(``auto_takes_jemalloc``); else ``keep``, except in a run with gradient checkpointing, which takes
 ``system``. Such a run chose recomputation to save memory, and under ``keep`` the heap it leaves
-behind ate most of the saving. The figures are in docs/benchmarks.md ("Figures behind the code's
-rules", "Memory").
+behind ate most of the saving. A real model's learn stage frees large activations that fragment
+glibc's heap (below); the built-in tiny model's steps allocate small blocks, which glibc serves
+faster than jemalloc. The figures are in docs/benchmarks.md ("Figures behind the code's rules",
+"Memory").
 
 Only glibc has these knobs (``mallopt``); elsewhere ``keep`` does nothing and says so. A process
 keeps the setting once made (glibc's dynamic defaults cannot be restored), so ``system`` after
@@ -47,28 +51,44 @@ _kept: bool = False
 
 
 def resolve(mode: str, checkpointing: bool) -> str:
-    """The setting ``train.host_memory = mode`` takes (``keep`` or ``system``): ``auto`` is ``system``
-    in a run with gradient checkpointing (``model.gradient_checkpointing``), else ``keep``."""
+    """The setting ``train.host_memory = mode`` takes in this process: ``auto`` is ``jemalloc`` in a
+    process rlvr started with jemalloc preloaded (``preload_env``), else ``system`` in a run with
+    gradient checkpointing (``model.gradient_checkpointing``), else ``keep``."""
     if mode not in HOST_MEMORY:
         raise ValueError(f"train.host_memory must be one of {', '.join(HOST_MEMORY)}, got {mode!r}")
     if mode != "auto":
         return mode
+    lib = os.environ.get(PRELOADED, "")
+    if lib and _mapped(Path(lib).name):
+        return "jemalloc"
     return "system" if checkpointing else "keep"
+
+
+def auto_takes_jemalloc(hf_model: bool, device: str, checkpointing: bool) -> bool:
+    """Whether ``train.host_memory = auto`` asks for jemalloc in a run of the ``rlvr`` command: a
+    Hugging Face model (``model.path`` set) on the CPU (``train.device = cpu``) without gradient
+    checkpointing. Its learn stage frees large activations around blocks that live on, and glibc's
+    best fit then walks them at every later allocation; the built-in tiny model's steps are faster
+    under glibc's ``keep`` (docs/benchmarks.md, "Figures behind the code's rules")."""
+    return hf_model and device == "cpu" and not checkpointing
 
 
 def set_host_memory(mode: str, checkpointing: bool = False) -> str:
     """Apply ``train.host_memory`` to this process (``checkpointing``: the run's
     ``model.gradient_checkpointing``, which ``auto`` reads); returns a line saying what holds now."""
+    took = resolve(mode, checkpointing)
     why = ("train.host_memory = auto with model.gradient_checkpointing: memory goes back between steps"
            if mode == "auto" and checkpointing else "train.host_memory = system")
-    return _apply(resolve(mode, checkpointing), why)
+    if took == "jemalloc":
+        why = "; train.host_memory = auto: a Hugging Face model on the CPU" if mode == "auto" else ""
+    return _apply(took, why)
 
 
 def _apply(mode: str, why: str) -> str:
     global _kept
     if mode == "jemalloc":
         lib = os.environ.get(PRELOADED, "")
-        return (f"host memory: jemalloc (preloaded: {lib})" if lib and _mapped(Path(lib).name)
+        return (f"host memory: jemalloc (preloaded: {lib}{why})" if lib and _mapped(Path(lib).name)
                 else "host memory: the C library's (train.host_memory = jemalloc: rlvr train runs itself again "
                      "with jemalloc preloaded; this process was not started so)")
     outside = _preloaded_from_outside()
@@ -141,11 +161,19 @@ def allocator_library() -> str | None:
     return str(lib) if lib is not None and lib.is_file() else None
 
 
-def preload_env(mode: str, environ: dict[str, str]) -> dict[str, str] | None:
+def preload_env(mode: str, environ: dict[str, str], auto_jemalloc: bool = False) -> dict[str, str] | None:
     """The environment ``rlvr train`` runs itself again with for ``train.host_memory = mode``: with
     jemalloc first in LD_PRELOAD and ``PRELOADED`` set; None where nothing is to change (another
     mode, or this process was started so). ValueError, naming the key, where jemalloc is asked for
-    on a system without LD_PRELOAD (not Linux) or none is found."""
+    on a system without LD_PRELOAD (not Linux) or none is found. ``auto`` with ``auto_jemalloc``
+    (``auto_takes_jemalloc``, in a process the command owns) asks for it where it can be had and
+    never fails: not on Linux, with no library found, or with a malloc replacement already
+    preloaded from outside, it is None."""
+    if mode == "auto" and auto_jemalloc and not environ.get(PRELOADED):
+        outside = [p for p in _preload_list(environ) if Path(p).name.startswith(ALLOCATOR_NAMES)]
+        if outside or platform.system() != "Linux" or allocator_library() is None:
+            return None
+        mode = "jemalloc"
     if mode != "jemalloc" or environ.get(PRELOADED):
         return None
     if platform.system() != "Linux":

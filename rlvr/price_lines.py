@@ -12,7 +12,7 @@ def memory_line(p: Price) -> str:
     """The predicted peak and its parts, in MiB."""
     mib = 1 / 2**20
     measured = (f"; a learn part at the cap measured {p.memory_learn_measured_bytes * mib:,.0f} MiB resident at its "
-                f"peak, the C library's free-but-kept memory included); the count of tensors says "
+                f"peak, the allocator's free-but-kept memory included); the count of tensors says "
                 f"~{p.memory_counted_peak_bytes * mib:,.0f} MiB" if p.memory_learn_measured_bytes else ")")
     return (f"price: memory peak ~{p.memory_peak_bytes * mib:,.0f} MiB (during {p.memory_peak_phase}{measured} = "
             f"process {p.memory_baseline_bytes * mib:,.0f} + policy {p.policy_bytes * mib:,.0f} + "

@@ -211,3 +211,101 @@ def test_an_allocator_preloaded_from_outside_is_named_instead_of_glibcs_settings
         got = subprocess.run([sys.executable, "-c", script, "keep"], capture_output=True, text=True, check=True,
                              env=env | {"LD_PRELOAD": "/nonexistent/libjemalloc.so.2"}).stdout.strip().splitlines()[-1]
         assert got == "host memory: kept (glibc: no mmap, no trim)"
+
+
+def test_auto_asks_for_jemalloc_for_a_hugging_face_model_on_the_cpu_where_it_can_be_had(monkeypatch):
+    """auto's rule (auto_takes_jemalloc) and what preload_env makes of it: the environment to run again
+    with where the library is found on Linux; nothing, and never an error, where it cannot be had or
+    another malloc replacement is preloaded already; and auto in the process started so is jemalloc."""
+    assert hostmem.auto_takes_jemalloc(True, "cpu", False)
+    assert not hostmem.auto_takes_jemalloc(False, "cpu", False)          # the built-in tiny model: keep
+    assert not hostmem.auto_takes_jemalloc(True, "cuda", False)
+    assert not hostmem.auto_takes_jemalloc(True, "cpu", True)            # gradient checkpointing: system
+    monkeypatch.setattr(hostmem, "allocator_library", lambda: "/opt/lib/libjemalloc.so.2")
+    monkeypatch.setattr(hostmem.platform, "system", lambda: "Linux")
+    env = hostmem.preload_env("auto", {"HOME": "/h"}, auto_jemalloc=True)
+    assert env == {"LD_PRELOAD": "/opt/lib/libjemalloc.so.2", "HOME": "/h", hostmem.PRELOADED: "/opt/lib/libjemalloc.so.2"}
+    assert hostmem.preload_env("auto", env, auto_jemalloc=True) is None             # started so: not again
+    assert hostmem.preload_env("auto", {"HOME": "/h"}) is None                       # the rule said no
+    assert hostmem.preload_env("auto", {"LD_PRELOAD": "/usr/lib/libtcmalloc.so.4"}, auto_jemalloc=True) is None
+    monkeypatch.setattr(hostmem, "allocator_library", lambda: None)
+    assert hostmem.preload_env("auto", {}, auto_jemalloc=True) is None               # none found: keep, no error
+    monkeypatch.setattr(hostmem, "allocator_library", lambda: "/opt/lib/libjemalloc.so.2")
+    monkeypatch.setattr(hostmem.platform, "system", lambda: "Darwin")
+    assert hostmem.preload_env("auto", {}, auto_jemalloc=True) is None
+    # in the process started so (PRELOADED set and the library mapped), auto is jemalloc and says why
+    monkeypatch.setenv(hostmem.PRELOADED, "/opt/lib/libjemalloc.so.2")
+    monkeypatch.setattr(hostmem, "_mapped", lambda name: name == "libjemalloc.so.2")
+    assert hostmem.resolve("auto", False) == "jemalloc"
+    assert hostmem.set_host_memory("auto") == ("host memory: jemalloc (preloaded: /opt/lib/libjemalloc.so.2; "
+                                               "train.host_memory = auto: a Hugging Face model on the CPU)")
+    assert hostmem.set_host_memory("jemalloc") == "host memory: jemalloc (preloaded: /opt/lib/libjemalloc.so.2)"
+    monkeypatch.setattr(hostmem, "_mapped", lambda name: False)     # the variable inherited, the library not mapped
+    assert hostmem.resolve("auto", False) == "keep" and hostmem.resolve("auto", True) == "system"
+
+
+def test_auto_runs_the_command_again_with_jemalloc_only_where_it_owns_its_process(tmp_path, monkeypatch):
+    """`rlvr train` from the command line (main() reading sys.argv) with a Hugging Face model and auto
+    runs itself again with jemalloc before it builds anything; the same call from Python (main(argv), as
+    a notebook or a test makes it) never replaces its caller's process, and the tiny model stays."""
+    pytest.importorskip("transformers")
+    import rlvr.cli
+    from hf_models import make_model_dir
+
+    monkeypatch.setattr(hostmem, "allocator_library", lambda: "/opt/lib/libjemalloc.so.2")
+    monkeypatch.setattr(hostmem.platform, "system", lambda: "Linux")
+    monkeypatch.delenv(hostmem.PRELOADED, raising=False)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    calls = []
+
+    def execve(path, argv, env):
+        calls.append((argv, env))
+        raise SystemExit(0)
+    monkeypatch.setattr(rlvr.cli.os, "execve", execve)
+    mdir = make_model_dir(tmp_path / "m")
+    argv = ["train", str(EXAMPLE), "--out", str(tmp_path / "run"), f"--model.path={mdir}", "--train.steps=1"]
+    monkeypatch.setattr(sys, "argv", ["rlvr", *argv])
+    with pytest.raises(SystemExit):
+        main()
+    [(args, env)] = calls
+    assert args == [sys.executable, "-m", "rlvr", *argv] and env["LD_PRELOAD"] == "/opt/lib/libjemalloc.so.2"
+    assert not (tmp_path / "run").exists()                               # nothing built or written before
+    def train(*a, **k):                                                  # past the preload: the trainer was called
+        raise RuntimeError("built")
+    monkeypatch.setattr(trainer, "train", train)
+    for owner_argv in ([*argv, "--model.path="],                                         # the tiny model
+                       [*argv, "--model.gradient_checkpointing=true"]):
+        monkeypatch.setattr(sys, "argv", ["rlvr", *owner_argv])
+        with pytest.raises(RuntimeError, match="built"):
+            main()
+    with pytest.raises(RuntimeError, match="built"):
+        main(argv)                                                       # called from Python: no exec
+    assert len(calls) == 1
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="LD_PRELOAD is the Linux loader's")
+def test_the_command_with_a_hugging_face_model_runs_under_jemalloc_by_default(tmp_path):
+    """The real command in a fresh process, train.host_memory left at auto: a Hugging Face model trains
+    under jemalloc where this machine has one (the test extra installs Ray, whose wheel ships it), and
+    the built-in tiny model under glibc's kept heap."""
+    pytest.importorskip("transformers")
+    from hf_models import make_model_dir
+
+    env = {k: v for k, v in os.environ.items() if k not in (hostmem.PRELOADED, "LD_PRELOAD")}
+    common = ["--train.steps=1", "--train.prompts_per_step=2", "--train.samples_per_prompt=2", "--eval.every=0",
+              "--eval.at_start=false", "--eval.prompts=4", "--eval.pass_k=0", "--task.options={n = 3, heldout = 10}"]
+    hf = subprocess.run([sys.executable, "-m", "rlvr", "train", str(EXAMPLE), "--out", str(tmp_path / "hf"),
+                         f"--model.path={make_model_dir(tmp_path / 'm')}", *common],
+                        capture_output=True, text=True, env=env)
+    assert hf.returncode == 0, hf.stderr
+    if hostmem.allocator_library() is not None:
+        assert "host memory: jemalloc (preloaded: " in hf.stdout and "train.host_memory = auto" in hf.stdout
+    else:
+        assert "host memory: jemalloc" not in hf.stdout
+    tiny = subprocess.run([sys.executable, "-m", "rlvr", "train", str(EXAMPLE), "--out", str(tmp_path / "tiny"),
+                           "--model.init=", "--model.n_embd=16", "--model.n_layer=1", "--model.n_head=2", *common],
+                          capture_output=True, text=True, env=env)
+    assert tiny.returncode == 0, tiny.stderr
+    assert "host memory: jemalloc" not in tiny.stdout
+    if GLIBC:
+        assert "host memory: kept (glibc: no mmap, no trim)" in tiny.stdout
