@@ -177,6 +177,8 @@ def targets(profile: list[dict], step_s: dict, curves: dict, prompts: int | None
     ``profile`` (its ``x_bound``; not the ``PARTS`` rows) against its bound. With the evaluation's
     ``prompts`` the two accuracy lines also say how many standard errors (``standard_error``) their
     differences are, and the gain's target is ``GAIN_STANDARD_ERRORS`` of them where that is set.
+    A curve of rlvr with no evaluation after step 0 (``--minutes 0``) gives one "not measured" line
+    instead of the two accuracy lines.
     Where ``curves`` also holds ``"hits"`` (each library's per-prompt hits at each of its evaluations,
     the same prompts in the same order), those standard errors are the paired ones
     (``paired_standard_error``)."""
@@ -200,23 +202,26 @@ def targets(profile: list[dict], step_s: dict, curves: dict, prompts: int | None
     ratio = step_s["trl"] / step_s["rlvr"]
     lines = [f"{verdict(ratio >= TARGET_STEP_RATIO)} step rate: TRL / rlvr = {ratio:.2f} (target >= {TARGET_STEP_RATIO:g})"]
     mine, theirs = curves["rlvr"], curves["trl"]
-    p0, p1 = mine[0][2], mine[-1][2]
-    gain = p1 - p0
-    need, why = TARGET_GAIN, f"{TARGET_GAIN * 100:+.0f}"
-    if GAIN_STANDARD_ERRORS is not None and prompts:
-        need = GAIN_STANDARD_ERRORS * se_of(p0, p1, at("rlvr", 0), at("rlvr", -1))
-        why = f"{need * 100:+.1f}, {GAIN_STANDARD_ERRORS:g} standard errors"
-    lines.append(f"{verdict(gain > 0 and gain >= need - 1e-9)} held-out gain: {p0:.3f} at step 0 -> {p1:.3f} "
-                 f"after {mine[-1][0]:.0f} s ({gain * 100:+.1f} points{noise(p0, p1, at('rlvr', 0), at('rlvr', -1))}; "
-                 f"target >= {why})")
-    later = list(zip(mine[1:], theirs[1:]))
-    below = [f"{a[0]:.0f} s: {a[2]:.3f} vs {b[2]:.3f}" for a, b in later if not a[2] > b[2]]
-    last = (f"{p1:.3f} after {mine[-1][0]:.0f} s against TRL's {theirs[-1][2]:.3f} after {theirs[-1][0]:.0f} s"
-            + (f" ({(p1 - theirs[-1][2]) * 100:+.1f} points{noise(theirs[-1][2], p1, at('trl', -1), at('rlvr', -1))})"
-               if prompts else ""))
-    lines.append(f"{verdict(p1 > theirs[-1][2])} above TRL at the last evaluation: {last}; "
-                 + (f"not at every evaluation ({'; '.join(below)})" if below else
-                    f"above at each of the {len(later)} evaluations after step 0"))
+    if len(mine) < 2:          # --minutes 0: step times only, rlvr not evaluated after its step 0
+        lines.append("not measured: held-out gain and above TRL (no evaluation of rlvr after step 0; --minutes 0)")
+    else:
+        p0, p1 = mine[0][2], mine[-1][2]
+        gain = p1 - p0
+        need, why = TARGET_GAIN, f"{TARGET_GAIN * 100:+.0f}"
+        if GAIN_STANDARD_ERRORS is not None and prompts:
+            need = GAIN_STANDARD_ERRORS * se_of(p0, p1, at("rlvr", 0), at("rlvr", -1))
+            why = f"{need * 100:+.1f}, {GAIN_STANDARD_ERRORS:g} standard errors"
+        lines.append(f"{verdict(gain > 0 and gain >= need - 1e-9)} held-out gain: {p0:.3f} at step 0 -> {p1:.3f} "
+                     f"after {mine[-1][0]:.0f} s ({gain * 100:+.1f} points{noise(p0, p1, at('rlvr', 0), at('rlvr', -1))}; "
+                     f"target >= {why})")
+        later = list(zip(mine[1:], theirs[1:]))
+        below = [f"{a[0]:.0f} s: {a[2]:.3f} vs {b[2]:.3f}" for a, b in later if not a[2] > b[2]]
+        last = (f"{p1:.3f} after {mine[-1][0]:.0f} s against TRL's {theirs[-1][2]:.3f} after {theirs[-1][0]:.0f} s"
+                + (f" ({(p1 - theirs[-1][2]) * 100:+.1f} points{noise(theirs[-1][2], p1, at('trl', -1), at('rlvr', -1))})"
+                   if prompts else ""))
+        lines.append(f"{verdict(p1 > theirs[-1][2])} above TRL at the last evaluation: {last}; "
+                     + (f"not at every evaluation ({'; '.join(below)})" if below else
+                        f"above at each of the {len(later)} evaluations after step 0"))
     phases = [p for p in profile if p["phase"] not in PARTS]
     over = [f"{p['phase']} {p['x_bound']:.1f}x" for p in phases if p["x_bound"] > TARGET_X_BOUND]
     lines.append(f"{verdict(not over)} every phase within {TARGET_X_BOUND:g}x its bound: "

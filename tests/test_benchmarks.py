@@ -138,6 +138,12 @@ def test_the_chain_of_thought_comparison_sets_its_gain_against_the_evaluations_n
     # 0.095 -> 0.150 at 200 prompts: 5.5 points, under two standard errors (2 x 0.0326 = 6.5 points)
     curves["rlvr"][-1] = (604.0, 17, 0.150)
     assert rm.targets([], {"rlvr": 1.0, "trl": 6.0}, curves, 200)[1].startswith("missed held-out gain")
+    # step times only (--minutes 0): rlvr never evaluated after step 0, so no accuracy verdict either way
+    curves = {"rlvr": [(0.0, 0, 0.25)], "trl": [(0.0, 0, 0.25), (129.0, 1, 0.10)]}
+    got = rm.targets([{"phase": "sampling decode", "x_bound": 4.9}], {"rlvr": 28.94, "trl": 125.21}, curves, 20)
+    assert got[0] == "missed step rate: TRL / rlvr = 4.33 (target >= 6)"
+    assert got[1] == "not measured: held-out gain and above TRL (no evaluation of rlvr after step 0; --minutes 0)"
+    assert len(got) == 3 and got[2].startswith("missed every phase within 2x")
 
 
 def test_the_comparisons_noise_is_paired_where_each_prompts_hits_are_kept(monkeypatch):
