@@ -58,8 +58,7 @@ def resolve(mode: str, checkpointing: bool) -> str:
         raise ValueError(f"train.host_memory must be one of {', '.join(HOST_MEMORY)}, got {mode!r}")
     if mode != "auto":
         return mode
-    lib = os.environ.get(PRELOADED, "")
-    if lib and _mapped(Path(lib).name):
+    if _rlvr_preloaded():
         return "jemalloc"
     return "system" if checkpointing else "keep"
 
@@ -87,8 +86,8 @@ def set_host_memory(mode: str, checkpointing: bool = False) -> str:
 def _apply(mode: str, why: str) -> str:
     global _kept
     if mode == "jemalloc":
-        lib = os.environ.get(PRELOADED, "")
-        return (f"host memory: jemalloc (preloaded: {lib}{why})" if lib and _mapped(Path(lib).name)
+        lib = _rlvr_preloaded()
+        return (f"host memory: jemalloc (preloaded: {lib}{why})" if lib
                 else "host memory: the C library's (train.host_memory = jemalloc: rlvr train runs itself again "
                      "with jemalloc preloaded; this process was not started so)")
     outside = _preloaded_from_outside()
@@ -126,9 +125,20 @@ def _mapped(name: str) -> bool:
         return False
 
 
+def _rlvr_preloaded() -> str | None:
+    """The library ``preload_env`` started this process with (``PRELOADED``), where it is mapped; else None."""
+    lib = os.environ.get(PRELOADED, "")
+    return lib if lib and _mapped(Path(lib).name) else None
+
+
 def _preload_list(environ) -> list[str]:
     """The libraries LD_PRELOAD names in ``environ`` (the loader splits it at colons and spaces)."""
     return [p for p in environ.get("LD_PRELOAD", "").replace(" ", ":").split(":") if p]
+
+
+def _allocators_in(environ) -> list[str]:
+    """The malloc replacements (``ALLOCATOR_NAMES``) LD_PRELOAD names in ``environ``."""
+    return [p for p in _preload_list(environ) if Path(p).name.startswith(ALLOCATOR_NAMES)]
 
 
 ALLOCATOR_NAMES = ("libjemalloc", "libtcmalloc", "libmimalloc")
@@ -140,11 +150,7 @@ def _preloaded_from_outside() -> str | None:
     with one of ``ALLOCATOR_NAMES``, mapped into the process) where rlvr did not preload it; else None."""
     if os.environ.get(PRELOADED):
         return None
-    for lib in _preload_list(os.environ):
-        name = Path(lib).name
-        if name.startswith(ALLOCATOR_NAMES) and _mapped(name):
-            return lib
-    return None
+    return next((lib for lib in _allocators_in(os.environ) if _mapped(Path(lib).name)), None)
 
 
 def allocator_library() -> str | None:
@@ -169,16 +175,14 @@ def preload_env(mode: str, environ: dict[str, str], auto_jemalloc: bool = False)
     (``auto_takes_jemalloc``, in a process the command owns) asks for it where it can be had and
     never fails: not on Linux, with no library found, or with a malloc replacement already
     preloaded from outside, it is None."""
-    if mode == "auto" and auto_jemalloc and not environ.get(PRELOADED):
-        outside = [p for p in _preload_list(environ) if Path(p).name.startswith(ALLOCATOR_NAMES)]
-        if outside or platform.system() != "Linux" or allocator_library() is None:
-            return None
-        mode = "jemalloc"
-    if mode != "jemalloc" or environ.get(PRELOADED):
+    if environ.get(PRELOADED) or not (mode == "jemalloc" or (mode == "auto" and auto_jemalloc)):
         return None
-    if platform.system() != "Linux":
+    linux = platform.system() == "Linux"
+    lib = allocator_library() if linux else None
+    if mode == "auto" and (lib is None or _allocators_in(environ)):
+        return None                                     # auto never fails: glibc's allocator goes on
+    if not linux:
         raise ValueError(f"train.host_memory = jemalloc needs Linux (LD_PRELOAD); this is {platform.system()}")
-    lib = allocator_library()
     if lib is None:
         raise ValueError("train.host_memory = jemalloc: no jemalloc library found (install the system's "
                          "libjemalloc2, or Ray: pip install 'rlvr[distributed]'); or set it to auto")
