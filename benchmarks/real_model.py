@@ -442,7 +442,8 @@ class TrlRun:
 
     def run(self, budget_s: float, eval_at: list[float], on_eval, on_step=None) -> list[float]:
         """Train; `on_eval(train_s, steps, model)` at the `eval_at` marks of training seconds, and
-        `on_step(steps, model)` (when given) before the first step and after every step."""
+        `on_step(steps, model)` (when given) before the first step and after every step. A budget of
+        no seconds takes no step (as ``rlvr_curve``): the step-0 evaluation alone."""
         import datasets
         from peft import LoraConfig
         from transformers import AutoTokenizer, TrainerCallback
@@ -518,7 +519,8 @@ class TrlRun:
             if eval_at and eval_at[0] == 0:
                 pending.pop(0)
                 on_eval(0.0, 0, trainer.model)
-            trainer.train()
+            if budget_s > 0:              # TRL checks the budget after a step: at 0 it would still take one
+                trainer.train()
         return times
 
 

@@ -202,6 +202,37 @@ def test_the_real_model_comparison_trains_both_libraries_at_its_seed(monkeypatch
     assert made == [3]
 
 
+def test_trls_curve_takes_no_step_when_its_budget_is_zero(monkeypatch, tmp_path):
+    """TrlRun.run with no seconds to spend evaluates step 0 and never calls trainer.train() (TRL checks
+    its budget after a step, so it would take one that rlvr's curve at ``--minutes 0`` does not);
+    with a budget it trains. GRPOTrainer is a stand-in (TRL is not a test dependency): this checks
+    the harness; the tokenizer is a tiny one saved to the model directory."""
+    import sys
+    import types
+    from hf_models import make_model_dir
+    rm = _real_model()
+    make_model_dir(tmp_path, chat=True, weights=False)
+    trained = []
+
+    class Trainer:
+        def __init__(self, **kw):
+            self.model = "model"
+
+        def remove_callback(self, cb):
+            pass
+
+        def train(self):
+            trained.append(True)
+
+    monkeypatch.setitem(sys.modules, "trl", types.SimpleNamespace(GRPOConfig=lambda **kw: kw, GRPOTrainer=Trainer))
+    setup = SimpleNamespace(task=SimpleNamespace(train=[SimpleNamespace(prompt="1 + 1?", answer="2")]))
+    evals = []
+    run = rm.TrlRun(tmp_path, setup, 10, 1)
+    assert run.run(0.0, [0.0], lambda *x: evals.append(x)) == []
+    assert evals == [(0.0, 0, "model")] and trained == []
+    assert run.run(60.0, [0.0], lambda *x: evals.append(x)) == [] and trained == [True]
+
+
 def _real_model():
     import importlib.util
     spec = importlib.util.spec_from_file_location("real_model", ROOT / "benchmarks" / "real_model.py")
