@@ -86,8 +86,7 @@ def _preload_allocator(cfg: config.Config, argv: list[str], owns_process: bool) 
     from rlvr import hostmem
     from rlvr.setup_types import RunError
 
-    auto = owns_process and hostmem.auto_takes_jemalloc(bool(cfg.model.path), cfg.train.device,
-                                                        cfg.model.gradient_checkpointing)
+    auto = owns_process and hostmem.auto_takes_jemalloc(bool(cfg.model.path), cfg.train.device)
     try:
         env = hostmem.preload_env(cfg.train.host_memory, dict(os.environ), auto_jemalloc=auto)
     except ValueError as e:

@@ -13,11 +13,11 @@ kernel: a few page faults a step once the heap has reached its peak, and a short
 process's resident set then stays at its peak (as a GPU caching allocator does), somewhat above
 glibc's own. ``system``: glibc's defaults.
 
-``auto`` (the default): ``jemalloc`` for a Hugging Face model trained on the CPU without gradient
-checkpointing, where the ``rlvr`` command owns its process and this machine has the library
-(``auto_takes_jemalloc``); else ``keep``, except in a run with gradient checkpointing, which takes
-``system``. Such a run chose recomputation to save memory, and under ``keep`` the heap it leaves
-behind ate most of the saving. A real model's learn stage frees large activations that fragment
+``auto`` (the default): ``jemalloc`` for a Hugging Face model trained on the CPU, with or without
+gradient checkpointing, where the ``rlvr`` command owns its process and this machine has the
+library (``auto_takes_jemalloc``); else ``keep``, except in a run with gradient checkpointing, which
+takes ``system``. Such a run chose recomputation to save memory, and under ``keep`` the heap it
+leaves behind ate most of the saving; jemalloc's peak was lower still. A real model's learn stage frees large activations that fragment
 glibc's heap (below); the built-in tiny model's steps allocate small blocks, which glibc serves
 faster than jemalloc. The figures are in docs/benchmarks.md ("Figures behind the code's rules",
 "Memory").
@@ -63,13 +63,14 @@ def resolve(mode: str, checkpointing: bool) -> str:
     return "system" if checkpointing else "keep"
 
 
-def auto_takes_jemalloc(hf_model: bool, device: str, checkpointing: bool) -> bool:
+def auto_takes_jemalloc(hf_model: bool, device: str) -> bool:
     """Whether ``train.host_memory = auto`` asks for jemalloc in a run of the ``rlvr`` command: a
-    Hugging Face model (``model.path`` set) on the CPU (``train.device = cpu``) without gradient
-    checkpointing. Its learn stage frees large activations around blocks that live on, and glibc's
-    best fit then walks them at every later allocation; the built-in tiny model's steps are faster
-    under glibc's ``keep`` (docs/benchmarks.md, "Figures behind the code's rules")."""
-    return hf_model and device == "cpu" and not checkpointing
+    Hugging Face model (``model.path`` set) on the CPU (``train.device = cpu``), gradient
+    checkpointing or not. Its learn stage frees large activations around blocks that live on, and
+    glibc's best fit then walks them at every later allocation; with checkpointing jemalloc's steps
+    were shorter and its peak lower than glibc's defaults (``system``); the built-in tiny model's steps
+    are faster under glibc's ``keep`` (docs/benchmarks.md, "Figures behind the code's rules")."""
+    return hf_model and device == "cpu"
 
 
 def set_host_memory(mode: str, checkpointing: bool = False) -> str:

@@ -217,10 +217,9 @@ def test_auto_asks_for_jemalloc_for_a_hugging_face_model_on_the_cpu_where_it_can
     """auto's rule (auto_takes_jemalloc) and what preload_env makes of it: the environment to run again
     with where the library is found on Linux; nothing, and never an error, where it cannot be had or
     another malloc replacement is preloaded already; and auto in the process started so is jemalloc."""
-    assert hostmem.auto_takes_jemalloc(True, "cpu", False)
-    assert not hostmem.auto_takes_jemalloc(False, "cpu", False)          # the built-in tiny model: keep
-    assert not hostmem.auto_takes_jemalloc(True, "cuda", False)
-    assert not hostmem.auto_takes_jemalloc(True, "cpu", True)            # gradient checkpointing: system
+    assert hostmem.auto_takes_jemalloc(True, "cpu")
+    assert not hostmem.auto_takes_jemalloc(False, "cpu")                 # the built-in tiny model: keep
+    assert not hostmem.auto_takes_jemalloc(True, "cuda")
     monkeypatch.setattr(hostmem, "allocator_library", lambda: "/opt/lib/libjemalloc.so.2")
     monkeypatch.setattr(hostmem.platform, "system", lambda: "Linux")
     env = hostmem.preload_env("auto", {"HOME": "/h"}, auto_jemalloc=True)
@@ -264,23 +263,22 @@ def test_auto_runs_the_command_again_with_jemalloc_only_where_it_owns_its_proces
     monkeypatch.setattr(rlvr.cli.os, "execve", execve)
     mdir = make_model_dir(tmp_path / "m")
     argv = ["train", str(EXAMPLE), "--out", str(tmp_path / "run"), f"--model.path={mdir}", "--train.steps=1"]
-    monkeypatch.setattr(sys, "argv", ["rlvr", *argv])
-    with pytest.raises(SystemExit):
-        main()
-    [(args, env)] = calls
-    assert args == [sys.executable, "-m", "rlvr", *argv] and env["LD_PRELOAD"] == "/opt/lib/libjemalloc.so.2"
-    assert not (tmp_path / "run").exists()                               # nothing built or written before
+    for run_argv in (argv, [*argv, "--model.gradient_checkpointing=true"]):     # checkpointing or not
+        monkeypatch.setattr(sys, "argv", ["rlvr", *run_argv])
+        with pytest.raises(SystemExit):
+            main()
+        args, env = calls.pop()
+        assert args == [sys.executable, "-m", "rlvr", *run_argv] and env["LD_PRELOAD"] == "/opt/lib/libjemalloc.so.2"
+        assert not (tmp_path / "run").exists()                           # nothing built or written before
     def train(*a, **k):                                                  # past the preload: the trainer was called
         raise RuntimeError("built")
     monkeypatch.setattr(trainer, "train", train)
-    for owner_argv in ([*argv, "--model.path="],                                         # the tiny model
-                       [*argv, "--model.gradient_checkpointing=true"]):
-        monkeypatch.setattr(sys, "argv", ["rlvr", *owner_argv])
-        with pytest.raises(RuntimeError, match="built"):
-            main()
+    monkeypatch.setattr(sys, "argv", ["rlvr", *argv, "--model.path="])           # the tiny model
+    with pytest.raises(RuntimeError, match="built"):
+        main()
     with pytest.raises(RuntimeError, match="built"):
         main(argv)                                                       # called from Python: no exec
-    assert len(calls) == 1
+    assert calls == []
 
 
 @pytest.mark.skipif(platform.system() != "Linux", reason="LD_PRELOAD is the Linux loader's")

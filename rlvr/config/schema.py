@@ -397,7 +397,7 @@ class TrainConfig:
     (docs/guide/configs.md, "Threads")."""
     host_memory: Literal["auto", "keep", "system", "jemalloc"] = "auto"
     """How the process takes memory from the C library (rlvr.hostmem). auto: jemalloc (below) for a
-    Hugging Face model on the CPU without gradient checkpointing, where `rlvr train` runs as a
+    Hugging Face model on the CPU (gradient checkpointing or not), where `rlvr train` runs as a
     command and the library is found; else keep, except with
     model.gradient_checkpointing (system: a run that recomputes to save memory does not keep a heap at
     its peak, and a kept heap eats most of what checkpointing saves; docs/benchmarks.md, "Memory").
