@@ -17,10 +17,10 @@ glibc's own. ``system``: glibc's defaults.
 gradient checkpointing, where the ``rlvr`` command owns its process and this machine has the
 library (``auto_takes_jemalloc``); else ``keep``, except in a run with gradient checkpointing, which
 takes ``system``. Such a run chose recomputation to save memory, and under ``keep`` the heap it
-leaves behind ate most of the saving; jemalloc's peak was lower still. A real model's learn stage frees large activations that fragment
-glibc's heap (below); the built-in tiny model's steps allocate small blocks, which glibc serves
-faster than jemalloc. The figures are in docs/benchmarks.md ("Figures behind the code's rules",
-"Memory").
+leaves behind ate most of the saving; jemalloc's peak was lower still. A real model's learn stage
+frees large activations that fragment glibc's heap (below); the built-in tiny model's steps
+allocate small blocks, which glibc serves faster than jemalloc. The figures are in
+docs/benchmarks.md ("Figures behind the code's rules", "Memory").
 
 Only glibc has these knobs (``mallopt``); elsewhere ``keep`` does nothing and says so. A process
 keeps the setting once made (glibc's dynamic defaults cannot be restored), so ``system`` after
