@@ -235,9 +235,11 @@ def test_auto_asks_for_jemalloc_for_a_hugging_face_model_on_the_cpu_where_it_can
     # in the process started so (PRELOADED set and the library mapped), auto is jemalloc and says why
     monkeypatch.setenv(hostmem.PRELOADED, "/opt/lib/libjemalloc.so.2")
     monkeypatch.setattr(hostmem, "_mapped", lambda name: name == "libjemalloc.so.2")
-    assert hostmem.resolve("auto", False) == "jemalloc"
-    assert hostmem.set_host_memory("auto") == ("host memory: jemalloc (preloaded: /opt/lib/libjemalloc.so.2; "
-                                               "train.host_memory = auto: a Hugging Face model on the CPU)")
+    assert hostmem.resolve("auto", False) == "jemalloc" and hostmem.resolve("auto", True) == "jemalloc"
+    for checkpointing in (False, True):                            # gradient checkpointing or not
+        assert hostmem.set_host_memory("auto", checkpointing) == (
+            "host memory: jemalloc (preloaded: /opt/lib/libjemalloc.so.2; "
+            "train.host_memory = auto: a Hugging Face model on the CPU)")
     assert hostmem.set_host_memory("jemalloc") == "host memory: jemalloc (preloaded: /opt/lib/libjemalloc.so.2)"
     monkeypatch.setattr(hostmem, "_mapped", lambda name: False)     # the variable inherited, the library not mapped
     assert hostmem.resolve("auto", False) == "keep" and hostmem.resolve("auto", True) == "system"
