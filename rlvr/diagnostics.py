@@ -153,7 +153,12 @@ class Watch:
       than `entropy_drop`; on 2-digit addition the entropy fell 2.67 -> 0.83 in 225 steps, never
       by half between two evaluations 25 steps apart.)
     - training reward rose while the held-out goal fell by more than `goal_drop` since the previous
-      evaluation: the proxy is being gamed.
+      evaluation: the proxy is being gamed, unless the training goal (the goal met by the training
+      samples, mean of the last `window` steps) did not fall either. Then the samples still meet
+      the goal, and what fell is the held-out evaluation: a greedy answer (eval/goal decodes
+      greedily, training samples at the sampling temperature) that drifted from what sampling
+      trains (on SmolLM2's chain of thought, longer looping prose after some steps), or a policy
+      that fits the training prompts only; the warning says so, and points at `best/`.
     Each rule warns at most once every `cooldown` steps.
     """
 
@@ -295,7 +300,8 @@ class Watch:
         if not self._rows:  # an evaluation before the first step: the goal at the start of the run
             self._start_goal = goal
             return []
-        now = {"step": step, "goal": goal, "entropy": self._recent("entropy"), "reward": self._recent("reward")}
+        now = {"step": step, "goal": goal, "entropy": self._recent("entropy"), "reward": self._recent("reward"),
+               "train_goal": self._recent("goal")}
         refs = []
         first = self._rows[:self.window]
         start_goal = self._start_goal
@@ -327,6 +333,23 @@ class Watch:
                 break
         if prev is not None and now["reward"] > prev["reward"] and goal < prev["goal"] - self.goal_drop \
                 and self._due("gamed", step):
-            msgs.append(f"training reward rose ({prev['reward']:.3f} -> {now['reward']:.3f}) while the held-out goal "
-                        f"fell ({prev['goal']:.3f} -> {goal:.3f}): the reward is being gamed; run `rlvr audit`")
+            msgs.append(self._heldout_fell_message(prev, now))
         return msgs
+
+    @staticmethod
+    def _heldout_fell_message(prev: dict, now: dict) -> str:
+        """The warning for a training reward that rose while the held-out goal fell: gamed, unless the
+        training goal did not fall (then the evaluation's greedy answer or the prompts differ)."""
+        head = (f"training reward rose ({prev['reward']:.3f} -> {now['reward']:.3f}) while the held-out goal fell "
+                f"({prev['goal']:.3f} -> {now['goal']:.3f})")
+        was, got = prev.get("train_goal"), now.get("train_goal")
+        if was is None or got is None:
+            return f"{head}: the reward is being gamed; run `rlvr audit`"
+        if got < was:
+            return (f"{head} and the training goal fell ({was:.3f} -> {got:.3f}): the reward is being gamed; "
+                    f"run `rlvr audit`")
+        return (f"{head}, but the training goal did not fall ({was:.3f} -> {got:.3f}): the samples still meet the "
+                f"goal, so the reward is not what is gamed. What fell is the held-out evaluation: its greedy answer "
+                f"(eval/goal decodes greedily, training samples at sampling.temperature) drifting from what sampling "
+                f"trains (eval/pass@k samples at that temperature), or a policy that fits the training prompts only. "
+                f"best/ keeps the weights of the best evaluation (eval.keep_best)")

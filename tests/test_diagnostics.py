@@ -72,6 +72,28 @@ def test_reward_up_goal_down_means_gamed():
     assert len(msgs) == 1 and "rlvr audit" in msgs[0] and "gamed" in msgs[0]
 
 
+def test_held_out_falling_while_the_training_goal_holds_is_not_called_gamed():
+    """Reward and training goal rose, held-out fell (SmolLM2's chain of thought: sampled accuracy up,
+    greedy held-out down): the warning says the samples still meet the goal and points at best/; with
+    the training goal falling it is the gamed warning, with both goals' figures."""
+    def run(goal_before, goal_after):
+        w = Watch(window=2)
+        for s in range(1, 3):
+            w.after_step(s, {**row(reward=0.4), "train/goal": goal_before})
+        w.after_eval(2, goal=0.17)
+        for s in range(3, 5):
+            w.after_step(s, {**row(reward=0.5), "train/goal": goal_after})
+        return w.after_eval(4, goal=0.09)
+
+    msgs = run(0.11, 0.14)
+    assert len(msgs) == 1 and "0.110 -> 0.140" in msgs[0] and "0.170 -> 0.090" in msgs[0]
+    assert "not what is gamed" in msgs[0] and "greedily" in msgs[0] and "best/" in msgs[0]
+    assert "rlvr audit" not in msgs[0]
+    msgs = run(0.30, 0.20)
+    assert len(msgs) == 1 and "being gamed" in msgs[0] and "rlvr audit" in msgs[0]
+    assert "training goal fell (0.300 -> 0.200)" in msgs[0]
+
+
 def test_agreeing_because_solved_says_so():
     w = Watch(window=2)
     solved = {**row(0.9), "train/pass_rate_hist": [0, 0, 0, 0, 1, 9]}
