@@ -157,8 +157,8 @@ class Watch:
       samples, mean of the last `window` steps) did not fall either. Then the samples still meet
       the goal, and what fell is the held-out evaluation: a greedy answer (eval/goal decodes
       greedily, training samples at the sampling temperature) that drifted from what sampling
-      trains (on SmolLM2's chain of thought, longer looping prose after some steps), or a policy
-      that fits the training prompts only; the warning says so, and points at `best/`.
+      trains, or a policy that fits the training prompts only; the warning says so, and points at
+      `best/`.
     Each rule warns at most once every `cooldown` steps.
     """
 
@@ -342,12 +342,11 @@ class Watch:
         training goal did not fall (then the evaluation's greedy answer or the prompts differ)."""
         head = (f"training reward rose ({prev['reward']:.3f} -> {now['reward']:.3f}) while the held-out goal fell "
                 f"({prev['goal']:.3f} -> {now['goal']:.3f})")
-        was, got = prev.get("train_goal"), now.get("train_goal")
-        if was is None or got is None:
-            return f"{head}: the reward is being gamed; run `rlvr audit`"
-        if got < was:
-            return (f"{head} and the training goal fell ({was:.3f} -> {got:.3f}): the reward is being gamed; "
-                    f"run `rlvr audit`")
+        was, got = prev.get("train_goal"), now.get("train_goal")      # None: no goal rows, or an older saved state
+        known = was is not None and got is not None
+        if not known or got < was:
+            fell = f" and the training goal fell ({was:.3f} -> {got:.3f})" if known else ""
+            return f"{head}{fell}: the reward is being gamed; run `rlvr audit`"
         return (f"{head}, but the training goal did not fall ({was:.3f} -> {got:.3f}): the samples still meet the "
                 f"goal, so the reward is not what is gamed. What fell is the held-out evaluation: its greedy answer "
                 f"(eval/goal decodes greedily, training samples at sampling.temperature) drifting from what sampling "
