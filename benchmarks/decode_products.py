@@ -8,6 +8,15 @@ alternated in rounds in one process:
 - ``bf16``: ``F.linear`` on plain bf16 weights (what autocast computes);
 - ``fp32``: ``F.linear`` on float32 weights (MKL; twice the bytes);
 
+or with ``--fp32``, for CPUs where rlvr decodes in fp32 (no bf16 units, where bf16 products are
+emulated and oneDNN packs no bf16 weight), ``fp32`` and two more float32 ways instead, no whole step:
+
+- ``fp32_wm``: weight-major ``W @ xT`` (MKL), what rlvr's fp32 decode steps compute
+  (``rlvr.models.lean_llama.weight_major``);
+- ``fp32_packed``: oneDNN's prepacked float32 linear (the ``packed`` way on float32 weights; one
+  pack made for 64 rows serves every row count);
+
+
 and two whole decode steps, to tell the products' floor from what the rest of a step adds:
 
 - ``step``: the fewest eager PyTorch calls a Llama decode step can be written in, at the same
@@ -22,11 +31,12 @@ and two whole decode steps, to tell the products' floor from what the rest of a 
   sample per prompt, so every row stays live), timed as a call of 2 + ``--steps`` new tokens less
   a call of 2, per step.
 
-    python benchmarks/decode_products.py [--rows 1,8,24,64] [--rounds 5] [--threads 2] [--rlvr]
+    python benchmarks/decode_products.py [--rows 1,8,24,64] [--rounds 5] [--threads 2] [--fp32] [--rlvr]
 
 Prints, per row count and way, the median milliseconds a step over the rounds, the rate the
 weights were streamed at, and the ratio to decode's bound at those rows: max(weight bytes / copy
-bandwidth, FLOPs / bf16 matmul rate), both measured at the start of the run (the bound
+bandwidth, FLOPs / bf16 matmul rate; with ``--fp32`` the float32 weight bytes and the fp32 matmul
+rate, fp32 decode's own bound), both measured at the start of the run (the bound
 ``benchmarks/real_model.py`` sets decode against, without the KV cache's bytes). The weights of a
 step (260 MiB in bf16) are larger than the caches, so each product reads its weight from memory,
 as in a decode step. ``packed``, ``bf16`` and ``fp32``: no LoRA factors, attention, norms or sampling,
@@ -64,7 +74,7 @@ def weights(dtype: torch.dtype, gen: torch.Generator) -> list[torch.Tensor]:
 
 
 def _pack(W: torch.Tensor) -> torch.Tensor:
-    """W's oneDNN prepacked bf16 copy."""
+    """W's oneDNN prepacked copy (bf16 or float32, as W)."""
     return torch.ops.mkldnn._reorder_linear_weight(W, PACK_ROWS)
 
 
@@ -79,7 +89,10 @@ def step_fn(way: str, ws: list[torch.Tensor], rows: int, cols: int = 96, packed_
     if way == "step":
         return eager_step(ws, rows, cols, packed_ok)
     xs = {K: torch.randn(rows, K).to(ws[0].dtype) for K in {W.size(1) for W in ws}}
-    if way == "packed":
+    if way == "fp32_wm":                                     # (N, K) @ (K, rows), each x contiguous (K, rows)
+        xTs = {K: x.t().contiguous() for K, x in xs.items()}
+        return lambda: [torch.mm(W, xTs[W.size(1)]) for W in ws]
+    if way in ("packed", "fp32_packed"):
         packs = [_pack(W) for W in ws]
         Ks = [W.size(1) for W in ws]
         return lambda: [_packed(xs[K], P) for K, P in zip(Ks, packs)]
@@ -130,9 +143,9 @@ def eager_step(ws: list[torch.Tensor], rows: int, cols: int, packed_ok: bool = T
     return one_step
 
 
-def rlvr_steps(threads: int, steps: int):
+def rlvr_steps(threads: int, steps: int, numerics: str = "bf16"):
     """(a function of ``rows`` giving a function that times rlvr's decode steps at that many rows,
-    seconds a step; the prompts' columns): SmolLM2-135M-Instruct with LoRA r = 16 under bf16, set up
+    seconds a step; the prompts' columns): SmolLM2-135M-Instruct with LoRA r = 16 in ``numerics``, set up
     as ``benchmarks/long_responses.py`` sets it up."""
     import long_responses
     import real_model
@@ -141,7 +154,7 @@ def rlvr_steps(threads: int, steps: int):
 
     real_model.MAX_NEW, real_model.LORA_R, real_model.LORA_ALPHA = 256, 16, 32.0
     real_model.TASK_OPTIONS = long_responses.task_options(50, 256)
-    run = real_model.RlvrRun(real_model.model_dir(), 3, 50, threads, "bf16")
+    run = real_model.RlvrRun(real_model.model_dir(), 3, 50, threads, numerics)
     setup, policy = run.state.setup, run.state.policy
     torch.set_num_threads(threads)
     examples = [encode_example(setup.tokenizer, ex) for ex in run.state.draw()]
@@ -168,26 +181,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5, help="alternated rounds (each way once a round)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cache", type=int, default=96, help="the step's cached columns (half of them attended)")
+    ap.add_argument("--fp32", action="store_true",
+                    help="the float32 ways only: F.linear, weight-major and oneDNN-prepacked products")
     ap.add_argument("--rlvr", action="store_true", help="also rlvr's own decode steps on SmolLM2-135M-Instruct")
     ap.add_argument("--steps", type=int, default=16, help="rlvr's decode steps a timing")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     packed_ok = hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available()
-    ways = (["packed"] if packed_ok else []) + ["bf16", "fp32", "step"] + (["rlvr"] if a.rlvr else [])
-    rlvr_at, prompt_cols = rlvr_steps(a.threads, a.steps) if a.rlvr else (None, 0)
+    if a.fp32:
+        ways = ["fp32", "fp32_wm"] + (["fp32_packed"] if packed_ok else []) + (["rlvr"] if a.rlvr else [])
+    else:
+        ways = (["packed"] if packed_ok else []) + ["bf16", "fp32", "step"] + (["rlvr"] if a.rlvr else [])
+    rlvr_at, prompt_cols = rlvr_steps(a.threads, a.steps, "fp32" if a.fp32 else "bf16") if a.rlvr else (None, 0)
     gen = torch.Generator().manual_seed(0)
     w_bf16 = weights(torch.bfloat16, gen)
     w_fp32 = [W.float() for W in w_bf16]
-    bw, rate = copy_bandwidth(), product_rate(torch.bfloat16)
+    bw = copy_bandwidth()
+    rate = product_rate(torch.float32 if a.fp32 else torch.bfloat16)
     nbytes = sum(W.numel() for W in w_bf16) * 2
-    print(f"machine: copy bandwidth {bw / 1e9:.2f} GB/s, bf16 matmul rate {rate / 1e9:.1f} GFLOP/s "
-          f"(torch threads {a.threads}); one step's weights {nbytes / 2**20:.0f} MiB in bf16"
+    print(f"machine: copy bandwidth {bw / 1e9:.2f} GB/s, {'fp32' if a.fp32 else 'bf16'} matmul rate "
+          f"{rate / 1e9:.1f} GFLOP/s (torch threads {a.threads}); one step's weights {nbytes / 2**20:.0f} MiB in bf16"
           + ("" if packed_ok else "; oneDNN's packed linear is not available here"))
     print(f"command: python benchmarks/decode_products.py --rows {a.rows} --rounds {a.rounds} --threads {a.threads} "
-          f"--cache {a.cache}" + (f" --rlvr --steps {a.steps}" if a.rlvr else ""))
+          f"--cache {a.cache}" + (" --fp32" if a.fp32 else "") + (f" --rlvr --steps {a.steps}" if a.rlvr else ""))
     for rows in (int(r) for r in a.rows.split(",")):
         fns = {w: rlvr_at(rows) if w == "rlvr"
-               else step_fn(w, w_fp32 if w == "fp32" else w_bf16, rows, a.cache, packed_ok) for w in ways}
+               else step_fn(w, w_fp32 if w.startswith("fp32") else w_bf16, rows, a.cache, packed_ok) for w in ways}
         for f in fns.values():
             f()                                                                     # warm-up (and the packs' first use)
         times: dict[str, list[float]] = {w: [] for w in ways}
@@ -205,10 +224,11 @@ def main(argv: list[str] | None = None) -> int:
             # the step's cached keys and values: half the --cache columns for step, the prompt's and the
             # decoded ones (on average) for rlvr
             cols = {"step": a.cache // 2, "rlvr": prompt_cols + 2 + a.steps // 2}.get(w, 0)
-            kv = 2 * LAYERS * rows * KV_HEADS * HEAD_DIM * cols * 2
-            bound = max((nbytes + kv) / bw, flops / rate)
-            streamed = nbytes * (2 if w == "fp32" else 1) / s
-            print(f"  {rows:>3} rows  {w:<6} {s * 1e3:7.1f} ms a step  weights streamed at {streamed / 1e9:5.2f} GB/s "
+            kv = 2 * LAYERS * rows * KV_HEADS * HEAD_DIM * cols * (4 if a.fp32 else 2)
+            # --fp32: against fp32 decode's own bound (float32 weight bytes, the fp32 rate)
+            bound = max((nbytes * (2 if a.fp32 else 1) + kv) / bw, flops / rate)
+            streamed = nbytes * (2 if a.fp32 or w == "fp32" else 1) / s
+            print(f"  {rows:>3} rows  {w:<11} {s * 1e3:7.1f} ms a step  weights streamed at {streamed / 1e9:5.2f} GB/s "
                   f"({streamed / bw:.2f} of the copy bandwidth)  {s / bound:4.1f}x decode's bound ({bound * 1e3:.1f} ms)")
     return 0
 
