@@ -8,15 +8,6 @@ alternated in rounds in one process:
 - ``bf16``: ``F.linear`` on plain bf16 weights (what autocast computes);
 - ``fp32``: ``F.linear`` on float32 weights (MKL; twice the bytes);
 
-or with ``--fp32``, for CPUs where rlvr decodes in fp32 (no bf16 units, where bf16 products are
-emulated and oneDNN packs no bf16 weight), ``fp32`` and two more float32 ways instead, no whole step:
-
-- ``fp32_wm``: weight-major ``W @ xT`` (MKL), what rlvr's fp32 decode steps compute
-  (``rlvr.models.lean_llama.weight_major``);
-- ``fp32_packed``: oneDNN's prepacked float32 linear (the ``packed`` way on float32 weights; one
-  pack made for 64 rows serves every row count);
-
-
 and two whole decode steps, to tell the products' floor from what the rest of a step adds:
 
 - ``step``: the fewest eager PyTorch calls a Llama decode step can be written in, at the same
@@ -30,6 +21,15 @@ and two whole decode steps, to tell the products' floor from what the rest of a 
   SmolLM2-135M-Instruct with LoRA r = 16 under bf16 autocast (``rlvr.sampling.generate`` with one
   sample per prompt, so every row stays live), timed as a call of 2 + ``--steps`` new tokens less
   a call of 2, per step.
+
+With ``--fp32``, for CPUs where rlvr decodes in fp32 (no bf16 units: bf16 products are emulated
+there and oneDNN packs no bf16 weight), the float32 ways only, and ``rlvr`` in fp32:
+
+- ``fp32``: as above;
+- ``fp32_wm``: weight-major ``W @ xT`` (MKL), what rlvr's fp32 decode steps compute
+  (``rlvr.models.lean_llama.weight_major``);
+- ``fp32_packed``: oneDNN's prepacked float32 linear (the ``packed`` way on float32 weights; one
+  pack made for 64 rows serves every row count).
 
     python benchmarks/decode_products.py [--rows 1,8,24,64] [--rounds 5] [--threads 2] [--fp32] [--rlvr]
 
@@ -188,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     packed_ok = hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available()
+    if not a.fp32:                                              # oneDNN packs bf16 weights only with bf16 support
+        packed_ok = packed_ok and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     if a.fp32:
         ways = ["fp32", "fp32_wm"] + (["fp32_packed"] if packed_ok else []) + (["rlvr"] if a.rlvr else [])
     else:
