@@ -33,9 +33,11 @@ from rlvr.setup_types import RunError
 from rlvr.state import STATE_DIR, atomic_dir, find_complete, find_state
 
 RESUMABLE_KEYS = {"train.steps", "train.threads", "train.save_every", "train.save_every_minutes",
-                  "train.snapshot_every", "train.snapshots_keep", "task.reward_workers",
-                  "task.reward_timeout_s", "task.reward_memory_mb", "distributed.learners", "distributed.sharding"}
-"""Keys a resumed run may change; sections [eval] and [log] may change too. Note that the
+                  "train.snapshot_every", "train.snapshots_keep", "train.price_probes", "train.memory_check",
+                  "task.reward_workers", "task.reward_timeout_s", "task.reward_memory_mb", "distributed.learners",
+                  "distributed.sharding"}
+"""Keys a resumed run may change; sections [eval] and [log] may change too. The price's probes and
+the memory check change no update, so a resume may skip what the first start already measured. Note that the
 learning-rate schedule is laid out over train.steps, so a longer resumed run decays later (the
 resume says so, with the rates: ``schedule_change_note``). The
 learner layout may change: every layout makes the one-process update and saves the one-process state."""

@@ -121,7 +121,7 @@ def test_trains_saves_and_exports_the_tied_model(tmp_path, model_dir, lora, caps
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert model.config.vocab_size == V and model.config.num_hidden_layers == LAYERS
     assert cli.main(["train", "examples/sort.toml", "--out", str(out), f"--model.path={model_dir}", *ARITH,
-                     *extra, "--train.steps=3", "--resume"]) == 0                  # the saved state resumes
+                     *extra, "--train.steps=3", "--train.price_probes=false", "--resume"]) == 0  # the state resumes
     assert json.loads((out / "summary.json").read_text())["steps"] == 3
 
 
@@ -142,10 +142,12 @@ def test_under_bf16_the_first_ratio_is_exactly_1_at_real_shapes(tmp_path, model_
     forward over other rows rounds differently here). The sampler's gap is logged; the price counts
     every forward logp_old takes."""
     out = tmp_path / "run"
-    # no evaluation at step 0 and one held-out prompt at the end: only the steps' figures are read here
+    # no evaluation at step 0, one held-out prompt at the end and no price probes (the runs above time
+    # them at these shapes; their decode and learn parts are the longest part of a run here): only the
+    # steps' figures and the price's counts are read here
     assert cli.main(["train", "examples/sort.toml", "--out", str(out), f"--model.path={model_dir}", *ARITH,
                      "--model.lora_r=4", "--model.autocast=bf16", "--eval.at_start=false", "--eval.prompts=1",
-                     *extra]) == 0
+                     "--train.price_probes=false", *extra]) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in rows if "train/reward" in r]
     assert len(steps) == 2

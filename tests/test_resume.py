@@ -63,6 +63,19 @@ def test_resume_refuses_a_changed_config_and_a_run_without_state(tmp_path, capsy
     assert rc == 2 and "--out" in capsys.readouterr().err
 
 
+def test_a_resume_may_skip_the_price_probes_and_the_memory_check(tmp_path, capsys):
+    """train.price_probes and train.memory_check change no update: a resume may turn them off (the
+    start measured the machine already) and goes on from the saved step; a key that changes the
+    update is still refused (above)."""
+    run = tmp_path / "run"
+    assert cli.main(["train", "examples/sort.toml", "--out", str(run), *TINY, "--train.steps=1"]) == 0
+    capsys.readouterr()
+    assert cli.main(["train", "examples/sort.toml", "--out", str(run), *TINY, "--train.steps=2",
+                     "--train.price_probes=false", "--train.memory_check=false", "--resume"]) == 0
+    assert "differs" not in capsys.readouterr().err
+    assert [r["step"] for r in train_rows(run)] == [1, 2]
+
+
 def test_a_longer_resume_under_a_decaying_schedule_says_what_the_rate_does(tmp_path, capsys):
     # cosine over 2 steps, resumed after step 2 for 4: the saved schedule has ended (frac 1: 0.1 x lr);
     # over 4 steps, optimizer step 2 of 4 is half way: 0.1 + 0.9 * (1 + cos(pi / 2)) / 2 = 0.55 x lr
