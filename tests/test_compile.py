@@ -99,10 +99,12 @@ def test_compiled_layers_give_the_eager_numbers(variant, calls):
     assert rlvr_compiled.compile_failure() is None
 
 
+@pytest.mark.parametrize("variant", ["qwen2_lora"], indirect=True)
 def test_compiled_layers_under_bf16_autocast(variant, calls):
     """Under CPU bf16 autocast the compiled layers compute in bf16 too (their own rounding: Inductor
     keeps fused elementwise chains in float32): as close to the float32 forward as the eager bf16
-    layers are, within a factor of two, logits and gradients."""
+    layers are, within a factor of two, logits and gradients. (On Qwen 2: its q/k/v biases and its
+    adapters on some projections take the bf16 copies too.)"""
     policy, tok = variant
     roll = _rollout(policy, tok)
     ref = _scored(policy, roll, False, False, calls)
@@ -158,78 +160,68 @@ def test_a_failed_compile_warns_once_and_runs_eagerly(variant, monkeypatch):
         assert torch.equal(x[0], eager[0]) and all(torch.equal(a, b) for a, b in zip(x[1], eager[1]))
 
 
-def test_compiled_prefill_and_full_forward_decode_steps_stay_eager(variant, calls, monkeypatch):
-    """``lean_forward`` with model.compile: a forward of whole rows (with gradient) and a prefill into a
-    cache take the compiled layers (fp32: the eager numbers to float rounding); the decode steps
-    after the prefill stay eager (no compiled call), so sampling's steps keep their own kernels.
-    (A no-gradient fp32 call of at most ``HEAD_ROWS`` rows runs weight-major products, which stay
-    eager too: set to 0 here so that this small prefill is one that compiles, as a real one of more
-    rows is.)"""
+@pytest.mark.parametrize("variant", ["qwen2_lora"], indirect=True)
+def test_compiled_prefill_and_learn_forwards_within_dynamos_recompile_limit(variant, calls, monkeypatch):
+    """``lean_forward`` with model.compile, as a run calls it: a forward of whole rows (with gradient)
+    and a prefill into a cache take the compiled layers (fp32: the eager numbers to float rounding);
+    the decode steps after the prefill stay eager (no compiled call), so sampling's steps keep their
+    own kernels. Then the forwards a learn stage with length buckets makes (with gradient and
+    backward at one row and at several, two lengths, small buckets on the explicit attention and
+    large ones on SDPA, and a no-gradient forward of each): all of these, the prefill's included,
+    compile each function at most torch._dynamo's recompile_limit (8) times: with
+    ``fail_on_recompile_limit_hit`` a ninth compile raises, which marks compiling failed. (The
+    attention between the compiled halves used to be compiled too, and passed that limit within one
+    learn stage: grad mode, keys with or without gradient, mask kind and one row each made a variant.
+    A no-gradient fp32 call of at most ``HEAD_ROWS`` rows runs weight-major products, which stay
+    eager: set to 0 here so that these small forwards compile, as a real one of more rows does.
+    One variant: the guards that make a compile do not depend on the architecture.)"""
     monkeypatch.setattr(lean, "HEAD_ROWS", 0)
+    monkeypatch.setattr(rlvr_compiled, "_COMPILED", {})
+    torch._dynamo.reset()                               # this test's compiles only
     policy, tok = variant
     layers = len(policy._hf_model().model.layers)
     roll = _rollout(policy, tok)
     ids, am = roll.ids, roll.attention_mask
     params = [p for p in policy.parameters() if p.requires_grad]
     out = {}
-    for compiled in (False, True):
-        policy.compile_layers = compiled
-        try:
-            calls.clear()
-            logits = policy(ids, attention_mask=am)                                   # (B, L, V), with gradient
-            grads = torch.autograd.grad((logits.logsumexp(-1) * am).sum(), params)
-            assert calls == (["qkv", "out"] * layers if compiled else [])
-            with torch.no_grad():
+    try:
+        with torch._dynamo.config.patch(recompile_limit=8, fail_on_recompile_limit_hit=True):
+            for compiled in (False, True):
+                policy.compile_layers = compiled
                 calls.clear()
-                cache = policy.new_cache(ids.size(0), ids.size(1))
-                pre = policy(ids[:, :-2], attention_mask=am[:, :-2], cache=cache)
+                logits = policy(ids, attention_mask=am)                               # (B, L, V), with gradient
+                grads = torch.autograd.grad((logits.logsumexp(-1) * am).sum(), params)
                 assert calls == (["qkv", "out"] * layers if compiled else [])
-                calls.clear()
-                L = ids.size(1)
-                steps = [policy(ids[:, i:i + 1], attention_mask=am[:, i:i + 1], cache=cache) for i in (L - 2, L - 1)]
-                assert calls == []                                                    # decode steps: eager
-        finally:
-            policy.compile_layers = False
-        out[compiled] = (logits.detach(), grads, pre, torch.cat(steps, 1))
+                with torch.no_grad():
+                    calls.clear()
+                    cache = policy.new_cache(ids.size(0), ids.size(1))
+                    pre = policy(ids[:, :-2], attention_mask=am[:, :-2], cache=cache)
+                    assert calls == (["qkv", "out"] * layers if compiled else [])
+                    calls.clear()
+                    L = ids.size(1)
+                    steps = [policy(ids[:, i:i + 1], attention_mask=am[:, i:i + 1], cache=cache) for i in (L - 2, L - 1)]
+                    assert calls == []                                                # decode steps: eager
+                out[compiled] = (logits.detach(), grads, pre, torch.cat(steps, 1))
+            for small in (lean.SMALL_ATTENTION, 0):     # explicit products, then SDPA
+                monkeypatch.setattr(lean, "SMALL_ATTENTION", small)
+                for rows in (slice(0, 1), slice(None)):
+                    for width in (ids.size(1), ids.size(1) - 2):
+                        x, m = ids[rows, :width], am[rows, :width]
+                        logits = policy(x, attention_mask=m)
+                        torch.autograd.grad((logits.logsumexp(-1) * m).sum(), params)
+                        with torch.no_grad():
+                            policy(x, attention_mask=m)
+    finally:
+        policy.compile_layers = False
+        torch._dynamo.reset()
+    assert rlvr_compiled.compile_available(), rlvr_compiled.compile_failure()
+    assert {"qkv", "out"} <= set(rlvr_compiled._COMPILED)
     real = am.bool()
     torch.testing.assert_close(out[True][0][real], out[False][0][real], atol=1e-5, rtol=0)
     for a, b in zip(out[True][1], out[False][1]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(out[True][2][real[:, :-2]], out[False][2][real[:, :-2]], atol=1e-5, rtol=0)
     torch.testing.assert_close(out[True][3][real[:, -2:]], out[False][3][real[:, -2:]], atol=1e-5, rtol=0)
-
-
-def test_a_learn_stages_calls_compile_each_function_within_dynamos_recompile_limit(variant, monkeypatch):
-    """The forwards a learn stage with length buckets makes through the compiled layers (with gradient
-    and backward at one row and at several, two lengths, small buckets on the explicit attention and
-    large ones on SDPA, and a no-gradient forward of each) compile each function at most
-    torch._dynamo's recompile_limit (8) times: with ``fail_on_recompile_limit_hit`` a ninth compile
-    raises, which marks compiling failed. (The attention between the compiled halves used to be
-    compiled too, and passed that limit within one learn stage: grad mode, keys with or without
-    gradient, mask kind and one row each made a variant.)"""
-    monkeypatch.setattr(lean, "HEAD_ROWS", 0)           # the no-gradient forwards compile too (see above)
-    monkeypatch.setattr(rlvr_compiled, "_COMPILED", {})
-    torch._dynamo.reset()                               # this test's compiles only
-    policy, tok = variant
-    roll = _rollout(policy, tok)
-    params = [p for p in policy.parameters() if p.requires_grad]
-    policy.compile_layers = True
-    try:
-        with torch._dynamo.config.patch(recompile_limit=8, fail_on_recompile_limit_hit=True):
-            for small in (lean.SMALL_ATTENTION, 0):     # explicit products, then SDPA
-                monkeypatch.setattr(lean, "SMALL_ATTENTION", small)
-                for rows in (slice(0, 1), slice(None)):
-                    for width in (roll.ids.size(1), roll.ids.size(1) - 2):
-                        ids, am = roll.ids[rows, :width], roll.attention_mask[rows, :width]
-                        logits = policy(ids, attention_mask=am)
-                        torch.autograd.grad((logits.logsumexp(-1) * am).sum(), params)
-                        with torch.no_grad():
-                            policy(ids, attention_mask=am)
-    finally:
-        policy.compile_layers = False
-        torch._dynamo.reset()
-    assert rlvr_compiled.compile_available(), rlvr_compiled.compile_failure()
-    assert {"qkv", "out"} <= set(rlvr_compiled._COMPILED)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -261,7 +253,8 @@ def test_compiled_token_logprobs_give_the_chunked_numbers(dtype):
 def test_rlvr_train_with_model_compile_runs_the_compiled_layers(tmp_path, calls, capsys):
     """`rlvr train --model.compile=true` on a tiny LoRA Llama: the note says what is compiled, the
     run's rollout and learn stages call the compiled layers, and it trains to the end; without a
-    Hugging Face model the key is refused before any compute."""
+    Hugging Face model the key is refused before any compute. (Without the price probes, whose
+    forwards at their own shapes would compile each function once more.)"""
     from rlvr import cli
     from rlvr.config import ConfigError, load
 
@@ -271,7 +264,8 @@ def test_rlvr_train_with_model_compile_runs_the_compiled_layers(tmp_path, calls,
     rc = cli.main(["train", "examples/sort.toml", "--out", str(tmp_path / "run"), f"--model.path={d}",
                    "--model.lora_r=4", "--model.compile=true", "--train.prompts_per_step=4",
                    "--train.samples_per_prompt=4", "--task.options={n = 3, heldout = 30}", "--eval.prompts=8",
-                   "--eval.pass_k=0", "--eval.every=0", "--train.steps=2"])
+                   "--eval.pass_k=0", "--eval.every=0", "--train.steps=2",
+                   "--train.price_probes=false"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "model.compile: 2 of 2 decoder layers and the token log-probs run compiled" in out
