@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +41,9 @@ class Groups:
     tools: tools.ToolStats | None = None
     """What the tool loop did (rlvr.tools), when the run calls the task's tool; its forward_tokens
     are the whole sampling call's."""
+    score_s: float = 0.0
+    """Seconds `sample_and_score` spent turning the responses into text and scoring them (the
+    rewards and the goal: `score_groups`), after sampling."""
 
     @property
     def goal_failures(self) -> int:
@@ -58,6 +62,7 @@ class Groups:
             per_reward={k: [v[i] for i in rows.tolist()] for k, v in self.per_reward.items()},
             failures=self.failures, status_counts=self.status_counts, errors=self.errors,
             totals=[self.totals[i] for i in rows.tolist()] if self.totals else [], tools=self.tools,
+            score_s=self.score_s,
         )
 
 
@@ -74,6 +79,7 @@ def merge(parts: list[Groups], pad_id: int) -> Groups:
         errors=[e for p in parts for e in p.errors][:5],
         totals=[t for p in parts for t in p.totals],
         tools=None if parts[0].tools is None else functools.reduce(tools.ToolStats.add, (p.tools for p in parts)),
+        score_s=sum(p.score_s for p in parts),
     )
 
 
@@ -157,11 +163,12 @@ def sample_and_score(policy: Policy, tok: Tokenizer, task: Task, examples: list,
             tool_stats.forward_tokens += first_fwd
         rollouts.append(r)
     rollout = rollouts[0] if len(rollouts) == 1 else sampling.concat(rollouts, tok.pad_id)
+    t0 = time.perf_counter()
     # each row up to its last token, inserted text included (a chat turn inserted by a tool holds eos):
     # decode drops special tokens, so a final eos is not in the text
     extent = scoring.response_extent(rollout.attention_mask[:, rollout.prompt_len:]).tolist()
     responses = [tok.decode(r[:n]) for r, n in zip(rollout.response_ids.tolist(), extent)]
     if env is not None:  # the rewards and the goal see each episode's turns (rlvr.environments)
         responses = [Episode(text, **t) for text, t in zip(responses, turns)]
-    return Groups(examples, rollout, responses, *score_groups(task, weights, examples, responses, G, pool),
-                  tools=tool_stats)
+    scored = score_groups(task, weights, examples, responses, G, pool)
+    return Groups(examples, rollout, responses, *scored, tools=tool_stats, score_s=time.perf_counter() - t0)

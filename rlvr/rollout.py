@@ -64,6 +64,10 @@ class Batch:
     loss_mask: torch.Tensor | None = None
     """(B, T) the tokens the loss reads, where fewer than the response mask (algorithm.mask_truncated:
     0 on rows cut at the length bound); None: `rollout.mask`."""
+    score_s: float = 0.0
+    """Seconds this process spent scoring the step's responses (every sampling round's
+    `Groups.score_s`); 0 where rollout workers sampled and scored them (side by side, in their own
+    processes)."""
     logp_old_pending: bool = False
     """`logp_old` is still the sampler's, and the learn stage's forwards at π_old give the learner's
     (rlvr.setup_types.logp_old_in_learn) with Δ times min(π_train / π_sampler, is_cap) (rlvr.learn.minibatch_loss,
@@ -222,7 +226,7 @@ def rollout(setup, policy: Policy, reference: Policy | None, examples_fn, *, ver
     decode_rows = sum(p.rollout.decode_rows for p in parts)
     stats["decode_finished_row_frac"] = sum(p.rollout.decode_finished_rows for p in parts) / max(1, decode_rows)
     batch = Batch(groups, parts, delta, logp_old, logp_ref, version, sample_s, cost, delta_tokens, stats,
-                  logp_old_pending=in_learn)
+                  logp_old_pending=in_learn, score_s=0.0 if sampler is not None else sum(p.score_s for p in parts))
     if recompute:
         batch = recompute_logp_old(setup, policy, batch, version if policy_version is None else policy_version,
                                    logp_train=train_fwd.logp)

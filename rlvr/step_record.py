@@ -45,6 +45,7 @@ def step_row(step: int, batch: Batch, stats: dict, sampled_tokens: int, t0: floa
         "train/sampled_tokens": sampled_tokens,
         "train/policy_version": batch.version,
         "time/sample_s": batch.sample_s,
+        "time/score_s": batch.score_s,
         "time/step_s": time.perf_counter() - t0,
         "train/first_step_ratio_mean": stats["first_step_ratio_mean"],
         **{f"train/{k}": v for k, v in stats.items()

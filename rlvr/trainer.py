@@ -123,10 +123,12 @@ class Interrupts:
 
 
 COST_ZERO = {"sampled_tokens": 0, "forward_tokens": 0, "trained_tokens": 0, "flops": 0.0,
-             "step_seconds": 0.0, "eval_seconds": 0.0}
+             "step_seconds": 0.0, "score_seconds": 0.0, "eval_seconds": 0.0}
 """A run's counted cost before its first step. ``step_seconds``: the steps' own seconds (rollout,
-rewards, learn: each metrics.jsonl row's ``time/step_s``), the figure the price's expected wall time
-is set against; ``eval_seconds``: the held-out evaluations inside the run's wall time (the step-0 one
+rewards, learn: each metrics.jsonl row's ``time/step_s``); ``score_seconds``: the part of them this
+process spent scoring responses (``time/score_s``: the rewards and the goal, which the price leaves
+out); the steps less that are the figure the price's expected wall time is set against
+(``steps_vs_expected``); ``eval_seconds``: the held-out evaluations inside the run's wall time (the step-0 one
 and every ``eval.every``, best checkpoint included; the final one comes after the wall time is
 taken). The rest of the wall time is saving state, snapshots and logging."""
 
@@ -470,6 +472,7 @@ def loop(run_dir: RunDir, state: RunState, log, stop: Interrupts | None = None) 
         row = step_row(step, batch, stats, state.cost["sampled_tokens"], t0)
         row["memory/step_peak_mib"] = resident.peak / 2**20
         state.cost["step_seconds"] += row["time/step_s"]
+        state.cost["score_seconds"] += row["time/score_s"]
         record(run_dir, state.watch, step, batch, row, cfg.log.rollouts_per_step)
         check_updates(run_dir, state, step, stats)
         if ec.every and step % ec.every == 0 and step != tc.steps:
@@ -509,14 +512,24 @@ def interrupted(run_dir: RunDir, state: RunState, wall: float, log, signum: int)
 
 def wall_line(wall: float, cost: dict, price: costs.Price) -> str:
     """The cost line's seconds: the wall time against the price's lower bound, then its parts: the
-    steps against the price's expected wall time (which prices the steps only), the evaluations,
+    steps, the scoring of their responses, and the steps less that against the price's expected
+    wall time (which prices the steps without their rewards: `steps_vs_expected`), the evaluations,
     and the rest (saving state, snapshots, logging)."""
     est = f" (estimate >= {price.wall_seconds_estimate:.1f} s)" if price.wall_seconds_estimate else ""
-    steps_s, eval_s = cost["step_seconds"], cost["eval_seconds"]
-    exp = (f" (expected ~{price.wall_seconds_expected:.1f} s: {steps_s / price.wall_seconds_expected:.2f}x)"
-           if price.wall_seconds_expected else "")
-    return (f"{wall:.1f} s{est}: steps {steps_s:.1f} s{exp}, evaluation {eval_s:.1f} s, "
-            f"saves and logging {max(0.0, wall - steps_s - eval_s):.1f} s")
+    steps_s, score_s, eval_s = cost["step_seconds"], cost["score_seconds"], cost["eval_seconds"]
+    ratio = steps_vs_expected(cost, price)
+    exp = (f"; the rest {steps_s - score_s:.1f} s against the expected ~{price.wall_seconds_expected:.1f} s: "
+           f"{ratio:.2f}x" if ratio is not None else "")
+    return (f"{wall:.1f} s{est}: steps {steps_s:.1f} s (scoring their responses {score_s:.1f} s{exp}), "
+            f"evaluation {eval_s:.1f} s, saves and logging {max(0.0, wall - steps_s - eval_s):.1f} s")
+
+
+def steps_vs_expected(cost: dict, price: costs.Price) -> float | None:
+    """The steps' seconds less their scoring (the price's expected wall time leaves the rewards out)
+    over that expected time; None where the price has none."""
+    if not price.wall_seconds_expected:
+        return None
+    return (cost["step_seconds"] - cost["score_seconds"]) / price.wall_seconds_expected
 
 
 RATE_RECHECK_S = 0.2
@@ -556,8 +569,7 @@ def finish(run_dir: RunDir, state: RunState, wall: float, log) -> dict:
         "price": price.to_dict(),
         "sampled_tokens_vs_price": cost["sampled_tokens"] / price.sampled_tokens_per_run,
         "cost/wall_vs_estimate": wall / price.wall_seconds_estimate if price.wall_seconds_estimate else None,
-        "cost/steps_vs_expected": (cost["step_seconds"] / price.wall_seconds_expected
-                                   if price.wall_seconds_expected else None),
+        "cost/steps_vs_expected": steps_vs_expected(cost, price),
         "machine/matmul_rate_vs_start": speed,
     }
     run_dir.finish(state.policy, state.setup.tokenizer, summary, steps)

@@ -563,9 +563,15 @@ def test_run_warns_before_step_1_and_sets_wall_against_the_estimate(tmp_path, mo
 
 
 def test_the_cost_line_splits_the_wall_time_and_sets_the_steps_against_the_expected_time(tmp_path, monkeypatch):
-    """The price's expected wall time prices the steps only: the summary's cost/step_seconds (the
-    sum of the rows' time/step_s) is set against it, the evaluations inside the wall time are
-    counted apart (the step-0 one and eval.every's), and the cost line names all three parts."""
+    """The price's expected wall time prices the steps without their rewards: the summary's
+    cost/step_seconds (the sum of the rows' time/step_s) less cost/score_seconds (the sum of their
+    time/score_s: scoring the responses, here made 0.1 s longer a call) is set against it, the
+    evaluations inside the wall time are counted apart (the step-0 one and eval.every's), and the
+    cost line names every part."""
+    from rlvr import groups as groups_mod
+
+    real_score = groups_mod.score_groups
+    monkeypatch.setattr(groups_mod, "score_groups", lambda *a, **k: time.sleep(0.1) or real_score(*a, **k))
     machine(monkeypatch, cores=2, load=0.0)
     monkeypatch.setattr(machine_mod, "matmul_rate", lambda device: 1e9)
     monkeypatch.setattr(machine_mod, "_MATMUL_RATES", {})          # none measured in this process
@@ -581,19 +587,24 @@ def test_the_cost_line_splits_the_wall_time_and_sets_the_steps_against_the_expec
     price = json.loads((tmp_path / "r" / "price.json").read_text())
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     steps_s = sum(r["time/step_s"] for r in rows if "time/step_s" in r)
+    score_s = sum(r["time/score_s"] for r in rows if "time/step_s" in r)
+    assert all(0.1 <= r["time/score_s"] < r["time/step_s"] for r in rows if "time/step_s" in r)
     assert summary["cost/step_seconds"] == pytest.approx(steps_s, rel=1e-9)
+    assert summary["cost/score_seconds"] == pytest.approx(score_s, rel=1e-9)
     assert 0.6 <= summary["cost/eval_seconds"] < summary["wall_seconds"] - steps_s   # three inside the wall time
-    assert summary["cost/steps_vs_expected"] == pytest.approx(steps_s / price["wall_seconds_expected"])
+    ratio = (steps_s - score_s) / price["wall_seconds_expected"]
+    assert summary["cost/steps_vs_expected"] == pytest.approx(ratio)
     assert "cost/wall_vs_expected" not in summary
     cost = next(line for line in out.splitlines() if line.startswith("cost: "))
     assert (f"{summary['wall_seconds']:.1f} s (estimate >= {price['wall_seconds_estimate']:.1f} s): "
-            f"steps {steps_s:.1f} s (expected ~{price['wall_seconds_expected']:.1f} s: "
-            f"{steps_s / price['wall_seconds_expected']:.2f}x), evaluation {summary['cost/eval_seconds']:.1f} s, "
-            f"saves and logging ") in cost
+            f"steps {steps_s:.1f} s (scoring their responses {score_s:.1f} s; the rest {steps_s - score_s:.1f} s "
+            f"against the expected ~{price['wall_seconds_expected']:.1f} s: {ratio:.2f}x), "
+            f"evaluation {summary['cost/eval_seconds']:.1f} s, saves and logging ") in cost
     # the rate was given, not measured in this process: no end-of-run comparison
     assert summary["machine/matmul_rate_vs_start"] is None and "matmul rate at the end" not in cost
     rep = {name: (p, c) for name, p, c in report.cost_rows(report.load_run_records(tmp_path / "r"))}
-    assert rep["step_seconds"] == (price["wall_seconds_expected"], summary["cost/step_seconds"])
+    assert rep["unscored_step_seconds"] == (price["wall_seconds_expected"], pytest.approx(steps_s - score_s))
+    assert rep["step_seconds"] == (None, summary["cost/step_seconds"])
     assert "wall_seconds_expected" not in rep and rep["eval_seconds"] == (None, summary["cost/eval_seconds"])
 
 

@@ -229,7 +229,7 @@ def test_same_seed_same_run(main_run, same_seed_run):
     assert set(ta) == set(tb) and all(torch.equal(ta[k], tb[k]) for k in ta)
     sa, sb = (json.loads((d / "summary.json").read_text()) for d in (a, b))
     for key in ("wall_seconds", "cost/wall_seconds", "cost/wall_vs_estimate", "cost/steps_vs_expected",
-                "cost/step_seconds", "cost/eval_seconds", "machine/matmul_rate_vs_start"):
+                "cost/step_seconds", "cost/score_seconds", "cost/eval_seconds", "machine/matmul_rate_vs_start"):
         sa.pop(key), sb.pop(key)
     for s in (sa, sb):  # measured, not seeded: the resident set and a decode step's time when the run was priced
         for key in ("memory_baseline_bytes", "memory_peak_bytes", "memory_counted_peak_bytes", "memory_learn_measured_bytes",

@@ -38,9 +38,10 @@ def cost_rows(records: RunRecords) -> list[tuple[str, object, object]]:
     A counted figure without a price, and a price without a count, each get a row. The wall time is
     the counted `wall_seconds` against the price's `wall_seconds_estimate` (its ratio is the
     summary's `cost/wall_vs_estimate`, so that is not a row of its own). When the price measured a
-    decode step, its `wall_seconds_expected` (which prices the steps only) is set against the
-    counted `step_seconds` (the row `step_seconds`; ratio `cost/steps_vs_expected`); a run that
-    predates `step_seconds` has it against its whole wall time instead (the row
+    decode step, its `wall_seconds_expected` (which prices the steps without their rewards) is set
+    against the counted `step_seconds` less `score_seconds` (the row `unscored_step_seconds`; ratio
+    `cost/steps_vs_expected`); a run that predates `score_seconds` has it against its `step_seconds`
+    (the row `step_seconds`), and one that predates `step_seconds` against its whole wall time (the row
     `wall_seconds_expected`, ratio `cost/wall_vs_expected`). Before cost/* keys existed,
     summary.json carried the counted sampled tokens as `sampled_tokens`; that is used for
     `sampled_tokens` when `cost/sampled_tokens` is absent."""
@@ -48,7 +49,10 @@ def cost_rows(records: RunRecords) -> list[tuple[str, object, object]]:
     summary = records.summary or {}
     priced = {k[: -len("_per_run")]: v for k, v in price.items() if k.endswith("_per_run")}
     counted = {k[len("cost/"):]: v for k, v in summary.items() if k.startswith("cost/") and k not in RATIOS}
-    expected_as = "step_seconds" if "step_seconds" in counted else "wall_seconds_expected"
+    if _num(counted.get("step_seconds")) and _num(counted.get("score_seconds")):
+        counted["unscored_step_seconds"] = counted["step_seconds"] - counted["score_seconds"]
+    expected_as = next(k for k in ("unscored_step_seconds", "step_seconds", "wall_seconds_expected")
+                       if k in counted or k == "wall_seconds_expected")
     for key, name in (("wall_seconds_estimate", "wall_seconds"), ("wall_seconds_expected", expected_as)):
         if _num(price.get(key)) and price[key] > 0:
             priced[name] = price[key]
