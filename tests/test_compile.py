@@ -37,6 +37,10 @@ def variant(request, tmp_path_factory):
         for n, p in policy.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.05)
+    # the embeddings train too, so that every layer's input needs a gradient: one compiled code for
+    # all layers (a first layer whose input needs none would compile a second one, doubling the
+    # file's compile time) and each layer's backward computes its input's gradient
+    policy._hf_model().model.embed_tokens.weight.requires_grad_(True)
     return policy, tok
 
 
