@@ -86,7 +86,7 @@ def calls(monkeypatch):
 @pytest.mark.parametrize("variant", ["llama_lora"], indirect=True)
 def test_compiled_layers_give_the_eager_numbers(variant, calls):
     """fp32: every layer of the one-pass forward through one compiled function (the option reaching
-    the forward), logits and LoRA gradients equal to the eager layers' to float
+    the forward), logits and gradients (LoRA factors, embeddings) equal to the eager layers' to float
     rounding; without model.compile nothing is compiled. (On the Llama, LoRA on every projection:
     Qwen 2's biases go through the same q/k/v function, whose fp32 numbers the prefill test below
     checks on it.)"""
