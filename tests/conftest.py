@@ -17,6 +17,20 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1 if _PINNED else 2)
 
+LONGEST_FIRST = ("test_compile.py", "test_distributed.py", "test_real_shapes.py", "test_interrupts.py",
+                 "test_fsdp.py", "test_hostmem.py")
+"""The test files that take most of the suite's time on a 2-core machine, longest first (in-suite
+seconds in docs/benchmarks.md, "The test suite"); they run before every other file. Under
+`--dist loadfile --no-loadscope-reorder` pytest-xdist hands whole files to the workers in
+collection order, each worker taking the next file as it runs out: with the longest first the two
+workers end together (xdist's own order, most tests first, started the compile tests near the end)."""
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files of ``LONGEST_FIRST`` first, in its order; every other in pytest's order (the sort is stable)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
 
 @pytest.fixture(autouse=True, scope="session")
 def quiet_machine():

@@ -14,6 +14,13 @@ def test_ci_runs_the_readme_test_command():
     assert 'bash -c "$TEST_CMD"' in ci
 
 
+def test_the_files_run_first_exist():
+    """tests/conftest.py's LONGEST_FIRST names files of tests/ (a renamed file would silently lose its place)."""
+    from conftest import LONGEST_FIRST
+
+    assert LONGEST_FIRST and all((ROOT / "tests" / name).is_file() for name in LONGEST_FIRST)
+
+
 def test_install_pins_cpu_torch_before_the_package():
     for text in ((ROOT / "README.md").read_text(), (ROOT / ".ci" / "run").read_text()):
         for line in text.splitlines():
