@@ -51,8 +51,7 @@ def cost_rows(records: RunRecords) -> list[tuple[str, object, object]]:
     counted = {k[len("cost/"):]: v for k, v in summary.items() if k.startswith("cost/") and k not in RATIOS}
     if _num(counted.get("step_seconds")) and _num(counted.get("score_seconds")):
         counted["unscored_step_seconds"] = counted["step_seconds"] - counted["score_seconds"]
-    expected_as = next(k for k in ("unscored_step_seconds", "step_seconds", "wall_seconds_expected")
-                       if k in counted or k == "wall_seconds_expected")
+    expected_as = next((k for k in ("unscored_step_seconds", "step_seconds") if k in counted), "wall_seconds_expected")
     for key, name in (("wall_seconds_estimate", "wall_seconds"), ("wall_seconds_expected", expected_as)):
         if _num(price.get(key)) and price[key] > 0:
             priced[name] = price[key]
