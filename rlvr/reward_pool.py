@@ -389,8 +389,7 @@ class RewardPool:
             return self._lost(w, "crashed", f"the reward worker died ({w.how_it_died()})", pending, results)
         w.buf += data
         *lines, w.buf = w.buf.split(b"\n")
-        for line in lines:
-            msg = json.loads(line)
+        for msg in json.loads(b"[" + b",".join(lines) + b"]") if lines else ():  # one parse for the read's lines
             if "s" in msg:
                 name, idx = w.chunk.jobs[w.j]
                 got = Score(*msg["s"])
