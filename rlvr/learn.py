@@ -417,7 +417,12 @@ def learn_part_seconds(setup: Setup) -> tuple[float, float, float, int]:
     two groups (each the best of two calls, timed in turn; the pair again, each call's best kept,
     while two groups measured no longer than one: LEARN_PROBE_RETRIES), extrapolated linearly in
     the groups: on SmolLM2 (8 groups a part) 6 group-sized calls instead of two whole parts. The
-    probe's rows run to T, so the price stays an upper estimate where responses end early. The gradients are dropped after (set to None),
+    probe's rows run to T, so the price stays an upper estimate where responses end early. Where
+    the price is at an expected length (below), the part at T no longer sets the expected time (the
+    part at the expected lengths does; the part at T is only the line's cap-based figure and the
+    memory peak), so it is timed once: its first call, without the warm-up and the best of two (an
+    upper estimate of it, and two of the probe's longest calls fewer). The gradients are dropped
+    after (set to None),
     the parameters and every generator of the run untouched (torch's global RNG forked).
     The optimizer step: the run's optimizer (rlvr.learn.make_optimizer) over a scratch parameter of
     min(trainable parameters, OPTIMIZER_PROBE_ELEMENTS) elements, its state allocated by a first
@@ -449,21 +454,24 @@ def learn_part_seconds(setup: Setup) -> tuple[float, float, float, int]:
     was, was_threads = model.training, torch.get_num_threads()
     model.train()
     torch.set_num_threads(threads)
-    peak = 0
+    peak, T = 0, setup.limits.max_new_tokens
+    at_expected = 0 < cfg.sampling.expected_response_tokens < T     # the part at T then timed once
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             if per_part <= 2:
                 resident = ResidentPeak() if device.type == "cpu" and cfg.distributed.learners <= 1 else None
                 with resident or contextlib.nullcontext():
-                    timed(per_part)                                    # warm-up: allocation, kernel choice
-                    part = min(timed(per_part), timed(per_part))
+                    part = timed(per_part)                             # or a warm-up: allocation, kernel choice
+                    if not at_expected:
+                        part = min(timed(per_part), timed(per_part))
                 peak = resident.peak if resident else 0
             else:   # each size's best of two (the first call of each is its warm-up); a busy core can
                 # make the larger part the shorter: the pair again
-                one, two = ordered_pair(lambda: timed(1), lambda: timed(2), LEARN_PROBE_RETRIES, rounds=2)
+                one, two = ordered_pair(lambda: timed(1), lambda: timed(2), LEARN_PROBE_RETRIES,
+                                        rounds=1 if at_expected else 2)
                 part = one + max(two - one, 0.0) * (per_part - 1)
-            expected, T = 0.0, setup.limits.max_new_tokens
-            if 0 < cfg.sampling.expected_response_tokens < T:    # the part at the expected lengths
+            expected = 0.0
+            if at_expected:                                          # the part at the expected lengths
                 G = cfg.train.samples_per_prompt
                 at = _part_timer(setup, params, T, part_lengths(
                     length_survival(cfg.sampling.expected_response_tokens, T), per_part, G))
