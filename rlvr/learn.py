@@ -430,7 +430,8 @@ def learn_part_seconds(setup: Setup) -> tuple[float, float, float, int]:
     The part at the expected lengths (sampling.expected_response_tokens below T; else 0): the same
     groups with their rows at the length model's quantiles (rlvr.lengths.part_lengths), through the
     same `accumulate`, its length buckets cut as the learn stage cuts them (train.length_buckets),
-    a warm-up call, then the best of two. The price takes it as its learn part there: a part's time
+    the best of two calls (no warm-up: the calls at T just ran; a first call's costs at the new
+    widths stay in the first of the two). The price takes it as its learn part there: a part's time
     is not proportional to its positions (each bucket's forward and backward costs something
     whatever its width, and narrow products run below the matmul rate).
     With a learner group (distributed.learners > 1) on this machine: one rank's share of a
@@ -475,8 +476,7 @@ def learn_part_seconds(setup: Setup) -> tuple[float, float, float, int]:
                 G = cfg.train.samples_per_prompt
                 at = _part_timer(setup, params, T, part_lengths(
                     length_survival(cfg.sampling.expected_response_tokens, T), per_part, G))
-                at(per_part)                                           # warm-up at the new shapes
-                expected = min(at(per_part), at(per_part))
+                expected = min(at(per_part), at(per_part))             # warmed by the calls at T
         step = _optimizer_step_seconds(params, tc, device)
     finally:
         model.train(was)

@@ -313,7 +313,8 @@ def test_the_learn_probe_times_a_part_at_the_expected_lengths_and_the_price_take
     """Clock readings scripted, a part of one group at T = 16: at T one call, 0.5 s (the part: at an
     expected length it sets only the cap-based figure and the memory peak, so no warm-up or best of
     two); then the same group with its rows at the length model's quantiles for a mean of 5 tokens
-    (rlvr.lengths.part_lengths) a warm-up, 0.25 then 0.2 s (its best); the optimizer's steps after.
+    (rlvr.lengths.part_lengths) 0.25 then 0.2 s (its best of two; the part at T was its warm-up); the
+    optimizer's steps after.
     The price's learn stage at that expected length is then the 0.2 s part, not the 0.5 s one in
     proportion to its positions."""
     import rlvr.learn
@@ -324,16 +325,16 @@ def test_the_learn_probe_times_a_part_at_the_expected_lengths_and_the_price_take
     rows = []
     monkeypatch.setattr(rlvr.learn, "accumulate", lambda learner, b, *a, **kw: rows.append(
         (b.groups.rollout.mask.sum(1).tolist(), b.groups.rollout.attention_mask.sum(1).tolist())) or {})
-    ticks = iter([t for d in (0.5, 9.0, 0.25, 0.2, 0.03, 0.01, 0.02) for t in (0.0, d)])
+    ticks = iter([t for d in (0.5, 0.25, 0.2, 0.03, 0.01, 0.02) for t in (0.0, d)])
     monkeypatch.setattr(machine_mod.time, "perf_counter", lambda: next(ticks))
     part, opt, expected, _ = learn_mod.learn_part_seconds(setup)
     assert (part, opt, expected) == pytest.approx((0.5, 0.01, 0.2))
     G, Lp = setup.cfg.train.samples_per_prompt, setup.limits.prompt_tokens
     lengths = costs.part_lengths(costs.length_survival(5, 16), 1, G)
     assert len(set(lengths)) > 1 and max(lengths) < 16                # a spread, short of the cap
-    # one call at T (every token in the loss), then three with each row's own length in the loss
+    # one call at T (every token in the loss), then two with each row's own length in the loss
     # and its attention mask (the prompt's columns and its response's)
-    assert rows == [([16.0] * G, [Lp + 16] * G)] + [([float(n) for n in lengths], [Lp + n for n in lengths])] * 3
+    assert rows == [([16.0] * G, [Lp + 16] * G)] + [([float(n) for n in lengths], [Lp + n for n in lengths])] * 2
     price = run_price.price_of(setup, rate=1e9, decode_s=0.25, learn_s=(part, opt, expected))
     assert price.learn_expected_part_s == pytest.approx(0.2)
     assert price.learn_part_fraction == pytest.approx(price.learn_parts_per_step * 0.2 / 0.5)
@@ -341,10 +342,10 @@ def test_the_learn_probe_times_a_part_at_the_expected_lengths_and_the_price_take
     setup = tiny_setup("--sampling.max_new_tokens=16", "--sampling.expected_response_tokens=5")
     assert setup.cfg.train.prompts_per_step == 4                        # one part of 4 groups
     rows.clear()
-    ticks = iter([t for d in (0.3, 0.5, 9.0, 0.25, 0.2, 0.03, 0.01, 0.02) for t in (0.0, d)])
+    ticks = iter([t for d in (0.3, 0.5, 0.25, 0.2, 0.03, 0.01, 0.02) for t in (0.0, d)])
     part, opt, expected, _ = learn_mod.learn_part_seconds(setup)
     assert (part, opt, expected) == pytest.approx((0.3 + 0.2 * 3, 0.01, 0.2))
-    assert [len(m) for m, _ in rows] == [G, 2 * G] + [4 * G] * 3
+    assert [len(m) for m, _ in rows] == [G, 2 * G] + [4 * G] * 2
 
 
 def test_a_run_its_memory_refuses_is_not_probed_and_a_given_learn_time_reaches_the_price(monkeypatch):
