@@ -462,12 +462,12 @@ def learn_part_seconds(setup: Setup) -> tuple[float, float, float, int]:
             if per_part <= 2:
                 resident = ResidentPeak() if device.type == "cpu" and cfg.distributed.learners <= 1 else None
                 with resident or contextlib.nullcontext():
-                    part = timed(per_part)                             # or a warm-up: allocation, kernel choice
+                    part = timed(per_part)                 # at an expected length the one call; else a warm-up
                     if not at_expected:
                         part = min(timed(per_part), timed(per_part))
                 peak = resident.peak if resident else 0
-            else:   # each size's best of two (the first call of each is its warm-up); a busy core can
-                # make the larger part the shorter: the pair again
+            else:   # each size's best of two (the first call of each is its warm-up; one call each at an
+                # expected length); a busy core can make the larger part the shorter: the pair again
                 one, two = ordered_pair(lambda: timed(1), lambda: timed(2), LEARN_PROBE_RETRIES,
                                         rounds=1 if at_expected else 2)
                 part = one + max(two - one, 0.0) * (per_part - 1)

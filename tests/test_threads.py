@@ -314,9 +314,8 @@ def test_the_learn_probe_times_a_part_at_the_expected_lengths_and_the_price_take
     expected length it sets only the cap-based figure and the memory peak, so no warm-up or best of
     two); then the same group with its rows at the length model's quantiles for a mean of 5 tokens
     (rlvr.lengths.part_lengths) 0.25 then 0.2 s (its best of two; the part at T was its warm-up); the
-    optimizer's steps after.
-    The price's learn stage at that expected length is then the 0.2 s part, not the 0.5 s one in
-    proportion to its positions."""
+    optimizer's steps after. The price's learn stage at that expected length is then the 0.2 s
+    part, not the 0.5 s one in proportion to its positions."""
     import rlvr.learn
     from test_autocast import tiny_setup
 
