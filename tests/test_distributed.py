@@ -259,15 +259,15 @@ def test_a_killed_rollout_worker_is_replaced_and_its_share_sampled_again(ray_loc
         d.close()
 
 
-def _uneven_batch(setup):
-    """A batch of 4 groups whose responses are 3, 1, 2 and 0 tokens long: however whole groups are split
-    over two ranks, the ranks hold different numbers of tokens (and one may hold none)."""
+def _uneven_batch(setup, lengths=(3, 1, 2, 0)):
+    """A batch of 4 groups whose responses are `lengths` tokens long (3, 1, 2 and 0): however whole
+    groups are split over two ranks, the ranks hold different numbers of tokens (and one may hold none)."""
     batch = rollout(setup, setup.model, None, lambda: setup.task.train[:4], version=0,
                     generator=torch.Generator().manual_seed(0))
     ro, Lp = batch.rollout, batch.rollout.prompt_len
     G = setup.cfg.train.samples_per_prompt
     assert ro.mask.shape[1] == 3
-    for g, n in enumerate([3, 1, 2, 0]):
+    for g, n in enumerate(lengths):
         rows = slice(g * G, (g + 1) * G)
         ro.mask[rows, n:] = 0
         ro.attention_mask[rows, Lp + n:] = 0
@@ -510,12 +510,19 @@ def test_two_learners_on_a_hugging_face_model(ray_local, tmp_path, lora, compile
     extra = ([f"--model.path={tmp_path / 'llama'}", "--model.init=", "--distributed.learners=2",
              "--model.share_prompt_forward=true", f"--model.compile={str(compile_layers).lower()}"]
              + ([f"--model.lora_r={lora}"] if lora else []))
-    cfg = config_mod.load(EXAMPLE, [x for x in TINY if not x.startswith("--model.n_")] + extra)
-    one, two = build_mod.build(cfg), build_mod.build(cfg)
+    base = [x for x in TINY if not x.startswith("--model.n_")] + extra
+    cfg = config_mod.load(EXAMPLE, base)
+    # with model.compile the one learner takes the ranks' shares as its micro-batches (in order: no
+    # length buckets), each of two groups whose longest response has 3 tokens: every forward, its and
+    # the ranks', has one shape, which it compiles first and Inductor's on-disk cache then serves to
+    # the ranks (at the suite's one thread per process: that cache is per thread count). Each shape of
+    # their own cost a cold compile per rank, over half of the suite's longest test.
+    mb = ["--train.micro_batches=2", "--train.length_buckets=false"] if compile_layers else []
+    one, two = build_mod.build(config_mod.load(EXAMPLE, base + mb)), build_mod.build(cfg)
     two.model.load_state_dict(one.model.state_dict())  # peft's LoRA init is not seeded by train.seed
     assert one.model.differentiable_cache
     l1, l2 = new_learner(one), new_learner(two)
-    batch = _uneven_batch(one)
+    batch = _uneven_batch(one, (3, 1, 0, 3) if compile_layers else (3, 1, 2, 0))
     from rlvr import compiled
     from rlvr.models import lean_llama
 
