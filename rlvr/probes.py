@@ -11,26 +11,25 @@ import math
 import torch
 
 from rlvr import config as config_mod, sampling
-from rlvr.machine import actor_threads, ordered_pair, time_calls
+from rlvr.machine import actor_threads, ordered_pair
 from rlvr.models.lean_llama import grouped_layout, LeanCache
 from rlvr.setup_types import Setup
 
 
 DECODE_PROBE_STEPS = 3
-"""Decode steps `decode_step_seconds` times first (after a warm-up call) to price a run's sampling."""
+"""Decode steps `decode_step_seconds` times first to price a run's sampling."""
 DECODE_PROBE_SECONDS = 2.0
 """The least time the decode steps `decode_step_seconds` times should span, where the response bound
-allows: a first pair whose DECODE_PROBE_STEPS steps took less is timed again with as many steps as
-that takes at its rate. A shared CPU's speed can move from one second to the next, and a few
-steps' difference of two calls then measures the moment, not the step."""
+allows: a first call whose DECODE_PROBE_STEPS steps took less is followed by one that times as many
+steps as that takes at its rate. A shared CPU's speed can move from one second to the next, and a
+few steps then measure the moment, not the step."""
 DECODE_PROBE_DEPTH = 128
 """The most columns past the prompt `decode_column_seconds` measures a decode step at (its prompt
 that much longer); a step's cost grows about linearly with the columns cached, so the slope
 measured there prices the rest."""
 DECODE_PROBE_RETRIES = 2
-"""Timed pairs `decode_step_seconds` adds while the longer call measured no longer than the shorter
-(noise on a tiny model's millisecond calls); if it still does, a step is priced at the longer
-call's time over its tokens (prefill included: never 0, an over-estimate)."""
+"""Timed pairs `decode_column_seconds` adds while the step after the deeper prompt measured no
+longer than the step after the run's (noise on a tiny model's millisecond steps)."""
 
 
 def decode_probe_share(setup: Setup) -> tuple[int, int] | None:
@@ -91,24 +90,22 @@ def decode_step_seconds(setup: Setup, prompts: int | None = None, depth: int = 0
     forward, the tempered log-softmax and the draw) under the run's numerics. P copies of one
     prompt, G samples each: the cache layout of a real step (on the CPU a prompt's G rows share its
     columns, ``LeanCache.repeat_interleave``; one prompt with P x G samples would not take that
-    layout); a warm-up call (on a GPU before each pair, with as many tokens as its longer call: it
-    pays for its first kernel choices per cache length, which cost far more than a step; on a CPU 2
-    tokens, once), then b and b +
-    n tokens timed, the difference over n (the pair timed again, each call's best kept, while the
-    difference is not positive: DECODE_PROBE_RETRIES): n = DECODE_PROBE_STEPS, then, where those
-    steps spanned less than DECODE_PROBE_SECONDS, the pair again with the steps that span it at
-    that rate (at most T - b; ``probe_steps``), whose step time is the one returned. b = 2 where
-    responses may have 3 tokens or more, else 1: a call of 2 tokens decodes one step, so both calls
-    pay what a sampling call pays once for its decode steps (the capture of a graphed decode,
-    model.cuda_graphs) and the difference is the steps alone. No gradient; the run's generators
-    untouched. Each call's cache holds the run's columns (the response bound T, each row cut after
-    the tokens timed: ``budgets``), so it takes the run's layout (``LeanCache``). With rollout
-    workers: a worker's largest share at a worker's threads (``decode_probe_share``; this process's
-    threads restored after). 0.0 when the workers' decode cannot be measured here
-    (``decode_probe_share`` None) or a response has a single token. `prompts`: measure a step of
-    that many prompts instead (G rows each; ``decode_small_prompts``), at the same threads. `depth`:
-    the prompt that many columns longer (its cache's columns as many more, ``decode_column_seconds``),
-    and `reserve` columns more in its cache (the layout it takes)."""
+    layout). Timed inside one call of b + n tokens (sampling's ``step_times``): its n steps after the
+    first b tokens, so neither the call's prefill nor its first decode step (where a sampling call
+    pays once for its steps: allocation, the capture of a graphed decode, model.cuda_graphs) is
+    counted; b = 2 where responses may have 3 tokens or more, else 1. n = DECODE_PROBE_STEPS, then,
+    where those steps spanned less than DECODE_PROBE_SECONDS, a second call with the steps that span
+    it at that rate (at most T - b; ``probe_steps``), whose step time is the one returned. On a GPU
+    each timed call follows a warm-up call of as many tokens (it pays for the first kernel choices
+    per cache length, which cost far more than a step). No gradient; the run's generators untouched.
+    Each call's cache holds the run's columns (the response bound T, each row cut after the tokens
+    timed: ``budgets``), so it takes the run's layout (``LeanCache``). With rollout workers: a
+    worker's largest share at a worker's threads (``decode_probe_share``; this process's threads
+    restored after). 0.0 when the workers' decode cannot be measured here (``decode_probe_share``
+    None) or a response has a single token. `prompts`: measure a step of that many prompts instead
+    (G rows each; ``decode_small_prompts``), at the same threads. `depth`: the prompt that many
+    columns longer (its cache's columns as many more, ``decode_column_seconds``), and `reserve`
+    columns more in its cache (the layout it takes)."""
     cfg, model, device = setup.cfg, setup.model, setup.device
     T = setup.limits.max_new_tokens
     base = 2 if T >= 3 else 1
@@ -122,35 +119,30 @@ def decode_step_seconds(setup: Setup, prompts: int | None = None, depth: int = 0
     P = P if prompts is None else prompts
     G = cfg.train.samples_per_prompt
 
-    def generate(tokens: int) -> None:
+    def generate(tokens: int, step_times: list[float] | None) -> None:
         with torch.no_grad(), setup.numerics.context():
             sampling.generate(model, [prompt] * P, samples_per_prompt=G, max_new_tokens=T - depth,
                               budgets=[tokens] * P, reserve=reserve,
                               temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
                               top_k=cfg.sampling.top_k, min_p=cfg.sampling.min_p,
                               eos_id=None, pad_id=setup.tokenizer.pad_id,
-                              generators=sampling.prompt_generators(0, 0, P, device=device))
+                              generators=sampling.prompt_generators(0, 0, P, device=device), step_times=step_times)
 
-    def timed(tokens: int) -> float:
-        return time_calls(lambda: generate(tokens), device)
-
-    def step_seconds(n: int, first: bool) -> float:
-        # warm-up (allocation, kernel choice): on a GPU before each pair, as long as its longer call
-        # (first kernel choices per cache length); on a CPU 2 tokens, once
-        if device.type == "cuda" or first:
-            timed(base + n if device.type == "cuda" else 2)
-        # a busy core can make the longer call the shorter (tiny models): the pair again
-        one, more = ordered_pair(lambda: timed(base), lambda: timed(base + n), DECODE_PROBE_RETRIES)
-        return (more - one) / n if more > one else more / (base + n)
+    def step_seconds(n: int) -> float:
+        if device.type == "cuda":
+            generate(base + n, None)
+        times: list[float] = []
+        generate(base + n, times)                  # a clock reading at each of its base + n steps
+        return (times[base - 1 + n] - times[base - 1]) / n
 
     was, was_threads = model.training, torch.get_num_threads()
     model.eval()
     torch.set_num_threads(threads)
     try:
-        step = step_seconds(n, first=True)
+        step = step_seconds(n)
         more_steps = probe_steps(step, n, T - base)
         if more_steps > n:
-            step = step_seconds(more_steps, first=False)
+            step = step_seconds(more_steps)
     finally:
         model.train(was)
         torch.set_num_threads(was_threads)
@@ -158,7 +150,7 @@ def decode_step_seconds(setup: Setup, prompts: int | None = None, depth: int = 0
 
 
 def probe_steps(step_s: float, steps: int, most: int) -> int:
-    """Decode steps ``decode_step_seconds`` times in its second pair: as many as span
+    """Decode steps ``decode_step_seconds`` times in its second call: as many as span
     DECODE_PROBE_SECONDS at `step_s` seconds a step (its first pair's `steps` at the least), at most
     `most` (the response bound's)."""
     if step_s <= 0:

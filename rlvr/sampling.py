@@ -40,6 +40,7 @@ sample ``b % G`` and ``rewards.view(P, G)`` groups correctly.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -165,7 +166,7 @@ def generate(model, prompts: list[list[int]], *, samples_per_prompt: int, max_ne
              generator: torch.Generator | None = None,
              generators: list[torch.Generator] | None = None, top_k: int = 0, min_p: float = 0.0,
              stop: StopStrings | None = None, budgets: list[int] | None = None, reserve: int = 0,
-             keep: list | None = None) -> Rollout:
+             keep: list | None = None, step_times: list[float] | None = None) -> Rollout:
     """Sample ``samples_per_prompt`` responses per prompt; row b = prompt b // G, sample b % G.
 
     One prefill forward over the P left-padded prompts, whose KV cache is then repeated G times, then
@@ -189,6 +190,11 @@ def generate(model, prompts: list[list[int]], *, samples_per_prompt: int, max_ne
 
     ``keep`` (a list): a model with a KV cache appends the ``Decoding`` to continue these rows from
     (``continue_decoding``: tool calls, rlvr.tools), its cache made ``reserve`` columns longer.
+
+    ``step_times`` (a list): the clock (``time.perf_counter``) read at each step t, once its tokens
+    are known (the loop's end-of-decode check has read them, so a GPU has caught up), appended: from
+    the reading at step a to the one at step b, b - a forwards and draws (rlvr.probes times decode
+    steps so, inside one call).
     """
     device = _check_generate_args(model, prompts, samples_per_prompt, max_new_tokens, temperature, top_p, top_k, min_p,
                                   budgets)
@@ -208,7 +214,7 @@ def generate(model, prompts: list[list[int]], *, samples_per_prompt: int, max_ne
     d = _decode(model, logits, cache, T=T, noise=noise, temperature=temperature, top_p=top_p, top_k=top_k,
                 min_p=min_p, generator=generator, eos_id=eos_id, pad_id=pad_id, stop=stop, cap=cap,
                 finished=torch.zeros(B, dtype=torch.bool, device=device), prompt_ids=prompt_ids,
-                prompt_am=prompt_am, track=keep is not None and cache is not None)
+                prompt_am=prompt_am, track=keep is not None and cache is not None, step_times=step_times)
     if keep is not None and cache is not None:
         keep.append(d.decoding)
     resp_mask = d.alive[:, :d.steps]
@@ -280,12 +286,13 @@ row) when the rows finished inside live groups have cost as much."""
 
 
 def _decode(model, logits, cache, *, T: int, noise, temperature, top_p, top_k, min_p, generator, eos_id, pad_id,
-            stop, cap, finished, prompt_ids=None, prompt_am=None, track: bool = False) -> _Decoded:
+            stop, cap, finished, prompt_ids=None, prompt_am=None, track: bool = False,
+            step_times: list[float] | None = None) -> _Decoded:
     """The decode loop from (B, V) ``logits``: up to T tokens per row, one forward per step through
     ``cache`` (or, without one, the whole sequence again from ``prompt_ids`` / ``prompt_am``). Rows
     already ``finished`` (B,) sample nothing; ``cap`` (B,) or None bounds each row's tokens.
     ``track``: also keep the ``Decoding`` to continue from (each forward's logits kept per row whose
-    fed token was real).
+    fed token was real). ``step_times``: the clock read after each step's end check (``generate``).
 
     Finished rows leave the batch (``COMPACT_FINISHED``, ``WASTE_PER_COPY``; with a cache that can
     drop rows, not with a static decoder nor with ``track``, whose continuation needs every row's
@@ -330,7 +337,10 @@ def _decode(model, logits, cache, *, T: int, noise, temperature, top_p, top_k, m
         steps = t + 1
         ended = _ended(ended, alive, out[:, t], out[:, :t + 1], eos_id, stop)
         finished = ended if cap is None else ended | (cap <= t + 1)
-        if bool(finished.all()) or t == T - 1:
+        last = bool(finished.all()) or t == T - 1                   # reads the tokens: a GPU caught up
+        if step_times is not None:
+            step_times.append(time.perf_counter())
+        if last:
             break
         if compact:
             rows, tok, wasted = _drop_finished(cache, rows, tok, finished, wasted)          # (n',), (n',)

@@ -95,6 +95,19 @@ def test_stops_early_when_every_row_has_eos_and_fixed_length_without_eos():
     assert r.response_ids[0].tolist() == [4, 5, EOS, EOS, EOS, EOS]   # eos is just a token here
 
 
+def test_step_times_read_the_clock_once_per_step_and_change_no_row(monkeypatch):
+    """``step_times``: one clock reading per step run, in order (here until every row has ended, at
+    the steps the rollout's columns say), read after the step's tokens are drawn; the rows the same
+    as without it."""
+    plain = gen()
+    ticks = iter(range(100))
+    monkeypatch.setattr(sampling.time, "perf_counter", lambda: float(next(ticks)))
+    times = []
+    timed = gen(step_times=times)
+    assert torch.equal(timed.ids, plain.ids) and torch.equal(timed.logp, plain.logp)
+    assert times == [float(t) for t in range(plain.response_ids.shape[1])]
+
+
 def test_groups_stay_together():
     m = MarkovMock(forcing_table())
     prompts = [[BOS, 6], [BOS, 1, 1, 3], [7]]

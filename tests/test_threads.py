@@ -384,13 +384,11 @@ def test_decode_step_is_measured_on_the_runs_policy_or_a_rollout_workers_share(m
     assert P > 1 and G > 1
     assert setup.limits.max_new_tokens >= 3                       # b = 2: both timed calls decode
     n = min(probes.DECODE_PROBE_STEPS, setup.limits.max_new_tokens - 2)
-    tokens = [kw["budgets"][0] for _, kw in calls]
-    # warm-up, then pairs (2, 2 + n) (retries repeat one): n = DECODE_PROBE_STEPS first, then all the
-    # response bound allows (a tiny model's steps span far less than DECODE_PROBE_SECONDS)
-    assert tokens[0] == 2 and len(tokens) % 2 == 1 and tokens[1::2] == [2] * (len(tokens) // 2)
-    steps = [t - 2 for t in tokens[2::2]]
     more = setup.limits.max_new_tokens - 2
-    assert more > n and steps[0] == n and steps[-1] == more and set(steps) == {n, more} and len(steps) <= 6
+    # one call of 2 + n tokens timed inside (its steps' clock readings), n = DECODE_PROBE_STEPS, then
+    # one of all the response bound allows (a tiny model's steps span far less than DECODE_PROBE_SECONDS)
+    assert more > n and [kw["budgets"][0] for _, kw in calls] == [2 + n, 2 + more]
+    assert all(len(kw["step_times"]) == kw["budgets"][0] for _, kw in calls)
     # each call's cache as long as the run's (its rows cut after the tokens timed): the run's layout
     assert all(kw["max_new_tokens"] == setup.limits.max_new_tokens and kw["reserve"] == 0
                and kw["budgets"] == [kw["budgets"][0]] * P for _, kw in calls)
@@ -432,71 +430,71 @@ def test_decode_step_is_measured_on_the_runs_policy_or_a_rollout_workers_share(m
     assert not seen
 
 
-def test_a_decode_probe_whose_longer_call_ran_shorter_times_the_pair_again(monkeypatch):
-    """Clock readings scripted: warm-up, then 2 tokens 0.5 s and 2 + 3 tokens 0.4 s (noise: no step
-    time), then 0.1 s and 0.9 s: each call's best, (0.4 - 0.1) / 3 = 0.1 s a step. When every
-    retry stays inverted a step is priced at the longer call over its 5 tokens, never 0; with
-    responses of 2 tokens at most the pair is 1 and 2 tokens."""
+def _scripted_decode(monkeypatch, readings):
+    """sampling.generate replaced: each call's budget recorded, and where it is timed (``step_times``)
+    the next of `readings` (one clock reading per step) given as its steps' readings."""
+    calls, script = [], iter(readings)
+
+    def fake(*a, budgets, step_times=None, **kw):
+        calls.append(budgets[0])
+        if step_times is not None:
+            got = next(script)
+            assert len(got) == budgets[0]
+            step_times.extend(got)
+
+    monkeypatch.setattr(sampling, "generate", fake)
+    return calls
+
+
+def test_a_decode_step_is_timed_inside_one_call_after_its_first_tokens(monkeypatch):
+    """Clock readings scripted, one at each step of a call of 2 + 3 tokens: the step is the span from
+    the second step's reading to the last's over 3 (the prefill and the first decode step, which a
+    call pays once, not counted): a slow first step does not move it. With responses of 2 tokens at
+    most, a call of 2 tokens and the span of its one step after the first."""
     from test_autocast import tiny_setup
 
-    setup = tiny_setup("--sampling.max_new_tokens=8")
-    monkeypatch.setattr(sampling, "generate", lambda *a, **kw: None)
     monkeypatch.setattr(probes, "DECODE_PROBE_STEPS", 3)
-    monkeypatch.setattr(probes, "DECODE_PROBE_SECONDS", 0.0)      # the first pair only
-
-    def clock(durations):
-        ticks = iter([t for d in durations for t in (0.0, d)])
-        monkeypatch.setattr(machine_mod.time, "perf_counter", lambda: next(ticks))
-
-    clock([0.1, 0.5, 0.4, 0.1, 0.9])
-    assert probes.decode_step_seconds(setup) == pytest.approx(0.1)
-    clock([0.1, 0.5, 0.4, 0.6, 0.45, 0.7, 0.42])          # inverted every time: best 2 + 3 tokens 0.4 s
-    assert probes.decode_step_seconds(setup) == pytest.approx(0.4 / 5)
-    short = tiny_setup("--sampling.max_new_tokens=2")
-    calls = []
-    monkeypatch.setattr(sampling, "generate", lambda *a, **kw: calls.append(kw["budgets"][0]))
-    clock([0.1, 0.2, 0.5])
-    assert probes.decode_step_seconds(short) == pytest.approx(0.3) and calls == [2, 1, 2]
+    monkeypatch.setattr(probes, "DECODE_PROBE_SECONDS", 0.0)      # the first call only
+    calls = _scripted_decode(monkeypatch, [[0.0, 5.0, 5.1, 5.3, 5.6]])
+    assert probes.decode_step_seconds(tiny_setup("--sampling.max_new_tokens=8")) == pytest.approx(0.2)
+    assert calls == [5]
+    calls = _scripted_decode(monkeypatch, [[0.0, 0.3]])
+    assert probes.decode_step_seconds(tiny_setup("--sampling.max_new_tokens=2")) == pytest.approx(0.3)
+    assert calls == [2]
 
 
 def test_a_decode_probe_whose_steps_span_too_little_time_times_more_of_them(monkeypatch):
-    """Clock readings scripted, DECODE_PROBE_SECONDS = 1: the first pair, 2 tokens 0.3 s and 2 + 3
-    tokens 0.6 s, says 0.1 s a step, 0.3 s in all; the pair again with the 10 steps that span 1 s at
-    that rate, 0.3 s and 1.5 s: 0.12 s a step, the figure returned (not the first pair's). The
-    response bound caps the steps (T - 2); steps that already span the time are not timed again."""
+    """Clock readings scripted, DECODE_PROBE_SECONDS = 1: the first call's 3 steps after its first 2
+    tokens span 0.3 s, 0.1 s a step; a second call times the 10 steps that span 1 s at that rate,
+    0.12 s a step, the figure returned (not the first call's). The response bound caps the steps
+    (T - 2); steps that already span the time are not timed again. On a GPU each timed call follows
+    an untimed warm-up of as many tokens."""
     from test_autocast import tiny_setup
 
-    calls = []
-    monkeypatch.setattr(sampling, "generate", lambda *a, **kw: calls.append(kw["budgets"][0]))
     monkeypatch.setattr(probes, "DECODE_PROBE_STEPS", 3)
     monkeypatch.setattr(probes, "DECODE_PROBE_SECONDS", 1.0)
 
-    def clock(durations):
-        ticks = iter([t for d in durations for t in (0.0, d)])
-        monkeypatch.setattr(machine_mod.time, "perf_counter", lambda: next(ticks))
+    def steps(first, each, n):                 # readings: 2 tokens, then n steps of `each` seconds
+        return [0.0, first] + [first + each * (i + 1) for i in range(n)]
 
-    clock([0.1, 0.3, 0.6, 0.3, 1.5])
+    calls = _scripted_decode(monkeypatch, [steps(1.0, 0.1, 3), steps(1.0, 0.12, 10)])
     assert probes.decode_step_seconds(tiny_setup("--sampling.max_new_tokens=64")) == pytest.approx(0.12)
-    assert calls == [2, 2, 5, 2, 12]
-    calls.clear()
-    clock([0.1, 0.3, 0.6, 0.3, 1.0])                     # 6 steps at most: (1.0 - 0.3) / 6
+    assert calls == [5, 12]
+    calls = _scripted_decode(monkeypatch, [steps(1.0, 0.1, 3), steps(1.0, 0.7 / 6, 6)])   # 6 steps at most
     assert probes.decode_step_seconds(tiny_setup("--sampling.max_new_tokens=8")) == pytest.approx(0.7 / 6)
-    assert calls == [2, 2, 5, 2, 8]
-    calls.clear()
-    clock([0.1, 0.3, 1.5])                               # 3 steps of 0.4 s span 1.2 s: enough
+    assert calls == [5, 8]
+    calls = _scripted_decode(monkeypatch, [steps(1.0, 0.4, 3)])       # 3 steps of 0.4 s span 1.2 s: enough
     assert probes.decode_step_seconds(tiny_setup("--sampling.max_new_tokens=64")) == pytest.approx(0.4)
-    assert calls == [2, 2, 5]
+    assert calls == [5]
     assert [probes.probe_steps(s, 3, 30) for s in (0.0, 0.5, 0.25, 0.3, 0.01)] == [3, 3, 4, 4, 30]
-    # on a GPU each pair has its own warm-up as long as its longer call (first kernel choices per
-    # cache length); the device faked, its synchronisation a no-op
+    # on a GPU: a warm-up as long as each timed call (first kernel choices per cache length); the
+    # device faked
     gpu = tiny_setup("--sampling.max_new_tokens=64")
     monkeypatch.setattr(gpu, "device", torch.device("cuda"))
     monkeypatch.setattr(sampling, "prompt_generators", lambda *a, **kw: None)
-    monkeypatch.setattr(machine_mod, "device_sync", lambda device: lambda: None)
-    calls.clear()
-    clock([0.1, 0.3, 0.6, 0.1, 0.3, 1.5])
+    calls = _scripted_decode(monkeypatch, [steps(1.0, 0.1, 3), steps(1.0, 0.12, 10)])
     assert probes.decode_step_seconds(gpu) == pytest.approx(0.12)
-    assert calls == [5, 2, 5, 12, 2, 12]
+    assert calls == [5, 5, 12, 12]
 
 
 def test_a_decode_steps_cost_per_cached_column_is_measured_after_a_longer_prompt(monkeypatch):
