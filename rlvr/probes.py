@@ -151,7 +151,7 @@ def decode_step_seconds(setup: Setup, prompts: int | None = None, depth: int = 0
 
 def probe_steps(step_s: float, steps: int, most: int) -> int:
     """Decode steps ``decode_step_seconds`` times in its second call: as many as span
-    DECODE_PROBE_SECONDS at `step_s` seconds a step (its first pair's `steps` at the least), at most
+    DECODE_PROBE_SECONDS at `step_s` seconds a step (its first call's `steps` at the least), at most
     `most` (the response bound's)."""
     if step_s <= 0:
         return steps
