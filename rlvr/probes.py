@@ -95,19 +95,20 @@ def decode_step_seconds(setup: Setup, prompts: int | None = None, depth: int = 0
     pays once for its steps: allocation, the capture of a graphed decode, model.cuda_graphs) is
     counted; b = 2 where responses may have 3 tokens or more, else 1. n = DECODE_PROBE_STEPS, then,
     where those steps spanned less than DECODE_PROBE_SECONDS, a second call with the steps that span
-    it at that rate (at most T - b; ``probe_steps``), whose step time is the one returned. On a GPU
-    each timed call follows a warm-up call of as many tokens (it pays for the first kernel choices
-    per cache length, which cost far more than a step). No gradient; the run's generators untouched.
-    Each call's cache holds the run's columns (the response bound T, each row cut after the tokens
-    timed: ``budgets``), so it takes the run's layout (``LeanCache``). With rollout workers: a
-    worker's largest share at a worker's threads (``decode_probe_share``; this process's threads
-    restored after). 0.0 when the workers' decode cannot be measured here (``decode_probe_share``
-    None) or a response has a single token. `prompts`: measure a step of that many prompts instead
-    (G rows each; ``decode_small_prompts``), at the same threads. `depth`: the prompt that many
-    columns longer (its cache's columns as many more, ``decode_column_seconds``), and `reserve`
-    columns more in its cache (the layout it takes)."""
+    it at that rate (at most T - b, T the response bound less `depth`; ``probe_steps``), whose step
+    time is the one returned. On a GPU each timed call follows a warm-up call of as many tokens (it
+    pays for the first kernel choices per cache length, which cost far more than a step). No
+    gradient; the run's generators untouched. Each call's cache holds the run's columns (prompt and
+    response bound, each row cut after the tokens timed: ``budgets``), so it takes the run's layout
+    (``LeanCache``). With rollout workers: a worker's largest share at a worker's threads
+    (``decode_probe_share``; this process's threads restored after). 0.0 when the workers' decode
+    cannot be measured here (``decode_probe_share`` None) or a response has a single token.
+    `prompts`: measure a step of that many prompts instead (G rows each; ``decode_small_prompts``),
+    at the same threads. `depth`: the prompt that many columns longer (its cache's columns as many
+    more, ``decode_column_seconds``; that many fewer left to decode), and `reserve` columns more in
+    its cache (the layout it takes)."""
     cfg, model, device = setup.cfg, setup.model, setup.device
-    T = setup.limits.max_new_tokens
+    T = setup.limits.max_new_tokens - depth          # what a call can decode after the longer prompt
     base = 2 if T >= 3 else 1
     n = min(DECODE_PROBE_STEPS, T - base)
     share = decode_probe_share(setup)
@@ -121,7 +122,7 @@ def decode_step_seconds(setup: Setup, prompts: int | None = None, depth: int = 0
 
     def generate(tokens: int, step_times: list[float] | None) -> None:
         with torch.no_grad(), setup.numerics.context():
-            sampling.generate(model, [prompt] * P, samples_per_prompt=G, max_new_tokens=T - depth,
+            sampling.generate(model, [prompt] * P, samples_per_prompt=G, max_new_tokens=T,
                               budgets=[tokens] * P, reserve=reserve,
                               temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
                               top_k=cfg.sampling.top_k, min_p=cfg.sampling.min_p,

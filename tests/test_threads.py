@@ -538,6 +538,20 @@ def test_a_decode_steps_cost_per_cached_column_is_measured_after_a_longer_prompt
     assert lean_llama.grouped_layout(Lp, T, G) and probes.decode_column_seconds(setup, 0.3) == 0.0
 
 
+def test_the_column_probe_times_no_more_steps_than_its_deeper_call_can_decode():
+    """Steps that span DECODE_PROBE_SECONDS on a tiny model are more than a call after a prompt T // 2
+    longer can decode (T - T // 2 - 2): the deeper call times all it can, measured for real, and
+    `rlvr price` of such a run prices it (it once refused to, its budgets past the call's bound)."""
+    from test_autocast import tiny_setup
+
+    setup = tiny_setup("--sampling.max_new_tokens=64")
+    step = probes.decode_step_seconds(setup)
+    assert step > 0 and probes.probe_steps(step, 3, 62) > 30       # more than the deeper call's 30
+    assert probes.decode_step_seconds(setup, depth=32) > 0 and probes.decode_column_seconds(setup, step) >= 0
+    rc, out = cli("price", EXAMPLE, *TINY, "--sampling.max_new_tokens=64")
+    assert rc == 0 and "expected ~" in out, out
+
+
 def cli(*argv) -> tuple[int, str]:
     out = io.StringIO()
     with redirect_stdout(out), redirect_stderr(io.StringIO()):
