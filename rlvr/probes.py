@@ -84,7 +84,8 @@ def decode_small_prompts(setup: Setup) -> int:
     return -(-share[0] // 4)
 
 
-def decode_step_seconds(setup: Setup, prompts: int | None = None, depth: int = 0, reserve: int = 0) -> float:
+def decode_step_seconds(setup: Setup, prompts: int | None = None, depth: int = 0, reserve: int = 0,
+                        steps: int = 0) -> float:
     """Seconds of one decode step of this run's sampling, measured on its own policy: the P x G rows
     of a step after a prompt of the longest prompt's length, through `rlvr.sampling.generate` (the
     forward, the tempered log-softmax and the draw) under the run's numerics. P copies of one
@@ -106,7 +107,8 @@ def decode_step_seconds(setup: Setup, prompts: int | None = None, depth: int = 0
     `prompts`: measure a step of that many prompts instead (G rows each; ``decode_small_prompts``),
     at the same threads. `depth`: the prompt that many columns longer (its cache's columns as many
     more, ``decode_column_seconds``; that many fewer left to decode), and `reserve` columns more in
-    its cache (the layout it takes)."""
+    its cache (the layout it takes). `steps`: time that many steps (at most T - b) in a single call,
+    where the caller knows about how many span DECODE_PROBE_SECONDS (``decode_column_seconds``)."""
     cfg, model, device = setup.cfg, setup.model, setup.device
     T = setup.limits.max_new_tokens - depth          # what a call can decode after the longer prompt
     base = 2 if T >= 3 else 1
@@ -140,6 +142,8 @@ def decode_step_seconds(setup: Setup, prompts: int | None = None, depth: int = 0
     model.eval()
     torch.set_num_threads(threads)
     try:
+        if steps:
+            return step_seconds(min(steps, T - base))
         step = step_seconds(n)
         more_steps = probe_steps(step, n, T - base)
         if more_steps > n:
@@ -163,7 +167,8 @@ def decode_column_seconds(setup: Setup, step_s: float) -> float:
     """Seconds more one decode step of the measured rows costs per row for each column a row has
     cached past its prompt (each step's attention reads every cached column of its rows): a step
     measured after a prompt min(T // 2, DECODE_PROBE_DEPTH) columns longer (``decode_step_seconds``
-    with ``depth``), less the step after the run's prompt measured again right before it (the pair
+    with ``depth``), less the step after the run's prompt measured again right before it, each in
+    one call of the steps that span DECODE_PROBE_SECONDS at `step_s` (``probe_steps``; the pair
     timed again, each one's best kept, while the deeper measured no longer: DECODE_PROBE_RETRIES; a
     machine whose speed drifts between the price's probes would otherwise swamp the difference),
     over the rows and those columns. 0.0 where it is not measured: `step_s` (the run's decode step,
@@ -184,6 +189,8 @@ def decode_column_seconds(setup: Setup, step_s: float) -> float:
     reserve = 0
     if lean and grouped_layout(Lp + depth, T - depth, G):
         reserve = next(r for r in range(1, 64 * T) if not grouped_layout(Lp + depth, T - depth + r, G))
-    base, deep = ordered_pair(lambda: decode_step_seconds(setup),
-                              lambda: decode_step_seconds(setup, depth=depth, reserve=reserve), DECODE_PROBE_RETRIES)
+    n = probe_steps(step_s, DECODE_PROBE_STEPS, T)
+    base, deep = ordered_pair(lambda: decode_step_seconds(setup, steps=n),
+                              lambda: decode_step_seconds(setup, depth=depth, reserve=reserve, steps=n),
+                              DECODE_PROBE_RETRIES)
     return max(deep - base, 0.0) / (share[0] * G * depth)

@@ -487,6 +487,9 @@ def test_a_decode_probe_whose_steps_span_too_little_time_times_more_of_them(monk
     assert probes.decode_step_seconds(tiny_setup("--sampling.max_new_tokens=64")) == pytest.approx(0.4)
     assert calls == [5]
     assert [probes.probe_steps(s, 3, 30) for s in (0.0, 0.5, 0.25, 0.3, 0.01)] == [3, 3, 4, 4, 30]
+    calls = _scripted_decode(monkeypatch, [steps(1.0, 0.1, 4)])       # the steps asked for: one call, as told
+    assert probes.decode_step_seconds(tiny_setup("--sampling.max_new_tokens=64"), steps=4) == pytest.approx(0.1)
+    assert calls == [6]
     # on a GPU: a warm-up as long as each timed call (first kernel choices per cache length); the
     # device faked
     gpu = tiny_setup("--sampling.max_new_tokens=64")
@@ -511,10 +514,17 @@ def test_a_decode_steps_cost_per_cached_column_is_measured_after_a_longer_prompt
     Lp = setup.limits.prompt_tokens
     seen = []
     times = {0: [0.3], 32: [0.5]}
-    monkeypatch.setattr(probes, "decode_step_seconds", lambda st, prompts=None, depth=0, reserve=0: seen.append(
-        (depth, reserve)) or times[depth][min(sum(d == depth for d, _ in seen), len(times[depth])) - 1])
+    asked = []
+
+    def fake(st, prompts=None, depth=0, reserve=0, steps=0):
+        seen.append((depth, reserve))
+        asked.append(steps)
+        return times[depth][min(sum(d == depth for d, _ in seen), len(times[depth])) - 1]
+
+    monkeypatch.setattr(probes, "decode_step_seconds", fake)
     assert probes.decode_column_seconds(setup, 0.25) == pytest.approx((0.5 - 0.3) / (P * G * 32))
     assert seen == [(0, 0), (32, 0)]      # the run's step again, then T // 2 deeper; the built-in cache: no layouts
+    assert asked == [8, 8]                # each in one call of the steps that span 2 s at the run's 0.25 s
     # the machine slowed between the two: the deeper no longer than the step; the pair again, each's best
     seen.clear()
     times.update({0: [0.6, 0.4, 0.3], 32: [0.55, 0.38, 0.5]})
@@ -540,14 +550,16 @@ def test_a_decode_steps_cost_per_cached_column_is_measured_after_a_longer_prompt
 
 def test_the_column_probe_times_no_more_steps_than_its_deeper_call_can_decode():
     """Steps that span DECODE_PROBE_SECONDS on a tiny model are more than a call after a prompt T // 2
-    longer can decode (T - T // 2 - 2): the deeper call times all it can, measured for real, and
-    `rlvr price` of such a run prices it (it once refused to, its budgets past the call's bound)."""
+    longer can decode (T - T // 2 - 2): the deeper call times all it can, measured for real, asked
+    for them or not, and `rlvr price` of such a run prices it (it once refused to, its budgets past
+    the call's bound)."""
     from test_autocast import tiny_setup
 
     setup = tiny_setup("--sampling.max_new_tokens=64")
     step = probes.decode_step_seconds(setup)
     assert step > 0 and probes.probe_steps(step, 3, 62) > 30       # more than the deeper call's 30
-    assert probes.decode_step_seconds(setup, depth=32) > 0 and probes.decode_column_seconds(setup, step) >= 0
+    assert probes.decode_step_seconds(setup, depth=32) > 0 and probes.decode_step_seconds(setup, depth=32, steps=62) > 0
+    assert probes.decode_column_seconds(setup, step) >= 0
     rc, out = cli("price", EXAMPLE, *TINY, "--sampling.max_new_tokens=64")
     assert rc == 0 and "expected ~" in out, out
 
