@@ -23,9 +23,9 @@ CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\
           "+ '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
-def smollm2_shaped(path):
-    """Save the model and a 49,152-token tokenizer (the specials, printable ASCII and newline one
-    token each, then filler tokens) to `path`."""
+def smollm2_shaped(path, layers: int = LAYERS):
+    """Save the model (`layers` decoder layers) and a 49,152-token tokenizer (the specials, printable
+    ASCII and newline one token each, then filler tokens) to `path`."""
     from tokenizers import Tokenizer, decoders, models
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -38,7 +38,7 @@ def smollm2_shaped(path):
                                   pad_token="<|im_end|>")
     tok.chat_template = CHATML
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=HEADS * HEAD_DIM, intermediate_size=192, num_hidden_layers=LAYERS,
+    cfg = LlamaConfig(vocab_size=V, hidden_size=HEADS * HEAD_DIM, intermediate_size=192, num_hidden_layers=layers,
                       num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=8192,
                       tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     LlamaForCausalLM(cfg).save_pretrained(path)
@@ -49,6 +49,19 @@ def smollm2_shaped(path):
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return smollm2_shaped(tmp_path_factory.mktemp("smollm2_shaped"))
+
+
+SHALLOW = 6
+"""Decoder layers of the model the bf16 runs below train: every layer has the same shapes, so its
+products take the same kernels at any depth, and what those runs check (a forward's rounding
+against another's) shows at the first layer where two forwards differ; the vocabulary, the heads,
+the tied head and the prompts are the ones above. Under bf16 on a CPU without bf16 units (emulated)
+a run of the 30 layers took twice as long."""
+
+
+@pytest.fixture(scope="module")
+def shallow_dir(tmp_path_factory):
+    return smollm2_shaped(tmp_path_factory.mktemp("smollm2_shallow"), layers=SHALLOW)
 
 
 ARITH = ["--task.path=rlvr.tasks.arith:arith_task", "--task.reward=correct",
@@ -131,21 +144,21 @@ def test_trains_saves_and_exports_the_tied_model(tmp_path, model_dir, lora, caps
     (["--train.minibatches=2", "--train.lr=1e-30"], False),
     (["--train.minibatches=2", "--train.micro_batches=2", "--train.lr=1e-30"], False),
 ])
-def test_under_bf16_the_first_ratio_is_exactly_1_at_real_shapes(tmp_path, model_dir, extra, in_rollout):
-    """bf16 autocast with LoRA at these shapes, `algorithm.logp_old` left at auto: logp_old is the
-    learner's own forward, so the first minibatch's ratio is 1 to the last bit, with one micro-batch
-    and with two: the learner's first forward itself, or (where Δ needs it first: top_entropy_quantile)
-    the rollout stage's run as the learner's (gradient enabled, its parts; a no-gradient forward
-    gives the sampler's numbers here, not the learner's). With two minibatches the second's
-    logp_old comes from its own parts before the first update: at a learning rate too small to move
-    a weight (1e-30) every minibatch's ratio is exactly 1, its minimum and maximum included (a
-    forward over other rows rounds differently here). The sampler's gap is logged; the price counts
-    every forward logp_old takes."""
+def test_under_bf16_the_first_ratio_is_exactly_1_at_real_shapes(tmp_path, shallow_dir, extra, in_rollout):
+    """bf16 autocast with LoRA at these shapes (SHALLOW layers of them), `algorithm.logp_old` left at
+    auto: logp_old is the learner's own forward, so the first minibatch's ratio is 1 to the last bit,
+    with one micro-batch and with two: the learner's first forward itself, or (where Δ needs it
+    first: top_entropy_quantile) the rollout stage's run as the learner's (gradient enabled, its
+    parts; a no-gradient forward gives the sampler's numbers here, not the learner's). With two
+    minibatches the second's logp_old comes from its own parts before the first update: at a
+    learning rate too small to move a weight (1e-30) every minibatch's ratio is exactly 1, its
+    minimum and maximum included (a forward over other rows rounds differently here). The sampler's
+    gap is logged; the price counts every forward logp_old takes."""
     out = tmp_path / "run"
     # no evaluation at step 0, one held-out prompt at the end and no price probes (the runs above time
     # them at these shapes; their decode and learn parts are the longest part of a run here): only the
     # steps' figures and the price's counts are read here
-    assert cli.main(["train", "examples/sort.toml", "--out", str(out), f"--model.path={model_dir}", *ARITH,
+    assert cli.main(["train", "examples/sort.toml", "--out", str(out), f"--model.path={shallow_dir}", *ARITH,
                      "--model.lora_r=4", "--model.autocast=bf16", "--eval.at_start=false", "--eval.prompts=1",
                      "--train.price_probes=false", *extra]) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
