@@ -422,8 +422,8 @@ def learn_part_seconds(setup: Setup) -> tuple[float, float, float, int]:
     part at the expected lengths does; the part at T is only the line's cap-based figure and the
     memory peak), so it is timed once: its first call, without the warm-up and the best of two (an
     upper estimate of it, and two of the probe's longest calls fewer). The gradients are dropped
-    after (set to None),
-    the parameters and every generator of the run untouched (torch's global RNG forked).
+    after (set to None), the parameters and every generator of the run untouched (torch's global
+    RNG forked).
     The optimizer step: the run's optimizer (rlvr.learn.make_optimizer) over a scratch parameter of
     min(trainable parameters, OPTIMIZER_PROBE_ELEMENTS) elements, its state allocated by a first
     step, the best of three steps, scaled to the trainable parameter count.
