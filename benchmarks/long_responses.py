@@ -45,7 +45,8 @@ gain over its step 0 beyond two standard errors of that difference at ``--eval-p
 at the last evaluation (how many standard errors said), every phase within 2x its bound. Both
 libraries are evaluated on the same prompts, so those standard errors are of the paired
 difference, prompt by prompt (real_model.py's ``paired_standard_error``). ``--seed`` draws another
-run, ``--rlvr-steps 3,6,9`` evaluates rlvr alone after those step counts, and ``--pool`` sets the
+run, ``--rlvr-steps 3,6,9`` evaluates rlvr alone after those step counts, ``--kl-coef 0.05`` gives both
+libraries a KL term to the base model (rlvr's ``algorithm.kl_coef``, TRL's ``beta``), and ``--pool`` sets the
 held-out targets over several runs' ``--json`` files (the mean gain and lead, against the larger of
 the evaluations' error and the runs' spread). ``--host-memory jemalloc`` runs it all again with
 jemalloc preloaded and its page decay off (real_model.py's ``JEMALLOC_CONF``), for the step times
@@ -217,7 +218,8 @@ def vs_trl(a) -> int:
                             "--host-memory", a.host_memory, *(["--part", a.part] if a.part else []),
                             *(["--json", a.json] if a.json else []), *(["--quick"] if a.quick else []),
                             *(["--profile-only"] if a.profile_only else []),
-                            *(["--rlvr-steps", a.rlvr_steps] if a.rlvr_steps else [])])
+                            *(["--rlvr-steps", a.rlvr_steps] if a.rlvr_steps else []),
+                            *(["--kl-coef", str(a.kl_coef)] if a.kl_coef else [])])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -241,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-only", action="store_true", help="--vs-trl: stop after rlvr's phase profile")
     ap.add_argument("--rlvr-steps", default="", metavar="N,N,...",
                     help="--vs-trl: rlvr alone (no TRL, no profile), held-out accuracy after each of these step counts")
+    ap.add_argument("--kl-coef", type=float, default=0.0,
+                    help="--vs-trl: both libraries' KL term to the base model (real_model.py's KL_COEF)")
     ap.add_argument("--pool", nargs="+", default=None, metavar="JSON",
                     help="--vs-trl: no run; this length's held-out targets over these --json files' runs "
                          "(real_model.py's pooled_targets, e.g. one run per --seed)")

@@ -68,7 +68,8 @@ Measured
    with its default, ``torch_compile`` off.
 
 ``--rlvr-steps 3,6,9`` runs rlvr alone (no TRL, no profile) and evaluates it after each of those
-step counts, every step's training reward printed: the per-step view of its curve.
+step counts, every step's training reward printed: the per-step view of its curve. ``--kl-coef 0.05``
+gives both libraries a KL term to the base model (``KL_COEF``); by default neither has one.
 
 The profile also times decode's matrix products alone ("decode products": every Linear of the
 model and the output head on the decode step's rows, each weight read once a step, nothing else)
@@ -121,6 +122,10 @@ SEED = 0
 """Both libraries' training seed (``--seed``; rlvr's ``train.seed``, TRL's ``seed``). The task's split and
 held-out prompts stay those of ``TASK_OPTIONS``' own seed, so every seed is evaluated on the same prompts.
 On one machine a rerun with the same seed can repeat the same curve: an independent draw needs another seed."""
+KL_COEF = 0.0
+"""Both libraries' KL term to the reference, the base model with the LoRA adapter off (``--kl-coef``; rlvr's
+``algorithm.kl_coef``, TRL's ``beta``: each puts the k3 estimate in the loss). 0: no term and no reference
+forward in either."""
 TASK_OPTIONS = {"ops": "+", "digits": 2, "heldout": 200, "seed": 0, "max_new_tokens": MAX_NEW}
 TRL_MICRO = 1
 """TRL's gradient accumulation: each step's P x G rows trained in this many parts (benchmarks/long_responses.py
@@ -377,7 +382,7 @@ def rlvr_config(mdir: Path, steps: int, eval_prompts: int, threads: int, numeric
         f"--train.steps={steps}", f"--train.prompts_per_step={P}", f"--train.samples_per_prompt={G}",
         f"--train.lr={LR}", f"--train.threads={threads}", f"--train.seed={SEED}",
         f"--sampling.max_new_tokens={MAX_NEW}", f"--sampling.temperature={TEMPERATURE}", "--sampling.top_p=1.0",
-        "--algorithm.scheme=normalized", "--algorithm.kl_coef=0.0",
+        "--algorithm.scheme=normalized", f"--algorithm.kl_coef={KL_COEF}",
         f"--eval.prompts={eval_prompts}", "--eval.pass_k=0", *RLVR_EXTRA,
     ])
 
@@ -500,7 +505,7 @@ class TrlRun:
         with tempfile.TemporaryDirectory(prefix="real_model_trl_") as out:
             args = GRPOConfig(
                 output_dir=out, max_steps=self.max_steps, per_device_train_batch_size=P * G // TRL_MICRO,
-                gradient_accumulation_steps=TRL_MICRO, num_generations=G, max_completion_length=MAX_NEW, beta=0.0,
+                gradient_accumulation_steps=TRL_MICRO, num_generations=G, max_completion_length=MAX_NEW, beta=KL_COEF,
                 num_iterations=1, learning_rate=LR, temperature=TEMPERATURE, top_p=1.0, top_k=0, use_vllm=False,
                 use_cpu=True, bf16=self.bf16, fp16=False, model_init_kwargs={"dtype": "float32"}, report_to="none",
                 logging_steps=1, save_strategy="no", seed=self.seed, dataloader_num_workers=0, disable_tqdm=True,
@@ -922,6 +927,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--part", default="", help=argparse.SUPPRESS)     # part:lib:FILE, run by in_child
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--seed", type=int, default=0, help="both libraries' training seed (SEED; the held-out prompts stay)")
+    ap.add_argument("--kl-coef", type=float, default=0.0,
+                    help="both libraries' KL term to the base model (KL_COEF: rlvr's algorithm.kl_coef, TRL's beta)")
     ap.add_argument("--rlvr-steps", type=step_counts, default=None, metavar="N,N,...",
                     help="no TRL, no profile: rlvr alone, held-out accuracy after each of these step counts")
     ap.add_argument("--pool", type=Path, nargs="+", default=None, metavar="JSON",
@@ -941,8 +948,10 @@ def main(argv: list[str] | None = None) -> int:
     a.curve_steps = 0
     if a.quick:
         a.blocks, a.block_steps, a.warmup, a.eval_prompts, a.curve_steps, a.profile_reps = 1, 2, 0, 20, 2, 1
-    global SEED
-    SEED = a.seed
+    if a.kl_coef < 0:
+        ap.error(f"--kl-coef {a.kl_coef:g}: must be >= 0")
+    global SEED, KL_COEF
+    SEED, KL_COEF = a.seed, a.kl_coef
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
     if a.part:

@@ -3,6 +3,7 @@ repository included) and it prints its usage for --help. The benchmarks themselv
 the suite (they are run by hand, see benchmarks/README.md); this catches a script left pointing at a
 file that moved."""
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -231,6 +232,49 @@ def test_trls_curve_takes_no_step_when_its_budget_is_zero(monkeypatch, tmp_path)
     assert run.run(0.0, [0.0], lambda *x: evals.append(x)) == []
     assert evals == [(0.0, 0, "model")] and trained == []
     assert run.run(60.0, [0.0], lambda *x: evals.append(x)) == [] and trained == [True]
+
+
+def test_the_comparisons_kl_coefficient_reaches_both_libraries(monkeypatch, tmp_path):
+    """long_responses.py --vs-trl --kl-coef 0.05 passes it to real_model.py, whose KL_COEF is rlvr's
+    algorithm.kl_coef and TRL's beta (GRPOTrainer a stand-in, as above); 0 by default, below 0 refused."""
+    import types
+    from hf_models import make_model_dir
+    rm = _real_model()
+    monkeypatch.setitem(sys.modules, "real_model", rm)
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("long_responses", ROOT / "benchmarks" / "long_responses.py")
+    lr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lr)
+    passed = []
+    monkeypatch.setattr(rm, "main", lambda argv: passed.append(argv) or 0)
+    assert lr.main(["--vs-trl", "--kl-coef", "0.05"]) == 0 and lr.main(["--vs-trl"]) == 0
+    assert passed[0][passed[0].index("--kl-coef") + 1] == "0.05" and "--kl-coef" not in passed[1]
+
+    rm = _real_model()
+    assert rm.rlvr_config(tmp_path, 1, 10, 1).algorithm.kl_coef == 0.0
+    made = []
+    monkeypatch.setattr(rm, "model_dir", lambda: tmp_path)
+    monkeypatch.setattr(rm, "set_host_memory", lambda how: "")
+    monkeypatch.setattr(rm, "rlvr_by_steps", lambda mdir, a, marks: made.append(
+        rm.rlvr_config(mdir, 1, 10, 1).algorithm.kl_coef) or {"train": {}})
+    assert rm.main(["--kl-coef", "0.05", "--rlvr-steps", "1", "--threads", "1"]) == 0 and made == [0.05]
+    configs = []
+
+    class Trainer:
+        def __init__(self, **kw):
+            self.model = "model"
+
+        def remove_callback(self, cb):
+            pass
+
+    monkeypatch.setitem(sys.modules, "trl", types.SimpleNamespace(GRPOConfig=lambda **kw: configs.append(kw),
+                                                                  GRPOTrainer=Trainer))
+    make_model_dir(tmp_path, chat=True, weights=False)
+    setup = SimpleNamespace(task=SimpleNamespace(train=[SimpleNamespace(prompt="1 + 1?", answer="2")]))
+    rm.TrlRun(tmp_path, setup, 10, 1).run(0.0, [], lambda *x: None)
+    assert configs[0]["beta"] == 0.05
+    with pytest.raises(SystemExit):
+        rm.main(["--kl-coef", "-1", "--rlvr-steps", "1"])
 
 
 def _real_model():

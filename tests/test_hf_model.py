@@ -803,6 +803,33 @@ def test_weight_major_products_equal_the_modules(tmp_path):
         assert seen == [k, k, q.lora_A["default"], q.lora_A["default"]]   # twice: linear_t, then the module
 
 
+def test_weight_major_products_read_a_transposed_operand_at_two_to_eleven_rows(monkeypatch):
+    """linear_t hands its product a contiguous float32 (K, rows) operand as the transposed view of a (rows, K)
+    copy at TRANSPOSED_OPERAND_ROWS (2-11) rows, where MKL runs that layout faster (a decode step's down_proj
+    reads the MLP's contiguous product); at 1 and 12 rows, for a view already transposed, for bf16, and with the
+    setting None it passes the operand as it is. The values are the same either way."""
+    import torch.nn as nn
+
+    import rlvr.models.lean_llama.weight_major as wm
+
+    operands = []
+    real_mm_bias = wm._mm_bias
+    monkeypatch.setattr(wm, "_mm_bias", lambda W, b, xT: operands.append(xT.stride()) or real_mm_bias(W, b, xT))
+    m = nn.Linear(24, 16, bias=False)
+    with torch.no_grad():
+        for rows, transposed in ((1, False), (2, True), (5, True), (11, True), (12, False)):
+            xT = torch.randn(24, rows)                               # contiguous, as one product hands the next
+            out = wm.linear_t(m, xT)
+            assert operands.pop() == ((1, 24) if transposed else (rows, 1)), rows
+            assert torch.equal(out, torch.mm(m.weight, xT.t().contiguous().t() if transposed else xT))
+        view = torch.randn(5, 24).t()                                # already a transposed view: no copy
+        assert wm._operand_t(view) is view and wm._operand_t(torch.randn(24, 5).bfloat16()).dtype == torch.bfloat16
+        monkeypatch.setattr(wm, "TRANSPOSED_OPERAND_ROWS", None)
+        xT = torch.randn(24, 5)
+        wm.linear_t(m, xT)
+        assert operands.pop() == (5, 1)
+
+
 def test_decode_steps_take_the_weight_major_products(monkeypatch, fast_variant):
     """Without gradient, on CPU, in float32 and on at most HEAD_ROWS rows the lean forward computes its projections
     weight-major (linear_t), with the logits of the row-major forward; with gradient or more rows it does not;

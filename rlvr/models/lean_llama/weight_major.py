@@ -26,12 +26,15 @@ def linear_t(m: nn.Module, xT: torch.Tensor) -> torch.Tensor:
     of two, where scaling the product is exact): on CPU at decode's row counts BLAS runs this
     weight-major product faster than ``x @ W.T`` (see docs/performance.md); the same sums, equal to
     the last bit at 1 and at 12-256 rows (MKL rounds 2-11 rows differently), and its (N, rows)
-    output feeds the next weight-major product without a copy. Anything else (a module with forward
-    hooks included, so that hooks see every call) runs the module and transposes its output (a view).
+    output feeds the next weight-major product without a copy (at 2-11 rows a contiguous float32
+    operand is read as the transposed view of its copy, ``_operand_t``). Anything else (a module
+    with forward hooks included, so that hooks see every call) runs the module and transposes its
+    output (a view).
 
     A bf16 ``xT`` (under CPU bf16 autocast, ``_weight_major``) takes ``_linear_t_bf16``."""
     if xT.dtype == torch.bfloat16:
         return _linear_t_bf16(m, xT)
+    xT = _operand_t(xT)
     if (type(m) is nn.Linear and m.weight.dtype == xT.dtype and not _hooked(m)
             and (m.bias is None or m.bias.dtype == xT.dtype)):
         return _mm_bias(m.weight, m.bias, xT)
@@ -46,6 +49,26 @@ def linear_t(m: nn.Module, xT: torch.Tensor) -> torch.Tensor:
         else:
             out = out + torch.mm(B, torch.mm(A, xT)) * scaling
     return out
+
+
+TRANSPOSED_OPERAND_ROWS = (2, 11)
+"""The row counts (lowest, highest) at which ``linear_t`` hands MKL a contiguous float32 (K, rows)
+operand as the transposed view of a (rows, K) copy (``_operand_t``): at these counts MKL's product
+with a contiguous operand took a slower kernel than with the transposed view, by more than the
+copy costs, and both round unlike the row-major product, so the bits promised (1 and 12+ rows)
+are unchanged (figures: docs/performance.md, "Transposed operand at 2-11 rows"). A decode step's
+first products of a layer (q/k/v, gate/up, o_proj) already read such a view; down_proj reads the
+MLP's contiguous product. None: never."""
+
+
+def _operand_t(xT: torch.Tensor) -> torch.Tensor:
+    """``xT`` (K, rows), as the transposed view of a row-major (rows, K) copy where it is a contiguous
+    float32 tensor of ``TRANSPOSED_OPERAND_ROWS`` rows (a copy of rows x K elements), else itself."""
+    span = TRANSPOSED_OPERAND_ROWS
+    if (span is not None and span[0] <= xT.size(1) <= span[1] and xT.dtype == torch.float32
+            and xT.stride(1) == 1 and xT.stride(0) == xT.size(1)):
+        return xT.t().contiguous().t()
+    return xT
 
 
 def _mm_bias(W: torch.Tensor, b: torch.Tensor | None, xT: torch.Tensor) -> torch.Tensor:
