@@ -208,24 +208,11 @@ def test_trls_curve_takes_no_step_when_its_budget_is_zero(monkeypatch, tmp_path)
     its budget after a step, so it would take one that rlvr's curve at ``--minutes 0`` does not);
     with a budget it trains. GRPOTrainer is a stand-in (TRL is not a test dependency): this checks
     the harness; the tokenizer is a tiny one saved to the model directory."""
-    import sys
-    import types
     from hf_models import make_model_dir
     rm = _real_model()
     make_model_dir(tmp_path, chat=True, weights=False)
     trained = []
-
-    class Trainer:
-        def __init__(self, **kw):
-            self.model = "model"
-
-        def remove_callback(self, cb):
-            pass
-
-        def train(self):
-            trained.append(True)
-
-    monkeypatch.setitem(sys.modules, "trl", types.SimpleNamespace(GRPOConfig=lambda **kw: kw, GRPOTrainer=Trainer))
+    _stand_in_trl(monkeypatch, [], trained)
     setup = SimpleNamespace(task=SimpleNamespace(train=[SimpleNamespace(prompt="1 + 1?", answer="2")]))
     evals = []
     run = rm.TrlRun(tmp_path, setup, 10, 1)
@@ -237,7 +224,6 @@ def test_trls_curve_takes_no_step_when_its_budget_is_zero(monkeypatch, tmp_path)
 def test_the_comparisons_kl_coefficient_reaches_both_libraries(monkeypatch, tmp_path):
     """long_responses.py --vs-trl --kl-coef 0.05 passes it to real_model.py, whose KL_COEF is rlvr's
     algorithm.kl_coef and TRL's beta (GRPOTrainer a stand-in, as above); 0 by default, below 0 refused."""
-    import types
     from hf_models import make_model_dir
     rm = _real_model()
     monkeypatch.setitem(sys.modules, "real_model", rm)
@@ -259,6 +245,19 @@ def test_the_comparisons_kl_coefficient_reaches_both_libraries(monkeypatch, tmp_
         rm.rlvr_config(mdir, 1, 10, 1).algorithm.kl_coef) or {"train": {}})
     assert rm.main(["--kl-coef", "0.05", "--rlvr-steps", "1", "--threads", "1"]) == 0 and made == [0.05]
     configs = []
+    _stand_in_trl(monkeypatch, configs, [])
+    make_model_dir(tmp_path, chat=True, weights=False)
+    setup = SimpleNamespace(task=SimpleNamespace(train=[SimpleNamespace(prompt="1 + 1?", answer="2")]))
+    rm.TrlRun(tmp_path, setup, 10, 1).run(0.0, [], lambda *x: None)
+    assert configs[0]["beta"] == 0.05
+    with pytest.raises(SystemExit):
+        rm.main(["--kl-coef", "-1", "--rlvr-steps", "1"])
+
+
+def _stand_in_trl(monkeypatch, configs: list, trained: list) -> None:
+    """TRL's GRPOConfig and GRPOTrainer as stand-ins (TRL is not a test dependency): each config's
+    keywords go to `configs` (the config is that dict), each trainer.train() call to `trained`."""
+    import types
 
     class Trainer:
         def __init__(self, **kw):
@@ -267,14 +266,11 @@ def test_the_comparisons_kl_coefficient_reaches_both_libraries(monkeypatch, tmp_
         def remove_callback(self, cb):
             pass
 
-    monkeypatch.setitem(sys.modules, "trl", types.SimpleNamespace(GRPOConfig=lambda **kw: configs.append(kw),
+        def train(self):
+            trained.append(True)
+
+    monkeypatch.setitem(sys.modules, "trl", types.SimpleNamespace(GRPOConfig=lambda **kw: configs.append(kw) or kw,
                                                                   GRPOTrainer=Trainer))
-    make_model_dir(tmp_path, chat=True, weights=False)
-    setup = SimpleNamespace(task=SimpleNamespace(train=[SimpleNamespace(prompt="1 + 1?", answer="2")]))
-    rm.TrlRun(tmp_path, setup, 10, 1).run(0.0, [], lambda *x: None)
-    assert configs[0]["beta"] == 0.05
-    with pytest.raises(SystemExit):
-        rm.main(["--kl-coef", "-1", "--rlvr-steps", "1"])
 
 
 def _real_model():
