@@ -226,11 +226,7 @@ def test_the_comparisons_kl_coefficient_reaches_both_libraries(monkeypatch, tmp_
     algorithm.kl_coef and TRL's beta (GRPOTrainer a stand-in, as above); 0 by default, below 0 refused."""
     from hf_models import make_model_dir
     rm = _real_model()
-    monkeypatch.setitem(sys.modules, "real_model", rm)
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("long_responses", ROOT / "benchmarks" / "long_responses.py")
-    lr = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(lr)
+    lr = _long_responses_over(monkeypatch, rm)
     passed = []
     monkeypatch.setattr(rm, "main", lambda argv: passed.append(argv) or 0)
     assert lr.main(["--vs-trl", "--kl-coef", "0.05"]) == 0 and lr.main(["--vs-trl"]) == 0
@@ -271,6 +267,17 @@ def _stand_in_trl(monkeypatch, configs: list, trained: list) -> None:
 
     monkeypatch.setitem(sys.modules, "trl", types.SimpleNamespace(GRPOConfig=lambda **kw: configs.append(kw) or kw,
                                                                   GRPOTrainer=Trainer))
+
+
+def _long_responses_over(monkeypatch, rm):
+    """benchmarks/long_responses.py loaded so that the real_model it imports is `rm` (this test's own
+    module, its globals the test's to set)."""
+    monkeypatch.setitem(sys.modules, "real_model", rm)
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("long_responses", ROOT / "benchmarks" / "long_responses.py")
+    lr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lr)
+    return lr
 
 
 def _real_model():
@@ -423,13 +430,8 @@ def test_the_comparison_under_jemalloc_runs_its_own_command_again_with_it_preloa
 
 def test_long_responses_passes_its_host_memory_to_the_comparison(monkeypatch):
     """long_responses.py --vs-trl --host-memory jemalloc reaches real_model.py's --host-memory."""
-    import importlib.util
-    rm = _real_model()                        # the module long_responses imports, its globals this test's own
-    monkeypatch.setitem(sys.modules, "real_model", rm)
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("long_responses", ROOT / "benchmarks" / "long_responses.py")
-    lr = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(lr)
+    rm = _real_model()
+    lr = _long_responses_over(monkeypatch, rm)
     got = []
     monkeypatch.setattr(rm, "main", lambda argv: got.append(argv) or 0)
     assert lr.main(["--vs-trl", "--host-memory", "jemalloc"]) == 0
